@@ -1,0 +1,23 @@
+"""KDSA: hybrid KDA + DSA language models for Hugging Face transformers.
+
+Importing this package registers the architecture with the Auto classes, so
+`AutoModelForCausalLM.from_pretrained(path)` works without `trust_remote_code`. Saved checkpoints also carry the
+model files as remote code (`auto_map`), for environments where this package is not installed.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .configuration_kdsa import KDSAConfig
+from .modeling_kdsa import KDSAForCausalLM, KDSAModel, KDSAPreTrainedModel
+
+AutoConfig.register("kdsa", KDSAConfig, exist_ok=True)
+AutoModel.register(KDSAConfig, KDSAModel, exist_ok=True)
+AutoModelForCausalLM.register(KDSAConfig, KDSAForCausalLM, exist_ok=True)
+
+# `save_pretrained` then copies configuration_kdsa.py, modeling_kdsa.py and every module they import, and writes
+# `auto_map` into config.json.
+KDSAConfig.register_for_auto_class()
+KDSAModel.register_for_auto_class("AutoModel")
+KDSAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = ["KDSAConfig", "KDSAModel", "KDSAForCausalLM", "KDSAPreTrainedModel"]

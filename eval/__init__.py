@@ -1,0 +1,1 @@
+"""lm-eval integration and accuracy checks: lands with its own issue."""

@@ -1,0 +1,56 @@
+"""Shared fixtures: a tiny mixed KDA/DSA configuration that exercises every code path in well under a second."""
+
+import pytest
+import torch
+
+from modeling_kdsa import KDSAConfig, KDSAForCausalLM
+
+
+def tiny_config(**overrides) -> KDSAConfig:
+    """4 layers KDA, DSA, KDA, DSA; index_topk 8 so that prompts longer than 8 tokens are really sparse;
+    AttnRes blocks of 2 sublayers so that block boundaries fall inside and between layers."""
+    fields = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+        linear_num_heads=2,
+        linear_head_dim=16,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        attn_res_block_size=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    fields.update(overrides)
+    return KDSAConfig(**fields)
+
+
+def tiny_model(seed: int = 0, **overrides) -> KDSAForCausalLM:
+    torch.manual_seed(seed)
+    model = KDSAForCausalLM(tiny_config(**overrides)).eval()
+    # Zero-initialised AttnRes queries make every depth softmax uniform; randomise them so tests see real routing.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("_res.query"):
+                param.normal_(0.0, 0.5)
+    return model
+
+
+@pytest.fixture
+def model() -> KDSAForCausalLM:
+    return tiny_model()
