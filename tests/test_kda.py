@@ -1,0 +1,401 @@
+"""KDA kernels and layer (modeling_kdsa/kda_ops.py, modeling_kdsa/kda.py) against independent oracles: fla's naive
+references (reference/kda.md §2.3) and transformers' `KimiLinearDeltaAttention` (DESIGN.md §9), plus the
+consistency properties the layer promises: chunked == recurrent, cached decode == full forward, padding is inert.
+"""
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fla_oracle import naive_chunk_kda, naive_recurrent_kda
+from transformers import DynamicCache
+from transformers.models.kimi_linear import modeling_kimi_linear
+from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
+
+from modeling_kdsa import KDSAConfig
+from modeling_kdsa import kda as kda_module
+from modeling_kdsa.kda import KDSAKimiDeltaAttention
+from modeling_kdsa.kda_ops import (
+    causal_short_conv,
+    causal_short_conv_step,
+    chunk_kda,
+    kda_gate,
+    l2norm,
+    recurrent_kda,
+)
+
+HIDDEN, HEADS, HEAD_DIM, CONV = 64, 2, 32, 4
+
+
+def kda_inputs(batch=2, seq_len=37, heads=2, k_dim=16, v_dim=32, seed=0, gate_scale=1.0):
+    """Random kernel inputs: unit q, k (the layer L2-normalises them), log decays g <= 0, beta in (0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = l2norm(torch.randn(batch, seq_len, heads, k_dim, generator=gen))
+    k = l2norm(torch.randn(batch, seq_len, heads, k_dim, generator=gen))
+    v = torch.randn(batch, seq_len, heads, v_dim, generator=gen)
+    g = gate_scale * F.logsigmoid(2 * torch.randn(batch, seq_len, heads, k_dim, generator=gen))
+    beta = torch.rand(batch, seq_len, heads, generator=gen)
+    state = torch.randn(batch, heads, k_dim, v_dim, generator=gen)
+    return q, k, v, g, beta, state
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. Kernels vs fla's naive references
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_kernels_match_fla_naive_recurrent(with_state):
+    q, k, v, g, beta, state = kda_inputs(seq_len=37)
+    initial_state = state if with_state else None
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
+    for kernel in (recurrent_kda, chunk_kda):
+        o, s = kernel(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
+        # fp32, same recurrence evaluated in another order: rounding only (measured <= 3e-6 on O(1) values).
+        torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(s, s_ref, atol=2e-5, rtol=1e-5)
+
+
+def test_chunk_matches_fla_naive_chunk():
+    q, k, v, g, beta, state = kda_inputs(seq_len=128)
+    o_ref, s_ref = naive_chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    # fp32, same chunked algebra (fla forms exp(G_i - G_j) pairwise, we split it at sub-chunk anchors): rounding only.
+    torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(s, s_ref, atol=2e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. Chunked == recurrent
+
+
+@pytest.mark.parametrize("seq_len", [1, 63, 64, 65, 200])
+def test_chunk_equals_recurrent_fp32(seq_len):
+    q, k, v, g, beta, state = kda_inputs(seq_len=seq_len, seed=seq_len)
+    o_rec, s_rec = recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    o_chunk, s_chunk = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    # fp32 both ways: rounding only (measured <= 3e-6).
+    torch.testing.assert_close(o_chunk, o_rec, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(s_chunk, s_rec, atol=2e-5, rtol=1e-5)
+    assert s_chunk.dtype == s_rec.dtype == torch.float32
+    o_none, s_none = chunk_kda(q, k, v, g, beta)
+    assert s_none is None and o_none.shape == (2, seq_len, 2, 32)
+
+
+@pytest.mark.parametrize("seq_len", [63, 200])
+def test_chunk_equals_recurrent_bf16_inputs(seq_len):
+    q, k, v, g, beta, state = kda_inputs(seq_len=seq_len, seed=seq_len)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    o_rec, s_rec = recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    o_chunk, s_chunk = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    assert o_rec.dtype == o_chunk.dtype == torch.bfloat16
+    # Both upcast the same bf16 inputs and compute in fp32; o is then rounded to bf16, so nearly equal fp32 values
+    # may land one bf16 ulp apart (2**-8 relative).
+    torch.testing.assert_close(o_chunk, o_rec, atol=1e-2, rtol=8e-3)
+    # The state is never rounded to bf16: fp32 tolerance.
+    torch.testing.assert_close(s_chunk, s_rec, atol=2e-5, rtol=1e-5)
+
+
+def test_chunk_sizes_and_strong_gates_agree():
+    """Decays as strong as exp(-30) per step (the unbounded Kimi gate) must not overflow the chunked form, whose
+    naive version would need exp(+30·64)."""
+    q, k, v, g, beta, state = kda_inputs(seq_len=150, gate_scale=15.0)
+    assert g.min() < -25
+    o_rec, s_rec = recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    for chunk_size in (16, 64):
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=True, chunk_size=chunk_size)
+        assert torch.isfinite(o).all() and torch.isfinite(s).all()
+        # fp32, rounding only.
+        torch.testing.assert_close(o, o_rec, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(s, s_rec, atol=2e-5, rtol=1e-5)
+
+
+def test_ops_reject_bad_shapes():
+    q, k, v, g, beta, state = kda_inputs(seq_len=5)
+    for kernel in (recurrent_kda, chunk_kda):
+        with pytest.raises(ValueError, match="k must match q"):
+            kernel(q, k[:, :4], v, g, beta)
+        with pytest.raises(ValueError, match="beta must be"):
+            kernel(q, k, v, g, beta[..., :1])
+        with pytest.raises(ValueError, match="initial_state must be"):
+            kernel(q, k, v, g, beta, initial_state=state[:, :, :3])
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_kda(q, k, v, g, beta, chunk_size=24)
+    with pytest.raises(ValueError, match="A_log"):
+        kda_gate(torch.zeros(1, 2, 3, 4), torch.zeros(2), torch.zeros(12))
+
+
+def test_gate_and_short_conv_helpers():
+    raw = torch.randn(2, 3, 2, 4)
+    A_log, dt_bias = torch.tensor([0.0, 1.0]), torch.randn(8)
+    g = kda_gate(raw.bfloat16(), A_log.bfloat16(), dt_bias)
+    assert g.dtype == torch.float32 and (g < 0).all()
+    expected = -torch.tensor([1.0, torch.e]).view(2, 1) * F.softplus(raw.bfloat16().float() + dt_bias.view(2, 4))
+    torch.testing.assert_close(g, expected)  # same fp32 formula: default fp32 tolerance
+
+    # Conv: one pass over the whole sequence == a prefix pass, then step-by-step decode with the cached inputs.
+    x, weight = torch.randn(2, 6, 9), torch.randn(6, 1, CONV)
+    full = causal_short_conv(x, weight)
+    reference = F.silu(F.conv1d(F.pad(x, (CONV - 1, 0)), weight, groups=6))
+    torch.testing.assert_close(full, reference)
+    steps = [causal_short_conv(x[..., :5], weight)]
+    for t in range(5, 9):
+        steps.append(causal_short_conv_step(x[..., t : t + 1], weight, x[..., :t]))
+    torch.testing.assert_close(torch.cat(steps, dim=-1), full)
+    torch.testing.assert_close(causal_short_conv(x[..., 5:], weight, left_context=x[..., :5]), full[..., 5:])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layer helpers
+
+
+def kdsa_config(**overrides) -> KDSAConfig:
+    fields = dict(
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        hidden_size=HIDDEN,
+        linear_num_heads=HEADS,
+        linear_head_dim=HEAD_DIM,
+        linear_conv_kernel_dim=CONV,
+        rms_norm_eps=1e-5,
+    )
+    fields.update(overrides)
+    return KDSAConfig(**fields)
+
+
+def randomize_(module: torch.nn.Module, seed: int) -> None:
+    """Deterministic non-trivial weights. The gate parameters follow the Kimi init ranges (reference/kda.md §1.2):
+    decay rates exp(A_log) in [1, 16] and dt_bias the inverse softplus of dt in [1e-3, 1e-1]."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.empty(param.shape).uniform_(1.0, 16.0, generator=gen).log())
+            elif name.endswith("dt_bias"):
+                dt = torch.empty(param.shape).uniform_(-6.9, -2.3, generator=gen).exp()
+                param.copy_(dt + torch.log(-torch.expm1(-dt)))
+            elif name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
+
+
+def make_layer(seed: int = 0, dtype: torch.dtype = torch.float32) -> KDSAKimiDeltaAttention:
+    layer = KDSAKimiDeltaAttention(kdsa_config(), layer_idx=0)
+    randomize_(layer, seed)
+    layer = layer.to(dtype)
+    # What the model's `_keep_in_fp32_modules_strict` does for the decay parameters.
+    layer.A_log.data = layer.A_log.data.float()
+    layer.dt_bias.data = layer.dt_bias.data.float()
+    return layer.eval()
+
+
+def new_cache() -> DynamicCache:
+    return DynamicCache(config=kdsa_config())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Layer vs transformers' KimiLinearDeltaAttention
+
+
+def _implementation_behind(fn):
+    """The function transformers' `use_kernel_func_from_hub_with_fallback` resolved for `fn` (fla's or torch's)."""
+    cells = dict(zip(fn.__code__.co_freevars, (cell.cell_contents for cell in fn.__closure__ or ()), strict=True))
+    return cells["implementation"]
+
+
+def kimi_pair(seed: int = 0, dtype: torch.dtype = torch.float32):
+    """transformers' Kimi-Linear KDA layer and ours, holding the same weights."""
+    kimi_config = KimiLinearConfig(
+        hidden_size=HIDDEN,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        linear_num_heads=HEADS,
+        linear_head_dim=HEAD_DIM,
+        linear_conv_kernel_dim=CONV,
+        rms_norm_eps=1e-5,
+    )
+    theirs = modeling_kimi_linear.KimiLinearDeltaAttention(kimi_config, layer_idx=0)
+    randomize_(theirs, seed)
+    ours = KDSAKimiDeltaAttention(kdsa_config(), layer_idx=0)
+    state = theirs.state_dict()
+    q_conv, k_conv, v_conv = state.pop("conv1d.weight").split(HEADS * HEAD_DIM, dim=0)  # packed [3·H·K, 1, W]
+    state.update(q_conv1d=q_conv, k_conv1d=k_conv, v_conv1d=v_conv)
+    state = {f"{name}.weight" if name.endswith("conv1d") else name: value for name, value in state.items()}
+    state = {name.removeprefix("forget_gate."): value for name, value in state.items()}  # f_a/f_b, dt_bias, A_log
+    ours.load_state_dict(state, strict=True)
+    return theirs.to(dtype).eval(), ours.to(dtype).eval(), kimi_config
+
+
+def test_transformers_oracle_runs_its_torch_fallback():
+    """fla is installed without triton: transformers must have fallen back to its own torch functions, otherwise
+    this comparison would not be against the torch reference."""
+    with pytest.raises(ImportError):
+        importlib.import_module("fla.ops.kda")
+    for fn in (
+        modeling_kimi_linear.chunk_kimi_delta_attention,
+        modeling_kimi_linear.recurrent_kimi_delta_attention,
+        modeling_kimi_linear.causal_conv1d_fn,
+        modeling_kimi_linear.causal_conv1d_update,
+    ):
+        assert _implementation_behind(fn) is fn.__wrapped__, fn.__name__
+
+
+@torch.no_grad()
+def test_layer_matches_transformers_kimi_linear_fp32():
+    theirs, ours, kimi_config = kimi_pair()
+    x = torch.randn(2, 100, HIDDEN, generator=torch.Generator().manual_seed(1))
+    # fp32 throughout; the kernels differ only in evaluation order (measured ~1e-6).
+    torch.testing.assert_close(ours(x), theirs(x), atol=2e-5, rtol=1e-5)
+
+    # Cached: prefill 70 tokens, then 3 decode steps (their recurrent path vs ours).
+    their_cache, our_cache = DynamicCache(config=kimi_config), new_cache()
+    torch.testing.assert_close(ours(x[:, :70], cache=our_cache), theirs(x[:, :70], cache=their_cache))
+    for t in range(70, 73):
+        step = x[:, t : t + 1]
+        torch.testing.assert_close(ours(step, cache=our_cache), theirs(step, cache=their_cache), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        our_cache.get_recurrent_state(0), their_cache.get_recurrent_state(0), atol=2e-5, rtol=1e-5
+    )
+
+
+@torch.no_grad()
+def test_layer_matches_transformers_kimi_linear_bf16():
+    theirs, ours, _ = kimi_pair(dtype=torch.bfloat16)
+    x = torch.randn(2, 100, HIDDEN, generator=torch.Generator().manual_seed(1)).bfloat16()
+    ours_out, theirs_out = ours(x), theirs(x)
+    assert ours_out.dtype == torch.bfloat16
+    # bf16 projections/conv are identical; the kernel outputs are rounded to bf16 and may differ by one ulp, which
+    # the bf16 norm and o_proj carry on (a few bf16 ulps of O(1) outputs).
+    torch.testing.assert_close(ours_out, theirs_out, atol=3e-2, rtol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. Cached prefill + decode == one full forward
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("prefill_len", [2, 66])
+def test_prefill_then_decode_equals_full_forward(prefill_len):
+    layer = make_layer()
+    x = torch.randn(2, prefill_len + 6, HIDDEN, generator=torch.Generator().manual_seed(2))
+    full_cache = new_cache()
+    full = layer(x, cache=full_cache)
+    assert layer(x).allclose(full)  # the cache does not change a single forward
+
+    cache = new_cache()
+    outs = [layer(x[:, :prefill_len], cache=cache)]
+    for t in range(prefill_len, x.shape[1]):
+        outs.append(layer(x[:, t : t + 1], cache=cache))
+    # fp32: chunked prefill vs token-by-token recurrence differ by rounding only (measured ~1e-6).
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.get_recurrent_state(0), full_cache.get_recurrent_state(0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.get_conv_state(0), full_cache.get_conv_state(0))  # same raw inputs: exact
+
+
+@torch.no_grad()
+def test_prefill_in_two_chunks_equals_full_forward():
+    """Multi-token continuation (T > 1 with a previous state, e.g. speculative verification)."""
+    layer = make_layer(seed=3)
+    x = torch.randn(2, 90, HIDDEN, generator=torch.Generator().manual_seed(3))
+    full = layer(x)
+    cache = new_cache()
+    first, second = layer(x[:, :50], cache=cache), layer(x[:, 50:], cache=cache)
+    # fp32, chunk boundaries fall elsewhere: rounding only.
+    torch.testing.assert_close(torch.cat([first, second], dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. Left padding
+
+
+@torch.no_grad()
+def test_left_padded_row_equals_unpadded_prompt():
+    layer = make_layer(seed=4)
+    gen = torch.Generator().manual_seed(4)
+    pad, prompt_len = 7, 12
+    prompt, other = (
+        torch.randn(1, prompt_len, HIDDEN, generator=gen),
+        torch.randn(1, pad + prompt_len, HIDDEN, generator=gen),
+    )
+    junk = 5 * torch.randn(1, pad, HIDDEN, generator=gen)  # padding embeddings must not leak into anything
+    batch = torch.cat([torch.cat([junk, prompt], dim=1), other])
+    mask = torch.ones(2, pad + prompt_len, dtype=torch.long)
+    mask[0, :pad] = 0
+    next_tokens = torch.randn(2, 1, HIDDEN, generator=gen)
+
+    cache = new_cache()
+    padded_out = layer(batch, attention_mask=mask, cache=cache)
+    padded_step = layer(next_tokens, attention_mask=torch.ones(2, 1), cache=cache)
+    alone_cache = new_cache()
+    alone_out = layer(prompt, cache=alone_cache)
+    alone_step = layer(next_tokens[:1], cache=alone_cache)
+
+    # fp32, identical math up to where chunk boundaries fall: rounding only.
+    torch.testing.assert_close(padded_out[0, pad:], alone_out[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(padded_step[0], alone_step[0], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(padded_out).all()
+    # The unpadded row is unaffected by its neighbour's padding.
+    torch.testing.assert_close(padded_out[1], layer(other)[0], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("pad_len", [1, 3])
+def test_padding_steps_leave_the_recurrent_state_unchanged(pad_len):
+    """Padding inside a continuation (after real context) must be an identity step: beta = 0 and g = 0. The zeroed
+    input alone would not do: the conv still sees earlier real tokens, and the decay would still shrink the state."""
+    layer = make_layer(seed=5)
+    gen = torch.Generator().manual_seed(5)
+    cache = new_cache()
+    layer(torch.randn(2, 10, HIDDEN, generator=gen), cache=cache)
+    before = cache.get_recurrent_state(0).clone()
+    out = layer(torch.randn(2, pad_len, HIDDEN, generator=gen), attention_mask=torch.zeros(2, pad_len), cache=cache)
+    assert torch.equal(cache.get_recurrent_state(0), before)  # exp(0) = 1 and beta = 0: exactly unchanged
+    assert torch.isfinite(out).all()
+
+
+def test_layer_rejects_bad_inputs():
+    layer = make_layer()
+    x = torch.randn(2, 5, HIDDEN)
+    with pytest.raises(ValueError, match="attention_mask must be"):
+        layer(x, attention_mask=torch.ones(2, 6))
+    with pytest.raises(ValueError, match="hidden_states must be"):
+        layer(x[..., :10])
+    with pytest.raises(ValueError, match="linear_attention"):
+        KDSAKimiDeltaAttention(
+            kdsa_config(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"]), 1
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. fp32 gates and state in a bf16 layer
+
+
+@torch.no_grad()
+def test_gates_and_state_stay_fp32_in_bf16_layer(monkeypatch):
+    seen = []
+
+    def spy(kernel):
+        def wrapped(q, k, v, g, beta, **kwargs):
+            state = kwargs["initial_state"]
+            seen.append((kernel.__name__, g.dtype, beta.dtype, None if state is None else state.dtype))
+            return kernel(q, k, v, g, beta, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(kda_module, "chunk_kda", spy(chunk_kda))
+    monkeypatch.setattr(kda_module, "recurrent_kda", spy(recurrent_kda))
+    layer = make_layer(dtype=torch.bfloat16)
+    assert layer.q_proj.weight.dtype == torch.bfloat16 and layer.A_log.dtype == torch.float32
+    cache = new_cache()
+    x = torch.randn(1, 9, HIDDEN).bfloat16()
+    assert layer(x[:, :8], cache=cache).dtype == torch.bfloat16
+    assert cache.get_recurrent_state(0).dtype == torch.float32
+    layer(x[:, 8:], cache=cache)
+    assert cache.get_recurrent_state(0).dtype == torch.float32
+    fp32 = torch.float32
+    assert seen == [("chunk_kda", fp32, fp32, None), ("recurrent_kda", fp32, fp32, fp32)]
