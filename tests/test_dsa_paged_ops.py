@@ -289,6 +289,18 @@ def test_fused_sparse_attention_equals_reference_fp32(num_keys, num_queries, ind
     torch.testing.assert_close(fused, expected, rtol=FP32_RTOL, atol=FP32_ATOL)
 
 
+def test_fused_sparse_attention_nope():
+    """qk_rope_head_dim = 0 (NoPE MLA): rows are the latent alone, q_pe is empty."""
+    q_latent, q_pe, _, kv_pages, block_table, indices = sparse_inputs(200, 7, 64, seed=13, rope_dim=0)
+    assert q_pe.shape[-1] == 0 and kv_pages.shape[-1] == 32
+    torch.testing.assert_close(
+        paged_sparse_mla_fused(q_latent, q_pe, kv_pages, block_table, indices, 0.2),
+        paged_sparse_mla_reference(q_latent, q_pe, kv_pages, block_table, indices, 0.2),
+        rtol=FP32_RTOL,
+        atol=FP32_ATOL,
+    )
+
+
 def test_fused_sparse_attention_rows_without_keys_give_zero():
     q_latent, q_pe, _, kv_pages, block_table, indices = sparse_inputs(200, 7, 64, seed=6)
     indices[0, 2] = -1
