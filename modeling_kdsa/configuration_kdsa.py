@@ -11,7 +11,7 @@ from transformers.configuration_utils import PreTrainedConfig
 KDA_LAYER = "linear_attention"
 DSA_LAYER = "indexed_attention"
 SUPPORTED_LAYER_TYPES = (KDA_LAYER, DSA_LAYER)
-KERNEL_BACKENDS = ("auto", "torch")
+KERNEL_BACKENDS = ("auto", "torch", "cpu", "compiled")
 
 
 @strict
@@ -31,7 +31,9 @@ class KDSAConfig(PreTrainedConfig):
     attn_res_block_size (`int`): sublayers (attention and FFN count one each) per Block-AttnRes block;
         0 = plain residual stream (Kimi-Linear / DeepSeek-style checkpoints).
     attn_res_final_aggregation (`bool`): with AttnRes, aggregate all blocks once more before the final norm.
-    kernel_backend (`str`): `"auto"` or `"torch"` (the readable reference kernels).
+    kernel_backend (`str`): which kernels read the paged DSA cache: `"torch"` (the readable reference),
+        `"cpu"` (fused, memory-bounded), `"compiled"` (the fused kernels under torch.compile), or `"auto"`
+        (`"cpu"` on CPU; the reference elsewhere until a device kernel has been verified on its hardware).
     """
 
     model_type = "kdsa"

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dsa_ops import QUERY_BLOCK_SIZE, indexer_topk, sparse_mla_attention
+from .cache import KDSAPagedLayer
+from .dsa_ops import QUERY_BLOCK_SIZE
 from .norms import KDSARMSNorm
 from .rotary import apply_rotary_half, apply_rotary_interleaved
 
@@ -109,6 +110,7 @@ class KDSASparseAttention(nn.Module):
         self.qk_head_dim = config.qk_head_dim
         self.v_head_dim = config.v_head_dim
         self.index_topk = config.index_topk
+        self.kernel_backend = config.kernel_backend
         self.softmax_scale = mla_softmax_scale(config)
         # Bounds prefill memory (dsa_ops.QUERY_BLOCK_SIZE); results do not depend on it.
         self.query_block_size = QUERY_BLOCK_SIZE
@@ -162,33 +164,27 @@ class KDSASparseAttention(nn.Module):
         return latent, k_pe
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`W_UK` `[H, Dn, C]` and `W_UV` `[H, Dv, C]`, views of `kv_b_proj.weight` (reference/dsa.md §2.3)."""
+        """`W_UK` `[H, Dn, C]` and `W_UV` `[H, Dv, C]` from `kv_b_proj.weight` (reference/dsa.md §2.3).
+        Contiguous copies (one small copy per forward): the strided views make bf16 einsums ~100x slower on CPU."""
         weight = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
-        return weight[:, : self.qk_nope_head_dim], weight[:, self.qk_nope_head_dim :]
+        return weight[:, : self.qk_nope_head_dim].contiguous(), weight[:, self.qk_nope_head_dim :].contiguous()
 
-    # Cache access: `_past_length` and `_update_cache` are the only places that touch the cache.
-    def _past_length(self, cache) -> int:
-        """Tokens already cached for this layer (0 without a cache); checks that the cache can hold DSA keys."""
+    def _store(self, cache) -> KDSAPagedLayer:
+        """This layer's paged latent + indexer-key store: the cache's, or a private one for a forward without
+        cache, so that prefill and decode always run the same kernels over the same layout."""
         if cache is None:
-            return 0
-        layers = getattr(cache, "layers", [])
-        if self.layer_idx >= len(layers) or not hasattr(layers[self.layer_idx], "update_indexer"):
-            raise ValueError(
-                f"cache has no indexer key store for DSA layer {self.layer_idx}; build it with "
-                "`DynamicCache(config=config)` so that 'indexed_attention' layers get a DynamicIndexedLayer"
+            return KDSAPagedLayer(
+                kv_width=self.kv_lora_rank + self.qk_rope_head_dim,
+                index_width=self.indexer.head_dim,
+                kernel_backend=self.kernel_backend,
             )
-        return cache.get_seq_length(self.layer_idx)
-
-    def _update_cache(
-        self, cache, latent: torch.Tensor, k_pe: torch.Tensor, k_index: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Appends the current tokens and returns the full latent `[B, S, C]`, `k_pe` `[B, S, R]` and indexer keys
-        `[B, S, DI]` (the inputs themselves without a cache)."""
-        if cache is None:
-            return latent, k_pe, k_index
-        all_latent, all_k_pe = cache.update(latent[:, None], k_pe[:, None], self.layer_idx)
-        all_k_index = cache.update_indexer(k_index, self.layer_idx)
-        return all_latent[:, 0], all_k_pe[:, 0], all_k_index
+        layers = getattr(cache, "layers", [])
+        if self.layer_idx >= len(layers) or not isinstance(layers[self.layer_idx], KDSAPagedLayer):
+            raise ValueError(
+                f"DSA layer {self.layer_idx} needs a KDSACache (paged DSA store); got {type(cache).__name__}. "
+                "Build it with `KDSACache(config)` or let generate() create it"
+            )
+        return layers[self.layer_idx]
 
     def _check_inputs(
         self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
@@ -229,27 +225,28 @@ class KDSASparseAttention(nn.Module):
     ) -> torch.Tensor:
         """hidden_states `[B, T, D]`; position_embeddings `(cos, sin)` `[B, T, R]` for the current tokens or None
         (NoPE); attention_mask `[B, S]` over past + current keys (1 = real, 0 = padding) or None; cache: a
-        transformers `Cache` with an indexed layer at `layer_idx`, or None. Query `i` sits at cache position
-        `past_len + i`. Returns `[B, T, D]`."""
+        `KDSACache` (its paged store for this layer runs the indexer and sparse-attention kernels), or None.
+        Query `i` sits at cache position `past_len + i`. Returns `[B, T, D]`."""
         self._check_inputs(hidden_states, position_embeddings)
         batch, seq_len, _ = hidden_states.shape
         q_nope, q_pe, query_input = self.project_queries(hidden_states, position_embeddings)
         latent, k_pe = self.project_latent(hidden_states, position_embeddings)
         q_index, index_weights, k_index = self.indexer(hidden_states, query_input, position_embeddings)
         # Validate everything before the cache is written, so that bad input never leaves it half-updated.
-        past_len = self._past_length(cache)
+        store = self._store(cache)
+        past_len = store.num_tokens
         self._check_attention_mask(attention_mask, batch, past_len + seq_len)
-        latent, k_pe, k_index = self._update_cache(cache, latent, k_pe, k_index)
+        store.append(torch.cat([latent, k_pe], dim=-1), k_index)
 
         w_uk, w_uv = self.absorbed_weights()
         outputs = []
         for start in range(0, seq_len, self.query_block_size):
             block = slice(start, min(start + self.query_block_size, seq_len))
-            indices = indexer_topk(
-                q_index[:, block], index_weights[:, block], k_index, self.index_topk, past_len + start, attention_mask
+            indices = store.indexer_topk(
+                q_index[:, block], index_weights[:, block], past_len + start, self.index_topk, attention_mask
             )
             q_latent = torch.einsum("bthd,hdc->bthc", q_nope[:, block], w_uk)
-            out_latent = sparse_mla_attention(q_latent, q_pe[:, block], latent, k_pe, indices, self.softmax_scale)
+            out_latent = store.sparse_attention(q_latent, q_pe[:, block], indices, self.softmax_scale)
             outputs.append(torch.einsum("bthc,hvc->bthv", out_latent, w_uv))
         attn_output = torch.cat(outputs, dim=1).reshape(batch, seq_len, self.num_heads * self.v_head_dim)
         return self.o_proj(attn_output)

@@ -10,13 +10,13 @@ import math
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .attn_res import BlockAttnResStream, KDSADepthAttention
+from .cache import KDSACache
 from .configuration_kdsa import DSA_LAYER, KDA_LAYER, KDSAConfig
 from .dsa import KDSASparseAttention
 from .kda import KDSAKimiDeltaAttention
@@ -69,7 +69,7 @@ class KDSADecoderLayer(nn.Module):
         stream: PlainResidualStream | BlockAttnResStream,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None,
-        cache: Cache | None,
+        cache: KDSACache | None,
     ) -> None:
         """Advance `stream` by this layer's two sublayers. `attention_mask`: 2-D `[B, S]` padding mask over all keys
         (past + current) or None when nothing is padded."""
@@ -163,7 +163,7 @@ class KDSAModel(KDSAPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
+        cache: KDSACache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs,
@@ -176,8 +176,13 @@ class KDSAModel(KDSAPreTrainedModel):
             raise ValueError(f"inputs_embeds must be [batch, seq, hidden], got shape {tuple(inputs_embeds.shape)}")
         batch_size, seq_len, _ = inputs_embeds.shape
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        if cache is not None and not isinstance(cache, KDSACache):
+            raise ValueError(
+                f"KDSA models need a KDSACache (paged DSA store, KDA states); got {type(cache).__name__}. "
+                "Pass `KDSACache(model.config)` or let generate() create it"
+            )
         if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
+            cache = KDSACache(self.config)
         past_len = cache.get_seq_length() if cache is not None else 0
         if past_len + seq_len > self.config.max_position_embeddings:
             raise ValueError(
@@ -185,6 +190,8 @@ class KDSAModel(KDSAPreTrainedModel):
                 f"max_position_embeddings={self.config.max_position_embeddings}"
             )
         attention_mask = self._padding_mask(attention_mask, batch_size, past_len + seq_len)
+        if cache is not None:
+            cache.begin_forward(seq_len)  # capacity check: raises before any layer writes
         if position_ids is None:
             position_ids = torch.arange(past_len, past_len + seq_len, device=inputs_embeds.device)
             position_ids = position_ids.unsqueeze(0).expand(batch_size, -1)
@@ -232,13 +239,25 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate() builds a `DynamicCache` by default; KDSA layers need the paged `KDSACache`."""
+        if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
+            if generation_config.cache_implementation not in (None, "dynamic"):
+                raise ValueError(
+                    f"cache_implementation={generation_config.cache_implementation!r} is not supported: KDSA models "
+                    "generate with their own paged KDSACache (pass `past_key_values=KDSACache(config, ...)` to size it)"
+                )
+            model_kwargs["cache"] = KDSACache(self.config)
+            return
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
+        cache: KDSACache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,

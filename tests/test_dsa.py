@@ -12,6 +12,7 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_dsv32
 from transformers.models.deepseek_v32.configuration_deepseek_v32 import DeepseekV32Config
 
 from modeling_kdsa import dsa_ops
+from modeling_kdsa.cache import KDSACache
 from modeling_kdsa.configuration_kdsa import KDSAConfig
 from modeling_kdsa.dsa import KDSASparseAttention
 from modeling_kdsa.rotary import KDSARotaryEmbedding, apply_rotary_half, apply_rotary_interleaved
@@ -250,14 +251,14 @@ def test_decode_and_chunked_prefill_match_full():
     with torch.no_grad():
         full = layer(hidden, pe)
 
-        cache = DynamicCache(config=config)
+        cache = KDSACache(config)
         steps = [layer(hidden[:, :prompt], (pe[0][:, :prompt], pe[1][:, :prompt]), cache=cache)]
         for t in range(prompt, seq_len):
             steps.append(layer(hidden[:, t : t + 1], (pe[0][:, t : t + 1], pe[1][:, t : t + 1]), cache=cache))
         decoded = torch.cat(steps, dim=1)
-        assert cache.get_seq_length(0) == seq_len
+        assert cache.layers[0].num_tokens == seq_len
 
-        cache = DynamicCache(config=config)
+        cache = KDSACache(config)
         split = 17
         first = layer(hidden[:, :split], (pe[0][:, :split], pe[1][:, :split]), cache=cache)
         second = layer(hidden[:, split:], (pe[0][:, split:], pe[1][:, split:]), cache=cache)
@@ -283,7 +284,7 @@ def test_left_padding_matches_unpadded_prompt():
     pe = rope_for(config, hidden, position_ids)
 
     with torch.no_grad():
-        cache = DynamicCache(config=config)
+        cache = KDSACache(config)
         prefill_end = pad + length
         padded = [
             layer(
@@ -445,8 +446,8 @@ def test_bad_inputs_raise_clear_errors():
         layer(hidden, (pe[0][:, :3], pe[1][:, :3]))
     with pytest.raises(ValueError, match="attention_mask"):
         layer(hidden, pe, attention_mask=torch.ones(1, 4))
-    with pytest.raises(ValueError, match="DynamicCache\\(config=config\\)"):
-        layer(hidden, pe, cache=DynamicCache())
+    with pytest.raises(ValueError, match="needs a KDSACache"):
+        layer(hidden, pe, cache=DynamicCache(config=config))
     nope_layer = make_layer(tiny_config(qk_rope_head_dim=0))
     with pytest.raises(ValueError, match="NoPE"):
         nope_layer(hidden, pe)
@@ -454,9 +455,9 @@ def test_bad_inputs_raise_clear_errors():
         KDSARotaryEmbedding(tiny_config(qk_rope_head_dim=0))
 
     # A rejected call leaves the cache untouched.
-    cache = DynamicCache(config=config)
+    cache = KDSACache(config)
     with torch.no_grad():
         layer(hidden, pe, cache=cache)
         with pytest.raises(ValueError, match="attention_mask"):
             layer(hidden[:, :1], (pe[0][:, :1], pe[1][:, :1]), torch.ones(1, 1), cache)
-    assert cache.get_seq_length(0) == 5
+    assert cache.layers[0].num_tokens == 5
