@@ -99,7 +99,9 @@ class KDSAPagedLayer(CacheLayerMixin):
         last_page = (self.num_tokens + new_tokens - 1) // self.page_size
         table = self.block_table
         if last_page >= table.shape[1]:
-            pad = torch.full((table.shape[0], last_page + 1 - table.shape[1]), -1, dtype=torch.long, device=table.device)
+            pad = torch.full(
+                (table.shape[0], last_page + 1 - table.shape[1]), -1, dtype=torch.long, device=table.device
+            )
             table = torch.cat([table, pad], dim=1)
         rows = table.tolist()
         shared_partial = self.num_tokens % self.page_size != 0
@@ -139,9 +141,9 @@ class KDSAPagedLayer(CacheLayerMixin):
         self._prepare_pages(new_tokens)
         slots = self.physical_slots(torch.arange(past, past + new_tokens, device=self.device).expand(batch_size, -1))
         self.kv_pages.view(-1, self.kv_width)[slots.reshape(-1)] = kv_rows.reshape(-1, self.kv_width).to(self.dtype)
-        self.index_pages.view(-1, self.index_width)[slots.reshape(-1)] = index_keys.reshape(
-            -1, self.index_width
-        ).to(self.dtype)
+        self.index_pages.view(-1, self.index_width)[slots.reshape(-1)] = index_keys.reshape(-1, self.index_width).to(
+            self.dtype
+        )
         self.num_tokens = past + new_tokens
         return past
 
