@@ -23,6 +23,7 @@ import argparse
 import copy
 import ctypes
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -36,7 +37,7 @@ import torch
 import transformers
 from torch import nn
 from tqdm import tqdm
-from transformers.cache_utils import DynamicCache, DynamicIndexedLayer, DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import DynamicCache, DynamicIndexedLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_dsv32
 from transformers.models.deepseek_v32.configuration_deepseek_v32 import DeepseekV32Config
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
@@ -48,19 +49,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from modeling_kdsa import KDSAConfig, KDSAForCausalLM  # noqa: E402
+from modeling_kdsa.cache import KDSACache, KDSAPagedLayer  # noqa: E402
 from modeling_kdsa.configuration_kdsa import DSA_LAYER  # noqa: E402
 from modeling_kdsa.dsa import KDSASparseAttention  # noqa: E402
 from modeling_kdsa.rotary import KDSARotaryEmbedding  # noqa: E402
 
-try:  # the paged KDSACache (DESIGN.md §3); before it lands, KDSA uses transformers' DynamicCache
-    from modeling_kdsa.cache import KDSACache, KDSAPagedLayer  # noqa: E402
-except ImportError:
-    KDSACache = KDSAPagedLayer = None
-
 DTYPE = torch.bfloat16
 BATCH = 1
 GIB = 1024**3
-NOT_IMPLEMENTED = "n/a (not implemented)"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -313,34 +309,29 @@ def _fill_latent(cache, layer_idx, context, kv_lora_rank, rope_dim, generator):
     cache.update(latent, k_rope, layer_idx)
 
 
-def new_kdsa_cache(config: KDSAConfig):
-    return DynamicCache(config=config) if KDSACache is None else KDSACache(config)
+def new_kdsa_cache(config: KDSAConfig) -> KDSACache:
+    return KDSACache(config)
 
 
 def fill_cache_kdsa(config: KDSAConfig, context: int, seed: int = 0, layers: list[int] | None = None):
     """KDSA cache holding `context` tokens (only the layers in `layers`, if given).
 
-    DSA layers, paged `KDSACache`: rows `[c | k_pe]` `[B, S, C+R]` and indexer keys `[B, S, DI]` through the paged
-    layer's `append` (the model-level token count through `begin_forward`). DSA layers, `DynamicCache`: latent
-    `[B,1,S,C]` as keys, rope key `[B,1,S,R]` as values, indexer keys `[B,S,DI]` via `update_indexer`.
-    KDA layers (both): conv state `[B, 2HK+HV, W]` and fp32 recurrent state `[B,H,K,V]`."""
+    DSA layers (paged `KDSACache`): rows `[c | k_pe]` `[B, S, C+R]` and indexer keys `[B, S, DI]` through the paged
+    layer's `append` (the model-level token count through `begin_forward`). KDA layers: conv state
+    `[B, 2HK+HV, W]` and fp32 recurrent state `[B,H,K,V]`."""
     generator = torch.Generator().manual_seed(seed)
     cache = new_kdsa_cache(config)
     for idx, layer_type in enumerate(config.layer_types):
         if layers is not None and idx not in layers:
             continue
-        if layer_type == DSA_LAYER and KDSACache is not None:
+        if layer_type == DSA_LAYER:
             rows = _random((BATCH, context, config.kv_lora_rank + config.qk_rope_head_dim), DTYPE, generator)
             cache.layers[idx].append(rows, _random((BATCH, context, config.index_head_dim), DTYPE, generator))
-        elif layer_type == DSA_LAYER:
-            _fill_latent(cache, idx, context, config.kv_lora_rank, config.qk_rope_head_dim, generator)
-            cache.update_indexer(_random((BATCH, context, config.index_head_dim), DTYPE, generator), idx)
         else:
             heads, dim = config.linear_num_heads, config.linear_head_dim
             channels = 3 * heads * dim
             _fill_kda_layer(cache, idx, channels, config.linear_conv_kernel_dim, heads, dim, dim, generator)
-    if KDSACache is not None:
-        cache.begin_forward(context)
+    cache.begin_forward(context)
     return cache
 
 
@@ -394,7 +385,7 @@ def cache_bytes(cache) -> list[dict]:
     `allocated_bytes` (the page pool, which grows by doubling). Layers left empty are omitted."""
     layers = []
     for layer in cache.layers:
-        if KDSAPagedLayer is not None and isinstance(layer, KDSAPagedLayer):
+        if isinstance(layer, KDSAPagedLayer):
             if not layer.is_initialized:
                 continue
             itemsize = layer.kv_pages.element_size()
@@ -410,7 +401,7 @@ def cache_bytes(cache) -> list[dict]:
                 )
             )
             continue
-        if isinstance(layer, LinearAttentionLayer):
+        if isinstance(layer, LinearAttentionCacheLayerMixin):  # KDA: transformers' layer or our replay layer
             states = [t for t in (*layer.conv_states.values(), *layer.recurrent_states.values()) if t is not None]
             layers.append(dict(kind="linear", state_bytes=sum(t.nbytes for t in states), per_token_bytes=0))
             continue
@@ -585,25 +576,55 @@ def time_prefill(model, make_cache, context: int, warmup_tokens: int, repeats: i
     return result
 
 
-def time_graph_mode(*_args, **_kwargs) -> dict:
-    """LATER (graph-mode hook): decode step under torch.compile (graph mode on vs off) and cold vs warm compile
-    time. The compiled backend does not exist yet (DESIGN.md §4); fill this in when it does. Never fake numbers."""
-    return dict(status=NOT_IMPLEMENTED, graph_mode_on_s=None, cold_compile_s=None, warm_compile_s=None)
+def time_graph_mode(model, config: KDSAConfig, contexts: list[int], warmup: int, repeats: int, quick: bool) -> dict:
+    """Graph mode on/off: the same model decoding with the paged DSA kernels under torch.compile (cache built with
+    `kernel_backend="compiled"`) vs eager fused kernels (`"cpu"`), per context; plus cold vs warm compile time of
+    those kernels in two fresh processes sharing one new inductor cache directory (scripts/bench_dsa_kernels.py)."""
+    spec = importlib.util.spec_from_file_location("bench_dsa_kernels", Path(__file__).with_name("bench_dsa_kernels.py"))
+    bench_dsa_kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_dsa_kernels)
+
+    eager_config, compiled_config = copy.deepcopy(config), copy.deepcopy(config)
+    eager_config.kernel_backend, compiled_config.kernel_backend = "cpu", "compiled"
+    rows = []
+    for context in contexts:
+        eager = time_model_decode(model, fill_cache_kdsa(eager_config, context), warmup, repeats)
+        # One extra warm-up step: the first compiled call compiles (or loads from the on-disk cache).
+        compiled = time_model_decode(model, fill_cache_kdsa(compiled_config, context), warmup + 1, repeats)
+        rows.append(dict(context=context, eager_s=eager["median_s"], compiled_s=compiled["median_s"]))
+    return dict(decode=rows, compile=bench_dsa_kernels.compile_times(quick))
 
 
-def eager_prefill_attention_bytes(num_heads: int, context: int, extra_per_pair: int) -> int:
-    """Peak bytes of an eager attention prefill at `context` tokens: per (head, query, key) the bf16 scores (2),
-    their masked copy (2) alive while softmax writes fp32 (4) -> ~6 bytes live per element, plus `extra_per_pair`
-    bytes per (query, key) for masks built outside the heads. An estimate, counted before running anything."""
-    return (6 * num_heads + extra_per_pair) * context * context
+def dsa_layer_prefill_memory(config: KDSAConfig, context: int) -> dict:
+    """Peak RSS a single DSA layer's prefill of `context` tokens adds (bf16, fresh paged store, query blocks):
+    the working set on top of its input hidden states."""
+    layer = build_dsa_layer(config, config.layer_types.index(DSA_LAYER))
+    generator = torch.Generator().manual_seed(3)
+    hidden = _random((BATCH, context, config.hidden_size), DTYPE, generator)
+    position_ids = torch.arange(context).unsqueeze(0)
+    rotary = KDSARotaryEmbedding(config)
+    with PeakRSS() as peak:
+        start = time.perf_counter()
+        layer(hidden, position_embeddings=rotary(hidden, position_ids), cache=KDSACache(config))
+        seconds = time.perf_counter() - start
+    return dict(context=context, seconds=seconds, peak_rss_growth_bytes=peak.growth_bytes)
 
 
-def estimate_peer_prefill_bytes(kind: str, config, context: int) -> int:
+def prefill_attention_bytes(num_heads: int, context: int, extra_per_pair: int, attn_implementation: str) -> int:
+    """Peak bytes of an attention prefill at `context` tokens. Eager: per (head, query, key) the bf16 scores (2),
+    their masked copy (2) alive while softmax writes fp32 (4) -> ~6 bytes live per element. sdpa: no per-head
+    scores (its CPU kernel is blocked). Both: `extra_per_pair` bytes per (query, key) for masks built outside the
+    heads. An estimate, counted before running anything."""
+    per_head = 6 * num_heads if attn_implementation == "eager" else 0
+    return (per_head + extra_per_pair) * context * context
+
+
+def estimate_peer_prefill_bytes(kind: str, config, context: int, attn_implementation: str) -> int:
     if kind == "KimiLinear":
-        return eager_prefill_attention_bytes(config.num_attention_heads, context, extra_per_pair=2)  # bf16 mask
+        return prefill_attention_bytes(config.num_attention_heads, context, 2, attn_implementation)  # bf16 mask
     # Glm5Next: int32 selection counts (4) + bool mask (1) + bf16 additive mask (2) per (query, key); the
     # indexer's pooled scores are smaller ([T, HI, T/kpool] fp32).
-    return eager_prefill_attention_bytes(config.num_attention_heads, context, extra_per_pair=4 + 1 + 2)
+    return prefill_attention_bytes(config.num_attention_heads, context, 4 + 1 + 2, attn_implementation)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -795,10 +816,27 @@ def print_report(report: dict) -> None:
     print_table("4. Cache size (paged pool: after the timed steps; it grows by doubling)", headers, rows)
 
     graph = report["graph_mode"]
+    rows = [
+        [fmt_ctx(r["context"]), fmt_ms(r["eager_s"]), fmt_ms(r["compiled_s"]), f"{r['eager_s'] / r['compiled_s']:.2f}x"]
+        for r in graph["decode"]
+    ]
+    print_table("5. Graph mode: whole-model decode step, DSA kernels eager vs torch.compile", ["context", "eager",
+                "compiled", "speed-up"], rows)  # fmt: skip
+    cold, warm = graph["compile"]["cold"], graph["compile"]["warm"]
     print_table(
-        "5. Graph mode (LATER)",
-        ["graph mode on", "cold compile", "warm compile"],
-        [[graph["status"], graph["status"], graph["status"]]],
+        "   compile time of the DSA kernels in a fresh process (inductor on-disk cache empty / filled)",
+        ["", "compile+run s", "process s", "fx-graph cache hits/misses"],
+        [
+            ["cold", f"{cold['seconds']:.1f}", f"{cold['process_seconds']:.1f}",
+             f"{cold['fx_graph_cache_hits']}/{cold['fx_graph_cache_misses']}"],
+            ["warm", f"{warm['seconds']:.1f}", f"{warm['process_seconds']:.1f}",
+             f"{warm['fx_graph_cache_hits']}/{warm['fx_graph_cache_misses']}"],
+        ],
+    )  # fmt: skip
+    memory = report["dsa_layer_prefill_memory"]
+    print(
+        f"\n6. One DSA layer's {fmt_ctx(memory['context'])}-token prefill: {memory['seconds']:.1f} s, "
+        f"peak RSS +{fmt_bytes(memory['peak_rss_growth_bytes'])}"
     )
     print(f"\npeak RSS: {report['memory_method']}; process peak RSS {fmt_bytes(report['process_peak_rss_bytes'])}")
     print(
@@ -826,7 +864,16 @@ def parse_args(argv=None):
         default=300.0,
         help="skip a prefill whose estimated time exceeds this (0: never)",
     )
-    parser.add_argument("--peer-attn", default="eager", choices=["eager", "sdpa"], help="peers' attention backend")
+    parser.add_argument(
+        "--peer-attn", default="eager", choices=["eager", "sdpa"], help="peers' attention backend for decode"
+    )
+    parser.add_argument(
+        "--peer-prefill-attn",
+        default="sdpa",
+        choices=["eager", "sdpa"],
+        help="peers' attention backend for the prefill (sdpa: their memory-efficient path)",
+    )
+    parser.add_argument("--layer-prefill-context", type=int, default=None, help="DSA-layer prefill (default 32768)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench_long_context.json"))
     parser.add_argument("--quick", action="store_true", help="tiny contexts (256, 512), 1 repeat: a smoke test")
@@ -834,9 +881,11 @@ def parse_args(argv=None):
     if args.quick:
         args.contexts = args.contexts or [256, 512]
         args.prefill_context = args.prefill_context or 128
+        args.layer_prefill_context = args.layer_prefill_context or 512
         args.warmup, args.repeats = 2, 2
     args.contexts = sorted(args.contexts or [4096, 16384, 65536])
     args.prefill_context = args.prefill_context or 16384
+    args.layer_prefill_context = args.layer_prefill_context or 32768
     return args
 
 
@@ -859,7 +908,7 @@ def main(argv=None) -> dict:
             dtype=str(DTYPE).removeprefix("torch."),
             batch=BATCH,
             peer_attention=args.peer_attn,
-            kdsa_cache="DynamicCache (transformers)" if KDSACache is None else "KDSACache (paged)",
+            kdsa_cache="KDSACache (paged)",
             warmup=args.warmup,
             repeats=args.repeats,
             quick=args.quick,
@@ -990,17 +1039,22 @@ def run_all(args, report: dict) -> None:
 
     prefill = dict(context=args.prefill_context, max_gib=args.max_prefill_gib, models={})
     warmup_tokens = min(1024, args.prefill_context // 4)
+    prefill["peer_attention"] = args.peer_prefill_attn
     for name, model in models.items():
         if name != "KDSA":
-            estimate = estimate_peer_prefill_bytes(name, model.config, args.prefill_context)
+            estimate = estimate_peer_prefill_bytes(name, model.config, args.prefill_context, args.peer_prefill_attn)
             if estimate > args.max_prefill_gib * GIB:
                 prefill["models"][name] = dict(
                     skipped=True,
                     estimated_bytes=estimate,
-                    reason=f"eager attention would allocate ~{estimate / GIB:.0f} GiB > {args.max_prefill_gib:g} GiB",
+                    reason=f"{args.peer_prefill_attn} attention would allocate ~{estimate / GIB:.0f} GiB > "
+                    f"{args.max_prefill_gib:g} GiB",
                 )
                 advance(f"prefill {name} skipped")
                 continue
+            if args.peer_prefill_attn != args.peer_attn:
+                backbone = model if isinstance(model, KimiLinearForCausalLM) else model.model
+                backbone.set_attn_implementation(args.peer_prefill_attn)  # same weights, other attention kernel
         prefill["models"][name] = time_prefill(
             model, new_caches[name], args.prefill_context, warmup_tokens, args.prefill_repeats, args.prefill_budget_s
         )
@@ -1008,7 +1062,8 @@ def run_all(args, report: dict) -> None:
     report["prefill"] = prefill
     progress.close()
 
-    report["graph_mode"] = time_graph_mode()
+    report["graph_mode"] = time_graph_mode(models["KDSA"], config, contexts, args.warmup, args.repeats, args.quick)
+    report["dsa_layer_prefill_memory"] = dsa_layer_prefill_memory(config, args.layer_prefill_context)
     report["memory_method"] = _memory_method_text()
 
 
