@@ -1,7 +1,9 @@
 """KDSACache: the generation cache of a KDSA model (DESIGN.md §3; reference/dsa.md §2.2, §3, §4.1).
 
-- KDA layers keep the short-conv window and the fp32 recurrent state per sequence (transformers'
-  `LinearAttentionLayer`, unchanged).
+- KDA layers (`KDAReplayLayer`) keep the short-conv window and the fp32 recurrent state per sequence, plus what an
+  exact rollback needs (DESIGN.md §7; reference/kda.md §5.2, techniques.md §3.5 design (b)): a checkpoint (conv
+  window + fp32 state) and, for each token since it, the inputs of its recurrence step. `crop` replays the kept
+  prefix from the checkpoint with the decode kernel, so the rolled-back state is the one stepping would give.
 - DSA layers keep a **paged** store (`KDSAPagedLayer`): fixed-size pages of `page_size` tokens in one pool per
   layer, and a block table per sequence mapping logical pages to physical pages. Each token row holds the
   normalised MLA latent and the RoPE'd key `[c | k_pe]` (`kv_pages`) and the indexer key (`index_pages`). Pages are
@@ -14,11 +16,14 @@ Every sequence of a batch has the same number of cached tokens (generate left-pa
 attention mask the model passes to the kernels.
 """
 
+from typing import NamedTuple
+
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from .configuration_kdsa import DSA_LAYER
 from .dsa_paged_ops import dsa_kernels
+from .kda_ops import chunk_kda, recurrent_kda
 
 PAGE_SIZE = 64  # tokens per page: the CUDA DSA kernels' block size (reference/dsa.md §4.2, §8.7)
 
@@ -38,6 +43,8 @@ class KDSAPagedLayer(CacheLayerMixin):
     `[B, pages per sequence]` (-1 = unused), `num_tokens`: cached tokens per sequence. Physical pages come from a
     pool that doubles when it runs out; `page_refcount[p]` counts the block-table entries pointing at page `p`.
     """
+
+    is_croppable = True  # `crop` truncates the block table: exact
 
     def __init__(self, kv_width: int, index_width: int, kernel_backend: str, page_size: int = PAGE_SIZE):
         super().__init__()
@@ -229,15 +236,250 @@ class KDSAPagedLayer(CacheLayerMixin):
         return {"allocated": self.kv_pages.nbytes + self.index_pages.nbytes, "in_use": in_use * page_bytes}
 
 
+# Default rollback window of a KDA layer (tokens since the checkpoint whose replay inputs are kept). transformers
+# drafts at most `prompt_lookup_num_tokens` (10) or `num_assistant_tokens` (20, +2 per fully accepted round) tokens
+# per round and crops after every round, so 256 is never reached by a draft in practice.
+ROLLBACK_TOKENS = 256
+
+
+class KDAReplayRecord(NamedTuple):
+    """What one forward fed into a KDA layer's conv and recurrence, per token, so those steps can be replayed.
+
+    conv_inputs: the pre-conv q|k|v columns `[B, C, T]` (model dtype) — they rebuild the conv window;
+    k: L2-normalised keys `[B, T, H, K]` fp32; v: `[B, T, H, V]` (model dtype; the kernel upcasts it exactly);
+    g: log decay `[B, T, H, K]` fp32; beta: `[B, T, H]` fp32 — exactly the recurrence inputs the layer used.
+    """
+
+    conv_inputs: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+    def tokens(self, start: int, stop: int | None = None) -> "KDAReplayRecord":
+        """Own copies of tokens `start:stop` (copies, so a record never pins the forward's larger tensors)."""
+        conv_inputs = self.conv_inputs[..., start:stop].clone()
+        return KDAReplayRecord(conv_inputs, *(x[:, start:stop].clone() for x in self[1:]))
+
+    def index_select(self, batch_idx: torch.Tensor) -> "KDAReplayRecord":
+        return KDAReplayRecord(*(x.index_select(0, batch_idx.to(x.device)) for x in self))
+
+    @staticmethod
+    def concat(records: list["KDAReplayRecord"]) -> "KDAReplayRecord":
+        conv_inputs = torch.cat([r.conv_inputs for r in records], dim=-1)
+        per_token = (torch.cat([getattr(r, name) for r in records], dim=1) for name in ("k", "v", "g", "beta"))
+        return KDAReplayRecord(conv_inputs, *per_token)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in self)
+
+
+class KDAReplayLayer(LinearAttentionCacheLayerMixin):
+    """Cache of one KDA layer with exact rollback (ReplaySSM style: reference/kda.md §5.2, techniques.md §3.5 (b)).
+
+    Live state: `conv_states[0]` — the last W pre-conv q|k|v columns `[B, C, W]` (W = conv kernel width) — and
+    `recurrent_states[0]`, the fp32 state `[B, H, K, V]`, after `num_tokens` tokens.
+
+    Rollback: a checkpoint (conv window, fp32 state) after `checkpoint_tokens` tokens, and one `KDAReplayRecord`
+    run per forward since then — memory per pending token, never a state copy per token. `crop(n)` for any n in
+    `[checkpoint_tokens, num_tokens]` replays the first `n - checkpoint_tokens` recorded steps from the checkpoint
+    with `recurrent_kda`, the decode kernel itself, so the rebuilt state is bit for bit what stepping those
+    recorded inputs gives; the conv window is the last W of the checkpoint window followed by the recorded columns.
+
+    When the checkpoint advances (it only ever moves to a state that is already exact):
+    - every `crop` commits: the rolled-back (or, for `crop` to the current length, the live) state becomes the
+      checkpoint and the records are dropped — transformers crops after each verification, so the accepted tokens
+      are committed and only the next draft is recorded;
+    - a forward that would leave more than `rollback_tokens` tokens pending first commits the live state (the
+      state before that forward); if the forward alone brings more than `rollback_tokens` tokens (a long prefill),
+      its first `T - rollback_tokens` steps are folded into the checkpoint with `chunk_kda` and only the last
+      `rollback_tokens` are recorded.
+    So at most `rollback_tokens` tokens are ever pending; `crop` before the checkpoint raises and changes nothing.
+    `rollback_tokens = 0` keeps no records: no rollback, no overhead (what plain `generate()` uses).
+    """
+
+    def __init__(self, conv_kernel_size: int, rollback_tokens: int = ROLLBACK_TOKENS):
+        super().__init__()
+        if rollback_tokens < 0:
+            raise ValueError(f"rollback_tokens must be >= 0, got {rollback_tokens}")
+        self.conv_kernel_size[0] = conv_kernel_size
+        self.rollback_tokens = rollback_tokens
+        self.num_tokens = 0
+        self.checkpoint_tokens = 0
+        # (conv window, fp32 state) after `checkpoint_tokens` tokens; None while no record is kept, because then the
+        # checkpoint is the live state itself.
+        self.checkpoint: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.records: list[KDAReplayRecord] = []
+
+    @property
+    def pending_tokens(self) -> int:
+        return self.num_tokens - self.checkpoint_tokens
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.rollback_tokens > 0
+
+    # --------------------------------------------------------------------------------------------- live state
+    def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0, **kwargs) -> None:
+        reference = conv_states if conv_states is not None else recurrent_states
+        if self.device is None and reference is not None:
+            self.dtype, self.device = reference.dtype, reference.device
+        if conv_states is not None:
+            self.is_conv_states_initialized[state_idx] = True
+        if recurrent_states is not None:
+            self.is_recurrent_states_initialized[state_idx] = True
+
+    def _live_or_zeros(self, conv_inputs: torch.Tensor, state_shape: tuple[int, ...]):
+        """The live (conv window, state), or the zeros a sequence starts from (what the kernels assume for None)."""
+        if self.has_previous_state[0]:
+            return self.conv_states[0], self.recurrent_states[0]
+        batch_size, channels, _ = conv_inputs.shape
+        conv = conv_inputs.new_zeros(batch_size, channels, self.conv_kernel_size[0])
+        return conv, torch.zeros(state_shape, dtype=torch.float32, device=conv_inputs.device)
+
+    def _window(self, conv: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """The last W columns of `conv` followed by `columns` (contiguous: no view pins the longer tensor)."""
+        return torch.cat([conv, columns.to(conv.dtype)], dim=-1)[..., -self.conv_kernel_size[0] :].contiguous()
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """Append the pre-conv columns `[B, C, T]` of the current tokens. The window is replaced, never written in
+        place, so a checkpoint can hold the previous one without copying it."""
+        if state_idx != 0:
+            raise ValueError(f"a KDA layer has one conv state, got state_idx={state_idx}")
+        if not self.is_conv_states_initialized[0]:
+            self.lazy_initialization(conv_states=conv_states)
+        previous = conv_states.new_zeros(*conv_states.shape[:-1], self.conv_kernel_size[0])
+        if self.has_previous_state[0]:
+            previous = self.conv_states[0]
+        self.conv_states[0] = self._window(previous, conv_states)
+        self.has_previous_state[0] = True
+        return self.conv_states[0]
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """Take the kernel's final fp32 state (replaced, not copied in place: see `update_conv_state`)."""
+        if state_idx != 0:
+            raise ValueError(f"a KDA layer has one recurrent state, got state_idx={state_idx}")
+        if not self.is_recurrent_states_initialized[0]:
+            self.lazy_initialization(recurrent_states=recurrent_states)
+        self.recurrent_states[0] = recurrent_states
+        return recurrent_states
+
+    # ----------------------------------------------------------------------------------------------- rollback
+    def record(
+        self, conv_inputs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    ) -> None:
+        """Called by the KDA layer for every forward, after its kernels ran and before the live state is updated
+        (so the live state is still the one before these tokens). Shapes as in `KDAReplayRecord`."""
+        new_tokens = k.shape[1]
+        if self.pending_tokens + new_tokens > self.rollback_tokens:
+            self._commit()  # the live state, before these tokens, becomes the checkpoint
+        kept = min(new_tokens, self.rollback_tokens)
+        if kept == 0:  # nothing to keep: the checkpoint follows the live state
+            self.num_tokens += new_tokens
+            self.checkpoint_tokens = self.num_tokens
+            return
+        folded = new_tokens - kept
+        if not self.records:
+            conv, state = self._live_or_zeros(conv_inputs, (k.shape[0], k.shape[2], k.shape[3], v.shape[3]))
+            if folded:
+                # A forward longer than the window: its first steps can never be rolled back to, so fold them into
+                # the checkpoint in one pass of the chunked (prefill) kernel; q is unused, k stands in for it.
+                fold = KDAReplayRecord(conv_inputs, k, v, g, beta).tokens(0, folded)
+                _, state = chunk_kda(
+                    fold.k, fold.k, fold.v, fold.g, fold.beta, initial_state=state, output_final_state=True
+                )
+                conv = self._window(conv, fold.conv_inputs)
+            self.checkpoint = (conv, state)
+            self.checkpoint_tokens = self.num_tokens + folded
+        self.records.append(KDAReplayRecord(conv_inputs, k, v, g, beta).tokens(folded))
+        self.num_tokens += new_tokens
+
+    def _commit(self) -> None:
+        """The live state becomes the checkpoint (it is exact already): drop the records."""
+        self.records.clear()
+        self.checkpoint = None
+        self.checkpoint_tokens = self.num_tokens
+
+    def check_crop(self, new_length: int) -> None:
+        """Raise, changing nothing, unless `crop` to `new_length` tokens is possible."""
+        if not 0 <= new_length <= self.num_tokens:
+            raise ValueError(f"cannot crop a KDA layer holding {self.num_tokens} tokens to {new_length} tokens")
+        if new_length < self.checkpoint_tokens:
+            raise ValueError(
+                f"cannot crop to {new_length} tokens: the KDA rollback checkpoint is at {self.checkpoint_tokens} "
+                f"tokens (replay inputs are kept since the last crop, for at most rollback_tokens="
+                f"{self.rollback_tokens} tokens); the cache is unchanged"
+            )
+
+    def crop(self, max_length: int) -> None:
+        """Roll back to the first `max_length` tokens (negative: drop `-max_length` tokens) and commit them."""
+        new_length = max_length if max_length >= 0 else self.num_tokens + max_length
+        self.check_crop(new_length)
+        replayed = new_length - self.checkpoint_tokens
+        if new_length < self.num_tokens:
+            conv, state = self.checkpoint
+            if replayed:
+                steps = KDAReplayRecord.concat(self.records)
+                # Replay = the decode kernel itself, called once per token with decode's [B, 1, ...] shapes, so the
+                # rebuilt state is bit for bit the stepped one (one T-token call can round differently: its strided
+                # per-token slices take other matmul kernels). Its output (q = k) is discarded.
+                for t in range(replayed):
+                    step = steps.tokens(t, t + 1)
+                    _, state = recurrent_kda(
+                        step.k, step.k, step.v, step.g, step.beta, initial_state=state, output_final_state=True
+                    )
+                conv = self._window(conv, steps.conv_inputs[..., :replayed])
+            self.conv_states[0], self.recurrent_states[0] = conv, state
+            self.num_tokens = new_length
+        self._commit()
+
+    # ------------------------------------------------------------------------------------------ housekeeping
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if not self.has_previous_state[0]:
+            return
+        beam_idx = beam_idx.to(self.device)
+        self.conv_states[0] = self.conv_states[0].index_select(0, beam_idx)
+        self.recurrent_states[0] = self.recurrent_states[0].index_select(0, beam_idx)
+        if self.checkpoint is not None:
+            self.checkpoint = tuple(x.index_select(0, beam_idx) for x in self.checkpoint)
+        self.records = [record.index_select(beam_idx) for record in self.records]
+
+    def reset(self) -> None:
+        """Zero the live buffers (as transformers does) and forget the tokens, checkpoint and records."""
+        super().reset()
+        self.num_tokens = 0
+        self._commit()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """`states`: live conv window + fp32 state; `rollback`: checkpoint + records; `per_pending_token`: bytes one
+        pending token's record takes per sequence (0 while nothing is recorded)."""
+        states = sum(x.nbytes for x in (self.conv_states[0], self.recurrent_states[0]) if x is not None)
+        records = sum(record.nbytes for record in self.records)
+        checkpoint = sum(x.nbytes for x in self.checkpoint) if self.checkpoint is not None else 0
+        per_token = 0
+        if self.records:
+            per_token = records // (self.records[0].k.shape[0] * self.pending_tokens)
+        return {"states": states, "rollback": checkpoint + records, "per_pending_token": per_token}
+
+
 class KDSACache(Cache):
-    """The cache `generate()` uses for KDSA models: `LinearAttentionLayer` for KDA layers, `KDSAPagedLayer` for DSA
+    """The cache `generate()` uses for KDSA models: `KDAReplayLayer` for KDA layers, `KDSAPagedLayer` for DSA
     layers.
 
     `max_cache_tokens`: optional capacity per sequence; a forward that would exceed it raises a `ValueError`
     before anything is written, so the cache stays usable.
+    `rollback_tokens`: how many tokens since the last `crop` the KDA layers can roll back (see `KDAReplayLayer`);
+    0 turns rollback off, and `generate()` does that itself for the modes that never crop.
     """
 
-    def __init__(self, config, max_cache_tokens: int | None = None, page_size: int = PAGE_SIZE):
+    def __init__(
+        self,
+        config,
+        max_cache_tokens: int | None = None,
+        page_size: int = PAGE_SIZE,
+        rollback_tokens: int = ROLLBACK_TOKENS,
+    ):
         layers = []
         for layer_type in config.layer_types:
             if layer_type == DSA_LAYER:
@@ -250,11 +492,12 @@ class KDSACache(Cache):
                     )
                 )
             else:
-                layers.append(LinearAttentionLayer())
+                layers.append(KDAReplayLayer(config.linear_conv_kernel_dim, rollback_tokens))
         super().__init__(layers=layers)
         if max_cache_tokens is not None and max_cache_tokens <= 0:
             raise ValueError(f"max_cache_tokens must be > 0 or None, got {max_cache_tokens}")
         self.max_cache_tokens = max_cache_tokens
+        self.rollback_tokens = rollback_tokens
         self.num_tokens = 0
 
     def begin_forward(self, new_tokens: int) -> int:
@@ -268,6 +511,18 @@ class KDSACache(Cache):
             )
         self.num_tokens = past + new_tokens
         return past
+
+    def record_kda_inputs(
+        self,
+        layer_idx: int,
+        conv_inputs: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> None:
+        """The KDA layer hands over its per-token replay inputs (`KDAReplayRecord`) before its state update."""
+        self.layers[layer_idx].record(conv_inputs, k, v, g, beta)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.num_tokens
@@ -287,17 +542,23 @@ class KDSACache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        # The KDA recurrent state cannot be rolled back yet (state replay is the speculative-decoding issue).
-        return not any(isinstance(layer, LinearAttentionLayer) for layer in self.layers)
+        """True when `crop` is exact for every layer: DSA pages are truncated, KDA states replayed (needs
+        rollback_tokens > 0). The rollback reaches back to the last crop, at most `rollback_tokens` tokens."""
+        return all(layer.is_croppable for layer in self.layers if isinstance(layer, KDAReplayLayer))
 
     def crop(self, max_length: int) -> None:
-        if not self.is_croppable:
-            raise ValueError(
-                "KDSACache.crop cannot roll back KDA recurrent states yet; only models without KDA layers can crop"
-            )
+        """Roll every layer back. `max_length < 0` removes `-max_length` tokens and `0` removes none (transformers
+        5.x, which calls `crop(-rejected)` after every verification); `max_length > 0` keeps that many tokens.
+        Commits the kept tokens (see `KDAReplayLayer`). Anything impossible raises before any layer changes."""
+        new_length = self.num_tokens + max_length if max_length <= 0 else max_length
+        if not 0 <= new_length <= self.num_tokens:
+            raise ValueError(f"cannot crop a KDSACache holding {self.num_tokens} tokens to {new_length} tokens")
         for layer in self.layers:
-            layer.crop(max_length)
-        self.num_tokens = self.layers[0].num_tokens
+            if isinstance(layer, KDAReplayLayer):
+                layer.check_crop(new_length)
+        for layer in self.layers:
+            layer.crop(new_length)
+        self.num_tokens = new_length
 
     def reset(self) -> None:
         for layer in self.layers:
@@ -306,9 +567,10 @@ class KDSACache(Cache):
 
     def memory_bytes(self) -> dict[str, int | float]:
         """Exact bytes held: `dsa_allocated` (page pools), `dsa_in_use` (referenced pages), `kda_states` (conv windows
-        + fp32 recurrent states), `total` (allocated + KDA), and `per_token`: the DSA bytes one cached token adds to
-        one sequence (`Σ_DSA layers (C + R + DI) · itemsize`)."""
-        dsa_allocated = dsa_in_use = kda_states = per_token = 0
+        + fp32 recurrent states), `kda_rollback` (KDA checkpoints + replay records), `total` (allocated + KDA),
+        `per_token`: the DSA bytes one cached token adds to one sequence (`Σ_DSA layers (C + R + DI) · itemsize`),
+        and `rollback_per_token`: the record bytes one pending token adds to one sequence (all KDA layers)."""
+        dsa_allocated = dsa_in_use = kda_states = kda_rollback = per_token = rollback_per_token = 0
         for layer in self.layers:
             if isinstance(layer, KDSAPagedLayer):
                 usage = layer.memory_bytes()
@@ -317,15 +579,27 @@ class KDSACache(Cache):
                 if layer.is_initialized:
                     per_token += (layer.kv_width + layer.index_width) * layer.kv_pages.element_size()
             else:
-                states = list(layer.conv_states.values()) + list(layer.recurrent_states.values())
-                kda_states += sum(state.nbytes for state in states if state is not None)
+                usage = layer.memory_bytes()
+                kda_states += usage["states"]
+                kda_rollback += usage["rollback"]
+                rollback_per_token += usage["per_pending_token"]
         return {
             "dsa_allocated": dsa_allocated,
             "dsa_in_use": dsa_in_use,
             "kda_states": kda_states,
-            "total": dsa_allocated + kda_states,
+            "kda_rollback": kda_rollback,
+            "total": dsa_allocated + kda_states + kda_rollback,
             "per_token": per_token,
+            "rollback_per_token": rollback_per_token,
         }
 
 
-__all__ = ["KDSACache", "KDSAPagedLayer", "PAGE_SIZE", "resolve_kernel_backend"]
+__all__ = [
+    "KDSACache",
+    "KDSAPagedLayer",
+    "KDAReplayLayer",
+    "KDAReplayRecord",
+    "PAGE_SIZE",
+    "ROLLBACK_TOKENS",
+    "resolve_kernel_backend",
+]

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from .cache import KDSACache
 from .configuration_kdsa import KDA_LAYER
 from .kda_ops import causal_short_conv, causal_short_conv_step, chunk_kda, kda_gate, l2norm, recurrent_kda
 
@@ -36,9 +37,9 @@ class KDSAGatedRMSNorm(nn.Module):
 class KDSAKimiDeltaAttention(nn.Module):
     """KDA layer. H = `linear_num_heads`, K = V = `linear_head_dim`, W = `linear_conv_kernel_dim`.
 
-    Cache (a transformers `Cache` whose entry for this layer is a `LinearAttentionLayer`): one conv state, the last
+    Cache (a transformers `Cache` whose entry for this layer is a linear-attention layer): one conv state, the last
     W pre-conv inputs of q, k and v concatenated on the channel dim (`[B, 2·H·K + H·V, W]`), and the fp32 recurrent
-    state `[B, H, K, V]`.
+    state `[B, H, K, V]`. A `KDSACache` also receives each forward's replay inputs (`record_kda_inputs`).
     """
 
     def __init__(self, config, layer_idx: int):
@@ -127,8 +128,6 @@ class KDSAKimiDeltaAttention(nn.Module):
             qkv_conv = causal_short_conv_step(qkv, conv_weight, conv_state)
         else:
             qkv_conv = causal_short_conv(qkv, conv_weight, left_context=conv_state)
-        if cache is not None:
-            cache.update_conv_state(qkv, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
 
         heads_k = (batch_size, seq_len, self.num_heads, self.head_k_dim)
         heads_v = (batch_size, seq_len, self.num_heads, self.head_v_dim)
@@ -146,6 +145,12 @@ class KDSAKimiDeltaAttention(nn.Module):
         kernel = recurrent_kda if decoding else chunk_kda
         o, final_state = kernel(q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None)
         if cache is not None:
+            if isinstance(cache, KDSACache):
+                # Speculative decoding: the cache keeps these tokens' conv columns and recurrence inputs so that
+                # `crop` can replay them exactly. It must see the state from before this forward, so this comes
+                # before the two updates below.
+                cache.record_kda_inputs(self.layer_idx, qkv, k, v, g, beta)
+            cache.update_conv_state(qkv, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
             cache.update_recurrent_state(final_state, self.layer_idx)
 
         gate = self.g_b_proj(self.g_a_proj(hidden_states)).reshape(heads_v)

@@ -10,13 +10,13 @@ import math
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.generation import GenerationMixin
+from transformers.generation import GenerationMixin, GenerationMode
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .attn_res import BlockAttnResStream, KDSADepthAttention
-from .cache import KDSACache
+from .cache import ROLLBACK_TOKENS, KDSACache
 from .configuration_kdsa import DSA_LAYER, KDA_LAYER, KDSAConfig
 from .dsa import KDSASparseAttention
 from .kda import KDSAKimiDeltaAttention
@@ -98,8 +98,9 @@ class KDSAPreTrainedModel(PreTrainedModel):
     _supports_sdpa = False
     _supports_flash_attn = False
     _supports_flex_attn = False
-    # The recurrent KDA state cannot be rolled back by `Cache.crop` yet (speculative decoding is a later issue).
-    _is_stateful = True
+    # transformers refuses assisted generation / prompt lookup for stateful models because `crop` cannot undo a
+    # recurrent state. KDSACache's `crop` can: KDA layers replay their recorded steps from a checkpoint (cache.py).
+    _is_stateful = False
     _can_compile_fullgraph = False
     # Gates, decay parameters, indexer head weights, router and depth-attention queries stay fp32 under bf16 loads.
     _keep_in_fp32_modules_strict = [
@@ -239,17 +240,20 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """generate() builds a `DynamicCache` by default; KDSA layers need the paged `KDSACache`."""
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
+        """generate() builds a `DynamicCache` by default; KDSA layers need the paged `KDSACache`. Only speculative
+        decoding crops — the verifying model (assisted mode) and the draft model (`is_assistant`) — so only there
+        do the KDA layers keep rollback records; every other mode runs without their cost."""
         if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
             if generation_config.cache_implementation not in (None, "dynamic"):
                 raise ValueError(
                     f"cache_implementation={generation_config.cache_implementation!r} is not supported: KDSA models "
                     "generate with their own paged KDSACache (pass `past_key_values=KDSACache(config, ...)` to size it)"
                 )
-            model_kwargs["cache"] = KDSACache(self.config)
+            crops = generation_mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant
+            model_kwargs["cache"] = KDSACache(self.config, rollback_tokens=ROLLBACK_TOKENS if crops else 0)
             return
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(

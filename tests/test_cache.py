@@ -183,17 +183,26 @@ def test_memory_bytes_matches_the_layout():
         layer.kv_pages.nbytes + layer.index_pages.nbytes for layer in cache.layers if isinstance(layer, KDSAPagedLayer)
     )
     assert usage["dsa_allocated"] == pools >= usage["dsa_in_use"]
-    assert usage["total"] == usage["dsa_allocated"] + usage["kda_states"]
+    # Rollback records of the 100 pending tokens: pre-conv columns, k, v, g (fp32), beta (fp32) per token, plus the
+    # checkpoint (the zero state the prompt started from), per KDA layer.
+    key_dim = config.linear_num_heads * config.linear_head_dim
+    per_pending = channels * itemsize + 2 * key_dim * 4 + key_dim * itemsize + config.linear_num_heads * 4
+    assert usage["rollback_per_token"] == n_kda * per_pending
+    assert usage["kda_rollback"] == n_kda * (batch * tokens * per_pending + conv + recurrent)
+    assert usage["total"] == usage["dsa_allocated"] + usage["kda_states"] + usage["kda_rollback"]
 
 
-def test_crop_is_refused_while_kda_states_exist_and_reset_empties():
+def test_crop_without_rollback_records_is_refused_and_reset_empties():
+    """rollback_tokens=0 (what plain generate() uses) keeps no KDA replay records: crop is refused, clearly.
+    Rollback itself is tested in test_speculative.py."""
     model = tiny_model()
-    cache = KDSACache(model.config)
+    cache = KDSACache(model.config, rollback_tokens=0)
     with torch.no_grad():
         model(ids(1, 20), cache=cache)
-    assert not cache.is_croppable
-    with pytest.raises(ValueError, match="KDA"):
+    assert not cache.is_croppable and cache.memory_bytes()["kda_rollback"] == 0
+    with pytest.raises(ValueError, match="KDA rollback checkpoint is at 20 tokens"):
         cache.crop(10)
+    assert cache.get_seq_length() == 20
     cache.reset()
     # DSA pages are dropped; KDA state buffers are kept (zeroed) at their static addresses, as transformers does.
     assert cache.get_seq_length() == 0 and cache.memory_bytes()["dsa_allocated"] == 0
