@@ -299,7 +299,7 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
     `rollback_tokens = 0` keeps no records: no rollback, no overhead (what plain `generate()` uses).
     """
 
-    def __init__(self, conv_kernel_size: int, rollback_tokens: int = ROLLBACK_TOKENS):
+    def __init__(self, conv_kernel_size: int, rollback_tokens: int):
         super().__init__()
         if rollback_tokens < 0:
             raise ValueError(f"rollback_tokens must be >= 0, got {rollback_tokens}")
@@ -469,8 +469,10 @@ class KDSACache(Cache):
 
     `max_cache_tokens`: optional capacity per sequence; a forward that would exceed it raises a `ValueError`
     before anything is written, so the cache stays usable.
-    `rollback_tokens`: how many tokens since the last `crop` the KDA layers can roll back (see `KDAReplayLayer`);
-    0 turns rollback off, and `generate()` does that itself for the modes that never crop.
+    `rollback_tokens`: how many tokens since the last `crop` the KDA layers can roll back (see `KDAReplayLayer`).
+    The default 0 keeps no replay records (no cost; a KDA rollback raises), because most forwards never crop;
+    `generate()` passes `ROLLBACK_TOKENS` itself for assisted generation / prompt lookup and for draft models.
+    Pass it yourself to `crop` a cache you drive by hand.
     """
 
     def __init__(
@@ -478,7 +480,7 @@ class KDSACache(Cache):
         config,
         max_cache_tokens: int | None = None,
         page_size: int = PAGE_SIZE,
-        rollback_tokens: int = ROLLBACK_TOKENS,
+        rollback_tokens: int = 0,
     ):
         layers = []
         for layer_type in config.layer_types:

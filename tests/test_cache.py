@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_model
 
 from modeling_kdsa import dsa_ops
-from modeling_kdsa.cache import PAGE_SIZE, KDSACache, KDSAPagedLayer
+from modeling_kdsa.cache import PAGE_SIZE, ROLLBACK_TOKENS, KDSACache, KDSAPagedLayer
 from modeling_kdsa.dsa_paged_ops import gather_pages
 
 
@@ -164,7 +164,7 @@ def test_memory_bytes_matches_the_layout():
     model = tiny_model()
     config = model.config
     batch, tokens = 2, 100
-    cache = KDSACache(config)
+    cache = KDSACache(config, rollback_tokens=ROLLBACK_TOKENS)  # with KDA replay records, to count them too
     with torch.no_grad():
         model(ids(batch, tokens), cache=cache)
     usage = cache.memory_bytes()
@@ -193,10 +193,10 @@ def test_memory_bytes_matches_the_layout():
 
 
 def test_crop_without_rollback_records_is_refused_and_reset_empties():
-    """rollback_tokens=0 (what plain generate() uses) keeps no KDA replay records: crop is refused, clearly.
-    Rollback itself is tested in test_speculative.py."""
+    """By default (rollback_tokens=0, also what plain generate() uses) KDA layers keep no replay records: crop is
+    refused, clearly. Rollback itself is tested in test_speculative.py."""
     model = tiny_model()
-    cache = KDSACache(model.config, rollback_tokens=0)
+    cache = KDSACache(model.config)
     with torch.no_grad():
         model(ids(1, 20), cache=cache)
     assert not cache.is_croppable and cache.memory_bytes()["kda_rollback"] == 0

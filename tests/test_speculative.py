@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import tiny_config, tiny_model
 
-from modeling_kdsa.cache import KDAReplayLayer, KDAReplayRecord, KDSACache, KDSAPagedLayer
+from modeling_kdsa.cache import ROLLBACK_TOKENS, KDAReplayLayer, KDAReplayRecord, KDSACache, KDSAPagedLayer
 from modeling_kdsa.kda_ops import recurrent_kda
 
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -28,9 +28,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def rollback_cache(config, rollback_tokens=ROLLBACK_TOKENS) -> KDSACache:
+    """A cache that keeps KDA replay records, as generate() builds it for speculative decoding."""
+    return KDSACache(config, rollback_tokens=rollback_tokens)
+
+
 def one_kda_layer_cache(model) -> KDSACache:
     """A cache for the model's first layer (KDA) alone."""
-    return KDSACache(tiny_config(num_hidden_layers=1, layer_types=["linear_attention"]))
+    return rollback_cache(tiny_config(num_hidden_layers=1, layer_types=["linear_attention"]))
 
 
 def run_layer(layer, x, cache):
@@ -133,11 +138,11 @@ def test_crop_at_every_draft_position_equals_never_having_drafted(prompt_len):
     measured ~1e-6)."""
     model = tiny_model()
     tokens = ids(1, prompt_len + 7, seed=prompt_len)
-    base = KDSACache(model.config)
+    base = rollback_cache(model.config)
     model(tokens[:, :prompt_len], cache=base)
     base.crop(0)
     model(tokens[:, prompt_len : prompt_len + 6], cache=base)
-    reference = KDSACache(model.config)
+    reference = rollback_cache(model.config)
     model(tokens[:, :prompt_len], cache=reference)
     for accepted in range(7):
         cache = copy.deepcopy(base)
@@ -158,7 +163,7 @@ def test_long_forward_folds_into_the_checkpoint_and_the_window_is_bounded():
     saw only the first 30 tokens (fp32, atol 1e-5). A later forward that would exceed the window commits first."""
     model = tiny_model()
     tokens = ids(1, 60, seed=7)
-    cache = KDSACache(model.config, rollback_tokens=16)
+    cache = rollback_cache(model.config, rollback_tokens=16)
     model(tokens[:, :40], cache=cache)
     kda = [layer for layer in cache.layers if isinstance(layer, KDAReplayLayer)]
     assert all(layer.checkpoint_tokens == 24 and layer.pending_tokens == 16 for layer in kda)
@@ -166,7 +171,7 @@ def test_long_forward_folds_into_the_checkpoint_and_the_window_is_bounded():
         cache.crop(23)
     cache.crop(-10)
     got = model(tokens[:, 30:35], cache=cache).logits
-    fresh = KDSACache(model.config, rollback_tokens=16)
+    fresh = rollback_cache(model.config, rollback_tokens=16)
     model(tokens[:, :30], cache=fresh)
     want = model(tokens[:, 30:35], cache=fresh).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
@@ -182,7 +187,7 @@ def test_long_forward_folds_into_the_checkpoint_and_the_window_is_bounded():
 def test_impossible_crops_raise_and_leave_the_cache_usable():
     model = tiny_model()
     tokens = ids(1, 30, seed=3)
-    cache = KDSACache(model.config)
+    cache = rollback_cache(model.config)
     model(tokens[:, :20], cache=cache)
     cache.crop(-4)  # commits 16 tokens
     model(tokens[:, 16:22], cache=cache)  # 22 cached, checkpoint at 16
@@ -249,5 +254,5 @@ def test_generate_keeps_records_only_when_it_crops():
     assert lookup.is_croppable
     # A cache passed without rollback records: transformers' own check refuses assisted decoding, clearly.
     with pytest.raises(ValueError, match="can be cropped"):
-        model.generate(prompt, prompt_lookup_num_tokens=4, cache=KDSACache(model.config, rollback_tokens=0), **kwargs)
+        model.generate(prompt, prompt_lookup_num_tokens=4, cache=KDSACache(model.config), **kwargs)
     assert all(isinstance(layer, KDAReplayLayer | KDSAPagedLayer) for layer in lookup.layers)
