@@ -1,0 +1,230 @@
+"""Speculative decoding benchmark: plain greedy vs prompt lookup vs an assistant (draft) model, all through
+transformers' own `generate()` (DESIGN.md §7; the rollback is `KDSACache.crop`, modeling_kdsa/cache.py).
+
+For each eval task's prompts (eval/tasks/data/<task>_test.jsonl: `copy` is copy-heavy, `recall_*` recall-heavy) and
+each method, batch 1, greedy, a fixed number of new tokens (no early stop), after one warm-up call per method:
+  - tokens/s (new tokens / wall time of `generate`) and the speed-up over plain greedy;
+  - whether the output is token for token plain greedy's (it must be);
+  - verify rounds, mean tokens per round, acceptance rate = accepted draft tokens / drafted tokens (from the target's
+    forward calls: each verification forward sees the drafted tokens plus one);
+  - peak memory of the KDA rollback records (checkpoints + per-token replay inputs) during generation, and the bytes
+    one pending token adds.
+
+Models: the shipped tiny checkpoint (`checkpoints/kdsa-tiny`) and its draft (`checkpoints/kdsa-tiny-draft`) when they
+exist; otherwise random-weight models of the same shape — then the tokens are not meaningful and the table says so.
+
+Task `repetitive` (not an eval task): the copy sources repeated three times, the best case for prompt lookup.
+
+Usage:  .venv/bin/python scripts/bench_speculative.py [--quick] [--tasks copy recall_mid repetitive] [--threads 1]
+        [--out PATH]
+Writes JSON (default runs/bench_speculative.json) and prints a table.
+"""
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from modeling_kdsa.eval import synthetic  # noqa: E402
+from modeling_kdsa.eval.make_data import load_docs  # noqa: E402
+
+from modeling_kdsa import KDSAConfig, KDSAForCausalLM  # noqa: E402
+
+CHECKPOINT = REPO_ROOT / "checkpoints" / "kdsa-tiny"
+DRAFT = REPO_ROOT / "checkpoints" / "kdsa-tiny-draft"
+METHODS = ("plain", "prompt_lookup", "assisted")
+# The copy target is 80 keys; recall answers are one word, so generate on past them.
+NEW_TOKENS = {"copy": 80, "repetitive": 80}
+DEFAULT_NEW_TOKENS = 48
+
+
+def repetitive_docs(count: int) -> list[dict]:
+    """Not an eval task: each copy test doc's 80-key source repeated three times. A model that continues the cycle
+    (what greedy decoding of a random-weight model often does) is the best case for prompt lookup."""
+    docs = []
+    for doc in load_docs("copy")[:count]:
+        source = doc["target"]
+        docs.append({"context": " ".join(["copy", source, "|", source, "|", source])})
+    return docs
+
+
+def random_models(vocab_size: int) -> tuple[KDSAForCausalLM, KDSAForCausalLM]:
+    """The tiny checkpoint's shape (KDA, DSA, KDA, DSA; hidden 128) and a 2-layer draft, random weights."""
+    fields = dict(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_attention_heads=4, linear_num_heads=2,
+        linear_head_dim=32, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, index_n_heads=4, index_head_dim=32, index_topk=64, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=128, first_k_dense_replace=1, attn_res_block_size=4, max_position_embeddings=1024,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    target = KDSAForCausalLM(KDSAConfig(num_hidden_layers=4, layer_types=["linear_attention", "indexed_attention"] * 2,
+                                        **fields))  # fmt: skip
+    draft = KDSAForCausalLM(KDSAConfig(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
+                                       **fields))  # fmt: skip
+    return target.eval(), draft.eval()
+
+
+def load_models() -> tuple[KDSAForCausalLM, KDSAForCausalLM, object, str]:
+    tokenizer = synthetic.build_tokenizer()
+    if not CHECKPOINT.exists():
+        target, draft = random_models(len(tokenizer))
+        return target, draft, tokenizer, "random weights (checkpoints/kdsa-tiny not shipped yet)"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(CHECKPOINT).eval()
+    tokenizer = AutoTokenizer.from_pretrained(CHECKPOINT)
+    if DRAFT.exists():
+        draft = AutoModelForCausalLM.from_pretrained(DRAFT).eval()
+        source = "checkpoints/kdsa-tiny + checkpoints/kdsa-tiny-draft"
+    else:
+        _, draft = random_models(len(tokenizer))
+        source = "checkpoints/kdsa-tiny + a random-weight draft (checkpoints/kdsa-tiny-draft not shipped yet)"
+    return target, draft, tokenizer, source
+
+
+class VerifyCounter:
+    """Watches the target's forward calls during one `generate`: how many tokens each verification drafted, and
+    the peak size of the KDA rollback records."""
+
+    def __init__(self, model: KDSAForCausalLM):
+        self.handles = [
+            model.register_forward_pre_hook(self.before, with_kwargs=True),
+            model.register_forward_hook(self.after, with_kwargs=True),
+        ]
+        self.reset(0)
+
+    def reset(self, prompt_len: int) -> None:
+        self.prompt_len, self.rounds, self.drafted, self.peak_rollback, self.per_token = prompt_len, 0, 0, 0, 0
+
+    def before(self, module, args, kwargs) -> None:
+        new_tokens = kwargs["input_ids"].shape[1]
+        cache = kwargs.get("cache")
+        cached = cache.get_seq_length() if cache is not None else 0
+        # The first call holds the prompt; every later one the last accepted token: the rest is the draft.
+        uncached_known = self.prompt_len if cached == 0 else 1
+        self.drafted += new_tokens - uncached_known
+        self.rounds += 1
+
+    def after(self, module, args, kwargs, output) -> None:
+        if output.cache is not None:
+            usage = output.cache.memory_bytes()
+            self.peak_rollback = max(self.peak_rollback, usage["kda_rollback"])
+            self.per_token = max(self.per_token, usage["rollback_per_token"])
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def method_kwargs(method: str, draft: KDSAForCausalLM, lookup_tokens: int) -> dict:
+    if method == "prompt_lookup":
+        return {"prompt_lookup_num_tokens": lookup_tokens}
+    if method == "assisted":
+        return {"assistant_model": draft}
+    return {}
+
+
+@torch.inference_mode()
+def bench_task(target, draft, tokenizer, task, prompts, new_tokens, lookup_tokens, counter, progress) -> list[dict]:
+    greedy = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    encoded = [tokenizer(doc["context"], return_tensors="pt").input_ids for doc in prompts]
+    rows = []
+    plain_outputs = []
+    for method in METHODS:
+        extra = method_kwargs(method, draft, lookup_tokens)
+        target.generate(encoded[0], **greedy, **extra)  # warm-up
+        seconds, identical, rounds, drafted, peak, per_token = 0.0, True, 0, 0, 0, 0
+        for i, ids in enumerate(encoded):
+            counter.reset(ids.shape[1])
+            start = time.perf_counter()
+            out = target.generate(ids, **greedy, **extra)
+            seconds += time.perf_counter() - start
+            if method == "plain":
+                plain_outputs.append(out)
+            identical &= torch.equal(out, plain_outputs[i])
+            rounds, drafted = rounds + counter.rounds, drafted + counter.drafted
+            peak, per_token = max(peak, counter.peak_rollback), max(per_token, counter.per_token)
+            progress.update(1)
+        generated = new_tokens * len(encoded)
+        accepted = generated - rounds  # each round yields its accepted draft tokens plus one token of its own
+        rows.append({
+            "task": task, "method": method, "prompts": len(encoded), "new_tokens": new_tokens,
+            "tokens_per_s": generated / seconds, "identical_to_plain": identical, "verify_rounds": rounds,
+            "tokens_per_round": generated / rounds, "drafted": drafted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "peak_rollback_bytes": peak, "rollback_bytes_per_pending_token": per_token,
+        })  # fmt: skip
+    plain_speed = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["speedup"] = row["tokens_per_s"] / plain_speed
+    return rows
+
+
+def format_table(rows: list[dict], source: str) -> str:
+    lines = [
+        f"models: {source}",
+        "| task | method | tok/s | speed-up | = plain | rounds | tok/round | accepted | rollback KiB | B/pending tok |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        acceptance = "—" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        lines.append(
+            f"| {r['task']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+            f"{'yes' if r['identical_to_plain'] else 'NO'} | {r['verify_rounds']} | {r['tokens_per_round']:.2f} | "
+            f"{acceptance} | {r['peak_rollback_bytes'] / 1024:.1f} | {r['rollback_bytes_per_pending_token']} |"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", nargs="+", default=["copy", "recall_mid", "repetitive"])
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per task (the first N test docs)")
+    parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads; 1 by default: the tiny models are overhead-bound, and on a shared "
+                             "machine OpenMP threads contending with other jobs slow them down many times")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="1 prompt per task, 16 new tokens (smoke test)")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "bench_speculative.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    num_prompts = 1 if args.quick else args.prompts
+
+    target, draft, tokenizer, source = load_models()
+    counter = VerifyCounter(target)
+    rows = []
+    total = len(args.tasks) * len(METHODS) * num_prompts
+    with tqdm(total=total, desc="generate", dynamic_ncols=True) as progress:
+        for task in args.tasks:
+            new_tokens = 16 if args.quick else NEW_TOKENS.get(task, DEFAULT_NEW_TOKENS)
+            prompts = repetitive_docs(num_prompts) if task == "repetitive" else load_docs(task)[:num_prompts]
+            rows += bench_task(target, draft, tokenizer, task, prompts, new_tokens, args.lookup_tokens, counter,
+                               progress)  # fmt: skip
+    counter.remove()
+
+    table = format_table(rows, source)
+    print(table)
+    result = {
+        "models": source, "target_parameters": sum(p.numel() for p in target.parameters()),
+        "draft_parameters": sum(p.numel() for p in draft.parameters()), "lookup_tokens": args.lookup_tokens,
+        "assistant": {"num_assistant_tokens": draft.generation_config.num_assistant_tokens,
+                      "schedule": draft.generation_config.num_assistant_tokens_schedule},
+        "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "platform": platform.platform(),
+        "rows": rows,
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
