@@ -225,10 +225,11 @@ def _indexer_topk(attn, store: KDSAPagedLayer, q_index, weights, query_start: in
     view.stats.indexer_seconds += time.perf_counter() - started
     if mesh.tp_size == 1:
         return selected
-    local = torch.full((q_index.shape[0], piece, attn.index_topk), -1, dtype=torch.long, device=q_index.device)
+    # int32 on the wire: positions are < 2^31, and it halves the bytes.
+    local = torch.full((q_index.shape[0], piece, attn.index_topk), -1, dtype=torch.int32, device=q_index.device)
     if selected is not None:
         local[:, : last - first, : selected.shape[-1]] = selected
-    return torch.cat(mesh.all_gather(local, "tp", "tp.indexer_indices"), dim=1)[:, :num_queries]
+    return torch.cat(mesh.all_gather(local, "tp", "tp.indexer_indices"), dim=1)[:, :num_queries].long()
 
 
 def _dsa_forward(attn, hidden, position_embeddings, view: _RankView, cache: KDSACache | None) -> torch.Tensor:
