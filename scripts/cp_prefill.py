@@ -2,7 +2,7 @@
 activation memory, bytes communicated per layer; a projection to 128k-1M tokens on 8-64 devices. DESIGN.md §6.
 
     torchrun --nproc_per_node 4 scripts/cp_prefill.py --cp 2 --tp 2 --seq-len 4096
-    accelerate launch --cpu --num_processes 4 scripts/cp_prefill.py --cp 2 --tp 2
+    accelerate launch --multi_gpu --num_processes 4 scripts/cp_prefill.py --cp 2 --tp 2   # also on CPU: gloo
     python scripts/cp_prefill.py --seq-len 2048            # cp = tp = 1, no launcher needed
 
 Random weights (the timing does not depend on them). Prints a per-rank table, a per-layer communication table and
