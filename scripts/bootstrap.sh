@@ -7,11 +7,11 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-if ! .venv/bin/python -c "import modeling_kdsa, pytest, lm_eval" >/dev/null 2>&1; then
-  .venv/bin/pip install -q -U pip
-  .venv/bin/pip install -q torch==2.13.0
-  .venv/bin/pip install -q -e ".[test,eval]"
-fi
+# Always run pip (a few seconds when everything is there), so a dependency added to pyproject.toml is installed
+# into an existing .venv too.
+.venv/bin/pip install -q -U pip
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e ".[test,eval]"
 if .venv/bin/python -c "import triton" >/dev/null 2>&1; then
   echo "bootstrap: triton is installed in .venv; it breaks CPU fallbacks (see README). Remove it: .venv/bin/pip uninstall -y triton" >&2
   exit 1
