@@ -1,91 +1,95 @@
-"""The README's main job: load a KDSA checkpoint with AutoModelForCausalLM, generate, report speed and cache memory.
+"""The README's main job: load the shipped KDSA checkpoint, generate, report speed and cache memory.
 
-Until the trained tiny checkpoint ships (its own issue), this builds a tiny RANDOM-WEIGHT model, saves it and loads it
-back through `AutoModelForCausalLM.from_pretrained`, and says so on screen: the generated tokens are meaningless, the
-mechanics (save/load, mixed KDA/DSA cache, sparse top-k over a context longer than index_topk) are real.
+    .venv/bin/python scripts/demo.py [--checkpoint DIR] [--dtype float32|bfloat16] [--batch N] [--threads N]
+
+Loads `checkpoints/kdsa-tiny` (trained here by scripts/train_tiny.py; no download) with
+`AutoModelForCausalLM.from_pretrained`, then
+1. asks it a recall question whose needle sits further back than `index_topk` tokens (so a window of that many recent
+   tokens could not see it; the Lightning Indexer has to find it) and prints the prompt and the decoded answer;
+2. copies a batch of 80-key sequences with `generate()` and reports prefill and generation tokens/s;
+3. prints the cache memory by kind (`KDSACache.memory_bytes()`).
 """
 
 import argparse
-import tempfile
 import time
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from modeling_kdsa.eval.make_data import load_docs
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from modeling_kdsa import KDSAConfig, KDSAForCausalLM
+import modeling_kdsa  # noqa: F401  (registers the architecture locally; the checkpoint also carries remote code)
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "kdsa-tiny"
 
 
-def tiny_random_config() -> KDSAConfig:
-    return KDSAConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        linear_num_heads=4,
-        linear_head_dim=32,
-        q_lora_rank=64,
-        kv_lora_rank=64,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
-        index_n_heads=4,
-        index_head_dim=32,
-        index_topk=64,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        attn_res_block_size=4,
-        max_position_embeddings=4096,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+def shorten(text: str, head: int = 8, tail: int = 6) -> str:
+    words = text.split()
+    if len(words) <= head + tail:
+        return text
+    return " ".join(words[:head] + [f"... ({len(words) - head - tail} words) ..."] + words[-tail:])
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompt-tokens", type=int, default=256)
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--batch", type=int, default=4, help="copy prompts generated together")
+    # One thread by default: on a shared 2-core machine two OpenMP threads waiting for each other ran a prefill
+    # ~100x slower than one (measured). Raise it on a quiet many-core machine.
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
 
-    print("NOTE: no trained checkpoint ships yet -- this demo uses a tiny RANDOM-WEIGHT KDSA model.")
-    print("      The generated token ids are meaningless; speed, memory and the load path are real.\n")
-    with tempfile.TemporaryDirectory() as folder:
-        KDSAForCausalLM(tiny_random_config()).save_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=getattr(torch, args.dtype)).eval()
     config = model.config
     n_params = sum(p.numel() for p in model.parameters())
     kinds = ["KDA" if t == "linear_attention" else "DSA" for t in config.layer_types]
+    print(f"checkpoint: {args.checkpoint}")
     print(f"model: {type(model).__name__}, {n_params / 1e6:.2f} M parameters, dtype {args.dtype}")
-    print(f"layers: {' '.join(kinds)}; index_topk={config.index_topk}; AttnRes block={config.attn_res_block_size}")
+    print(f"layers: {' '.join(kinds)}; index_topk={config.index_topk}; AttnRes block={config.attn_res_block_size}; "
+          f"MoE {config.n_routed_experts} experts top-{config.num_experts_per_tok}")  # fmt: skip
 
-    prompt = torch.randint(3, config.vocab_size, (args.batch, args.prompt_tokens))
+    # 1. Recall: the first held-out doc whose needle is more than index_topk tokens back.
+    doc = next(d for d in load_docs("recall_far") if d["distance"] > config.index_topk)
+    ids = tokenizer(doc["context"], return_tensors="pt").input_ids
     with torch.inference_mode():
-        model(prompt[:, :16])  # warm-up: first-call allocations are not what a user waits for
+        answer_ids = model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=config.pad_token_id)
+    answer = tokenizer.decode(answer_ids[0, ids.shape[1] :])
+    needle = doc["context"].split()[-1]
+    print(f"\nrecall prompt ({ids.shape[1]} tokens): {shorten(doc['context'])}")
+    print(f"  the pair '{needle} {doc['target']}' sits {doc['distance']} tokens before the question "
+          f"(> index_topk={config.index_topk})")  # fmt: skip
+    print(f"  model answer: {answer!r}   expected: {doc['target']!r}   {'OK' if answer == doc['target'] else 'WRONG'}")
+
+    # 2. Copy a batch with generate(): prefill and decode speed.
+    docs = load_docs("copy")[: args.batch]
+    prompts = tokenizer([d["context"] for d in docs], return_tensors="pt").input_ids
+    new_tokens = len(docs[0]["target"].split())
+    with torch.inference_mode():
+        model(prompts[:, :16])  # warm-up: first-call allocations are not what a user waits for
         start = time.perf_counter()
-        model(prompt, use_cache=True)
+        model(prompts, use_cache=True)
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         generated = model.generate(
-            prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+            prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
             pad_token_id=config.pad_token_id, return_dict_in_generate=True,
         )  # fmt: skip
         generate_s = time.perf_counter() - start
-
-    new_tokens = generated.sequences[:, args.prompt_tokens :]
-    print(f"\nprompt: {args.batch} x {args.prompt_tokens} random token ids (context > index_topk, so DSA is sparse)")
-    for row in range(args.batch):
-        print(f"row {row} generated ids: {new_tokens[row, :16].tolist()} ...")
-    total_new = args.batch * args.new_tokens
-    print(f"\nprefill: {args.batch * args.prompt_tokens / prefill_s:,.0f} tokens/s ({prefill_s * 1e3:.0f} ms)")
-    print(f"generate (prefill + {args.new_tokens} steps): {total_new / generate_s:,.1f} new tokens/s")
+    outputs = tokenizer.batch_decode(generated.sequences[:, prompts.shape[1] :])
+    exact = sum(out == d["target"] for out, d in zip(outputs, docs, strict=True))
+    print(f"\ncopy prompt: {shorten(docs[0]['context'])}")
+    print(f"  generated:  {shorten(outputs[0])}")
+    print(f"  {exact}/{len(docs)} copies exact ({new_tokens} keys each, the source {new_tokens + 1} tokens back)")
+    total_new = args.batch * new_tokens
+    print(f"\nprefill: {prompts.numel() / prefill_s:,.0f} tokens/s ({args.batch} x {prompts.shape[1]} tokens, "
+          f"{prefill_s * 1e3:.0f} ms)")  # fmt: skip
+    print(f"generate (prefill + {new_tokens} steps, batch {args.batch}): {total_new / generate_s:,.1f} new tokens/s")
 
     usage = generated.cache.memory_bytes()  # KDSACache: exact bytes by kind
-    context = args.prompt_tokens + args.new_tokens - 1
+    context = prompts.shape[1] + new_tokens - 1
     print(f"\ncache after generation ({args.batch} sequences, {context} cached tokens each):")
     print(f"  KDA conv + recurrent states       {usage['kda_states'] / 1024:10.1f} KiB (constant in context length)")
     print(f"  DSA pages in use (latent+indexer) {usage['dsa_in_use'] / 1024:10.1f} KiB")
