@@ -1,8 +1,10 @@
 """KDSA: hybrid KDA + DSA language models for Hugging Face transformers.
 
 Importing this package registers the architecture with the Auto classes, so
-`AutoModelForCausalLM.from_pretrained(path)` works without `trust_remote_code`. Saved checkpoints also carry the
-model files as remote code (`auto_map`), for environments where this package is not installed.
+`AutoModelForCausalLM.from_pretrained(path)` works without `trust_remote_code`, and registers the "kdsa" quantization
+method (`modeling_kdsa.quantization`: `from_pretrained(..., quantization_config=KDSAQuantizationConfig())`). Saved
+checkpoints also carry the model files as remote code (`auto_map`), for environments where this package is not
+installed.
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -20,4 +22,9 @@ KDSAConfig.register_for_auto_class()
 KDSAModel.register_for_auto_class("AutoModel")
 KDSAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
-__all__ = ["KDSAConfig", "KDSAModel", "KDSAForCausalLM", "KDSAPreTrainedModel"]
+# After the model classes: quantization/ builds on them (DESIGN.md §1); the model files never import it.
+from .quantization import KDSAQuantizationConfig, register  # noqa: E402
+
+register()
+
+__all__ = ["KDSAConfig", "KDSAModel", "KDSAForCausalLM", "KDSAPreTrainedModel", "KDSAQuantizationConfig"]

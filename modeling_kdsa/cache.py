@@ -11,6 +11,11 @@
   copy-on-write for the page being filled).
 - The store, not the layer, calls the kernels that read it (`dsa_paged_ops`): the fused indexer/top-k and the sparse
   attention over the selected entries, chosen by `config.kernel_backend`.
+- Formats (DESIGN.md §5, `numeric_formats.CacheFormats`, chosen from `config.quantization_config` when the cache is
+  built): each store holds either model-dtype pages or quantized pages (`QuantizedRows`: FP8 latent tiles + fp32
+  scales + the RoPE part unquantized; MXFP8 indexer keys + E8M0 scales). One code path for both: rows are encoded
+  on `append`, pages are allocated, copied and counted plane by plane, and the kernels dequantize only the pages /
+  rows they read. With MXFP8 indexer keys the queries are MXFP8-rounded too before scoring.
 
 Every sequence of a batch has the same number of cached tokens (generate left-pads); padding is described by the
 attention mask the model passes to the kernels.
@@ -24,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCach
 from .configuration_kdsa import DSA_LAYER
 from .dsa_paged_ops import dsa_kernels
 from .kda_ops import chunk_kda, recurrent_kda
+from .numeric_formats import CacheFormats, QuantizedRows
 
 PAGE_SIZE = 64  # tokens per page: the CUDA DSA kernels' block size (reference/dsa.md §4.2, §8.7)
 
@@ -36,22 +42,55 @@ def resolve_kernel_backend(backend: str, device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else "torch"
 
 
+def _planes(pages) -> tuple[torch.Tensor, ...]:
+    """The tensors a store is made of: one for model-dtype pages, three for `QuantizedRows`."""
+    return tuple(pages) if isinstance(pages, QuantizedRows) else (pages,)
+
+
+def _bytes_view(plane: torch.Tensor) -> torch.Tensor:
+    """FP8 planes as uint8 for writes: CPU torch has no `index_put` / `copy_` kernels for some 8-bit float types
+    (float8_e8m0fnu); the bytes are the values."""
+    return plane.view(torch.uint8) if plane.element_size() == 1 and plane.is_floating_point() else plane
+
+
+def _map_planes(pages, function):
+    """`function` applied to every plane, same container type back."""
+    return pages.map(function) if isinstance(pages, QuantizedRows) else function(pages)
+
+
 class KDSAPagedLayer(CacheLayerMixin):
     """Paged latent + indexer-key store of one DSA layer.
 
-    kv_pages: `[P, page_size, C + R]`, index_pages: `[P, page_size, DI]` (model dtype), block_table: int64
-    `[B, pages per sequence]` (-1 = unused), `num_tokens`: cached tokens per sequence. Physical pages come from a
-    pool that doubles when it runs out; `page_refcount[p]` counts the block-table entries pointing at page `p`.
+    kv_pages: `[P, page_size, C + R]`, index_pages: `[P, page_size, DI]` — model-dtype tensors, or `QuantizedRows` of
+    that geometry when `formats` quantizes them (module doc); block_table: int64 `[B, pages per sequence]`
+    (-1 = unused), `num_tokens`: cached tokens per sequence. Physical pages come from a pool that doubles when it
+    runs out; `page_refcount[p]` counts the block-table entries pointing at page `p`. `latent_width` (C) is the part
+    of a kv row that `kv_cache="fp8"` quantizes; the rest (RoPE) stays in the model dtype.
     """
 
     is_croppable = True  # `crop` truncates the block table: exact
 
-    def __init__(self, kv_width: int, index_width: int, kernel_backend: str, page_size: int = PAGE_SIZE):
+    def __init__(
+        self,
+        kv_width: int,
+        index_width: int,
+        kernel_backend: str,
+        page_size: int = PAGE_SIZE,
+        formats: CacheFormats | None = None,
+        latent_width: int | None = None,
+    ):
         super().__init__()
         self.kv_width = kv_width
         self.index_width = index_width
         self.kernel_backend = kernel_backend
         self.page_size = page_size
+        self.formats = CacheFormats() if formats is None else formats
+        self.latent_width = kv_width if latent_width is None else latent_width
+        if self.formats.kv_cache != "bf16" and self.latent_width % self.formats.kv_cache_tile_size:
+            raise ValueError(
+                f"kv_cache={self.formats.kv_cache!r} needs the latent width {self.latent_width} to be a multiple of "
+                f"kv_cache_tile_size={self.formats.kv_cache_tile_size}"
+            )
         self.kv_pages: torch.Tensor | None = None
         self.index_pages: torch.Tensor | None = None
         self.block_table: torch.Tensor | None = None
@@ -59,12 +98,35 @@ class KDSAPagedLayer(CacheLayerMixin):
         self.free_pages: list[int] = []
         self.num_tokens = 0
 
+    @classmethod
+    def from_config(cls, config, page_size: int = PAGE_SIZE) -> "KDSAPagedLayer":
+        """The store of a DSA layer of `config`, in the formats `config.quantization_config` asks for."""
+        return cls(
+            kv_width=config.kv_lora_rank + config.qk_rope_head_dim,
+            index_width=config.index_head_dim,
+            kernel_backend=config.kernel_backend,
+            page_size=page_size,
+            formats=CacheFormats.from_config(config),
+            latent_width=config.kv_lora_rank,
+        )
+
     # ---------------------------------------------------------------------------------------------- bookkeeping
+    def _encode(self, kv_rows: torch.Tensor, index_keys: torch.Tensor):
+        """Rows `[..., C + R]` and keys `[..., DI]` in the stored formats (tensors or `QuantizedRows`)."""
+        kv_rows, index_keys = kv_rows.to(self.dtype), index_keys.to(self.dtype)
+        return (
+            self.formats.encode_kv_rows(kv_rows, self.latent_width),
+            self.formats.encode_index_keys(index_keys),
+        )
+
     def lazy_initialization(self, kv_rows: torch.Tensor, index_keys: torch.Tensor) -> None:
         batch_size = kv_rows.shape[0]
         self.dtype, self.device = kv_rows.dtype, kv_rows.device
-        self.kv_pages = kv_rows.new_zeros(0, self.page_size, self.kv_width)
-        self.index_pages = index_keys.new_zeros(0, self.page_size, self.index_width)
+        # Empty pools in the stored formats: encoding zero rows gives every plane its dtype and width.
+        self.kv_pages, self.index_pages = self._encode(
+            kv_rows.new_zeros(0, self.page_size, self.kv_width),
+            index_keys.new_zeros(0, self.page_size, self.index_width),
+        )
         self.block_table = torch.full((batch_size, 0), -1, dtype=torch.long, device=self.device)
         self.kernels = dsa_kernels(resolve_kernel_backend(self.kernel_backend, self.device))
         self.is_initialized = True
@@ -78,13 +140,16 @@ class KDSAPagedLayer(CacheLayerMixin):
         missing = min_free - len(self.free_pages)
         if missing <= 0:
             return
-        old = self.kv_pages.shape[0]
+        old = len(self.page_refcount)
         new = max(2 * old, old + missing, 4)
-        kv_pages = self.kv_pages.new_zeros(new, self.page_size, self.kv_width)
-        index_pages = self.index_pages.new_zeros(new, self.page_size, self.index_width)
-        kv_pages[:old] = self.kv_pages
-        index_pages[:old] = self.index_pages
-        self.kv_pages, self.index_pages = kv_pages, index_pages
+
+        def grown(plane: torch.Tensor) -> torch.Tensor:
+            larger = plane.new_zeros(new, *plane.shape[1:])
+            _bytes_view(larger)[:old] = _bytes_view(plane)
+            return larger
+
+        self.kv_pages = _map_planes(self.kv_pages, grown)
+        self.index_pages = _map_planes(self.index_pages, grown)
         self.page_refcount.extend([0] * (new - old))
         self.free_pages.extend(range(new - 1, old - 1, -1))  # pop() hands out low page ids first
 
@@ -119,8 +184,8 @@ class KDSAPagedLayer(CacheLayerMixin):
         for row in rows:
             if shared_partial and self.page_refcount[row[first_page]] > 1:
                 shared, private = row[first_page], self._take_page()
-                self.kv_pages[private] = self.kv_pages[shared]
-                self.index_pages[private] = self.index_pages[shared]
+                for plane in _planes(self.kv_pages) + _planes(self.index_pages):
+                    _bytes_view(plane)[private] = _bytes_view(plane)[shared]
                 self._release(shared)
                 row[first_page] = private
             for p in range(first_page, last_page + 1):
@@ -147,10 +212,11 @@ class KDSAPagedLayer(CacheLayerMixin):
             return past
         self._prepare_pages(new_tokens)
         slots = self.physical_slots(torch.arange(past, past + new_tokens, device=self.device).expand(batch_size, -1))
-        self.kv_pages.view(-1, self.kv_width)[slots.reshape(-1)] = kv_rows.reshape(-1, self.kv_width).to(self.dtype)
-        self.index_pages.view(-1, self.index_width)[slots.reshape(-1)] = index_keys.reshape(-1, self.index_width).to(
-            self.dtype
-        )
+        slots = slots.reshape(-1)
+        kv_rows, index_keys = self._encode(kv_rows, index_keys)
+        for pages, rows in ((self.kv_pages, kv_rows), (self.index_pages, index_keys)):
+            for plane, new in zip(_planes(pages), _planes(rows), strict=True):
+                _bytes_view(plane).flatten(0, 1)[slots] = _bytes_view(new).flatten(0, 1)
         self.num_tokens = past + new_tokens
         return past
 
@@ -168,8 +234,10 @@ class KDSAPagedLayer(CacheLayerMixin):
         index_topk: int,
         key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Top-`index_topk` cached positions per query (fused indexer over the pages); see dsa_paged_ops."""
+        """Top-`index_topk` cached positions per query (fused indexer over the pages); see dsa_paged_ops. With MXFP8
+        keys, the queries `[B, T, HI, DI]` are MXFP8-rounded first (dynamic, per block of 32)."""
         indexer, _ = self.kernels
+        q_index = self.formats.quantize_index_queries(q_index)
         return indexer(
             q_index, weights, self.index_pages, self.block_table, self.num_tokens, index_topk, query_start,
             key_padding_mask,
@@ -225,15 +293,22 @@ class KDSAPagedLayer(CacheLayerMixin):
         self.num_tokens = new_length
 
     def reset(self) -> None:
-        self.__init__(self.kv_width, self.index_width, self.kernel_backend, self.page_size)
+        self.__init__(
+            self.kv_width, self.index_width, self.kernel_backend, self.page_size, self.formats, self.latent_width
+        )
+
+    def bytes_per_token(self) -> int:
+        """Bytes one cached token takes in this store: its row in every plane (values, scales, RoPE part)."""
+        planes = _planes(self.kv_pages) + _planes(self.index_pages)
+        return sum(plane.shape[-1] * plane.element_size() for plane in planes)
 
     def memory_bytes(self) -> dict[str, int]:
         """`allocated`: the page pool; `in_use`: pages some sequence points at (shared pages counted once)."""
         if not self.is_initialized:
             return {"allocated": 0, "in_use": 0}
-        page_bytes = (self.kv_pages[0].nbytes + self.index_pages[0].nbytes) if self.kv_pages.shape[0] else 0
         in_use = sum(1 for count in self.page_refcount if count > 0)
-        return {"allocated": self.kv_pages.nbytes + self.index_pages.nbytes, "in_use": in_use * page_bytes}
+        allocated = sum(plane.nbytes for plane in _planes(self.kv_pages) + _planes(self.index_pages))
+        return {"allocated": allocated, "in_use": in_use * self.page_size * self.bytes_per_token()}
 
 
 # Default rollback window of a KDA layer (tokens since the checkpoint whose replay inputs are kept). transformers
@@ -473,6 +548,7 @@ class KDSACache(Cache):
     The default 0 keeps no replay records (no cost; a KDA rollback raises), because most forwards never crop;
     `generate()` passes `ROLLBACK_TOKENS` itself for assisted generation / prompt lookup and for draft models.
     Pass it yourself to `crop` a cache you drive by hand.
+    DSA stores take their formats from `config.quantization_config` (`numeric_formats.CacheFormats.from_config`).
     """
 
     def __init__(
@@ -485,14 +561,7 @@ class KDSACache(Cache):
         layers = []
         for layer_type in config.layer_types:
             if layer_type == DSA_LAYER:
-                layers.append(
-                    KDSAPagedLayer(
-                        kv_width=config.kv_lora_rank + config.qk_rope_head_dim,
-                        index_width=config.index_head_dim,
-                        kernel_backend=config.kernel_backend,
-                        page_size=page_size,
-                    )
-                )
+                layers.append(KDSAPagedLayer.from_config(config, page_size))
             else:
                 layers.append(KDAReplayLayer(config.linear_conv_kernel_dim, rollback_tokens))
         super().__init__(layers=layers)
@@ -570,7 +639,8 @@ class KDSACache(Cache):
     def memory_bytes(self) -> dict[str, int | float]:
         """Exact bytes held: `dsa_allocated` (page pools), `dsa_in_use` (referenced pages), `kda_states` (conv windows
         + fp32 recurrent states), `kda_rollback` (KDA checkpoints + replay records), `total` (allocated + KDA),
-        `per_token`: the DSA bytes one cached token adds to one sequence (`Σ_DSA layers (C + R + DI) · itemsize`),
+        `per_token`: the DSA bytes one cached token adds to one sequence (`Σ_DSA layers` of its row in every plane:
+        `(C + R + DI) · itemsize` unquantized; see `KDSAPagedLayer.bytes_per_token`),
         and `rollback_per_token`: the record bytes one pending token adds to one sequence (all KDA layers)."""
         dsa_allocated = dsa_in_use = kda_states = kda_rollback = per_token = rollback_per_token = 0
         for layer in self.layers:
@@ -579,7 +649,7 @@ class KDSACache(Cache):
                 dsa_allocated += usage["allocated"]
                 dsa_in_use += usage["in_use"]
                 if layer.is_initialized:
-                    per_token += (layer.kv_width + layer.index_width) * layer.kv_pages.element_size()
+                    per_token += layer.bytes_per_token()
             else:
                 usage = layer.memory_bytes()
                 kda_states += usage["states"]

@@ -7,6 +7,8 @@ the concept is the same, so that converters for those checkpoints are a renaming
 from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import PreTrainedConfig
 
+from .numeric_formats import CacheFormats
+
 # The built-in transformers layer-type names, so that `DynamicCache(config)` and masks work unchanged.
 KDA_LAYER = "linear_attention"
 DSA_LAYER = "indexed_attention"
@@ -120,6 +122,10 @@ class KDSAConfig(PreTrainedConfig):
         self.head_dim = self.qk_rope_head_dim
         self._check_consistency()
         super().__post_init__(**kwargs)
+        # A checkpoint's `quantization_config` (set by the line above): transformers only warns and skips an
+        # unregistered quant_method, which would load a silently wrong model, so fail here; for "kdsa", check that the
+        # chosen blocks divide the cached widths (numeric_formats.CacheFormats.from_config raises naming the field).
+        CacheFormats.from_config(self)
 
     def _check_consistency(self):
         """Raise a `ValueError` naming the offending field (DESIGN.md §10). Runs before transformers' validators,

@@ -111,6 +111,8 @@ class KDSASparseAttention(nn.Module):
         self.v_head_dim = config.v_head_dim
         self.index_topk = config.index_topk
         self.kernel_backend = config.kernel_backend
+        # Read when a store is built (`_store`): `quantization_config` is attached after __init__ on load.
+        self.config = config
         self.softmax_scale = mla_softmax_scale(config)
         # Bounds prefill memory (dsa_ops.QUERY_BLOCK_SIZE); results do not depend on it.
         self.query_block_size = QUERY_BLOCK_SIZE
@@ -171,13 +173,10 @@ class KDSASparseAttention(nn.Module):
 
     def _store(self, cache) -> KDSAPagedLayer:
         """This layer's paged latent + indexer-key store: the cache's, or a private one for a forward without
-        cache, so that prefill and decode always run the same kernels over the same layout."""
+        cache, so that prefill and decode always run the same kernels over the same layout and formats (a quantized
+        cache quantizes a cache-less forward too)."""
         if cache is None:
-            return KDSAPagedLayer(
-                kv_width=self.kv_lora_rank + self.qk_rope_head_dim,
-                index_width=self.indexer.head_dim,
-                kernel_backend=self.kernel_backend,
-            )
+            return KDSAPagedLayer.from_config(self.config)
         layers = getattr(cache, "layers", [])
         if self.layer_idx >= len(layers) or not isinstance(layers[self.layer_idx], KDSAPagedLayer):
             raise ValueError(

@@ -13,10 +13,14 @@ Three implementations with the same signatures, picked by name through `dsa_kern
 - `compiled`: the same code with its per-block work compiled by `torch.compile` (inductor), cached on disk.
 
 Page layout (owned by `KDSACache`): `kv_pages` `[num_pages, P, C + R]` rows `[normalised latent c | RoPE'd k_pe]`;
-`index_pages` `[num_pages, P, DI]` indexer keys; `block_table` int `[B, max_pages]`, logical token `s` of sequence
-`b` in page `block_table[b, s // P]`, slot `s % P`, unused entries -1. All sequences of a call hold `num_keys` tokens
-(left padding is described by `key_padding_mask`). A query at position `p` sees the keys `s <= p` that are not
-padding; queries of a call sit at `query_start + i`.
+`index_pages` `[num_pages, P, DI]` indexer keys. Either store may instead be quantized (DESIGN.md §5,
+`numeric_formats.QuantizedRows` of the same `[num_pages, P, ...]` shape: FP8 latent tiles + fp32 scales + the RoPE part
+unquantized, or MXFP8 indexer keys + E8M0 scales); every kernel then gathers the quantized pages / rows it reads and
+dequantizes exactly those (`read_pages`, `read_rows`) into the query dtype, so the math after the read is the BF16
+path's (on CPU an MXFP8 / FP8 GEMM is emulated as dequantize + GEMM, reference/techniques.md §0.6).
+`block_table` int `[B, max_pages]`, logical token `s` of sequence `b` in page `block_table[b, s // P]`, slot `s % P`,
+unused entries -1. All sequences of a call hold `num_keys` tokens (left padding is described by `key_padding_mask`).
+A query at position `p` sees the keys `s <= p` that are not padding; queries of a call sit at `query_start + i`.
 
 Legend: `B` batch, `T` queries, `S` keys (`num_keys`), `P` page size, `H` MLA heads, `HI` indexer heads, `DI`
 indexer head dim, `C` kv_lora_rank, `R` qk_rope_head_dim (0 for NoPE), `K` selected keys per query.
@@ -28,6 +32,7 @@ import torch
 import torch.fx.experimental._config
 
 from .dsa_ops import indexer_topk, sparse_mla_attention
+from .numeric_formats import QuantizedRows
 
 # Bound on what the indexer holds per key block and sequence, the gathered keys `[n, DI]` plus the products
 # `[T, HI, n]`: 2M elements whatever the context length. Blocks are as large as this allows because every block
@@ -55,14 +60,43 @@ def _ceil_div(numerator: int, denominator: int) -> int:
     return -(-numerator // denominator)
 
 
+def page_geometry(pages) -> tuple[int, int, int]:
+    """`(num_pages, page_size, row width)` of plain pages `[N, P, W]` or quantized ones (`QuantizedRows`)."""
+    if isinstance(pages, QuantizedRows):
+        return (*pages.elements.shape[:2], pages.width)
+    if pages.dim() != 3:
+        raise ValueError(f"pages must be [num_pages, page_size, width], got shape {tuple(pages.shape)}")
+    return tuple(pages.shape)
+
+
+def _is_paged(pages) -> bool:
+    return isinstance(pages, QuantizedRows) or pages.dim() == 3
+
+
+def read_pages(pages, page_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Pages `page_ids` `[n]` as values `[n, P, W]`: plain pages as they are stored, quantized pages dequantized
+    into `dtype` (only the pages read)."""
+    if isinstance(pages, QuantizedRows):
+        return pages.map(lambda part: part.index_select(0, page_ids)).dequantize(dtype)
+    return pages.index_select(0, page_ids)
+
+
+def read_rows(pages, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows at flat slot ids `slots` `[n]` (`page * P + offset`) as values `[n, W]`: plain rows as stored, quantized
+    rows gathered with their scales and dequantized into `dtype` (only the rows read)."""
+    if isinstance(pages, QuantizedRows):
+        return pages.map(lambda part: part.flatten(0, 1).index_select(0, slots)).dequantize(dtype)
+    return pages.view(-1, pages.shape[-1]).index_select(0, slots)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Input checks (shared by all backends; they run eagerly, before any compiled code)
 
 
 def _check_block_table(pages: torch.Tensor, block_table: torch.Tensor, num_tokens: int, batch: int, name: str):
     """block_table must be an integer `[batch, max_pages]` table that maps the first `num_tokens` tokens of every
-    sequence to existing pages of `pages` `[num_pages, P, width]`."""
-    if pages.dim() != 3:
+    sequence to existing pages of `pages` `[num_pages, P, width]` (or quantized pages of that geometry)."""
+    if not isinstance(pages, QuantizedRows) and pages.dim() != 3:
         raise ValueError(f"{name} must be [num_pages, page_size, width], got shape {tuple(pages.shape)}")
     if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
         raise ValueError(
@@ -71,7 +105,7 @@ def _check_block_table(pages: torch.Tensor, block_table: torch.Tensor, num_token
         )
     if block_table.shape[0] != batch:
         raise ValueError(f"block_table has {block_table.shape[0]} rows, expected batch={batch}")
-    num_pages, page_size = pages.shape[:2]
+    num_pages, page_size, _ = page_geometry(pages)
     capacity = block_table.shape[1] * page_size
     if num_tokens < 0 or num_tokens > capacity:
         raise ValueError(
@@ -91,9 +125,10 @@ def _check_indexer_inputs(q_index, weights, index_pages, block_table, num_keys, 
         raise ValueError(f"q_index must be [batch, queries, index_heads, index_head_dim], got {tuple(q_index.shape)}")
     if tuple(weights.shape) != tuple(q_index.shape[:3]):
         raise ValueError(f"weights must have shape {tuple(q_index.shape[:3])}, got {tuple(weights.shape)}")
-    if index_pages.dim() == 3 and index_pages.shape[-1] != q_index.shape[-1]:
+    if _is_paged(index_pages) and page_geometry(index_pages)[-1] != q_index.shape[-1]:
         raise ValueError(
-            f"index_pages width {index_pages.shape[-1]} != q_index head dim {q_index.shape[-1]} (index_head_dim)"
+            f"index_pages width {page_geometry(index_pages)[-1]} != q_index head dim {q_index.shape[-1]} "
+            "(index_head_dim)"
         )
     if index_topk <= 0:
         raise ValueError(f"index_topk must be > 0, got {index_topk}")
@@ -116,20 +151,21 @@ def _check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices):
     if indices.dim() != 3 or tuple(indices.shape[:2]) != tuple(q_latent.shape[:2]) or indices.is_floating_point():
         raise ValueError(f"indices must be integer [B, T, K] with B, T of q_latent, got {tuple(indices.shape)}")
     width = q_latent.shape[-1] + q_pe.shape[-1]
-    if kv_pages.dim() != 3 or kv_pages.shape[-1] != width:
+    if not _is_paged(kv_pages) or page_geometry(kv_pages)[-1] != width:
+        shape = page_geometry(kv_pages) if _is_paged(kv_pages) else tuple(kv_pages.shape)
         raise ValueError(
-            f"kv_pages must be [num_pages, page_size, C + R = {width}] (kv_lora_rank + qk_rope_head_dim), "
-            f"got {tuple(kv_pages.shape)}"
+            f"kv_pages must be [num_pages, page_size, C + R = {width}] (kv_lora_rank + qk_rope_head_dim), got {shape}"
         )
-    if not kv_pages.is_contiguous():
+    parts = kv_pages if isinstance(kv_pages, QuantizedRows) else (kv_pages,)
+    if not all(part.is_contiguous() for part in parts):
         raise ValueError("kv_pages must be contiguous: the fused kernel reads its rows by flat slot id")
     _check_block_table(kv_pages, block_table, 0, q_latent.shape[0], "kv_pages")
     # Every selected key must sit in a mapped page: reading page 0 instead would be a silent wrong answer.
-    page_size = kv_pages.shape[1]
+    num_pages, page_size, _ = page_geometry(kv_pages)
     capacity = block_table.shape[1] * page_size
     logical_pages = (indices.clamp(0, capacity - 1) // page_size).flatten(1)
     physical_pages = block_table.gather(1, logical_pages).view_as(indices)
-    unmapped = (indices >= capacity) | ((indices >= 0) & ((physical_pages < 0) | (physical_pages >= kv_pages.shape[0])))
+    unmapped = (indices >= capacity) | ((indices >= 0) & ((physical_pages < 0) | (physical_pages >= num_pages)))
     if unmapped.any():
         raise ValueError("indices select keys whose page the block table does not map (-1 or beyond the table)")
 
@@ -138,14 +174,17 @@ def _check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices):
 # Reference: gather the pages, then the contiguous dsa_ops kernels
 
 
-def gather_pages(pages: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def gather_pages(pages, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Contiguous copy of the first `num_tokens` tokens of every sequence (reference/dsa.md §4.1).
 
-    pages: `[num_pages, P, width]`; block_table: int `[B, max_pages]`. Returns `[B, num_tokens, width]`.
+    pages: `[num_pages, P, width]` or quantized pages (dequantized into `dtype`, required then); block_table: int
+    `[B, max_pages]`. Returns `[B, num_tokens, width]`.
     """
     _check_block_table(pages, block_table, num_tokens, block_table.shape[0], "pages")
-    used = block_table[:, : _ceil_div(num_tokens, pages.shape[1])]
-    return pages[used].flatten(1, 2)[:, :num_tokens].contiguous()
+    batch = block_table.shape[0]
+    used = block_table[:, : _ceil_div(num_tokens, page_geometry(pages)[1])]
+    rows = read_pages(pages, used.reshape(-1), dtype)
+    return rows.view(batch, -1, rows.shape[-1])[:, :num_tokens].contiguous()
 
 
 def paged_indexer_topk_reference(
@@ -168,7 +207,7 @@ def paged_indexer_topk_reference(
     _check_indexer_inputs(
         q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask
     )
-    k_index = gather_pages(index_pages, block_table, num_keys)
+    k_index = gather_pages(index_pages, block_table, num_keys, q_index.dtype)
     return indexer_topk(q_index, weights, k_index, index_topk, query_start, key_padding_mask)
 
 
@@ -191,7 +230,7 @@ def paged_sparse_mla_reference(
     num_tokens = int(indices.max()) + 1 if indices.numel() else 0
     if num_tokens == 0:
         return q_latent.new_zeros(q_latent.shape)  # no valid key anywhere: every row gives 0 (§6)
-    rows = gather_pages(kv_pages, block_table, num_tokens)
+    rows = gather_pages(kv_pages, block_table, num_tokens, q_latent.dtype)
     latent, k_pe = rows.split([q_latent.shape[-1], q_pe.shape[-1]], dim=-1)
     return sparse_mla_attention(q_latent, q_pe, latent, k_pe, indices, softmax_scale)
 
@@ -271,7 +310,7 @@ def _blocked_indexer_topk(
     """Score + weight + top-k in one pass over blocks of pages with a running top-k; `score_block` is
     `_score_block` or its compiled version. Inputs already checked."""
     batch, num_queries, num_heads, head_dim = q_index.shape
-    page_size = index_pages.shape[1]
+    page_size = page_geometry(index_pages)[1]
     # Keys after the block's last query are never visible: they are not read at all.
     num_visible = min(num_keys, query_start + num_queries)
     num_selected = min(index_topk, num_visible)
@@ -294,7 +333,7 @@ def _blocked_indexer_topk(
         last_page = min(first_page + pages_per_block, num_pages_read)
         page_ids = block_table[:, first_page:last_page].reshape(-1)
         # One index_select per block copies its pages (never the whole context) into a contiguous [B, n, DI].
-        keys = index_pages.index_select(0, page_ids).view(batch, -1, head_dim)
+        keys = read_pages(index_pages, page_ids, q_index.dtype).view(batch, -1, head_dim)
         block = slice(first_page * page_size, last_page * page_size)
         key_positions = torch.arange(block.start, block.stop, device=q_index.device)
         # Contiguous, so that every block has the same strides (a compiled block step never recompiles for them).
@@ -349,14 +388,14 @@ def _attend(
     Shapes as `paged_sparse_mla_fused`; kv_pages contiguous.
     """
     batch, num_queries, num_selected = indices.shape
-    page_size, width = kv_pages.shape[1:]
+    _, page_size, width = page_geometry(kv_pages)
     valid = indices >= 0
     # Logical position -> physical slot `page * P + offset` (reference/dsa.md §4.1); -1 reads token 0, masked below.
     positions = indices.clamp(min=0).flatten(1)  # [B, T*K]
     pages = block_table.gather(1, torch.div(positions, page_size, rounding_mode="floor")).clamp(min=0)
     slots = pages * page_size + positions % page_size
     # Only the selected rows are copied, never the context.
-    rows = kv_pages.view(-1, width).index_select(0, slots.flatten()).view(batch, num_queries, num_selected, width)
+    rows = read_rows(kv_pages, slots.flatten(), q_latent.dtype).view(batch, num_queries, num_selected, width)
 
     # Scores and the weighted sum as batched GEMMs in the input dtype; softmax statistics in fp32.
     query = torch.cat([q_latent, q_pe], dim=-1)  # [B, T, H, C + R]
@@ -375,7 +414,7 @@ def _attend(
 def _chunked_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale, attend) -> torch.Tensor:
     """Runs `attend` (`_attend` or its compiled version) on chunks of queries of ATTENTION_ROWS_ELEMENTS rows."""
     num_queries, num_selected = indices.shape[1:]
-    chunk = max(1, ATTENTION_ROWS_ELEMENTS // max(1, num_selected * kv_pages.shape[-1]))
+    chunk = max(1, ATTENTION_ROWS_ELEMENTS // max(1, num_selected * page_geometry(kv_pages)[-1]))
     outputs = []
     for start in range(0, num_queries, chunk):
         queries = slice(start, start + chunk)
@@ -514,6 +553,9 @@ __all__ = [
     "dsa_kernels",
     "compile_cache_dir",
     "gather_pages",
+    "page_geometry",
+    "read_pages",
+    "read_rows",
     "paged_indexer_topk_reference",
     "paged_sparse_mla_reference",
     "paged_indexer_topk_fused",
