@@ -869,9 +869,10 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--peer-prefill-attn",
-        default="sdpa",
+        default="eager",
         choices=["eager", "sdpa"],
-        help="peers' attention backend for the prefill (sdpa: their memory-efficient path)",
+        help="peers' attention backend for the prefill (eager by default: with sdpa, KimiLinear's 16k prefill was "
+        "OOM-killed on a 24 GiB machine, its torch KDA fallback and masks exceeding the estimate)",
     )
     parser.add_argument("--layer-prefill-context", type=int, default=None, help="DSA-layer prefill (default 32768)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
