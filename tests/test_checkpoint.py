@@ -128,3 +128,13 @@ def test_resaved_folder_loads_with_remote_code_where_the_package_is_missing(mode
         expected = model(ids).logits
     for name in ("shipped", "resaved"):
         assert torch.equal(torch.load(tmp_path / f"{name}.pt"), expected), name
+
+
+def test_shipped_remote_code_is_the_package_code():
+    """The checkpoint's remote-code files must be today's model files, or `trust_remote_code=True` users would run
+    stale code: re-save the checkpoint (or copy the files) whenever a file under modeling_kdsa/ changes."""
+    package = ROOT / "modeling_kdsa"
+    shipped = sorted(CHECKPOINT.glob("*.py"))
+    assert {p.name for p in shipped} >= {"modeling_kdsa.py", "configuration_kdsa.py"}
+    for path in shipped:
+        assert path.read_bytes() == (package / path.name).read_bytes(), f"{path.name} differs from the package's"
