@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import tiny_model
+from transformers import DynamicCache
 
 from modeling_kdsa import dsa_ops
 from modeling_kdsa.cache import PAGE_SIZE, ROLLBACK_TOKENS, KDSACache, KDSAPagedLayer
@@ -133,8 +134,6 @@ def test_reference_and_fused_backends_generate_the_same_tokens():
 
 
 def test_generate_uses_kdsa_cache_and_rejects_other_caches():
-    from transformers import DynamicCache
-
     model = tiny_model()
     out = model.generate(ids(1, 10), max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
     assert isinstance(out.cache, KDSACache)
