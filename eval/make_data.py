@@ -27,11 +27,11 @@ class TaskSpec:
 
 
 TASKS = {
-    "recall_near": TaskSpec("recall, needle 1-63 tokens back", "1/64", False, (1, 63)),
-    "recall_mid": TaskSpec("recall, needle 65-127 tokens back", "1/64", False, (65, 127)),
-    "recall_far": TaskSpec("recall, needle 129-191 tokens back", "1/64", False, (129, 191)),
-    "compose": TaskSpec("successor of the recalled value, needle 1-191 back", "1/64", True, (1, 191)),
-    "copy": TaskSpec("copy 80 keys, exact", "~0", None),
+    "recall_near": TaskSpec("recall, needle 1-31 tokens back", "1/64", False, (1, 31)),
+    "recall_mid": TaskSpec("recall, needle 33-63 tokens back", "1/64", False, (33, 63)),
+    "recall_far": TaskSpec("recall, needle 65-129 tokens back (beyond index_topk = 64)", "1/64", False, (65, 129)),
+    "compose": TaskSpec("successor of the recalled value, needle 1-129 back", "1/64", True, (1, 129)),
+    "copy": TaskSpec("copy 64 keys, exact", "~0", None),
 }
 
 

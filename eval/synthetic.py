@@ -8,8 +8,8 @@ Sequences are whitespace-separated words from a fixed vocabulary (one word = one
 - **key-value** (`pairs k5 v12 k90 v3 ... ? k90 v3 + k5 v13 ...`): `P` pairs with distinct keys (128 possible) and
   random values (64 possible), then queries. `? k` asks for the value stored with `k` (associative recall); `+ k`
   asks for the *successor* of that value, `v(j+1 mod 64)` — the compositional task: an in-context lookup composed
-  with a fixed function the model must hold in its weights. With 96 pairs the context holds far more pairs than the
-  KDA state can store (its key dimension is 32 per head), so recall needs the DSA layers.
+  with a fixed function the model must hold in its weights. With 64 pairs the context holds twice as many pairs as
+  the KDA state has key dimensions (32 per head), so exact recall needs the DSA layers.
 - **copy** (`copy k7 k100 ... | k7 k100 ...`): `L` distinct keys, then the same keys again after `|`.
 """
 
@@ -23,9 +23,10 @@ KEYS = [f"k{i}" for i in range(NUM_KEYS)]
 VALUES = [f"v{i}" for i in range(NUM_VALUES)]
 VOCAB = SPECIAL_TOKENS + [PAIRS, COPY, COPY_SEP, RECALL_Q, COMPOSE_Q] + KEYS + VALUES
 
-# Held-out evaluation shape: 96 pairs (context of 194 tokens before the first query), copies of 80 keys.
-EVAL_NUM_PAIRS = 96
-EVAL_COPY_LENGTH = 80
+# Held-out evaluation shape: 64 pairs (130 tokens up to the query; the farthest needle sits 129 tokens back), copies
+# of 64 keys (the source starts 65 tokens back). Training grows to these sizes.
+EVAL_NUM_PAIRS = 64
+EVAL_COPY_LENGTH = 64
 
 
 def build_tokenizer():

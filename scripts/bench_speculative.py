@@ -41,13 +41,13 @@ from modeling_kdsa import KDSAConfig, KDSAForCausalLM  # noqa: E402
 CHECKPOINT = REPO_ROOT / "checkpoints" / "kdsa-tiny"
 DRAFT = REPO_ROOT / "checkpoints" / "kdsa-tiny-draft"
 METHODS = ("plain", "prompt_lookup", "assisted")
-# The copy target is 80 keys; recall answers are one word, so generate on past them.
-NEW_TOKENS = {"copy": 80, "repetitive": 80}
+# The copy target is the whole source; recall answers are one word, so generate on past them.
+NEW_TOKENS = {"copy": synthetic.EVAL_COPY_LENGTH, "repetitive": synthetic.EVAL_COPY_LENGTH}
 DEFAULT_NEW_TOKENS = 48
 
 
 def repetitive_docs(count: int) -> list[dict]:
-    """Not an eval task: each copy test doc's 80-key source repeated three times. A model that continues the cycle
+    """Not an eval task: each copy test doc's source repeated three times. A model that continues the cycle
     (what greedy decoding of a random-weight model often does) is the best case for prompt lookup."""
     docs = []
     for doc in load_docs("copy")[:count]:

@@ -6,8 +6,11 @@ Loads `checkpoints/kdsa-tiny` (trained here by scripts/train_tiny.py; no downloa
 `AutoModelForCausalLM.from_pretrained`, then
 1. asks it a recall question whose needle sits further back than `index_topk` tokens (so a window of that many recent
    tokens could not see it; the Lightning Indexer has to find it) and prints the prompt and the decoded answer;
-2. copies a batch of 80-key sequences with `generate()` and reports prefill and generation tokens/s;
-3. prints the cache memory by kind (`KDSACache.memory_bytes()`).
+2. copies a batch of 64-key sequences with `generate()` and reports prefill and generation tokens/s;
+3. prints the cache memory by kind (`KDSACache.memory_bytes()`);
+4. decodes one copy prompt three ways through transformers' `generate()` — plain greedy, prompt lookup
+   (`prompt_lookup_num_tokens`), and assisted by the draft model `checkpoints/kdsa-tiny-draft` (`assistant_model`) —
+   and shows that all three give the same tokens, with their speed.
 """
 
 import argparse
@@ -21,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import modeling_kdsa  # noqa: F401  (registers the architecture locally; the checkpoint also carries remote code)
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "kdsa-tiny"
+DEFAULT_DRAFT = DEFAULT_CHECKPOINT.with_name("kdsa-tiny-draft")
 
 
 def shorten(text: str, head: int = 8, tail: int = 6) -> str:
@@ -35,6 +39,8 @@ def main():
     parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--batch", type=int, default=4, help="copy prompts generated together")
+    parser.add_argument("--draft", default=str(DEFAULT_DRAFT),
+                        help="assistant model (same tokenizer); '' skips assisted decoding")  # fmt: skip
     # One thread by default: on a shared 2-core machine two OpenMP threads waiting for each other ran a prefill
     # ~100x slower than one (measured). Raise it on a quiet many-core machine.
     parser.add_argument("--threads", type=int, default=1)
@@ -95,6 +101,32 @@ def main():
     print(f"  DSA pages in use (latent+indexer) {usage['dsa_in_use'] / 1024:10.1f} KiB")
     print(f"  DSA page pool allocated           {usage['dsa_allocated'] / 1024:10.1f} KiB")
     print(f"  DSA bytes per cached token        {usage['per_token']:10d} B per sequence")
+
+    # 4. Speculative decoding through transformers' generate(): the rollback (KDSACache.crop) is exact, so the
+    # speculative outputs must be plain greedy's, token for token.
+    prompt = prompts[:1]
+    greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  pad_token_id=config.pad_token_id)  # fmt: skip
+    methods = {"plain greedy": {}, "prompt lookup (10 tokens)": {"prompt_lookup_num_tokens": 10}}
+    if args.draft:
+        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=getattr(torch, args.dtype)).eval()
+        methods[f"assisted by {Path(args.draft).name}"] = {"assistant_model": draft}
+    print(f"\nspeculative decoding, batch 1, {new_tokens} new tokens (copy prompt above):")
+    plain, plain_seconds, differing = None, None, []
+    for name, extra in methods.items():
+        with torch.inference_mode():
+            model.generate(prompt[:, :16], **{**greedy, "max_new_tokens": 4, "min_new_tokens": 4}, **extra)  # warm-up
+            start = time.perf_counter()
+            out = model.generate(prompt, **greedy, **extra)
+            seconds = time.perf_counter() - start
+        if plain is None:
+            plain, plain_seconds = out, seconds
+        if not torch.equal(out, plain):
+            differing.append(name)
+        same = "same tokens as plain greedy" if name not in differing else "DIFFERENT TOKENS"
+        print(f"  {name:28s} {new_tokens / seconds:7.1f} new tokens/s  {plain_seconds / seconds:5.2f}x  {same}")
+    if differing:  # the rollback is exact, so this is a bug
+        raise SystemExit(f"speculative output differs from plain greedy for: {', '.join(differing)}")
 
 
 if __name__ == "__main__":

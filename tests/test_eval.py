@@ -81,7 +81,8 @@ def test_training_stream_shares_no_context_with_eval_docs():
     assert len(held_out) == sum(len(load_docs(t, s)) for t in TASKS for s in SPLITS)  # all distinct
     rng = random.Random(0)
     for batch in range(300):
-        _, ids, _ = train_tiny.training_batch(rng, tokenizer, 16, max_size=8 + 8 * (batch % 12))
+        size = 8 + 8 * (batch % 8)  # 8 .. 64, the eval sizes
+        _, ids, _ = train_tiny.training_batch(rng, tokenizer, 16, {"key_value": size, "copy": size})
         for row in ids.tolist():
             assert synthetic.context_signature(tokenizer.convert_ids_to_tokens(row)) not in held_out
 

@@ -1,0 +1,677 @@
+"""KDSACache: the generation cache of a KDSA model (DESIGN.md §3; reference/dsa.md §2.2, §3, §4.1).
+
+- KDA layers (`KDAReplayLayer`) keep the short-conv window and the fp32 recurrent state per sequence, plus what an
+  exact rollback needs (DESIGN.md §7; reference/kda.md §5.2, techniques.md §3.5 design (b)): a checkpoint (conv
+  window + fp32 state) and, for each token since it, the inputs of its recurrence step. `crop` replays the kept
+  prefix from the checkpoint with the decode kernel, so the rolled-back state is the one stepping would give.
+- DSA layers keep a **paged** store (`KDSAPagedLayer`): fixed-size pages of `page_size` tokens in one pool per
+  layer, and a block table per sequence mapping logical pages to physical pages. Each token row holds the
+  normalised MLA latent and the RoPE'd key `[c | k_pe]` (`kv_pages`) and the indexer key (`index_pages`). Pages are
+  allocated as sequences grow; beams that share a prefix after `reorder_cache` share its pages (reference counts,
+  copy-on-write for the page being filled).
+- The store, not the layer, calls the kernels that read it (`dsa_paged_ops`): the fused indexer/top-k and the sparse
+  attention over the selected entries, chosen by `config.kernel_backend`.
+- Formats (DESIGN.md §5, `numeric_formats.CacheFormats`, chosen from `config.quantization_config` when the cache is
+  built): each store holds either model-dtype pages or quantized pages (`QuantizedRows`: FP8 latent tiles + fp32
+  scales + the RoPE part unquantized; MXFP8 indexer keys + E8M0 scales). One code path for both: rows are encoded
+  on `append`, pages are allocated, copied and counted plane by plane, and the kernels dequantize only the pages /
+  rows they read. With MXFP8 indexer keys the queries are MXFP8-rounded too before scoring.
+
+Every sequence of a batch has the same number of cached tokens (generate left-pads); padding is described by the
+attention mask the model passes to the kernels.
+"""
+
+from typing import NamedTuple
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
+
+from .configuration_kdsa import DSA_LAYER
+from .dsa_paged_ops import dsa_kernels
+from .kda_ops import chunk_kda, recurrent_kda
+from .numeric_formats import CacheFormats, QuantizedRows
+
+PAGE_SIZE = 64  # tokens per page: the CUDA DSA kernels' block size (reference/dsa.md §4.2, §8.7)
+
+
+def resolve_kernel_backend(backend: str, device: torch.device) -> str:
+    """`auto` picks the fastest backend that has run on this device: the fused CPU kernels on CPU. Anything else
+    (CUDA, NPU) falls back to the torch reference until a kernel for it has been verified on its hardware."""
+    if backend != "auto":
+        return backend
+    return "cpu" if device.type == "cpu" else "torch"
+
+
+def _planes(pages) -> tuple[torch.Tensor, ...]:
+    """The tensors a store is made of: one for model-dtype pages, three for `QuantizedRows`."""
+    return tuple(pages) if isinstance(pages, QuantizedRows) else (pages,)
+
+
+def _bytes_view(plane: torch.Tensor) -> torch.Tensor:
+    """FP8 planes as uint8 for writes: CPU torch has no `index_put` / `copy_` kernels for some 8-bit float types
+    (float8_e8m0fnu); the bytes are the values."""
+    return plane.view(torch.uint8) if plane.element_size() == 1 and plane.is_floating_point() else plane
+
+
+def _map_planes(pages, function):
+    """`function` applied to every plane, same container type back."""
+    return pages.map(function) if isinstance(pages, QuantizedRows) else function(pages)
+
+
+class KDSAPagedLayer(CacheLayerMixin):
+    """Paged latent + indexer-key store of one DSA layer.
+
+    kv_pages: `[P, page_size, C + R]`, index_pages: `[P, page_size, DI]` — model-dtype tensors, or `QuantizedRows` of
+    that geometry when `formats` quantizes them (module doc); block_table: int64 `[B, pages per sequence]`
+    (-1 = unused), `num_tokens`: cached tokens per sequence. Physical pages come from a pool that doubles when it
+    runs out; `page_refcount[p]` counts the block-table entries pointing at page `p`. `latent_width` (C) is the part
+    of a kv row that `kv_cache="fp8"` quantizes; the rest (RoPE) stays in the model dtype.
+    """
+
+    is_croppable = True  # `crop` truncates the block table: exact
+
+    def __init__(
+        self,
+        kv_width: int,
+        index_width: int,
+        kernel_backend: str,
+        page_size: int = PAGE_SIZE,
+        formats: CacheFormats | None = None,
+        latent_width: int | None = None,
+    ):
+        super().__init__()
+        self.kv_width = kv_width
+        self.index_width = index_width
+        self.kernel_backend = kernel_backend
+        self.page_size = page_size
+        self.formats = CacheFormats() if formats is None else formats
+        self.latent_width = kv_width if latent_width is None else latent_width
+        if self.formats.kv_cache != "bf16" and self.latent_width % self.formats.kv_cache_tile_size:
+            raise ValueError(
+                f"kv_cache={self.formats.kv_cache!r} needs the latent width {self.latent_width} to be a multiple of "
+                f"kv_cache_tile_size={self.formats.kv_cache_tile_size}"
+            )
+        self.kv_pages: torch.Tensor | None = None
+        self.index_pages: torch.Tensor | None = None
+        self.block_table: torch.Tensor | None = None
+        self.page_refcount: list[int] = []
+        self.free_pages: list[int] = []
+        self.num_tokens = 0
+
+    @classmethod
+    def from_config(cls, config, page_size: int = PAGE_SIZE) -> "KDSAPagedLayer":
+        """The store of a DSA layer of `config`, in the formats `config.quantization_config` asks for."""
+        return cls(
+            kv_width=config.kv_lora_rank + config.qk_rope_head_dim,
+            index_width=config.index_head_dim,
+            kernel_backend=config.kernel_backend,
+            page_size=page_size,
+            formats=CacheFormats.from_config(config),
+            latent_width=config.kv_lora_rank,
+        )
+
+    # ---------------------------------------------------------------------------------------------- bookkeeping
+    def _encode(self, kv_rows: torch.Tensor, index_keys: torch.Tensor):
+        """Rows `[..., C + R]` and keys `[..., DI]` in the stored formats (tensors or `QuantizedRows`)."""
+        kv_rows, index_keys = kv_rows.to(self.dtype), index_keys.to(self.dtype)
+        return (
+            self.formats.encode_kv_rows(kv_rows, self.latent_width),
+            self.formats.encode_index_keys(index_keys),
+        )
+
+    def lazy_initialization(self, kv_rows: torch.Tensor, index_keys: torch.Tensor) -> None:
+        batch_size = kv_rows.shape[0]
+        self.dtype, self.device = kv_rows.dtype, kv_rows.device
+        # Empty pools in the stored formats: encoding zero rows gives every plane its dtype and width.
+        self.kv_pages, self.index_pages = self._encode(
+            kv_rows.new_zeros(0, self.page_size, self.kv_width),
+            index_keys.new_zeros(0, self.page_size, self.index_width),
+        )
+        self.block_table = torch.full((batch_size, 0), -1, dtype=torch.long, device=self.device)
+        self.kernels = dsa_kernels(resolve_kernel_backend(self.kernel_backend, self.device))
+        self.is_initialized = True
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.block_table is None else self.block_table.shape[0]
+
+    def _grow_pool(self, min_free: int) -> None:
+        """Make at least `min_free` pages free, doubling the pool (amortised O(1) per page)."""
+        missing = min_free - len(self.free_pages)
+        if missing <= 0:
+            return
+        old = len(self.page_refcount)
+        new = max(2 * old, old + missing, 4)
+
+        def grown(plane: torch.Tensor) -> torch.Tensor:
+            larger = plane.new_zeros(new, *plane.shape[1:])
+            _bytes_view(larger)[:old] = _bytes_view(plane)
+            return larger
+
+        self.kv_pages = _map_planes(self.kv_pages, grown)
+        self.index_pages = _map_planes(self.index_pages, grown)
+        self.page_refcount.extend([0] * (new - old))
+        self.free_pages.extend(range(new - 1, old - 1, -1))  # pop() hands out low page ids first
+
+    def _take_page(self) -> int:
+        page = self.free_pages.pop()
+        self.page_refcount[page] = 1
+        return page
+
+    def _release(self, page: int) -> None:
+        self.page_refcount[page] -= 1
+        if self.page_refcount[page] == 0:
+            self.free_pages.append(page)
+
+    def _prepare_pages(self, new_tokens: int) -> None:
+        """Give every sequence private, allocated pages for positions `num_tokens .. num_tokens + new_tokens - 1`:
+        allocate missing pages and copy a shared partially-filled page before it is written (copy-on-write).
+        Full pages of a shared prefix stay shared: they are never written again."""
+        first_page = self.num_tokens // self.page_size
+        last_page = (self.num_tokens + new_tokens - 1) // self.page_size
+        table = self.block_table
+        if last_page >= table.shape[1]:
+            pad = torch.full(
+                (table.shape[0], last_page + 1 - table.shape[1]), -1, dtype=torch.long, device=table.device
+            )
+            table = torch.cat([table, pad], dim=1)
+        rows = table.tolist()
+        shared_partial = self.num_tokens % self.page_size != 0
+        needed = sum(1 for row in rows for p in range(first_page, last_page + 1) if row[p] < 0)
+        if shared_partial:
+            needed += sum(1 for row in rows if self.page_refcount[row[first_page]] > 1)
+        self._grow_pool(needed)
+        for row in rows:
+            if shared_partial and self.page_refcount[row[first_page]] > 1:
+                shared, private = row[first_page], self._take_page()
+                for plane in _planes(self.kv_pages) + _planes(self.index_pages):
+                    _bytes_view(plane)[private] = _bytes_view(plane)[shared]
+                self._release(shared)
+                row[first_page] = private
+            for p in range(first_page, last_page + 1):
+                if row[p] < 0:
+                    row[p] = self._take_page()
+        self.block_table = torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    # ------------------------------------------------------------------------------------------------- writes
+    def append(self, kv_rows: torch.Tensor, index_keys: torch.Tensor) -> int:
+        """Store the current tokens: kv_rows `[B, T, C + R]`, index_keys `[B, T, DI]`. Returns the number of tokens
+        cached before them (the position of the first new token)."""
+        if kv_rows.shape[-1] != self.kv_width or index_keys.shape[-1] != self.index_width:
+            raise ValueError(
+                f"paged DSA store expects rows of width {self.kv_width} and indexer keys of width {self.index_width}, "
+                f"got {tuple(kv_rows.shape)} and {tuple(index_keys.shape)}"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(kv_rows, index_keys)
+        batch_size, new_tokens, _ = kv_rows.shape
+        if batch_size != self.batch_size:
+            raise ValueError(f"cache holds {self.batch_size} sequences, got a batch of {batch_size}")
+        past = self.num_tokens
+        if new_tokens == 0:
+            return past
+        self._prepare_pages(new_tokens)
+        slots = self.physical_slots(torch.arange(past, past + new_tokens, device=self.device).expand(batch_size, -1))
+        slots = slots.reshape(-1)
+        kv_rows, index_keys = self._encode(kv_rows, index_keys)
+        for pages, rows in ((self.kv_pages, kv_rows), (self.index_pages, index_keys)):
+            for plane, new in zip(_planes(pages), _planes(rows), strict=True):
+                _bytes_view(plane).flatten(0, 1)[slots] = _bytes_view(new).flatten(0, 1)
+        self.num_tokens = past + new_tokens
+        return past
+
+    def physical_slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Logical token positions `[B, N]` → row indices into `kv_pages.view(-1, width)`."""
+        pages = self.block_table.gather(1, positions // self.page_size)
+        return pages * self.page_size + positions % self.page_size
+
+    # -------------------------------------------------------------------------------------------------- reads
+    def indexer_topk(
+        self,
+        q_index: torch.Tensor,
+        weights: torch.Tensor,
+        query_start: int,
+        index_topk: int,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Top-`index_topk` cached positions per query (fused indexer over the pages); see dsa_paged_ops. With MXFP8
+        keys, the queries `[B, T, HI, DI]` are MXFP8-rounded first (dynamic, per block of 32)."""
+        indexer, _ = self.kernels
+        q_index = self.formats.quantize_index_queries(q_index)
+        return indexer(
+            q_index, weights, self.index_pages, self.block_table, self.num_tokens, index_topk, query_start,
+            key_padding_mask,
+        )  # fmt: skip
+
+    def sparse_attention(
+        self, q_latent: torch.Tensor, q_pe: torch.Tensor, indices: torch.Tensor, softmax_scale: float
+    ) -> torch.Tensor:
+        """Absorbed-form attention over exactly the selected cached entries; see dsa_paged_ops."""
+        _, attention = self.kernels
+        return attention(q_latent, q_pe, self.kv_pages, self.block_table, indices, softmax_scale)
+
+    # -------------------------------------------------------------------------- transformers CacheLayerMixin API
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError("KDSAPagedLayer is written through `append` by the KDSA sparse attention layer")
+
+    def get_seq_length(self) -> int:
+        return self.num_tokens
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.num_tokens + query_length, 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Sequence i takes over the pages of sequence `beam_idx[i]`; shared pages are reference-counted."""
+        if not self.is_initialized:
+            return
+        old_rows = self.block_table.tolist()
+        new_table = self.block_table.index_select(0, beam_idx.to(self.device))
+        for page in new_table[new_table >= 0].tolist():
+            self.page_refcount[page] += 1
+        for row in old_rows:
+            for page in row:
+                if page >= 0:
+                    self._release(page)
+        self.block_table = new_table
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` tokens (negative: drop `-max_length` tokens). Pages past the end are
+        released; the partly kept page stays and is overwritten (or copied, if shared) by the next append."""
+        new_length = max_length if max_length >= 0 else self.num_tokens + max_length
+        if not 0 <= new_length <= self.num_tokens:
+            raise ValueError(f"cannot crop a DSA layer holding {self.num_tokens} tokens to {new_length} tokens")
+        if not self.is_initialized or new_length == self.num_tokens:
+            return
+        keep_pages = -(-new_length // self.page_size)
+        for page in self.block_table[:, keep_pages:].reshape(-1).tolist():
+            if page >= 0:
+                self._release(page)
+        self.block_table = self.block_table[:, :keep_pages].clone()
+        self.num_tokens = new_length
+
+    def reset(self) -> None:
+        self.__init__(
+            self.kv_width, self.index_width, self.kernel_backend, self.page_size, self.formats, self.latent_width
+        )
+
+    def bytes_per_token(self) -> int:
+        """Bytes one cached token takes in this store: its row in every plane (values, scales, RoPE part)."""
+        planes = _planes(self.kv_pages) + _planes(self.index_pages)
+        return sum(plane.shape[-1] * plane.element_size() for plane in planes)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """`allocated`: the page pool; `in_use`: pages some sequence points at (shared pages counted once)."""
+        if not self.is_initialized:
+            return {"allocated": 0, "in_use": 0}
+        in_use = sum(1 for count in self.page_refcount if count > 0)
+        allocated = sum(plane.nbytes for plane in _planes(self.kv_pages) + _planes(self.index_pages))
+        return {"allocated": allocated, "in_use": in_use * self.page_size * self.bytes_per_token()}
+
+
+# Default rollback window of a KDA layer (tokens since the checkpoint whose replay inputs are kept). transformers
+# drafts at most `prompt_lookup_num_tokens` (10) or `num_assistant_tokens` (20, +2 per fully accepted round) tokens
+# per round and crops after every round, so 256 is never reached by a draft in practice.
+ROLLBACK_TOKENS = 256
+
+
+class KDAReplayRecord(NamedTuple):
+    """What one forward fed into a KDA layer's conv and recurrence, per token, so those steps can be replayed.
+
+    conv_inputs: the pre-conv q|k|v columns `[B, C, T]` (model dtype) — they rebuild the conv window;
+    k: L2-normalised keys `[B, T, H, K]` fp32; v: `[B, T, H, V]` (model dtype; the kernel upcasts it exactly);
+    g: log decay `[B, T, H, K]` fp32; beta: `[B, T, H]` fp32 — exactly the recurrence inputs the layer used.
+    """
+
+    conv_inputs: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+    def tokens(self, start: int, stop: int | None = None) -> "KDAReplayRecord":
+        """Own copies of tokens `start:stop` (copies, so a record never pins the forward's larger tensors)."""
+        conv_inputs = self.conv_inputs[..., start:stop].clone()
+        return KDAReplayRecord(conv_inputs, *(x[:, start:stop].clone() for x in self[1:]))
+
+    def index_select(self, batch_idx: torch.Tensor) -> "KDAReplayRecord":
+        return KDAReplayRecord(*(x.index_select(0, batch_idx.to(x.device)) for x in self))
+
+    @staticmethod
+    def concat(records: list["KDAReplayRecord"]) -> "KDAReplayRecord":
+        conv_inputs = torch.cat([r.conv_inputs for r in records], dim=-1)
+        per_token = (torch.cat([getattr(r, name) for r in records], dim=1) for name in ("k", "v", "g", "beta"))
+        return KDAReplayRecord(conv_inputs, *per_token)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in self)
+
+
+class KDAReplayLayer(LinearAttentionCacheLayerMixin):
+    """Cache of one KDA layer with exact rollback (ReplaySSM style: reference/kda.md §5.2, techniques.md §3.5 (b)).
+
+    Live state: `conv_states[0]` — the last W pre-conv q|k|v columns `[B, C, W]` (W = conv kernel width) — and
+    `recurrent_states[0]`, the fp32 state `[B, H, K, V]`, after `num_tokens` tokens.
+
+    Rollback: a checkpoint (conv window, fp32 state) after `checkpoint_tokens` tokens, and one `KDAReplayRecord`
+    run per forward since then — memory per pending token, never a state copy per token. `crop(n)` for any n in
+    `[checkpoint_tokens, num_tokens]` replays the first `n - checkpoint_tokens` recorded steps from the checkpoint
+    with `recurrent_kda`, the decode kernel itself, so the rebuilt state is bit for bit what stepping those
+    recorded inputs gives; the conv window is the last W of the checkpoint window followed by the recorded columns.
+
+    When the checkpoint advances (it only ever moves to a state that is already exact):
+    - every `crop` commits: the rolled-back (or, for `crop` to the current length, the live) state becomes the
+      checkpoint and the records are dropped — transformers crops after each verification, so the accepted tokens
+      are committed and only the next draft is recorded;
+    - a forward that would leave more than `rollback_tokens` tokens pending first commits the live state (the
+      state before that forward); if the forward alone brings more than `rollback_tokens` tokens (a long prefill),
+      its first `T - rollback_tokens` steps are folded into the checkpoint with `chunk_kda` and only the last
+      `rollback_tokens` are recorded.
+    So at most `rollback_tokens` tokens are ever pending; `crop` before the checkpoint raises and changes nothing.
+    `rollback_tokens = 0` keeps no records: no rollback, no overhead (what plain `generate()` uses).
+    """
+
+    def __init__(self, conv_kernel_size: int, rollback_tokens: int):
+        super().__init__()
+        if rollback_tokens < 0:
+            raise ValueError(f"rollback_tokens must be >= 0, got {rollback_tokens}")
+        self.conv_kernel_size[0] = conv_kernel_size
+        self.rollback_tokens = rollback_tokens
+        self.num_tokens = 0
+        self.checkpoint_tokens = 0
+        # (conv window, fp32 state) after `checkpoint_tokens` tokens; None while no record is kept, because then the
+        # checkpoint is the live state itself.
+        self.checkpoint: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.records: list[KDAReplayRecord] = []
+
+    @property
+    def pending_tokens(self) -> int:
+        return self.num_tokens - self.checkpoint_tokens
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.rollback_tokens > 0
+
+    # --------------------------------------------------------------------------------------------- live state
+    def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0, **kwargs) -> None:
+        reference = conv_states if conv_states is not None else recurrent_states
+        if self.device is None and reference is not None:
+            self.dtype, self.device = reference.dtype, reference.device
+        if conv_states is not None:
+            self.is_conv_states_initialized[state_idx] = True
+        if recurrent_states is not None:
+            self.is_recurrent_states_initialized[state_idx] = True
+
+    def _live_or_zeros(self, conv_inputs: torch.Tensor, state_shape: tuple[int, ...]):
+        """The live (conv window, state), or the zeros a sequence starts from (what the kernels assume for None)."""
+        if self.has_previous_state[0]:
+            return self.conv_states[0], self.recurrent_states[0]
+        batch_size, channels, _ = conv_inputs.shape
+        conv = conv_inputs.new_zeros(batch_size, channels, self.conv_kernel_size[0])
+        return conv, torch.zeros(state_shape, dtype=torch.float32, device=conv_inputs.device)
+
+    def _window(self, conv: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """The last W columns of `conv` followed by `columns` (contiguous: no view pins the longer tensor)."""
+        return torch.cat([conv, columns.to(conv.dtype)], dim=-1)[..., -self.conv_kernel_size[0] :].contiguous()
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """Append the pre-conv columns `[B, C, T]` of the current tokens. The window is replaced, never written in
+        place, so a checkpoint can hold the previous one without copying it."""
+        if state_idx != 0:
+            raise ValueError(f"a KDA layer has one conv state, got state_idx={state_idx}")
+        if not self.is_conv_states_initialized[0]:
+            self.lazy_initialization(conv_states=conv_states)
+        previous = conv_states.new_zeros(*conv_states.shape[:-1], self.conv_kernel_size[0])
+        if self.has_previous_state[0]:
+            previous = self.conv_states[0]
+        self.conv_states[0] = self._window(previous, conv_states)
+        self.has_previous_state[0] = True
+        return self.conv_states[0]
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """Take the kernel's final fp32 state (replaced, not copied in place: see `update_conv_state`)."""
+        if state_idx != 0:
+            raise ValueError(f"a KDA layer has one recurrent state, got state_idx={state_idx}")
+        if not self.is_recurrent_states_initialized[0]:
+            self.lazy_initialization(recurrent_states=recurrent_states)
+        self.recurrent_states[0] = recurrent_states
+        return recurrent_states
+
+    # ----------------------------------------------------------------------------------------------- rollback
+    def record(
+        self, conv_inputs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    ) -> None:
+        """Called by the KDA layer for every forward, after its kernels ran and before the live state is updated
+        (so the live state is still the one before these tokens). Shapes as in `KDAReplayRecord`."""
+        new_tokens = k.shape[1]
+        if self.pending_tokens + new_tokens > self.rollback_tokens:
+            self._commit()  # the live state, before these tokens, becomes the checkpoint
+        kept = min(new_tokens, self.rollback_tokens)
+        if kept == 0:  # nothing to keep: the checkpoint follows the live state
+            self.num_tokens += new_tokens
+            self.checkpoint_tokens = self.num_tokens
+            return
+        folded = new_tokens - kept
+        if not self.records:
+            conv, state = self._live_or_zeros(conv_inputs, (k.shape[0], k.shape[2], k.shape[3], v.shape[3]))
+            if folded:
+                # A forward longer than the window: its first steps can never be rolled back to, so fold them into
+                # the checkpoint in one pass of the chunked (prefill) kernel; q is unused, k stands in for it.
+                fold = KDAReplayRecord(conv_inputs, k, v, g, beta).tokens(0, folded)
+                _, state = chunk_kda(
+                    fold.k, fold.k, fold.v, fold.g, fold.beta, initial_state=state, output_final_state=True
+                )
+                conv = self._window(conv, fold.conv_inputs)
+            self.checkpoint = (conv, state)
+            self.checkpoint_tokens = self.num_tokens + folded
+        self.records.append(KDAReplayRecord(conv_inputs, k, v, g, beta).tokens(folded))
+        self.num_tokens += new_tokens
+
+    def _commit(self) -> None:
+        """The live state becomes the checkpoint (it is exact already): drop the records."""
+        self.records.clear()
+        self.checkpoint = None
+        self.checkpoint_tokens = self.num_tokens
+
+    def check_crop(self, new_length: int) -> None:
+        """Raise, changing nothing, unless `crop` to `new_length` tokens is possible."""
+        if not 0 <= new_length <= self.num_tokens:
+            raise ValueError(f"cannot crop a KDA layer holding {self.num_tokens} tokens to {new_length} tokens")
+        if new_length < self.checkpoint_tokens:
+            raise ValueError(
+                f"cannot crop to {new_length} tokens: the KDA rollback checkpoint is at {self.checkpoint_tokens} "
+                f"tokens (replay inputs are kept since the last crop, for at most rollback_tokens="
+                f"{self.rollback_tokens} tokens); the cache is unchanged"
+            )
+
+    def crop(self, max_length: int) -> None:
+        """Roll back to the first `max_length` tokens (negative: drop `-max_length` tokens) and commit them."""
+        new_length = max_length if max_length >= 0 else self.num_tokens + max_length
+        self.check_crop(new_length)
+        replayed = new_length - self.checkpoint_tokens
+        if new_length < self.num_tokens:
+            conv, state = self.checkpoint
+            if replayed:
+                steps = KDAReplayRecord.concat(self.records)
+                # Replay = the decode kernel itself, called once per token with decode's [B, 1, ...] shapes, so the
+                # rebuilt state is bit for bit the stepped one (one T-token call can round differently: its strided
+                # per-token slices take other matmul kernels). Its output (q = k) is discarded.
+                for t in range(replayed):
+                    step = steps.tokens(t, t + 1)
+                    _, state = recurrent_kda(
+                        step.k, step.k, step.v, step.g, step.beta, initial_state=state, output_final_state=True
+                    )
+                conv = self._window(conv, steps.conv_inputs[..., :replayed])
+            self.conv_states[0], self.recurrent_states[0] = conv, state
+            self.num_tokens = new_length
+        self._commit()
+
+    # ------------------------------------------------------------------------------------------ housekeeping
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if not self.has_previous_state[0]:
+            return
+        beam_idx = beam_idx.to(self.device)
+        self.conv_states[0] = self.conv_states[0].index_select(0, beam_idx)
+        self.recurrent_states[0] = self.recurrent_states[0].index_select(0, beam_idx)
+        if self.checkpoint is not None:
+            self.checkpoint = tuple(x.index_select(0, beam_idx) for x in self.checkpoint)
+        self.records = [record.index_select(beam_idx) for record in self.records]
+
+    def reset(self) -> None:
+        """Zero the live buffers (as transformers does) and forget the tokens, checkpoint and records."""
+        super().reset()
+        self.num_tokens = 0
+        self._commit()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """`states`: live conv window + fp32 state; `rollback`: checkpoint + records; `per_pending_token`: bytes one
+        pending token's record takes per sequence (0 while nothing is recorded)."""
+        states = sum(x.nbytes for x in (self.conv_states[0], self.recurrent_states[0]) if x is not None)
+        records = sum(record.nbytes for record in self.records)
+        checkpoint = sum(x.nbytes for x in self.checkpoint) if self.checkpoint is not None else 0
+        per_token = 0
+        if self.records:
+            per_token = records // (self.records[0].k.shape[0] * self.pending_tokens)
+        return {"states": states, "rollback": checkpoint + records, "per_pending_token": per_token}
+
+
+class KDSACache(Cache):
+    """The cache `generate()` uses for KDSA models: `KDAReplayLayer` for KDA layers, `KDSAPagedLayer` for DSA
+    layers.
+
+    `max_cache_tokens`: optional capacity per sequence; a forward that would exceed it raises a `ValueError`
+    before anything is written, so the cache stays usable.
+    `rollback_tokens`: how many tokens since the last `crop` the KDA layers can roll back (see `KDAReplayLayer`).
+    The default 0 keeps no replay records (no cost; a KDA rollback raises), because most forwards never crop;
+    `generate()` passes `ROLLBACK_TOKENS` itself for assisted generation / prompt lookup and for draft models.
+    Pass it yourself to `crop` a cache you drive by hand.
+    DSA stores take their formats from `config.quantization_config` (`numeric_formats.CacheFormats.from_config`).
+    """
+
+    def __init__(
+        self,
+        config,
+        max_cache_tokens: int | None = None,
+        page_size: int = PAGE_SIZE,
+        rollback_tokens: int = 0,
+    ):
+        layers = []
+        for layer_type in config.layer_types:
+            if layer_type == DSA_LAYER:
+                layers.append(KDSAPagedLayer.from_config(config, page_size))
+            else:
+                layers.append(KDAReplayLayer(config.linear_conv_kernel_dim, rollback_tokens))
+        super().__init__(layers=layers)
+        if max_cache_tokens is not None and max_cache_tokens <= 0:
+            raise ValueError(f"max_cache_tokens must be > 0 or None, got {max_cache_tokens}")
+        self.max_cache_tokens = max_cache_tokens
+        self.rollback_tokens = rollback_tokens
+        self.num_tokens = 0
+
+    def begin_forward(self, new_tokens: int) -> int:
+        """Called by the model before its layers run: checks capacity and records the new tokens.
+        Returns the number of tokens cached before them."""
+        past = self.num_tokens
+        if self.max_cache_tokens is not None and past + new_tokens > self.max_cache_tokens:
+            raise ValueError(
+                f"KDSACache capacity exceeded: {past} cached + {new_tokens} new tokens > max_cache_tokens="
+                f"{self.max_cache_tokens}; nothing was written, the cache still holds {past} tokens"
+            )
+        self.num_tokens = past + new_tokens
+        return past
+
+    def record_kda_inputs(
+        self,
+        layer_idx: int,
+        conv_inputs: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> None:
+        """The KDA layer hands over its per-token replay inputs (`KDAReplayRecord`) before its state update."""
+        self.layers[layer_idx].record(conv_inputs, k, v, g, beta)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.num_tokens
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for layer in self.layers:
+            layer.reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reorder_cache(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        batch_size = next((layer.batch_size for layer in self.layers if isinstance(layer, KDSAPagedLayer)), None)
+        if batch_size is None:
+            raise ValueError("batch_repeat_interleave needs a DSA layer that knows the batch size")
+        self.reorder_cache(torch.arange(batch_size).repeat_interleave(repeats))
+
+    @property
+    def is_croppable(self) -> bool:
+        """True when `crop` is exact for every layer: DSA pages are truncated, KDA states replayed (needs
+        rollback_tokens > 0). The rollback reaches back to the last crop, at most `rollback_tokens` tokens."""
+        return all(layer.is_croppable for layer in self.layers if isinstance(layer, KDAReplayLayer))
+
+    def crop(self, max_length: int) -> None:
+        """Roll every layer back. `max_length < 0` removes `-max_length` tokens and `0` removes none (transformers
+        5.x, which calls `crop(-rejected)` after every verification); `max_length > 0` keeps that many tokens.
+        Commits the kept tokens (see `KDAReplayLayer`). Anything impossible raises before any layer changes."""
+        new_length = self.num_tokens + max_length if max_length <= 0 else max_length
+        if not 0 <= new_length <= self.num_tokens:
+            raise ValueError(f"cannot crop a KDSACache holding {self.num_tokens} tokens to {new_length} tokens")
+        for layer in self.layers:
+            if isinstance(layer, KDAReplayLayer):
+                layer.check_crop(new_length)
+        for layer in self.layers:
+            layer.crop(new_length)
+        self.num_tokens = new_length
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+        self.num_tokens = 0
+
+    def memory_bytes(self) -> dict[str, int | float]:
+        """Exact bytes held: `dsa_allocated` (page pools), `dsa_in_use` (referenced pages), `kda_states` (conv windows
+        + fp32 recurrent states), `kda_rollback` (KDA checkpoints + replay records), `total` (allocated + KDA),
+        `per_token`: the DSA bytes one cached token adds to one sequence (`Σ_DSA layers` of its row in every plane:
+        `(C + R + DI) · itemsize` unquantized; see `KDSAPagedLayer.bytes_per_token`),
+        and `rollback_per_token`: the record bytes one pending token adds to one sequence (all KDA layers)."""
+        dsa_allocated = dsa_in_use = kda_states = kda_rollback = per_token = rollback_per_token = 0
+        for layer in self.layers:
+            if isinstance(layer, KDSAPagedLayer):
+                usage = layer.memory_bytes()
+                dsa_allocated += usage["allocated"]
+                dsa_in_use += usage["in_use"]
+                if layer.is_initialized:
+                    per_token += layer.bytes_per_token()
+            else:
+                usage = layer.memory_bytes()
+                kda_states += usage["states"]
+                kda_rollback += usage["rollback"]
+                rollback_per_token += usage["per_pending_token"]
+        return {
+            "dsa_allocated": dsa_allocated,
+            "dsa_in_use": dsa_in_use,
+            "kda_states": kda_states,
+            "kda_rollback": kda_rollback,
+            "total": dsa_allocated + kda_states + kda_rollback,
+            "per_token": per_token,
+            "rollback_per_token": rollback_per_token,
+        }
+
+
+__all__ = [
+    "KDSACache",
+    "KDSAPagedLayer",
+    "KDAReplayLayer",
+    "KDAReplayRecord",
+    "PAGE_SIZE",
+    "ROLLBACK_TOKENS",
+    "resolve_kernel_backend",
+]

@@ -1,0 +1,184 @@
+"""KDSA configuration: a hybrid of KDA (Kimi Delta Attention) and DSA (DeepSeek Sparse Attention) layers.
+
+Field names follow transformers' `KimiLinearConfig` (KDA, MoE) and `DeepseekV32Config` (MLA, indexer, MoE) wherever
+the concept is the same, so that converters for those checkpoints are a renaming, not a rewrite (DESIGN.md §2, §11).
+"""
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+
+from .numeric_formats import CacheFormats
+
+# The built-in transformers layer-type names, so that `DynamicCache(config)` and masks work unchanged.
+KDA_LAYER = "linear_attention"
+DSA_LAYER = "indexed_attention"
+SUPPORTED_LAYER_TYPES = (KDA_LAYER, DSA_LAYER)
+KERNEL_BACKENDS = ("auto", "torch", "cpu", "compiled")
+
+
+@strict
+class KDSAConfig(PreTrainedConfig):
+    r"""
+    Configuration of a KDSA model. Defaults describe a small but realistic model (hidden 1024, 8 layers at
+    3 KDA : 1 DSA, 16 heads, MoE with 8 experts top-2).
+
+    layer_types (`list[str]`): per layer, `"linear_attention"` (KDA) or `"indexed_attention"` (DSA).
+        Default: every 4th layer is DSA, the rest KDA.
+    linear_num_heads, linear_head_dim, linear_conv_kernel_dim: KDA heads, head dim (K = V) and short-conv width.
+    q_lora_rank (`int | None`): MLA query LoRA rank; `None` uses a direct query projection.
+    kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: MLA dims; `qk_rope_head_dim=0` gives NoPE MLA.
+    index_n_heads, index_head_dim, index_topk: Lightning Indexer heads, head dim and the number of selected keys.
+    n_routed_experts, n_shared_experts, num_experts_per_tok, moe_intermediate_size, routed_scaling_factor,
+    norm_topk_prob, first_k_dense_replace: MoE (DeepSeek-V3 style sigmoid router with correction bias).
+    attn_res_block_size (`int`): sublayers (attention and FFN count one each) per Block-AttnRes block;
+        0 = plain residual stream (Kimi-Linear / DeepSeek-style checkpoints).
+    attn_res_final_aggregation (`bool`): with AttnRes, aggregate all blocks once more before the final norm.
+    kernel_backend (`str`): which kernels read the paged DSA cache: `"torch"` (the readable reference),
+        `"cpu"` (fused, memory-bounded), `"compiled"` (the fused kernels under torch.compile), or `"auto"`
+        (`"cpu"` on CPU; the reference elsewhere until a device kernel has been verified on its hardware).
+    """
+
+    model_type = "kdsa"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    # Heads and experts are sharded; KDA and DSA mixers have different attribute names (`linear_attn`,
+    # `self_attn`) so that one plan entry can never hit the other mixer (reference/hf-integration.md §3.1).
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_b_proj": "colwise",
+        "layers.*.self_attn.kv_b_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
+        "layers.*.mlp.shared_experts.gate_proj": "colwise",
+        "layers.*.mlp.shared_experts.up_proj": "colwise",
+        "layers.*.mlp.shared_experts.down_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+    attribute_map = {"num_local_experts": "n_routed_experts"}
+
+    vocab_size: int = 32000
+    hidden_size: int = 1024
+    intermediate_size: int = 2816
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 16
+    layer_types: list[str] | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 65536
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict | None = None
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    tie_word_embeddings: bool = False
+    # KDA
+    linear_num_heads: int = 16
+    linear_head_dim: int = 64
+    linear_conv_kernel_dim: int = 4
+    # MLA
+    q_lora_rank: int | None = 384
+    kv_lora_rank: int = 256
+    qk_nope_head_dim: int = 64
+    qk_rope_head_dim: int = 32
+    v_head_dim: int = 64
+    attention_bias: bool = False
+    # Lightning Indexer
+    index_n_heads: int = 8
+    index_head_dim: int = 64
+    index_topk: int = 512
+    # MoE
+    n_routed_experts: int = 8
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 512
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    first_k_dense_replace: int = 1
+    mlp_layer_types: list[str] | None = None
+    # Residual stream
+    attn_res_block_size: int = 4
+    attn_res_final_aggregation: bool = True
+    # Kernels
+    kernel_backend: str = "auto"
+
+    def __post_init__(self, **kwargs):
+        if self.layer_types is None:
+            self.layer_types = [DSA_LAYER if i % 4 == 3 else KDA_LAYER for i in range(self.num_hidden_layers)]
+        if self.mlp_layer_types is None:
+            n_dense = min(self.first_k_dense_replace, self.num_hidden_layers)
+            self.mlp_layer_types = ["dense"] * n_dense + ["sparse"] * (self.num_hidden_layers - n_dense)
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        # transformers' rotary helpers read `head_dim`: RoPE covers only the decoupled rope slice.
+        self.head_dim = self.qk_rope_head_dim
+        self._check_consistency()
+        super().__post_init__(**kwargs)
+        # A checkpoint's `quantization_config` (set by the line above): transformers only warns and skips an
+        # unregistered quant_method, which would load a silently wrong model, so fail here; for "kdsa", check that the
+        # chosen blocks divide the cached widths (numeric_formats.CacheFormats.from_config raises naming the field).
+        CacheFormats.from_config(self)
+
+    def _check_consistency(self):
+        """Raise a `ValueError` naming the offending field (DESIGN.md §10). Runs before transformers' validators,
+        whose errors are not `ValueError`s."""
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
+            )
+        for i, layer_type in enumerate(self.layer_types):
+            if layer_type not in SUPPORTED_LAYER_TYPES:
+                raise ValueError(
+                    f"layer_types[{i}] = {layer_type!r} is not supported; use one of {SUPPORTED_LAYER_TYPES} "
+                    f"('{KDA_LAYER}' = KDA, '{DSA_LAYER}' = DSA)"
+                )
+        if len(self.mlp_layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"mlp_layer_types has {len(self.mlp_layer_types)} entries but num_hidden_layers is "
+                f"{self.num_hidden_layers}"
+            )
+        for i, mlp_type in enumerate(self.mlp_layer_types):
+            if mlp_type not in ("dense", "sparse"):
+                raise ValueError(f"mlp_layer_types[{i}] = {mlp_type!r} must be 'dense' or 'sparse'")
+        positive = [
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "max_position_embeddings", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim",
+            "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim",
+            "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+        ]  # fmt: skip
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.index_topk <= 0:
+            raise ValueError(f"index_topk must be > 0, got {self.index_topk}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ValueError(f"q_lora_rank must be None (direct query projection) or > 0, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim < 0 or self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even and >= 0 (0 = NoPE), got {self.qk_rope_head_dim}")
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ValueError(
+                f"index_head_dim ({self.index_head_dim}) must be >= qk_rope_head_dim ({self.qk_rope_head_dim}): "
+                "the indexer rotates its first qk_rope_head_dim channels"
+            )
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= n_routed_experts "
+                f"({self.n_routed_experts})"
+            )
+        if self.n_shared_experts < 0:
+            raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        if self.attn_res_block_size < 0:
+            raise ValueError(f"attn_res_block_size must be >= 0 (0 = plain residual), got {self.attn_res_block_size}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
+
+
+__all__ = ["KDSAConfig"]

@@ -1,0 +1,254 @@
+"""DSA layer: MLA with a Lightning Indexer and top-k sparse attention over the compressed latent cache.
+
+reference/dsa.md §1.2-§1.3 (indexer: `[rope | nope]` vectors, NeoX RoPE, LayerNorm-with-bias `k_norm`, fp32 head
+weights), §2.1 (MLA projections, scale `qk_head_dim^-0.5 · mscale²`), §2.3 (absorbed form), §5 (one path for
+prefill and decode; context <= index_topk equals dense causal MLA), §8 (pitfalls). Weight names follow DeepSeek /
+transformers' DeepseekV32 so checkpoints load by name. Kernels live in dsa_ops.py.
+
+Legend: `B` batch, `T` current tokens, `S` cached + current tokens, `D` hidden_size, `H` heads, `C` kv_lora_rank,
+`R` qk_rope_head_dim, `Dn` qk_nope_head_dim, `Dv` v_head_dim, `HI`/`DI` indexer heads / head dim.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KDSAPagedLayer
+from .dsa_ops import QUERY_BLOCK_SIZE
+from .norms import KDSARMSNorm
+from .rotary import apply_rotary_half, apply_rotary_interleaved
+
+
+def mla_softmax_scale(config) -> float:
+    """`qk_head_dim^-0.5`, times `mscale²` for YaRN-style rope with `mscale_all_dim` (reference/dsa.md §2.1, §8.5),
+    as transformers' `yarn_apply_mscale`."""
+    scale = config.qk_head_dim**-0.5
+    rope_parameters = config.rope_parameters
+    mscale_all_dim = rope_parameters.get("mscale_all_dim", 0)
+    factor = rope_parameters.get("factor", 1.0)
+    if rope_parameters.get("rope_type", "default") != "default" and mscale_all_dim and factor > 1:
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale = scale * mscale * mscale
+    return scale
+
+
+class KDSAIndexer(nn.Module):
+    """Lightning Indexer projections: per-head queries, one shared key and fp32 head weights per token.
+
+    `wq_b` reads the MLA query latent (`q_a_layernorm(q_a_proj(x))`, width q_lora_rank) as in DeepSeek; when
+    `q_lora_rank is None` there is no query latent and `wq_b` reads the hidden state (width hidden_size) instead.
+    Vectors are laid out `[rope | nope]` with NeoX (half-split) RoPE on the first `qk_rope_head_dim` channels.
+    Scoring and top-k are in dsa_ops (`indexer_topk`) because they read the cached keys.
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        query_input_dim = config.hidden_size if config.q_lora_rank is None else config.q_lora_rank
+        self.wq_b = nn.Linear(query_input_dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rope, nope = x.split([self.qk_rope_head_dim, self.head_dim - self.qk_rope_head_dim], dim=-1)
+        return torch.cat((apply_rotary_half(rope, cos, sin), nope), dim=-1)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        query_input: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states: `[B, T, D]`; query_input: `[B, T, q_lora_rank]` (or `[B, T, D]` without q LoRA);
+        position_embeddings: `(cos, sin)` `[B, T, R]` or None (NoPE).
+
+        Returns `q_index` `[B, T, HI, DI]`, `weights` `[B, T, HI]` fp32, `k_index` `[B, T, DI]` (to be cached).
+        """
+        batch, seq_len, _ = hidden_states.shape
+        q_index = self.wq_b(query_input).view(batch, seq_len, self.n_heads, self.head_dim)
+        k_index = self.wk(hidden_states)
+        # LayerNorm statistics in fp32 whatever the parameter dtype (reference/dsa.md §1.2).
+        k_index = F.layer_norm(
+            k_index.float(),
+            (self.head_dim,),
+            self.k_norm.weight.float(),
+            self.k_norm.bias.float(),
+            self.k_norm.eps,
+        ).to(hidden_states.dtype)
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            q_index = self._rotate(q_index, cos[:, :, None], sin[:, :, None])
+            k_index = self._rotate(k_index, cos, sin)
+        # Head weights in fp32 (reference/dsa.md §8.2); the model keeps `weights_proj` in fp32 too.
+        weights = F.linear(hidden_states.float(), self.weights_proj.weight.float())
+        return q_index, weights, k_index
+
+
+class KDSASparseAttention(nn.Module):
+    """MLA whose queries attend only to the `index_topk` cached entries the indexer picks (one set for all heads).
+
+    Prefill and decode share one path: indexer top-k, then sparse attention in the absorbed (latent) form over the
+    selected `[c | k_pe]` entries, processed in blocks of `query_block_size` queries. The cache stores only the
+    normalised latent `c` `[C]`, the RoPE'd `k_pe` `[R]` and the indexer key `[DI]` per token.
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.qk_head_dim = config.qk_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.index_topk = config.index_topk
+        self.kernel_backend = config.kernel_backend
+        # Read when a store is built (`_store`): `quantization_config` is attached after __init__ on load.
+        self.config = config
+        self.softmax_scale = mla_softmax_scale(config)
+        # Bounds prefill memory (dsa_ops.QUERY_BLOCK_SIZE); results do not depend on it.
+        self.query_block_size = QUERY_BLOCK_SIZE
+
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(self.hidden_size, self.num_heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(self.hidden_size, self.q_lora_rank, bias=config.attention_bias)
+            self.q_a_layernorm = KDSARMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            self.hidden_size, self.kv_lora_rank + self.qk_rope_head_dim, bias=config.attention_bias
+        )
+        self.kv_a_layernorm = KDSARMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
+        # No bias: absorbing W_UK / W_UV into the query / output needs a purely linear up-projection.
+        self.kv_b_proj = nn.Linear(
+            self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, self.hidden_size, bias=config.attention_bias)
+        self.indexer = KDSAIndexer(config, layer_idx)
+
+    def project_queries(
+        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns `q_nope` `[B, T, H, Dn]`, RoPE'd `q_pe` `[B, T, H, R]` and the indexer's query input (the q
+        latent `[B, T, q_lora_rank]`, or `hidden_states` without q LoRA)."""
+        batch, seq_len, _ = hidden_states.shape
+        if self.q_lora_rank is None:
+            query_input = hidden_states
+            q = self.q_proj(hidden_states)
+        else:
+            query_input = self.q_a_layernorm(self.q_a_proj(hidden_states))
+            q = self.q_b_proj(query_input)
+        q = q.view(batch, seq_len, self.num_heads, self.qk_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            q_pe = apply_rotary_interleaved(q_pe, cos[:, :, None], sin[:, :, None])
+        return q_nope, q_pe, query_input
+
+    def project_latent(
+        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns what the cache stores per token: the normalised latent `[B, T, C]` and RoPE'd `k_pe`
+        `[B, T, R]`."""
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
+        latent = self.kv_a_layernorm(latent)
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            k_pe = apply_rotary_interleaved(k_pe, cos, sin)
+        return latent, k_pe
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`W_UK` `[H, Dn, C]` and `W_UV` `[H, Dv, C]` from `kv_b_proj.weight` (reference/dsa.md §2.3).
+        Contiguous copies (one small copy per forward): the strided views make bf16 einsums ~100x slower on CPU."""
+        weight = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+        return weight[:, : self.qk_nope_head_dim].contiguous(), weight[:, self.qk_nope_head_dim :].contiguous()
+
+    def _store(self, cache) -> KDSAPagedLayer:
+        """This layer's paged latent + indexer-key store: the cache's, or a private one for a forward without
+        cache, so that prefill and decode always run the same kernels over the same layout and formats (a quantized
+        cache quantizes a cache-less forward too)."""
+        if cache is None:
+            return KDSAPagedLayer.from_config(self.config)
+        layers = getattr(cache, "layers", [])
+        if self.layer_idx >= len(layers) or not isinstance(layers[self.layer_idx], KDSAPagedLayer):
+            raise ValueError(
+                f"DSA layer {self.layer_idx} needs a KDSACache (paged DSA store); got {type(cache).__name__}. "
+                "Build it with `KDSACache(config)` or let generate() create it"
+            )
+        return layers[self.layer_idx]
+
+    def _check_inputs(
+        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> None:
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"hidden_states must be [batch, seq_len, hidden_size={self.hidden_size}], "
+                f"got shape {tuple(hidden_states.shape)}"
+            )
+        if self.qk_rope_head_dim == 0:
+            if position_embeddings is not None:
+                raise ValueError("position_embeddings must be None for a NoPE DSA layer (qk_rope_head_dim=0)")
+            return
+        if position_embeddings is None:
+            raise ValueError(
+                f"position_embeddings (cos, sin) are required: qk_rope_head_dim={self.qk_rope_head_dim} (use "
+                "KDSARotaryEmbedding)"
+            )
+        expected = (*hidden_states.shape[:2], self.qk_rope_head_dim)
+        for name, tensor in zip(("cos", "sin"), position_embeddings, strict=True):
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"position_embeddings {name} must have shape {expected}, got {tuple(tensor.shape)}")
+
+    @staticmethod
+    def _check_attention_mask(attention_mask: torch.Tensor | None, batch: int, num_keys: int) -> None:
+        if attention_mask is not None and tuple(attention_mask.shape) != (batch, num_keys):
+            raise ValueError(
+                f"attention_mask must be a 2-D padding mask [batch={batch}, past + current tokens={num_keys}], "
+                f"got shape {tuple(attention_mask.shape)}"
+            )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+    ) -> torch.Tensor:
+        """hidden_states `[B, T, D]`; position_embeddings `(cos, sin)` `[B, T, R]` for the current tokens or None
+        (NoPE); attention_mask `[B, S]` over past + current keys (1 = real, 0 = padding) or None; cache: a
+        `KDSACache` (its paged store for this layer runs the indexer and sparse-attention kernels), or None.
+        Query `i` sits at cache position `past_len + i`. Returns `[B, T, D]`."""
+        self._check_inputs(hidden_states, position_embeddings)
+        batch, seq_len, _ = hidden_states.shape
+        q_nope, q_pe, query_input = self.project_queries(hidden_states, position_embeddings)
+        latent, k_pe = self.project_latent(hidden_states, position_embeddings)
+        q_index, index_weights, k_index = self.indexer(hidden_states, query_input, position_embeddings)
+        # Validate everything before the cache is written, so that bad input never leaves it half-updated.
+        store = self._store(cache)
+        past_len = store.num_tokens
+        self._check_attention_mask(attention_mask, batch, past_len + seq_len)
+        store.append(torch.cat([latent, k_pe], dim=-1), k_index)
+
+        w_uk, w_uv = self.absorbed_weights()
+        outputs = []
+        for start in range(0, seq_len, self.query_block_size):
+            block = slice(start, min(start + self.query_block_size, seq_len))
+            indices = store.indexer_topk(
+                q_index[:, block], index_weights[:, block], past_len + start, self.index_topk, attention_mask
+            )
+            q_latent = torch.einsum("bthd,hdc->bthc", q_nope[:, block], w_uk)
+            out_latent = store.sparse_attention(q_latent, q_pe[:, block], indices, self.softmax_scale)
+            outputs.append(torch.einsum("bthc,hvc->bthv", out_latent, w_uv))
+        attn_output = torch.cat(outputs, dim=1).reshape(batch, seq_len, self.num_heads * self.v_head_dim)
+        return self.o_proj(attn_output)
+
+
+__all__ = ["KDSAIndexer", "KDSASparseAttention", "mla_softmax_scale"]

@@ -1,0 +1,165 @@
+"""DSA kernels, torch reference: Lightning Indexer scores and top-k, sparse MLA attention in absorbed form.
+
+reference/dsa.md §1.2 (indexer formula and constant), §2.3 (absorbed / MQA mode, gather + softmax over the selected
+entries), §5 (short context == dense causal MLA), §6 (-1 sentinel, lonely rows give 0), §8.10 (bounded prefill
+logits). Each function does one job, in the style of vLLM's indexer stages; the layer (dsa.py) chains them per
+block of queries so that a long prefill never holds a `[T, T]` tensor.
+
+Index space: positions are indices into the layer's cache (0 = first cached token). A query at cache position `p`
+sees the keys `s <= p` whose padding mask is 1.
+
+Legend: `B` batch, `T` queries in the block, `S` keys, `H` MLA heads, `HI` indexer heads, `DI` indexer head dim,
+`C` kv_lora_rank, `R` qk_rope_head_dim (0 for NoPE), `K` selected keys per query.
+"""
+
+import torch
+
+# Query rows per prefill block: bounds the indexer logits to `[B, QUERY_BLOCK_SIZE, S]` and the gathered latent
+# entries to `[B, QUERY_BLOCK_SIZE, K, C + R]`.
+QUERY_BLOCK_SIZE = 128
+
+
+def visible_keys_mask(
+    query_start: int, num_queries: int, num_keys: int, key_padding_mask: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """Causal and padding visibility for queries at positions `query_start + i`, `i < num_queries`.
+
+    key_padding_mask: `[B, S]` (1/True = real token) or None. Returns bool `[B or 1, T, S]`, True = visible.
+    """
+    query_positions = torch.arange(query_start, query_start + num_queries, device=device)
+    key_positions = torch.arange(num_keys, device=device)
+    visible = (key_positions[None, :] <= query_positions[:, None])[None]
+    if key_padding_mask is not None:
+        visible = visible & key_padding_mask.bool()[:, None, :]
+    return visible
+
+
+def indexer_scores(
+    q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Tensor, visible: torch.Tensor
+) -> torch.Tensor:
+    """Lightning Indexer logits `I[t,s] = HI^-0.5 · DI^-0.5 · Σ_h w[t,h] · ReLU(q[t,h]·k[s])`, fp32.
+
+    q_index: `[B, T, HI, DI]`; weights: `[B, T, HI]` (raw `weights_proj` output); k_index: `[B, S, DI]` (one key per
+    token, shared by all heads); visible: bool `[B or 1, T, S]`. Returns `[B, T, S]` fp32, `-inf` where not visible.
+    Heads are accumulated one at a time so that nothing larger than `[B, T, S]` is allocated.
+    """
+    num_heads, head_dim = q_index.shape[-2:]
+    keys_t = k_index.float().transpose(1, 2)  # [B, DI, S]
+    weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
+    scores = None
+    for head in range(num_heads):
+        head_logits = torch.relu(torch.bmm(q_index[:, :, head].float(), keys_t)) * weights[:, :, head, None]
+        scores = head_logits if scores is None else scores + head_logits
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def select_topk(scores: torch.Tensor, index_topk: int) -> torch.Tensor:
+    """Top-`min(index_topk, S)` keys per query from indexer logits `[B, T, S]`.
+
+    Returns int64 `[B, T, K]`: valid key positions first (by descending score), `-1` in slots that would pick a
+    key that is not visible (score `-inf`), e.g. for early rows that see fewer than K keys.
+    Equal scores go to the earlier key (a stable sort), so the selection does not depend on how many keys or
+    queries share the call: exact ties are common because ReLU zeroes every head of some keys (score exactly 0).
+    """
+    k = min(index_topk, scores.shape[-1])
+    values, indices = scores.sort(dim=-1, descending=True, stable=True)
+    values, indices = values[..., :k], indices[..., :k]
+    return indices.masked_fill(values == float("-inf"), -1)
+
+
+def indexer_topk(
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    k_index: torch.Tensor,
+    index_topk: int,
+    query_start: int,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Indexer top-k for one block of queries at positions `query_start + i` (reference/dsa.md §1.2, §6).
+
+    q_index: `[B, T, HI, DI]`; weights: `[B, T, HI]`; k_index: `[B, S, DI]`; key_padding_mask: `[B, S]` or None.
+    Returns int64 `[B, T, min(index_topk, S')]`, one index set per query shared by all MLA heads, `-1` = no key,
+    where `S' = min(S, query_start + T)`: keys after the block's last query are never visible, so not scored.
+    """
+    num_keys = min(k_index.shape[1], query_start + q_index.shape[1])
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask[:, :num_keys]
+    visible = visible_keys_mask(query_start, q_index.shape[1], num_keys, key_padding_mask, q_index.device)
+    return select_topk(indexer_scores(q_index, weights, k_index[:, :num_keys], visible), index_topk)
+
+
+def sparse_mla_attention(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Sparse MLA in absorbed form over exactly the selected latent entries (reference/dsa.md §2.3).
+
+    q_latent: `[B, T, H, C]` (`W_UK^T q_nope`); q_pe: `[B, T, H, R]`; latent: `[B, S, C]` (normalised `c`);
+    k_pe: `[B, S, R]` (RoPE'd); indices: `[B, T, K]` int, `-1` = no key. Returns the latent-space output
+    `o_lat = Σ_k softmax_k((q_latent·c_k + q_pe·k_pe_k) · scale) · c_k`, `[B, T, H, C]` in `q_latent`'s dtype.
+    Products accumulate and the softmax runs in fp32; rows without a valid index give 0.
+    """
+    batch, num_queries, num_selected = indices.shape
+    valid = indices >= 0
+    flat_indices = indices.clamp(min=0).reshape(batch, num_queries * num_selected, 1)
+    selected_latent = latent.gather(1, flat_indices.expand(-1, -1, latent.shape[-1]))
+    selected_latent = selected_latent.view(batch, num_queries, num_selected, -1).float()  # [B, T, K, C]
+    selected_pe = k_pe.gather(1, flat_indices.expand(-1, -1, k_pe.shape[-1]))
+    selected_pe = selected_pe.view(batch, num_queries, num_selected, -1).float()  # [B, T, K, R]
+
+    # [B, T, H, C] @ [B, T, C, K] -> [B, T, H, K]; the rope term is empty (adds 0) for NoPE.
+    scores = torch.matmul(q_latent.float(), selected_latent.transpose(-1, -2))
+    scores = scores + torch.matmul(q_pe.float(), selected_pe.transpose(-1, -2))
+    scores = (scores * softmax_scale).masked_fill(~valid[:, :, None, :], float("-inf"))
+
+    # A row with no valid key would give NaN (all -inf); give it zero weights instead, i.e. output 0.
+    row_max = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
+    probs = torch.exp(scores - row_max)
+    denominator = probs.sum(dim=-1, keepdim=True)
+    probs = probs / denominator.clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.matmul(probs, selected_latent).to(q_latent.dtype)
+
+
+def dense_mla_reference(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    softmax_scale: float,
+    query_start: int = 0,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense causal MLA in MHA form, for tests only: every visible key, heads up-projected with `kv_b_proj`.
+
+    q_nope: `[B, T, H, Dn]`; q_pe: `[B, T, H, R]`; latent: `[B, S, C]`; k_pe: `[B, S, R]`; kv_b_weight:
+    `[H * (Dn + Dv), C]`; queries sit at positions `query_start + i`; key_padding_mask `[B, S]` or None.
+    Returns `[B, T, H, Dv]` in `q_nope`'s dtype (fp32 math); rows with no visible key give 0.
+    """
+    batch, num_queries, num_heads, nope_dim = q_nope.shape
+    num_keys = latent.shape[1]
+    kv = torch.matmul(latent.float(), kv_b_weight.float().t()).view(batch, num_keys, num_heads, -1)
+    k_nope, value = kv[..., :nope_dim], kv[..., nope_dim:]
+    scores = torch.einsum("bthd,bshd->bhts", q_nope.float(), k_nope)
+    scores = scores + torch.einsum("bthr,bsr->bhts", q_pe.float(), k_pe.float())
+    # Built independently of `visible_keys_mask`, so that a bug there cannot hide in the comparison.
+    causal = torch.ones(num_queries, num_keys, dtype=torch.bool, device=latent.device).tril(diagonal=query_start)
+    visible = causal[None] if key_padding_mask is None else causal[None] & key_padding_mask.bool()[:, None, :]
+    scores = (scores * softmax_scale).masked_fill(~visible[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows: NaN -> 0
+    return torch.einsum("bhts,bshv->bthv", probs, value).to(q_nope.dtype)
+
+
+__all__ = [
+    "QUERY_BLOCK_SIZE",
+    "visible_keys_mask",
+    "indexer_scores",
+    "select_topk",
+    "indexer_topk",
+    "sparse_mla_attention",
+    "dense_mla_reference",
+]

@@ -1,0 +1,565 @@
+"""DSA kernels over a paged cache: Lightning Indexer top-k and sparse MLA that read `KDSACache` pages directly.
+
+reference/dsa.md §4.1 (logical indices, physical slot `block_table[b, s // P] * P + s % P`), §4.2 (vLLM pipeline:
+paged logits, then top-k), §2.3 (absorbed sparse MLA: gather the selected `[c | k_pe]` rows, softmax over them),
+§5 (prefill vs decode), §6 (-1 sentinel, rows without a valid key give 0), §8.10 (never materialise the `[T, S]`
+logits; an exact fused score + top-k was proposed in vLLM RFC #53563).
+
+Three implementations with the same signatures, picked by name through `dsa_kernels(backend)`:
+- `torch` (`paged_*_reference`): gather the pages into contiguous tensors, then run dsa_ops' reference kernels.
+  Readable and exact: the oracle for the others.
+- `cpu` (`paged_*_fused`): the indexer scores, weights and selects in one pass over blocks of pages with a running
+  top-k, so memory does not grow with the context; sparse attention gathers only the selected rows from the pages.
+- `compiled`: the same code with its per-block work compiled by `torch.compile` (inductor), cached on disk.
+
+Page layout (owned by `KDSACache`): `kv_pages` `[num_pages, P, C + R]` rows `[normalised latent c | RoPE'd k_pe]`;
+`index_pages` `[num_pages, P, DI]` indexer keys. Either store may instead be quantized (DESIGN.md §5,
+`numeric_formats.QuantizedRows` of the same `[num_pages, P, ...]` shape: FP8 latent tiles + fp32 scales + the RoPE part
+unquantized, or MXFP8 indexer keys + E8M0 scales); every kernel then gathers the quantized pages / rows it reads and
+dequantizes exactly those (`read_pages`, `read_rows`) into the query dtype, so the math after the read is the BF16
+path's (on CPU an MXFP8 / FP8 GEMM is emulated as dequantize + GEMM, reference/techniques.md §0.6).
+`block_table` int `[B, max_pages]`, logical token `s` of sequence `b` in page `block_table[b, s // P]`, slot `s % P`,
+unused entries -1. All sequences of a call hold `num_keys` tokens (left padding is described by `key_padding_mask`).
+A query at position `p` sees the keys `s <= p` that are not padding; queries of a call sit at `query_start + i`.
+
+Legend: `B` batch, `T` queries, `S` keys (`num_keys`), `P` page size, `H` MLA heads, `HI` indexer heads, `DI`
+indexer head dim, `C` kv_lora_rank, `R` qk_rope_head_dim (0 for NoPE), `K` selected keys per query.
+"""
+
+import os
+
+import torch
+import torch.fx.experimental._config
+
+from .dsa_ops import indexer_topk, sparse_mla_attention
+from .numeric_formats import QuantizedRows
+
+# Bound on what the indexer holds per key block and sequence, the gathered keys `[n, DI]` plus the products
+# `[T, HI, n]`: 2M elements whatever the context length. Blocks are as large as this allows because every block
+# costs a fixed ~40 small ops: a decode step (T = 1, HI 8, DI 64) reads 455 pages per block, a prefill block of
+# 128 queries 30 pages.
+KEY_BLOCK_ELEMENTS = 1 << 21
+
+# Bound on the selected `[c | k_pe]` rows that sparse attention gathers at once: 4M elements (8 MiB in bf16), i.e.
+# 28 queries at K = 512, C + R = 288. Prefill blocks are split into chunks of queries this size: besides bounding
+# memory, this is 4x faster than one 128-query gather, because a fresh allocation above glibc's 32 MiB mmap
+# threshold page-faults in on every call while smaller ones are reused from the heap.
+ATTENTION_ROWS_ELEMENTS = 1 << 22
+
+# Running top-k keys (see `_pack_scores`): the score's order-preserving int32 image in the high 32 bits, the
+# reversed key position in the low 32 bits. Keys below this bound carry the score -inf (masked key).
+_LOW_BITS = 0xFFFFFFFF
+_NEG_INF_ORDERED = int(torch.tensor(float("-inf")).view(torch.int32)) ^ 0x7FFFFFFF
+_MASKED_KEY_BOUND = (_NEG_INF_ORDERED + 1) * (1 << 32)
+
+# Where inductor's FX graph and AOTAutograd caches live unless the user set TORCHINDUCTOR_CACHE_DIR.
+DEFAULT_COMPILE_CACHE_DIR = os.path.join("~", ".cache", "kdsa", "torchinductor")
+
+
+def _ceil_div(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+def page_geometry(pages) -> tuple[int, int, int]:
+    """`(num_pages, page_size, row width)` of plain pages `[N, P, W]` or quantized ones (`QuantizedRows`)."""
+    if isinstance(pages, QuantizedRows):
+        return (*pages.elements.shape[:2], pages.width)
+    if pages.dim() != 3:
+        raise ValueError(f"pages must be [num_pages, page_size, width], got shape {tuple(pages.shape)}")
+    return tuple(pages.shape)
+
+
+def _is_paged(pages) -> bool:
+    return isinstance(pages, QuantizedRows) or pages.dim() == 3
+
+
+def read_pages(pages, page_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Pages `page_ids` `[n]` as values `[n, P, W]`: plain pages as they are stored, quantized pages dequantized
+    into `dtype` (only the pages read)."""
+    if isinstance(pages, QuantizedRows):
+        return pages.map(lambda part: part.index_select(0, page_ids)).dequantize(dtype)
+    return pages.index_select(0, page_ids)
+
+
+def read_rows(pages, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows at flat slot ids `slots` `[n]` (`page * P + offset`) as values `[n, W]`: plain rows as stored, quantized
+    rows gathered with their scales and dequantized into `dtype` (only the rows read)."""
+    if isinstance(pages, QuantizedRows):
+        return pages.map(lambda part: part.flatten(0, 1).index_select(0, slots)).dequantize(dtype)
+    return pages.view(-1, pages.shape[-1]).index_select(0, slots)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Input checks (shared by all backends; they run eagerly, before any compiled code)
+
+
+def _check_block_table(pages: torch.Tensor, block_table: torch.Tensor, num_tokens: int, batch: int, name: str):
+    """block_table must be an integer `[batch, max_pages]` table that maps the first `num_tokens` tokens of every
+    sequence to existing pages of `pages` `[num_pages, P, width]` (or quantized pages of that geometry)."""
+    if not isinstance(pages, QuantizedRows) and pages.dim() != 3:
+        raise ValueError(f"{name} must be [num_pages, page_size, width], got shape {tuple(pages.shape)}")
+    if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"block_table must be an int64 (or int32) [batch, max_pages] tensor, got {block_table.dtype} "
+            f"shape {tuple(block_table.shape)}"
+        )
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows, expected batch={batch}")
+    num_pages, page_size, _ = page_geometry(pages)
+    capacity = block_table.shape[1] * page_size
+    if num_tokens < 0 or num_tokens > capacity:
+        raise ValueError(
+            f"num_keys={num_tokens} does not fit the block table: {block_table.shape[1]} pages of {page_size} tokens "
+            f"hold {capacity}"
+        )
+    used = block_table[:, : _ceil_div(num_tokens, page_size)]
+    if ((used < 0) | (used >= num_pages)).any():
+        raise ValueError(
+            f"block_table maps some of the first {num_tokens} tokens to no page (-1) or to a page id >= "
+            f"num_pages={num_pages}"
+        )
+
+
+def _check_indexer_inputs(q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, padding):
+    if q_index.dim() != 4:
+        raise ValueError(f"q_index must be [batch, queries, index_heads, index_head_dim], got {tuple(q_index.shape)}")
+    if tuple(weights.shape) != tuple(q_index.shape[:3]):
+        raise ValueError(f"weights must have shape {tuple(q_index.shape[:3])}, got {tuple(weights.shape)}")
+    if _is_paged(index_pages) and page_geometry(index_pages)[-1] != q_index.shape[-1]:
+        raise ValueError(
+            f"index_pages width {page_geometry(index_pages)[-1]} != q_index head dim {q_index.shape[-1]} "
+            "(index_head_dim)"
+        )
+    if index_topk <= 0:
+        raise ValueError(f"index_topk must be > 0, got {index_topk}")
+    if query_start < 0:
+        raise ValueError(f"query_start must be >= 0, got {query_start}")
+    _check_block_table(index_pages, block_table, num_keys, q_index.shape[0], "index_pages")
+    if padding is not None and tuple(padding.shape) != (q_index.shape[0], num_keys):
+        raise ValueError(
+            f"key_padding_mask must have shape (batch, num_keys) = {(q_index.shape[0], num_keys)}, "
+            f"got {tuple(padding.shape)}"
+        )
+
+
+def _check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices):
+    if q_latent.dim() != 4 or q_pe.dim() != 4 or q_pe.shape[:3] != q_latent.shape[:3]:
+        raise ValueError(
+            f"q_latent [B, T, H, C] and q_pe [B, T, H, R] must agree on B, T, H, got {tuple(q_latent.shape)} and "
+            f"{tuple(q_pe.shape)}"
+        )
+    if indices.dim() != 3 or tuple(indices.shape[:2]) != tuple(q_latent.shape[:2]) or indices.is_floating_point():
+        raise ValueError(f"indices must be integer [B, T, K] with B, T of q_latent, got {tuple(indices.shape)}")
+    width = q_latent.shape[-1] + q_pe.shape[-1]
+    if not _is_paged(kv_pages) or page_geometry(kv_pages)[-1] != width:
+        shape = page_geometry(kv_pages) if _is_paged(kv_pages) else tuple(kv_pages.shape)
+        raise ValueError(
+            f"kv_pages must be [num_pages, page_size, C + R = {width}] (kv_lora_rank + qk_rope_head_dim), got {shape}"
+        )
+    parts = kv_pages if isinstance(kv_pages, QuantizedRows) else (kv_pages,)
+    if not all(part.is_contiguous() for part in parts):
+        raise ValueError("kv_pages must be contiguous: the fused kernel reads its rows by flat slot id")
+    _check_block_table(kv_pages, block_table, 0, q_latent.shape[0], "kv_pages")
+    # Every selected key must sit in a mapped page: reading page 0 instead would be a silent wrong answer.
+    num_pages, page_size, _ = page_geometry(kv_pages)
+    capacity = block_table.shape[1] * page_size
+    logical_pages = (indices.clamp(0, capacity - 1) // page_size).flatten(1)
+    physical_pages = block_table.gather(1, logical_pages).view_as(indices)
+    unmapped = (indices >= capacity) | ((indices >= 0) & ((physical_pages < 0) | (physical_pages >= num_pages)))
+    if unmapped.any():
+        raise ValueError("indices select keys whose page the block table does not map (-1 or beyond the table)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reference: gather the pages, then the contiguous dsa_ops kernels
+
+
+def gather_pages(pages, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Contiguous copy of the first `num_tokens` tokens of every sequence (reference/dsa.md §4.1).
+
+    pages: `[num_pages, P, width]` or quantized pages (dequantized into `dtype`, required then); block_table: int
+    `[B, max_pages]`. Returns `[B, num_tokens, width]`.
+    """
+    _check_block_table(pages, block_table, num_tokens, block_table.shape[0], "pages")
+    batch = block_table.shape[0]
+    used = block_table[:, : _ceil_div(num_tokens, page_geometry(pages)[1])]
+    rows = read_pages(pages, used.reshape(-1), dtype)
+    return rows.view(batch, -1, rows.shape[-1])[:, :num_tokens].contiguous()
+
+
+def paged_indexer_topk_reference(
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    index_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    num_keys: int,
+    index_topk: int,
+    query_start: int,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Indexer top-k over paged keys: `gather_pages` then `dsa_ops.indexer_topk` (reference/dsa.md §1.2, §4, §6).
+
+    q_index: `[B, T, HI, DI]`; weights: `[B, T, HI]` fp32 (raw `weights_proj` output); index_pages `[num_pages, P,
+    DI]`; block_table int `[B, max_pages]`; key_padding_mask `[B, num_keys]` bool or None. Returns int64 `[B, T,
+    min(index_topk, S')]` logical key positions, best first (equal scores: earlier key first), -1 = no key, where
+    `S' = min(num_keys, query_start + T)`.
+    """
+    _check_indexer_inputs(
+        q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask
+    )
+    k_index = gather_pages(index_pages, block_table, num_keys, q_index.dtype)
+    return indexer_topk(q_index, weights, k_index, index_topk, query_start, key_padding_mask)
+
+
+def paged_sparse_mla_reference(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Sparse absorbed MLA over paged `[c | k_pe]` rows: `gather_pages` then `dsa_ops.sparse_mla_attention`
+    (reference/dsa.md §2.3, §6).
+
+    q_latent: `[B, T, H, C]`; q_pe: `[B, T, H, R]`; kv_pages `[num_pages, P, C + R]`; block_table int `[B,
+    max_pages]`; indices `[B, T, K]` logical positions, -1 = none. Returns `[B, T, H, C]` in q_latent's dtype.
+    """
+    _check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices)
+    # Only the tokens up to the last selected one are needed.
+    num_tokens = int(indices.max()) + 1 if indices.numel() else 0
+    if num_tokens == 0:
+        return q_latent.new_zeros(q_latent.shape)  # no valid key anywhere: every row gives 0 (§6)
+    rows = gather_pages(kv_pages, block_table, num_tokens, q_latent.dtype)
+    latent, k_pe = rows.split([q_latent.shape[-1], q_pe.shape[-1]], dim=-1)
+    return sparse_mla_attention(q_latent, q_pe, latent, k_pe, indices, softmax_scale)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fused CPU kernels
+
+
+def _pack_scores(scores: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """One int64 per score whose descending order is (score descending, key position ascending).
+
+    scores: fp32 `[B, T, n]` (-inf = not visible); key_positions: int64 `[n]`. With unique keys, `topk` selects
+    and orders exactly like the reference's stable sort, ties included (dsa_ops.select_topk: equal scores ->
+    earlier key first), and a running top-k over blocks is exact: the top k of a union is the top k of the
+    union of the parts' top k. A stable sort would do the same but costs ~6x more per block than `topk`.
+    """
+    # The reference's sort treats -0.0 and +0.0 as equal (w · ReLU(q·k) = 0 carries the sign of w); their bits differ.
+    scores = torch.where(scores == 0, torch.zeros_like(scores), scores)
+    bits = scores.view(torch.int32)
+    # IEEE floats order like sign-magnitude integers: flipping the magnitude bits of negative values makes the
+    # bit patterns order like the two's complement integers they are read as.
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return ordered.to(torch.int64) * (1 << 32) + (_LOW_BITS - key_positions)
+
+
+def _unpack_indices(packed: torch.Tensor) -> torch.Tensor:
+    """Key positions from `_pack_scores` keys; -1 where the score was -inf (not visible)."""
+    positions = _LOW_BITS - (packed & _LOW_BITS)
+    return positions.masked_fill(packed < _MASKED_KEY_BOUND, -1)
+
+
+def _score_block(
+    q_index: torch.Tensor,
+    scaled_weights: torch.Tensor,
+    keys: torch.Tensor,
+    key_positions: torch.Tensor,
+    last_visible_key: torch.Tensor,
+    key_padding: torch.Tensor | None,
+) -> torch.Tensor:
+    """Indexer logits of one block of keys, masked and packed for the running top-k (reference/dsa.md §1.2).
+
+    q_index: `[B, T, HI, DI]`; scaled_weights: fp32 `[B, T, HI]` (head weights times `HI^-0.5 · DI^-0.5`); keys:
+    `[B, n, DI]`; key_positions: int64 `[n]`; last_visible_key: int64 `[T]`, query `t` sees the keys at positions
+    `<= last_visible_key[t]` (causal limit and end of the context); key_padding: bool `[B, n]` or None.
+    Returns int64 `[B, T, n]` (`_pack_scores`).
+    """
+    batch, num_queries, num_heads, head_dim = q_index.shape
+    keys_t = keys.transpose(1, 2)  # [B, DI, n]
+    if q_index.dtype == torch.float32:
+        # One GEMM per head, the shapes dsa_ops.indexer_scores uses: fp32 products are then bit-identical to the
+        # reference's (a single [T*HI, DI] GEMM would sum in another order for T = 1), so the top-k is exact.
+        all_products = None
+    else:
+        # bf16: one GEMM for all heads (the fast path; a per-head GEMV is ~7x slower in bf16 on CPU).
+        all_products = torch.bmm(q_index.flatten(1, 2), keys_t).view(batch, num_queries, num_heads, -1)
+    scores = None
+    for head in range(num_heads):
+        products = torch.bmm(q_index[:, :, head], keys_t) if all_products is None else all_products[:, :, head]
+        # ReLU, weighting and the head sum in fp32, heads added in the reference's order.
+        head_scores = torch.relu(products).float() * scaled_weights[:, :, head, None]
+        scores = head_scores if scores is None else scores + head_scores
+    visible = (key_positions[None, :] <= last_visible_key[:, None])[None]  # [1, T, n]
+    if key_padding is not None:
+        visible = visible & key_padding[:, None, :]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return _pack_scores(scores, key_positions)
+
+
+def _key_block_pages(num_queries: int, num_heads: int, head_dim: int, page_size: int) -> int:
+    """Pages per indexer key block: keys `[n, DI]` plus products `[T, HI, n]` stay within KEY_BLOCK_ELEMENTS."""
+    return max(1, KEY_BLOCK_ELEMENTS // ((num_queries * num_heads + head_dim) * page_size))
+
+
+def _blocked_indexer_topk(
+    q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, score_block
+) -> torch.Tensor:
+    """Score + weight + top-k in one pass over blocks of pages with a running top-k; `score_block` is
+    `_score_block` or its compiled version. Inputs already checked."""
+    batch, num_queries, num_heads, head_dim = q_index.shape
+    page_size = page_geometry(index_pages)[1]
+    # Keys after the block's last query are never visible: they are not read at all.
+    num_visible = min(num_keys, query_start + num_queries)
+    num_selected = min(index_topk, num_visible)
+    if num_selected == 0:
+        return torch.empty(batch, num_queries, 0, dtype=torch.int64, device=q_index.device)
+    q_index = q_index.contiguous()  # the same strides on every call (a compiled block step never recompiles)
+    scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
+    query_positions = torch.arange(query_start, query_start + num_queries, device=q_index.device)
+    last_visible_key = query_positions.clamp(max=num_visible - 1)
+    # Blocks are whole pages: the keys after the context's end in its last page are read but never visible.
+    num_pages_read = _ceil_div(num_visible, page_size)
+    if key_padding_mask is not None:
+        key_padding_mask = torch.nn.functional.pad(
+            key_padding_mask[:, :num_visible].bool(), (0, num_pages_read * page_size - num_visible)
+        )
+
+    pages_per_block = _key_block_pages(num_queries, num_heads, head_dim, page_size)
+    best = None  # packed keys [B, T, <= num_selected], best first
+    for first_page in range(0, num_pages_read, pages_per_block):
+        last_page = min(first_page + pages_per_block, num_pages_read)
+        page_ids = block_table[:, first_page:last_page].reshape(-1)
+        # One index_select per block copies its pages (never the whole context) into a contiguous [B, n, DI].
+        keys = read_pages(index_pages, page_ids, q_index.dtype).view(batch, -1, head_dim)
+        block = slice(first_page * page_size, last_page * page_size)
+        key_positions = torch.arange(block.start, block.stop, device=q_index.device)
+        # Contiguous, so that every block has the same strides (a compiled block step never recompiles for them).
+        key_padding = None if key_padding_mask is None else key_padding_mask[:, block].contiguous()
+        packed = score_block(q_index, scaled_weights, keys, key_positions, last_visible_key, key_padding)
+        if best is not None:
+            packed = torch.cat([best, packed], dim=-1)
+        best = packed.topk(min(num_selected, packed.shape[-1]), dim=-1).values
+    return _unpack_indices(best)
+
+
+def paged_indexer_topk_fused(
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    index_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    num_keys: int,
+    index_topk: int,
+    query_start: int,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Fused paged indexer: scores, head weighting and top-k in one pass over blocks of pages (reference/dsa.md
+    §4.2, §8.10), same signature and result as `paged_indexer_topk_reference`.
+
+    q_index: `[B, T, HI, DI]`; weights: `[B, T, HI]` fp32; index_pages `[num_pages, P, DI]`; block_table int `[B,
+    max_pages]`; key_padding_mask `[B, num_keys]` or None. Returns int64 `[B, T, min(index_topk, S')]`,
+    `S' = min(num_keys, query_start + T)`.
+
+    Keys are read in blocks of whole pages (one `index_select` each, at most KEY_BLOCK_ELEMENTS products per
+    sequence) and merged into a running top-k, so the `[T, S]` logits are never materialised. fp32 inputs give
+    exactly the reference's indices (same products, same head order, same tie rule). bf16 inputs multiply q·k in
+    bf16 (fp32 accumulation inside the GEMM, bf16 result) and do ReLU, weighting and the head sum in fp32.
+    """
+    _check_indexer_inputs(
+        q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask
+    )
+    return _blocked_indexer_topk(
+        q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, _score_block
+    )
+
+
+def _attend(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Sparse attention of one chunk of queries straight from the pages (the part `torch.compile` compiles).
+
+    Shapes as `paged_sparse_mla_fused`; kv_pages contiguous.
+    """
+    batch, num_queries, num_selected = indices.shape
+    _, page_size, width = page_geometry(kv_pages)
+    valid = indices >= 0
+    # Logical position -> physical slot `page * P + offset` (reference/dsa.md §4.1); -1 reads token 0, masked below.
+    positions = indices.clamp(min=0).flatten(1)  # [B, T*K]
+    pages = block_table.gather(1, torch.div(positions, page_size, rounding_mode="floor")).clamp(min=0)
+    slots = pages * page_size + positions % page_size
+    # Only the selected rows are copied, never the context.
+    rows = read_rows(kv_pages, slots.flatten(), q_latent.dtype).view(batch, num_queries, num_selected, width)
+
+    # Scores and the weighted sum as batched GEMMs in the input dtype; softmax statistics in fp32.
+    query = torch.cat([q_latent, q_pe], dim=-1)  # [B, T, H, C + R]
+    scores = torch.matmul(query, rows.transpose(-1, -2)).float() * softmax_scale  # [B, T, H, K]
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    # A row with no valid key would be NaN (all -inf): its weights become 0 and its output 0 (§6).
+    row_max = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
+    probs = torch.exp(scores - row_max)
+    denominator = probs.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    # Multiply by the whole `[c | k_pe]` rows and drop the k_pe columns afterwards: a GEMM on the strided `c`
+    # columns alone makes torch copy them first, which costs 5x the 12% of extra products.
+    out = torch.matmul(probs.to(rows.dtype), rows)[..., : q_latent.shape[-1]]  # [B, T, H, C]
+    return (out.float() / denominator).to(q_latent.dtype)
+
+
+def _chunked_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale, attend) -> torch.Tensor:
+    """Runs `attend` (`_attend` or its compiled version) on chunks of queries of ATTENTION_ROWS_ELEMENTS rows."""
+    num_queries, num_selected = indices.shape[1:]
+    chunk = max(1, ATTENTION_ROWS_ELEMENTS // max(1, num_selected * page_geometry(kv_pages)[-1]))
+    outputs = []
+    for start in range(0, num_queries, chunk):
+        queries = slice(start, start + chunk)
+        # Contiguous chunks: every call sees the same strides (a compiled `attend` never recompiles for them).
+        outputs.append(
+            attend(
+                q_latent[:, queries].contiguous(),
+                q_pe[:, queries].contiguous(),
+                kv_pages,
+                block_table,
+                indices[:, queries].contiguous(),
+                softmax_scale,
+            )
+        )
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+
+def paged_sparse_mla_fused(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Sparse absorbed MLA reading only the selected rows from the pages (reference/dsa.md §2.3, §4.1, §6), same
+    signature and result as `paged_sparse_mla_reference`.
+
+    q_latent: `[B, T, H, C]`; q_pe: `[B, T, H, R]`; kv_pages `[num_pages, P, C + R]`; block_table int `[B,
+    max_pages]`; indices `[B, T, K]` logical positions, -1 = none. Returns `[B, T, H, C]` in q_latent's dtype.
+    Queries are processed in chunks whose gathered rows stay within ATTENTION_ROWS_ELEMENTS (28 queries at K = 512,
+    C + R = 288): about 10 MB per chunk in bf16, whatever T and the context length.
+    """
+    _check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices)
+    return _chunked_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale, _attend)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Compiled ("graph mode") variants
+
+_compiled_functions: dict = {}
+
+
+def compile_cache_dir() -> str:
+    """The on-disk inductor cache: $TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/kdsa/torchinductor."""
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.expanduser(DEFAULT_COMPILE_CACHE_DIR)
+
+
+def _compiled(name: str):
+    """`torch.compile` of `_score_block` / `_attend`, created once per process.
+
+    `dynamic=True`: every size is symbolic from the first compile, so a context that grows each decode step (the
+    key block's length, the running top-k's width, K, the number of pages) reuses one graph; only 0/1-sized
+    dimensions (T = 1, B = 1) get graphs of their own. Duck sizing is off while compiling: it would assume that two
+    sizes equal at the first call stay equal (e.g. K == page size == 64 early in a generation) and recompile when
+    they part. Inductor's FX graph cache and AOTAutograd cache (on by default in torch 2.13, see
+    `TORCHINDUCTOR_FX_GRAPH_CACHE` / `TORCHINDUCTOR_AUTOGRAD_CACHE`) persist the compiled code under
+    `compile_cache_dir()`, so a second process skips inductor's code generation and C++ build.
+    """
+    if not _compiled_functions:
+        # Inductor reads the variable when it first needs its cache; setdefault keeps a user's choice.
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
+        for key, function in (("score_block", _score_block), ("sparse_mla", _attend)):
+            _compiled_functions[key] = _without_duck_sizing(torch.compile(function, dynamic=True))
+    return _compiled_functions[name]
+
+
+def _without_duck_sizing(compiled_function):
+    def run(*args):
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled_function(*args)
+
+    return run
+
+
+def paged_indexer_topk_compiled(
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    index_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    num_keys: int,
+    index_topk: int,
+    query_start: int,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_indexer_topk_fused` with the per-block scoring compiled (the loop over blocks stays in Python, so the
+    number of blocks never triggers a recompile). Same shapes and results."""
+    _check_indexer_inputs(
+        q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask
+    )
+    return _blocked_indexer_topk(
+        q_index,
+        weights,
+        index_pages,
+        block_table,
+        num_keys,
+        index_topk,
+        query_start,
+        key_padding_mask,
+        _compiled("score_block"),
+    )
+
+
+def paged_sparse_mla_compiled(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """`paged_sparse_mla_fused` with each chunk of queries compiled as one graph. Same shapes and results."""
+    _check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices)
+    return _chunked_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale, _compiled("sparse_mla"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Backend registry: (indexer top-k, sparse MLA) per backend name
+
+DSA_KERNELS = {
+    "torch": (paged_indexer_topk_reference, paged_sparse_mla_reference),
+    "cpu": (paged_indexer_topk_fused, paged_sparse_mla_fused),
+    "compiled": (paged_indexer_topk_compiled, paged_sparse_mla_compiled),
+}
+
+
+def dsa_kernels(backend: str):
+    """`(indexer_topk, sparse_mla)` for a backend name in DSA_KERNELS; ValueError for an unknown name."""
+    if backend not in DSA_KERNELS:
+        raise ValueError(f"unknown DSA kernel backend {backend!r}; choose one of {sorted(DSA_KERNELS)}")
+    return DSA_KERNELS[backend]
+
+
+__all__ = [
+    "DSA_KERNELS",
+    "dsa_kernels",
+    "compile_cache_dir",
+    "gather_pages",
+    "page_geometry",
+    "read_pages",
+    "read_rows",
+    "paged_indexer_topk_reference",
+    "paged_sparse_mla_reference",
+    "paged_indexer_topk_fused",
+    "paged_sparse_mla_fused",
+    "paged_indexer_topk_compiled",
+    "paged_sparse_mla_compiled",
+]

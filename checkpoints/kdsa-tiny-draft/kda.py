@@ -1,0 +1,161 @@
+"""KDA token mixer (Kimi Delta Attention) with Moonshot's Kimi-Linear checkpoint names (reference/kda.md §1.1, §4.3).
+
+Data flow per head (reference/kda.md §1.1, DESIGN.md §2): q, k, v projections → causal depthwise short conv + SiLU →
+L2-normalised q, k; per-channel fp32 decay `g` from a low-rank gate; `β = sigmoid(b_proj(x))`; the delta-rule
+recurrence (`kda_ops.chunk_kda` for prefill, `kda_ops.recurrent_kda` for decode); head-wise RMSNorm with a sigmoid
+output gate; `o_proj`.
+"""
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+
+from .cache import KDSACache
+from .configuration_kdsa import KDA_LAYER
+from .kda_ops import causal_short_conv, causal_short_conv_step, chunk_kda, kda_gate, l2norm, recurrent_kda
+
+
+class KDSAGatedRMSNorm(nn.Module):
+    """`y = x / sqrt(mean(x²) + eps) · weight · sigmoid(gate)` over the last dim, all in fp32 like fla's
+    `FusedRMSNormGated` (reference/kda.md §1.4); returned in the dtype of x."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.float()
+        hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight.float() * hidden_states * torch.sigmoid(gate.float())).to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class KDSAKimiDeltaAttention(nn.Module):
+    """KDA layer. H = `linear_num_heads`, K = V = `linear_head_dim`, W = `linear_conv_kernel_dim`.
+
+    Cache (a transformers `Cache` whose entry for this layer is a linear-attention layer): one conv state, the last
+    W pre-conv inputs of q, k and v concatenated on the channel dim (`[B, 2·H·K + H·V, W]`), and the fp32 recurrent
+    state `[B, H, K, V]`. A `KDSACache` also receives each forward's replay inputs (`record_kda_inputs`).
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        if config.layer_types[layer_idx] != KDA_LAYER:
+            raise ValueError(
+                f"layer_types[{layer_idx}] is {config.layer_types[layer_idx]!r}; KDSAKimiDeltaAttention needs "
+                f"{KDA_LAYER!r}"
+            )
+        self.layer_idx = layer_idx
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.linear_num_heads
+        self.head_k_dim = config.linear_head_dim
+        self.head_v_dim = config.linear_head_dim
+        self.conv_kernel_size = config.linear_conv_kernel_dim
+        self.key_dim = key_dim = self.num_heads * self.head_k_dim
+        self.value_dim = value_dim = self.num_heads * self.head_v_dim
+
+        self.q_proj = nn.Linear(self.hidden_size, key_dim, bias=False)
+        self.k_proj = nn.Linear(self.hidden_size, key_dim, bias=False)
+        self.v_proj = nn.Linear(self.hidden_size, value_dim, bias=False)
+        self.q_conv1d = self._short_conv(key_dim)
+        self.k_conv1d = self._short_conv(key_dim)
+        self.v_conv1d = self._short_conv(value_dim)
+        # Decay gate: low rank (rank K) projection, then -exp(A_log)·softplus(· + dt_bias), both kept in fp32.
+        self.f_a_proj = nn.Linear(self.hidden_size, self.head_k_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_k_dim, key_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(key_dim, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(1, 1, self.num_heads, 1, dtype=torch.float32))
+        self.b_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
+        # Output gate: low rank (rank V) projection into the sigmoid of the gated norm.
+        self.g_a_proj = nn.Linear(self.hidden_size, self.head_v_dim, bias=False)
+        self.g_b_proj = nn.Linear(self.head_v_dim, value_dim, bias=False)
+        self.o_norm = KDSAGatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(value_dim, self.hidden_size, bias=False)
+
+    def _short_conv(self, channels: int) -> nn.Conv1d:
+        """Depthwise causal conv, weight `[channels, 1, W]`. Only its weight is used (`kda_ops.causal_short_conv`)."""
+        return nn.Conv1d(
+            channels,
+            channels,
+            kernel_size=self.conv_kernel_size,
+            groups=channels,
+            padding=self.conv_kernel_size - 1,
+            bias=False,
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        """hidden_states: `[B, T, D]`; attention_mask: `[B, T]` over the current tokens only (1 = token, 0 = padding;
+        generate left-pads); cache: read and updated in place when given. Returns `[B, T, D]`.
+
+        Padding is zeroed before the conv and runs as identity steps of the recurrence (β = 0, g = 0), so a
+        left-padded row gives what the unpadded prompt gives.
+        """
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"hidden_states must be [B, T, D={self.hidden_size}], got shape {tuple(hidden_states.shape)}"
+            )
+        batch_size, seq_len, _ = hidden_states.shape
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.shape != (batch_size, seq_len):
+                raise ValueError(
+                    f"attention_mask must be [B, T] = {(batch_size, seq_len)} over the current tokens, got shape "
+                    f"{tuple(attention_mask.shape)}"
+                )
+            mask = attention_mask.bool()
+            hidden_states = hidden_states * mask.unsqueeze(-1).to(hidden_states.dtype)
+
+        has_previous_state = cache is not None and cache.has_previous_state(self.layer_idx)
+        conv_state = cache.get_conv_state(self.layer_idx) if has_previous_state else None
+        recurrent_state = cache.get_recurrent_state(self.layer_idx) if has_previous_state else None
+        decoding = has_previous_state and seq_len == 1
+
+        # Short conv over q, k, v together: [B, C, T] with C = 2·H·K + H·V.
+        qkv = torch.cat(
+            [self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1
+        ).transpose(1, 2)
+        conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
+        if decoding:
+            qkv_conv = causal_short_conv_step(qkv, conv_weight, conv_state)
+        else:
+            qkv_conv = causal_short_conv(qkv, conv_weight, left_context=conv_state)
+
+        heads_k = (batch_size, seq_len, self.num_heads, self.head_k_dim)
+        heads_v = (batch_size, seq_len, self.num_heads, self.head_v_dim)
+        q, k, v = qkv_conv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2norm(q.reshape(heads_k).float())  # fp32 like fla's in-kernel l2norm
+        k = l2norm(k.reshape(heads_k).float())
+        v = v.reshape(heads_v)
+
+        g = kda_gate(self.f_b_proj(self.f_a_proj(hidden_states)).reshape(heads_k), self.A_log, self.dt_bias)
+        beta = self.b_proj(hidden_states).float().sigmoid()
+        if mask is not None:
+            g = g.masked_fill(~mask[:, :, None, None], 0.0)
+            beta = beta.masked_fill(~mask[:, :, None], 0.0)
+
+        kernel = recurrent_kda if decoding else chunk_kda
+        o, final_state = kernel(q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None)
+        if cache is not None:
+            if isinstance(cache, KDSACache):
+                # Speculative decoding: the cache keeps these tokens' conv columns and recurrence inputs so that
+                # `crop` can replay them exactly. It must see the state from before this forward, so this comes
+                # before the two updates below.
+                cache.record_kda_inputs(self.layer_idx, qkv, k, v, g, beta)
+            cache.update_conv_state(qkv, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+            cache.update_recurrent_state(final_state, self.layer_idx)
+
+        gate = self.g_b_proj(self.g_a_proj(hidden_states)).reshape(heads_v)
+        o = self.o_norm(o, gate).reshape(batch_size, seq_len, -1)
+        return self.o_proj(o)
+
+
+__all__ = ["KDSAKimiDeltaAttention", "KDSAGatedRMSNorm"]

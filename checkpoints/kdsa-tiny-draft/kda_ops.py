@@ -1,0 +1,235 @@
+"""KDA (Kimi Delta Attention) kernels in plain torch: recurrent and chunked delta rule, gate, l2norm, short conv.
+
+Math: reference/kda.md §1.2 (gate), §1.3 (recurrence), §2.1 (chunked WY/UT form), §3.4 (short conv, l2norm).
+Shapes: `q, k, g: [B, T, H, K]`, `v: [B, T, H, V]`, `beta: [B, T, H]`, `state: [B, H, K, V]` (rows are key
+channels, because the decay acts per key channel). `g` is the natural-log decay (<= 0). Both kernels compute in
+fp32, return `o` in `v.dtype` and the state in fp32, and agree with each other to fp32 rounding.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`x / sqrt(sum(x²) + eps)` over the last dim: fla's l2norm (eps inside the sqrt, unlike `F.normalize`)."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def kda_gate(raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """Per-channel log decay `g = -exp(A_log[h]) · softplus(raw + dt_bias[h, :])`, in fp32 (reference/kda.md §1.2).
+
+    raw: `[B, T, H, K]` (output of the low-rank gate projection); A_log: `H` values (e.g. `[1, 1, H, 1]`);
+    dt_bias: `H·K` values. Returns fp32 `[B, T, H, K]`, all entries < 0.
+    """
+    if raw.dim() != 4:
+        raise ValueError(f"kda_gate: raw must be [B, T, H, K], got shape {tuple(raw.shape)}")
+    num_heads, head_dim = raw.shape[-2:]
+    if A_log.numel() != num_heads:
+        raise ValueError(f"kda_gate: A_log must hold H={num_heads} values, got shape {tuple(A_log.shape)}")
+    if dt_bias.numel() != num_heads * head_dim:
+        raise ValueError(
+            f"kda_gate: dt_bias must hold H·K={num_heads * head_dim} values, got shape {tuple(dt_bias.shape)}"
+        )
+    decay_rate = A_log.float().reshape(num_heads, 1).exp()
+    return -decay_rate * F.softplus(raw.float() + dt_bias.float().reshape(num_heads, head_dim))
+
+
+def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, left_context: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal depthwise conv + SiLU over a sequence (prefill).
+
+    x: `[B, C, T]`; weight: `[C, 1, W]` (an `nn.Conv1d(groups=C)` weight); left_context: `[B, C, L]`, the inputs
+    that came before `x` (a cached conv state), or None for a sequence start. Missing context counts as zeros.
+    Returns `[B, C, T]`.
+    """
+    batch_size, channels, _ = x.shape
+    width = weight.shape[-1]
+    if weight.shape != (channels, 1, width):
+        raise ValueError(f"causal_short_conv: weight must be [C={channels}, 1, W], got shape {tuple(weight.shape)}")
+    if left_context is None:
+        context = x.new_zeros(batch_size, channels, width - 1)
+    else:
+        context = left_context[..., max(left_context.shape[-1] - (width - 1), 0) :].to(x.dtype)
+        context = F.pad(context, (width - 1 - context.shape[-1], 0))
+    # The W-1 context columns make the un-padded conv output exactly T columns, one per input of x.
+    return F.silu(F.conv1d(torch.cat([context, x], dim=-1), weight, groups=channels))
+
+
+def causal_short_conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+    """One decode step of `causal_short_conv`: x `[B, C, 1]`, weight `[C, 1, W]`, conv_state `[B, C, L]` with
+    L >= W-1 (the previous inputs, newest last). Returns `[B, C, 1]`."""
+    width = weight.shape[-1]
+    if x.shape[-1] != 1 or conv_state.shape[-1] < width - 1:
+        raise ValueError(
+            f"causal_short_conv_step: x must be [B, C, 1] and conv_state [B, C, >= {width - 1}], got shapes "
+            f"{tuple(x.shape)} and {tuple(conv_state.shape)}"
+        )
+    window = torch.cat([conv_state[..., conv_state.shape[-1] - (width - 1) :].to(x.dtype), x], dim=-1)
+    return F.silu((window * weight[:, 0]).sum(dim=-1, keepdim=True))
+
+
+def _check_kda_inputs(q, k, v, g, beta, initial_state) -> None:
+    """Raise a ValueError naming the first tensor whose shape does not fit `q: [B, T, H, K]`."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    batch_size, seq_len, num_heads, head_k_dim = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must match q {tuple(q.shape)} ([B, T, H, K]), got shape {tuple(k.shape)}")
+    if g.shape != q.shape:
+        raise ValueError(f"g must match q {tuple(q.shape)} ([B, T, H, K]), got shape {tuple(g.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B={batch_size}, T={seq_len}, H={num_heads}, V], got shape {tuple(v.shape)}")
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta must be [B, T, H] = {tuple(q.shape[:3])}, got shape {tuple(beta.shape)}")
+    state_shape = (batch_size, num_heads, head_k_dim, v.shape[-1])
+    if initial_state is not None and initial_state.shape != state_shape:
+        raise ValueError(f"initial_state must be [B, H, K, V] = {state_shape}, got shape {tuple(initial_state.shape)}")
+
+
+def recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token KDA (reference/kda.md §1.3), the decode path.
+
+    `S_t = (I − β_t k_t k_tᵀ) Diag(exp g_t) S_{t−1} + β_t k_t v_tᵀ`, `o_t = S_tᵀ (scale·q_t)`.
+    q, k: `[B, T, H, K]`, L2-normalised by the caller; v: `[B, T, H, V]`; g: `[B, T, H, K]`; beta: `[B, T, H]`;
+    initial_state: `[B, H, K, V]` (not modified); scale defaults to `K ** -0.5`.
+    Returns `o: [B, T, H, V]` in `v.dtype` and the fp32 final state `[B, H, K, V]` (or None).
+    """
+    _check_kda_inputs(q, k, v, g, beta, initial_state)
+    batch_size, seq_len, num_heads, head_k_dim = q.shape
+    head_v_dim = v.shape[-1]
+    if scale is None:
+        scale = head_k_dim**-0.5
+    out_dtype = v.dtype
+    q, k, v, beta = q.float() * scale, k.float(), v.float(), beta.float()
+    decay = g.float().exp()
+    if initial_state is None:
+        state = q.new_zeros(batch_size, num_heads, head_k_dim, head_v_dim)
+    else:
+        state = initial_state.float()
+    outputs = []
+    for t in range(seq_len):
+        k_t = k[:, t].unsqueeze(-1)  # [B, H, K, 1]
+        state = state * decay[:, t].unsqueeze(-1)
+        # Delta rule: move the state's prediction for k_t (kᵀS) a fraction beta towards v_t.
+        predicted = (k_t.transpose(-1, -2) @ state).squeeze(-2)  # [B, H, V]
+        delta = beta[:, t].unsqueeze(-1) * (v[:, t] - predicted)
+        state = state + k_t * delta.unsqueeze(-2)
+        outputs.append((q[:, t].unsqueeze(-2) @ state).squeeze(-2))
+    o = torch.stack(outputs, dim=1).to(out_dtype)
+    return o, (state if output_final_state else None)
+
+
+# Secondary chunking inside a chunk: pairwise decays only within 16-token sub-chunks, matmuls across them.
+SUB_CHUNK_SIZE = 16
+
+
+def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, cum_g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decayed dot products inside one chunk (reference/kda.md §2.2, "secondary chunking").
+
+    q, k, cum_g: `[B, H, C, K]`, cum_g the chunk-local cumulative log decay G. Returns `(A_qk, A_kk)`, both
+    `[B, H, C, C]`, with `A_xk[i, j] = Σ_d x_i[d] k_j[d] exp(G_i[d] − G_j[d])` for j <= i and 0 above the diagonal.
+
+    Each exponent must stay <= 0 (a positive one overflows fp32 for strong gates). Inside a sub-chunk the pairwise
+    differences are masked above the diagonal before `exp`. Across sub-chunks the decay is split at the anchor `r`,
+    the first position of the row's sub-chunk: `exp(G_i − G_j) = exp(G_i − G_r) · exp(G_r − G_j)` with j < r <= i,
+    so both factors are <= 1 and the block is a plain matmul.
+    """
+    batch_size, num_heads, chunk_size, head_k_dim = k.shape
+    num_sub = chunk_size // SUB_CHUNK_SIZE
+    sub_shape = (batch_size, num_heads, num_sub, SUB_CHUNK_SIZE, head_k_dim)
+    q_sub, k_sub, g_sub = q.reshape(sub_shape), k.reshape(sub_shape), cum_g.reshape(sub_shape)
+    anchor = g_sub[..., :1, :]  # [B, H, NS, 1, K]
+
+    # Blocks left of the diagonal: rows of sub-chunk a against every column j of an earlier sub-chunk.
+    positions = torch.arange(chunk_size, device=k.device)
+    earlier = positions.unsqueeze(0) < positions[::SUB_CHUNK_SIZE].unsqueeze(1)  # [NS, C]: j before sub-chunk a
+    right = (anchor - cum_g.unsqueeze(2)).masked_fill(~earlier.unsqueeze(-1), float("-inf")).exp()  # [B,H,NS,C,K]
+    k_right = (k.unsqueeze(2) * right).transpose(-1, -2)  # [B, H, NS, K, C]
+    left = (g_sub - anchor).exp()
+    A_qk = (q_sub * left) @ k_right  # [B, H, NS, SUB, C], zero on and right of the diagonal block
+    A_kk = (k_sub * left) @ k_right
+
+    # Diagonal blocks: pairwise decays [B, H, NS, SUB(i), SUB(j), K], causal (diagonal included).
+    causal = torch.ones(SUB_CHUNK_SIZE, SUB_CHUNK_SIZE, dtype=torch.bool, device=k.device).tril()
+    diff = g_sub.unsqueeze(-2) - g_sub.unsqueeze(-3)
+    k_decayed = diff.masked_fill(~causal.unsqueeze(-1), float("-inf")).exp() * k_sub.unsqueeze(-3)
+    qk_diag = (k_decayed * q_sub.unsqueeze(-2)).sum(-1)  # [B, H, NS, SUB, SUB]
+    kk_diag = (k_decayed * k_sub.unsqueeze(-2)).sum(-1)
+    for a in range(num_sub):
+        block = slice(a * SUB_CHUNK_SIZE, (a + 1) * SUB_CHUNK_SIZE)
+        A_qk[:, :, a, :, block] = qk_diag[:, :, a]
+        A_kk[:, :, a, :, block] = kk_diag[:, :, a]
+    full_shape = (batch_size, num_heads, chunk_size, chunk_size)
+    return A_qk.reshape(full_shape), A_kk.reshape(full_shape)
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunk-parallel KDA in the WY/UT form (reference/kda.md §2.1), the prefill path. Same contract as
+    `recurrent_kda`; any T (the last chunk is padded with identity steps: k = v = 0, beta = 0, g = 0).
+    chunk_size must be a multiple of 16 (the sub-chunk size of `_intra_chunk_scores`).
+
+    Per chunk, with `G` the chunk-local cumulative log decay and `S0` the state entering the chunk, the corrected
+    values `U` (what each token writes into the state) solve the unit lower-triangular system
+    `(I + StrictTril(Diag(β) Akk)) U = Diag(β) (V − (K ⊙ exp G) S0)`. Then `O = (Q ⊙ exp G) S0 + Aqk U` and
+    `S_end = Diag(exp G_C) S0 + (K ⊙ exp(G_C − G))ᵀ U`. Every exponent is <= 0. Chunks run sequentially, so memory
+    holds one chunk's intermediates at a time, never a `[T, T]` tensor.
+    """
+    _check_kda_inputs(q, k, v, g, beta, initial_state)
+    if chunk_size <= 0 or chunk_size % SUB_CHUNK_SIZE:
+        raise ValueError(f"chunk_size must be a positive multiple of {SUB_CHUNK_SIZE}, got {chunk_size}")
+    batch_size, seq_len, num_heads, head_k_dim = q.shape
+    head_v_dim = v.shape[-1]
+    if scale is None:
+        scale = head_k_dim**-0.5
+    out_dtype = v.dtype
+    num_chunks = -(-seq_len // chunk_size)
+    pad = num_chunks * chunk_size - seq_len
+
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:
+        """`[B, T, H, D]` -> fp32 `[B, H, N, C, D]`, zero-padded at the end (zeros are identity steps)."""
+        x = F.pad(x.float().transpose(1, 2), (0, 0, 0, pad))
+        return x.reshape(batch_size, num_heads, num_chunks, chunk_size, x.shape[-1])
+
+    q, k, v, g = to_chunks(q) * scale, to_chunks(k), to_chunks(v), to_chunks(g)
+    beta = to_chunks(beta.unsqueeze(-1))  # [B, H, N, C, 1]
+    cum_g = g.cumsum(dim=-2)  # chunk-local cumulative log decay G: <= 0, decreasing along C
+
+    if initial_state is None:
+        state = q.new_zeros(batch_size, num_heads, head_k_dim, head_v_dim)
+    else:
+        state = initial_state.float()
+    o = q.new_empty(batch_size, num_heads, num_chunks, chunk_size, head_v_dim)
+    for n in range(num_chunks):
+        q_c, k_c, v_c, G, beta_c = q[:, :, n], k[:, :, n], v[:, :, n], cum_g[:, :, n], beta[:, :, n]
+        A_qk, A_kk = _intra_chunk_scores(q_c, k_c, G)
+        # UT transform: [W | U~] = (I + StrictTril(Diag(β) Akk))⁻¹ Diag(β) [K ⊙ exp G | V]. The solver reads
+        # only the strict lower triangle (unit diagonal), so Akk's diagonal needs no masking.
+        rhs = beta_c * torch.cat([k_c * G.exp(), v_c], dim=-1)
+        w, u = torch.linalg.solve_triangular(beta_c * A_kk, rhs, upper=False, unitriangular=True).split(
+            [head_k_dim, head_v_dim], dim=-1
+        )
+        u = u - w @ state  # corrected values: remove what S0 already predicts
+        o[:, :, n] = (q_c * G.exp()) @ state + A_qk @ u
+        G_last = G[..., -1:, :]  # [B, H, 1, K]
+        state = state * G_last.transpose(-1, -2).exp() + (k_c * (G_last - G).exp()).transpose(-1, -2) @ u
+
+    o = o.reshape(batch_size, num_heads, num_chunks * chunk_size, head_v_dim)[:, :, :seq_len]
+    return o.transpose(1, 2).to(out_dtype), (state if output_final_state else None)

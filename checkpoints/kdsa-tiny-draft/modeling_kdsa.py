@@ -1,0 +1,288 @@
+"""KDSA model: KDA and DSA token mixers interleaved per `config.layer_types`, MoE feed-forward, Block AttnRes.
+
+Reads top to bottom: residual streams → decoder layer → pretrained base (init, flags) → model → causal-LM head.
+The mixers live in `kda.py` (reference/kda.md) and `dsa.py` (reference/dsa.md), the feed-forward in `moe.py`, the
+depth attention in `attn_res.py` (reference/techniques.md §1). DESIGN.md §2.
+"""
+
+import math
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.generation import GenerationMixin, GenerationMode
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
+from transformers.utils.deprecation import deprecate_kwarg
+
+from .attn_res import BlockAttnResStream, KDSADepthAttention
+from .cache import ROLLBACK_TOKENS, KDSACache
+from .configuration_kdsa import DSA_LAYER, KDA_LAYER, KDSAConfig
+from .dsa import KDSASparseAttention
+from .kda import KDSAKimiDeltaAttention
+from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter
+from .norms import KDSARMSNorm
+from .rotary import KDSARotaryEmbedding
+
+
+class PlainResidualStream:
+    """The standard pre-norm residual `h ← h + f(norm(h))`, with the same interface as `BlockAttnResStream`
+    so that the decoder layer does not care which one it runs on (`attn_res_block_size = 0`)."""
+
+    def __init__(self, embeddings: torch.Tensor):
+        self.hidden_states = embeddings
+
+    def input_for(self, sublayer_idx: int) -> torch.Tensor:
+        return self.hidden_states
+
+    def add_output(self, sublayer_idx: int, output: torch.Tensor) -> None:
+        self.hidden_states = self.hidden_states + output
+
+    def final(self, depth_attention: KDSADepthAttention | None = None) -> torch.Tensor:
+        return self.hidden_states
+
+
+class KDSADecoderLayer(nn.Module):
+    """One layer = two sublayers: a token mixer (KDA or DSA) and a feed-forward (dense MLP or MoE)."""
+
+    def __init__(self, config: KDSAConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        # Distinct attribute names per mixer so tensor-parallel plans never hit the wrong one.
+        if self.layer_type == KDA_LAYER:
+            self.linear_attn = KDSAKimiDeltaAttention(config, layer_idx)
+        else:
+            self.self_attn = KDSASparseAttention(config, layer_idx)
+        if config.mlp_layer_types[layer_idx] == "sparse":
+            self.mlp = KDSAMoE(config)
+        else:
+            self.mlp = KDSAMLP(config)
+        self.input_layernorm = KDSARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = KDSARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.attn_res_block_size > 0:
+            self.attention_res = KDSADepthAttention(config.hidden_size, eps=config.rms_norm_eps)
+            self.mlp_res = KDSADepthAttention(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        stream: PlainResidualStream | BlockAttnResStream,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None,
+        cache: KDSACache | None,
+    ) -> None:
+        """Advance `stream` by this layer's two sublayers. `attention_mask`: 2-D `[B, S]` padding mask over all keys
+        (past + current) or None when nothing is padded."""
+        attn_idx, mlp_idx = 2 * self.layer_idx, 2 * self.layer_idx + 1
+        hidden_states = self.input_layernorm(stream.input_for(attn_idx))
+        if self.layer_type == KDA_LAYER:
+            # KDA only needs to know which of the current tokens are padding.
+            current_mask = None if attention_mask is None else attention_mask[:, -hidden_states.shape[1] :]
+            mixed = self.linear_attn(hidden_states, attention_mask=current_mask, cache=cache)
+        else:
+            mixed = self.self_attn(
+                hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache
+            )
+        stream.add_output(attn_idx, mixed)
+        hidden_states = self.post_attention_layernorm(stream.input_for(mlp_idx))
+        stream.add_output(mlp_idx, self.mlp(hidden_states))
+
+
+class KDSAPreTrainedModel(PreTrainedModel):
+    config: KDSAConfig
+    config_class = KDSAConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["KDSADecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
+    _supports_sdpa = False
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    # transformers refuses assisted generation / prompt lookup for stateful models because `crop` cannot undo a
+    # recurrent state. KDSACache's `crop` can: KDA layers replay their recorded steps from a checkpoint (cache.py).
+    _is_stateful = False
+    _can_compile_fullgraph = False
+    # Gates, decay parameters, indexer head weights, router and depth-attention queries stay fp32 under bf16 loads.
+    _keep_in_fp32_modules_strict = [
+        "A_log",
+        "dt_bias",
+        "indexer.weights_proj",
+        "mlp.gate.weight",
+        "e_score_correction_bias",
+        "attention_res",
+        "mlp_res",
+        "output_attn_res",
+    ]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, nn.Conv1d):
+            # The KDA short convolutions: PyTorch's default fan-in bound (fan-in = kernel width for depthwise), as
+            # fla's ShortConvolution keeps it; the generic std=0.02 would nearly silence v.
+            bound = 1.0 / math.sqrt(module.weight.shape[1] * module.weight.shape[2])
+            init.uniform_(module.weight, -bound, bound)
+        elif isinstance(module, KDSAKimiDeltaAttention):
+            # fla's KDA initialisation (reference/kda.md §1.2): A = U(1, 16), dt log-uniform in [1e-3, 1e-1].
+            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
+            dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        elif isinstance(module, KDSADepthAttention):
+            init.zeros_(module.query)  # zero-init: uniform depth average at step 0 (techniques.md §1.2)
+        elif isinstance(module, KDSATopkRouter):
+            init.normal_(module.weight, mean=0.0, std=std)
+            init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, KDSAExperts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+
+
+class KDSAModel(KDSAPreTrainedModel):
+    def __init__(self, config: KDSAConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([KDSADecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = KDSARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        uses_rope = DSA_LAYER in config.layer_types and config.qk_rope_head_dim > 0
+        self.rotary_emb = KDSARotaryEmbedding(config) if uses_rope else None
+        if config.attn_res_block_size > 0 and config.attn_res_final_aggregation:
+            self.output_attn_res = KDSADepthAttention(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: KDSACache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if inputs_embeds.dim() != 3:
+            raise ValueError(f"inputs_embeds must be [batch, seq, hidden], got shape {tuple(inputs_embeds.shape)}")
+        batch_size, seq_len, _ = inputs_embeds.shape
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if cache is not None and not isinstance(cache, KDSACache):
+            raise ValueError(
+                f"KDSA models need a KDSACache (paged DSA store, KDA states); got {type(cache).__name__}. "
+                "Pass `KDSACache(model.config)` or let generate() create it"
+            )
+        if use_cache and cache is None:
+            cache = KDSACache(self.config)
+        past_len = cache.get_seq_length() if cache is not None else 0
+        if past_len + seq_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {past_len + seq_len} (cached {past_len} + new {seq_len}) exceeds "
+                f"max_position_embeddings={self.config.max_position_embeddings}"
+            )
+        attention_mask = self._padding_mask(attention_mask, batch_size, past_len + seq_len)
+        if cache is not None:
+            cache.begin_forward(seq_len)  # capacity check: raises before any layer writes
+        if position_ids is None:
+            position_ids = torch.arange(past_len, past_len + seq_len, device=inputs_embeds.device)
+            position_ids = position_ids.unsqueeze(0).expand(batch_size, -1)
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
+
+        if self.config.attn_res_block_size > 0:
+            depth_attentions = [m for layer in self.layers for m in (layer.attention_res, layer.mlp_res)]
+            stream = BlockAttnResStream(
+                inputs_embeds, block_size=self.config.attn_res_block_size, depth_attns=depth_attentions, two_phase=True
+            )
+        else:
+            stream = PlainResidualStream(inputs_embeds)
+        for layer in self.layers:
+            layer(stream, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache)
+        hidden_states = self.norm(stream.final(getattr(self, "output_attn_res", None)))
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+
+    @staticmethod
+    def _padding_mask(attention_mask: torch.Tensor | None, batch_size: int, total_len: int) -> torch.Tensor | None:
+        """Validate the 2-D padding mask `[B, past + T]`; return it as bool, or None when nothing is padded."""
+        if attention_mask is None:
+            return None
+        if attention_mask.dim() != 2:
+            raise ValueError(
+                f"KDSA takes a 2-D padding mask [batch, past + new tokens]; got shape {tuple(attention_mask.shape)}"
+            )
+        if attention_mask.shape != (batch_size, total_len):
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} does not match [batch={batch_size}, "
+                f"past + new tokens={total_len}]"
+            )
+        attention_mask = attention_mask.bool()
+        return None if bool(attention_mask.all()) else attention_mask
+
+
+class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: KDSAConfig):
+        super().__init__(config)
+        self.model = KDSAModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
+        """generate() builds a `DynamicCache` by default; KDSA layers need the paged `KDSACache`. Only speculative
+        decoding crops — the verifying model (assisted mode) and the draft model (`is_assistant`) — so only there
+        do the KDA layers keep rollback records; every other mode runs without their cost."""
+        if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
+            if generation_config.cache_implementation not in (None, "dynamic"):
+                raise ValueError(
+                    f"cache_implementation={generation_config.cache_implementation!r} is not supported: KDSA models "
+                    "generate with their own paged KDSACache (pass `past_key_values=KDSACache(config, ...)` to size it)"
+                )
+            crops = generation_mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant
+            model_kwargs["cache"] = KDSACache(self.config, rollback_tokens=ROLLBACK_TOKENS if crops else 0)
+            return
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: KDSACache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
+
+
+__all__ = ["KDSAPreTrainedModel", "KDSAModel", "KDSAForCausalLM"]
