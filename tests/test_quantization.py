@@ -254,13 +254,14 @@ def test_remote_code_loads_a_quantized_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_quantized_checkpoint_accuracy():
     """Shipped checkpoint, every quantized cache store on (MXFP8 indexer, FP8 latent), vs BF16 on the same weights
-    over 10 test docs per task: indexer top-k recall >= 0.97 in every DSA layer, top-1 agreement >= 0.98."""
+    over the README's 40 test docs per task: indexer top-k recall >= 0.97 in every DSA layer, top-1 agreement >= 0.98
+    (measured 0.981: the margin is thin, and on 10 docs it dips to 0.979, so fewer docs would test noise)."""
     from modeling_kdsa.eval import quantization_report as report
 
     if not (report.DEFAULT_CHECKPOINT / "config.json").exists():
         pytest.skip("checkpoints/kdsa-tiny is not in this checkout")
     model, tokenizer, _ = report.load(report.DEFAULT_CHECKPOINT)
-    batches = report.texts(tokenizer, docs_per_task=10)
+    batches = report.texts(tokenizer, docs_per_task=40)
     reference = report.logits_of(model, batches)
     report.set_configuration(model, report.CONFIGURATIONS["all (mxfp8 ceil + fp8)"])
     formats = CacheFormats.from_config(model.config)
