@@ -219,10 +219,13 @@ def average_gradients(model: torch.nn.Module) -> None:
     """Data parallel by hand: one flat all-reduce per step (the model is ~1 M parameters, 4 MB of fp32 gradients)."""
     if not dist.is_initialized():
         return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = all_reduce_mean(torch.cat([g.reshape(-1) for g in grads]))
-    for grad, chunk in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-        grad.copy_(chunk.view_as(grad))
+    params = list(model.parameters())
+    for param in params:  # every process must send the same layout, even if a parameter got no gradient here
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    flat = all_reduce_mean(torch.cat([param.grad.reshape(-1) for param in params]))
+    for param, chunk in zip(params, flat.split([param.numel() for param in params]), strict=True):
+        param.grad.copy_(chunk.view_as(param))
 
 
 def train(rank: int, args: argparse.Namespace) -> None:
