@@ -10,8 +10,8 @@ each method, batch 1, greedy, a fixed number of new tokens (no early stop), afte
   - peak memory of the KDA rollback records (checkpoints + per-token replay inputs) during generation, and the bytes
     one pending token adds.
 
-Models: the shipped tiny checkpoint (`checkpoints/kdsa-tiny`) and its draft (`checkpoints/kdsa-tiny-draft`) when they
-exist; otherwise random-weight models of the same shape — then the tokens are not meaningful and the table says so.
+Models: the shipped tiny checkpoint (`checkpoints/kdsa-tiny`) and its draft (`checkpoints/kdsa-tiny-draft`, trained
+by `scripts/train_tiny.py --model draft` on the same tasks and tokenizer).
 
 Task `repetitive` (not an eval task): the copy sources repeated three times, the best case for prompt lookup.
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from modeling_kdsa.eval import synthetic  # noqa: E402
 from modeling_kdsa.eval.make_data import load_docs  # noqa: E402
 
-from modeling_kdsa import KDSAConfig, KDSAForCausalLM  # noqa: E402
+from modeling_kdsa import KDSAForCausalLM  # noqa: E402
 
 CHECKPOINT = REPO_ROOT / "checkpoints" / "kdsa-tiny"
 DRAFT = REPO_ROOT / "checkpoints" / "kdsa-tiny-draft"
@@ -56,39 +56,13 @@ def repetitive_docs(count: int) -> list[dict]:
     return docs
 
 
-def random_models(vocab_size: int) -> tuple[KDSAForCausalLM, KDSAForCausalLM]:
-    """The tiny checkpoint's shape (KDA, DSA, KDA, DSA; hidden 128) and a 2-layer draft, random weights."""
-    fields = dict(
-        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_attention_heads=4, linear_num_heads=2,
-        linear_head_dim=32, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-        v_head_dim=32, index_n_heads=4, index_head_dim=32, index_topk=64, n_routed_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=128, first_k_dense_replace=1, attn_res_block_size=4, max_position_embeddings=1024,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    target = KDSAForCausalLM(KDSAConfig(num_hidden_layers=4, layer_types=["linear_attention", "indexed_attention"] * 2,
-                                        **fields))  # fmt: skip
-    draft = KDSAForCausalLM(KDSAConfig(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
-                                       **fields))  # fmt: skip
-    return target.eval(), draft.eval()
-
-
 def load_models() -> tuple[KDSAForCausalLM, KDSAForCausalLM, object, str]:
-    tokenizer = synthetic.build_tokenizer()
-    if not CHECKPOINT.exists():
-        target, draft = random_models(len(tokenizer))
-        return target, draft, tokenizer, "random weights (checkpoints/kdsa-tiny not shipped yet)"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = AutoModelForCausalLM.from_pretrained(CHECKPOINT).eval()
+    target = AutoModelForCausalLM.from_pretrained(CHECKPOINT, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(DRAFT, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(CHECKPOINT)
-    if DRAFT.exists():
-        draft = AutoModelForCausalLM.from_pretrained(DRAFT).eval()
-        source = "checkpoints/kdsa-tiny + checkpoints/kdsa-tiny-draft"
-    else:
-        _, draft = random_models(len(tokenizer))
-        source = "checkpoints/kdsa-tiny + a random-weight draft (checkpoints/kdsa-tiny-draft not shipped yet)"
-    return target, draft, tokenizer, source
+    return target, draft, tokenizer, "checkpoints/kdsa-tiny + checkpoints/kdsa-tiny-draft"
 
 
 class VerifyCounter:

@@ -1,10 +1,14 @@
-"""Smoke test of scripts/bench_long_context.py: `--quick` (contexts 256 and 512, prefill 128) runs end to end in
-this process and writes JSON with every section and positive numbers (about a minute on an idle 2-core machine,
-most of it the cold/warm compile probes, so it is marked slow). Timings are never asserted (noisy machines).
+"""Smoke tests of the benchmark scripts. scripts/bench_long_context.py: `--quick` (contexts 256 and 512, prefill
+128) runs end to end in this process and writes JSON with every section and positive numbers (about a minute on an
+idle 2-core machine, most of it the cold/warm compile probes, so it is marked slow). scripts/bench_speculative.py:
+`--quick` with the shipped checkpoints. Timings are never asserted (noisy machines).
 """
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,3 +87,27 @@ def test_bytes_per_decode_step_formula():
     assert needed["total_bytes"] == 500 + 1000 + 100 * 2 + 16 * 8 + 100 * 8
     dense = bench.bytes_per_decode_step(weight_bytes=500, cache_layers=layers, context=100, selected=None)
     assert dense["latent_bytes"] == 100 * 8 + 100 * 8
+
+
+def test_speculative_bench_quick_run(tmp_path):
+    """scripts/bench_speculative.py --quick with the shipped target and draft: every method's output equals plain
+    greedy, and the acceptance statistics are consistent (a subprocess: the script parses sys.argv)."""
+    out = tmp_path / "spec.json"
+    script = SCRIPT.with_name("bench_speculative.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)], env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["models"] == "checkpoints/kdsa-tiny + checkpoints/kdsa-tiny-draft"
+    rows = report["rows"]
+    tasks, methods = ("copy", "recall_mid", "repetitive"), ("plain", "prompt_lookup", "assisted")
+    assert {(r["task"], r["method"]) for r in rows} == {(task, method) for task in tasks for method in methods}
+    for row in rows:
+        assert row["identical_to_plain"], row
+        assert row["tokens_per_s"] > 0
+        if row["method"] == "plain":
+            assert row["verify_rounds"] == row["new_tokens"] and row["drafted"] == 0
+        else:
+            assert 0.0 <= row["acceptance_rate"] <= 1.0
+            assert row["rollback_bytes_per_pending_token"] > 0
