@@ -159,7 +159,7 @@ def test_draft_is_smaller_and_shares_the_tokenizer(model, draft):
 
 
 def test_speculative_decoding_with_the_shipped_models_equals_plain_greedy(model, draft, tokenizer):
-    """The README's demo on two copy prompts (the prompt crosses a 64-token page boundary while generating):
+    """The README's demo on two copy prompts (66 tokens; generation crosses the 128-token page boundary):
     assisted by the shipped draft and prompt lookup both return plain greedy's tokens."""
     greedy = dict(max_new_tokens=synthetic.EVAL_COPY_LENGTH, do_sample=False, pad_token_id=model.config.pad_token_id)
     for doc in load_docs("copy")[:2]:
