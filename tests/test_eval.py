@@ -153,6 +153,23 @@ def test_stepwise_scoring_equals_prefill_scoring(model_and_tokenizer):
     assert accuracy.doc_correct(model, tokenizer, docs, stepwise=True) == accuracy.doc_correct(model, tokenizer, docs)
 
 
+def test_copy_partial_credit_matches_greedy_generation(model_and_tokenizer):
+    """`target_hits` is teacher-forced; up to a doc's first miss that is what greedy decoding generates, so the
+    correct prefix it reports must be exactly where `generate()` first leaves the target."""
+    model, tokenizer = model_and_tokenizer
+    docs = load_docs("copy")[:4]
+    hits = accuracy.target_hits(model, tokenizer, docs)
+    for doc, row in zip(docs, hits, strict=True):
+        ids = tokenizer(doc["context"], return_tensors="pt").input_ids
+        target = tokenizer(doc["target"], return_tensors="pt").input_ids[0]
+        generated = model.generate(ids, max_new_tokens=len(target), do_sample=False, pad_token_id=0)[0, ids.shape[1] :]
+        leaves = (generated != target).tolist()
+        assert (row.index(False) if False in row else len(row)) == (leaves.index(True) if True in leaves else len(row))
+    credit = accuracy.partial_credit(hits)
+    assert credit["token_accuracy"] == sum(map(sum, hits)) / (len(docs) * len(hits[0]))
+    assert credit["target_tokens"] == len(docs[0]["target"].split())
+
+
 def test_check_flags_a_delta_beyond_tolerance():
     results = {"dense": {"recall_far": 0.90, "copy": 0.50}, "sparse_topk64": {"recall_far": 0.89, "copy": 0.50}}
     assert accuracy.check(results)["sparse_topk64"]["ok"]  # -0.01 within 0.02
@@ -175,4 +192,5 @@ def test_runner_command_writes_table_and_json(tmp_path, capsys):
     assert report["passed"] == all(entry["ok"] for entry in report["configurations"].values())
     recurrent = report["configurations"]["recurrent_topk64"]
     assert recurrent["reference"] == "sparse_topk64" and set(recurrent["delta"]) == {"recall_far", "copy"}
+    assert 0.0 <= report["copy_partial_credit"]["token_accuracy"] <= 1.0
     assert "| recall_far |" in capsys.readouterr().out
