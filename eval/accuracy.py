@@ -119,9 +119,17 @@ def partial_credit(hits: list[list[bool]]) -> dict[str, float]:
             "mean_correct_prefix": sum(prefixes) / len(prefixes), "target_tokens": len(hits[0])}  # fmt: skip
 
 
+def exact_match(hits_by_task: dict[str, list[list[bool]]]) -> dict[str, float]:
+    """Per task, the fraction of docs whose whole target is right."""
+    return {task: sum(map(all, hits)) / len(hits) for task, hits in hits_by_task.items()}
+
+
+def evaluate_hits(model, tokenizer, docs_by_task: dict[str, list[dict]], stepwise: bool = False) -> dict[str, list]:
+    return {task: target_hits(model, tokenizer, docs, stepwise) for task, docs in docs_by_task.items()}
+
+
 def evaluate(model, tokenizer, docs_by_task: dict[str, list[dict]], stepwise: bool = False) -> dict[str, float]:
-    return {task: sum(ok) / len(ok) for task, docs in docs_by_task.items()
-            for ok in [doc_correct(model, tokenizer, docs, stepwise)]}  # fmt: skip
+    return exact_match(evaluate_hits(model, tokenizer, docs_by_task, stepwise))
 
 
 def check(results: dict[str, dict[str, float]]) -> dict[str, dict]:
@@ -189,9 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in tqdm(names, desc="configurations"):
         model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=getattr(torch, args.dtype)).eval()
         model = CONFIGURATIONS[name].prepare(model)
-        results[name] = evaluate(model, tokenizer, docs, stepwise=CONFIGURATIONS[name].stepwise)
-        if name == names[0] and "copy" in docs:  # partial credit of the reference configuration, for the README
-            copy_partial = partial_credit(target_hits(model, tokenizer, docs["copy"]))
+        hits = evaluate_hits(model, tokenizer, docs, stepwise=CONFIGURATIONS[name].stepwise)
+        results[name] = exact_match(hits)
+        if name == names[0] and "copy" in hits:  # partial credit of the reference configuration, for the README
+            copy_partial = partial_credit(hits["copy"])
     report = check(results)
     print(f"checkpoint: {args.checkpoint}; {len(next(iter(docs.values())))} docs per task; dtype {args.dtype}\n")
     print(format_table(results))

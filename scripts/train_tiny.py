@@ -48,9 +48,7 @@ from modeling_kdsa.dsa_ops import indexer_scores
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINTS = ROOT / "checkpoints"
-
-
-MODELS = ("tiny", "draft")
+CHECKPOINT_NAMES = {"tiny": "kdsa-tiny", "draft": "kdsa-tiny-draft"}  # --model → folder under checkpoints/
 
 
 def tiny_config(vocab_size: int, index_topk: int) -> KDSAConfig:
@@ -112,6 +110,9 @@ def draft_config(vocab_size: int, index_topk: int) -> KDSAConfig:
         bos_token_id=1,
         eos_token_id=2,
     )
+
+
+MODELS = {"tiny": tiny_config, "draft": draft_config}
 
 
 # ------------------------------------------------------------------------------------ dense training forward
@@ -242,8 +243,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)  # identical initial weights in every process
     rng = random.Random(f"{args.seed}-{rank}")  # distinct batches per process
     tokenizer = synthetic.build_tokenizer()
-    make_config = tiny_config if args.model == "tiny" else draft_config
-    model = KDSAForCausalLM(make_config(len(tokenizer), args.index_topk))
+    model = KDSAForCausalLM(MODELS[args.model](len(tokenizer), args.index_topk))
     n_params = sum(p.numel() for p in model.parameters())
     if main_process:
         print(f"{args.model}: {n_params / 1e6:.2f} M parameters; {args.steps} steps of {args.procs} x "
@@ -308,8 +308,10 @@ def train(rank: int, args: argparse.Namespace) -> None:
             if dist.is_initialized():
                 dist.barrier()
     train_minutes = (time.time() - start) / 60
-    overlaps = int(all_reduce_mean(torch.tensor([float(overlaps)])).item() * args.procs)
     if dist.is_initialized():
+        total = torch.tensor([overlaps])
+        dist.all_reduce(total)  # summed over processes
+        overlaps = int(total.item())
         dist.destroy_process_group()
     if not main_process:
         return
@@ -349,7 +351,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=MODELS, default="tiny", help="tiny: the target; draft: its draft model")
+    parser.add_argument("--model", choices=list(MODELS), default="tiny", help="tiny: the target; draft: its draft")
     parser.add_argument("--steps", type=int, default=1800)
     parser.add_argument("--procs", type=int, default=2, help="data-parallel processes, one CPU core each")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per process and step")
@@ -362,7 +364,7 @@ def main():
     parser.add_argument("--out", type=Path, default=None, help="default: checkpoints/kdsa-tiny[-draft]")
     args = parser.parse_args()
     if args.out is None:
-        args.out = CHECKPOINTS / ("kdsa-tiny" if args.model == "tiny" else "kdsa-tiny-draft")
+        args.out = CHECKPOINTS / CHECKPOINT_NAMES[args.model]
     if args.procs < 1:
         parser.error("--procs must be >= 1")
     if args.procs == 1:
@@ -381,8 +383,8 @@ def model_card(config: KDSAConfig, training: dict, results: dict) -> str:
         for task in TASKS
     )
     kinds = ", ".join("KDA" if t == "linear_attention" else "DSA" for t in config.layer_types)
+    name = CHECKPOINT_NAMES[training["model"]]
     if training["model"] == "tiny":
-        name = "kdsa-tiny"
         role = (
             f"Block AttnRes with blocks of {config.attn_res_block_size} sublayers; MoE with "
             f"{config.n_routed_experts} experts, top {config.num_experts_per_tok}, after a dense first layer"
@@ -392,7 +394,7 @@ def model_card(config: KDSAConfig, training: dict, results: dict) -> str:
             "with no download. `kdsa-tiny-draft` (same tokenizer) is its speculative-decoding draft."
         )
     else:
-        name, role = "kdsa-tiny-draft", "dense MLPs, plain residual stream"
+        role = "dense MLPs, plain residual stream"
         purpose = (
             "It is the speculative-decoding draft of `kdsa-tiny` (same tokenizer, same tasks): "
             "`model.generate(ids, assistant_model=draft, do_sample=False)` returns exactly kdsa-tiny's greedy "

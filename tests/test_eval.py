@@ -165,9 +165,10 @@ def test_copy_partial_credit_matches_greedy_generation(model_and_tokenizer):
         generated = model.generate(ids, max_new_tokens=len(target), do_sample=False, pad_token_id=0)[0, ids.shape[1] :]
         leaves = (generated != target).tolist()
         assert (row.index(False) if False in row else len(row)) == (leaves.index(True) if True in leaves else len(row))
-    credit = accuracy.partial_credit(hits)
-    assert credit["token_accuracy"] == sum(map(sum, hits)) / (len(docs) * len(hits[0]))
-    assert credit["target_tokens"] == len(docs[0]["target"].split())
+    assert all(len(row) == len(doc["target"].split()) for doc, row in zip(docs, hits, strict=True))
+    # Two docs of 4 target tokens: 7 of 8 right; correct prefixes 2 and 4.
+    credit = accuracy.partial_credit([[True, True, False, True], [True, True, True, True]])
+    assert credit == {"token_accuracy": 7 / 8, "mean_correct_prefix": 3.0, "target_tokens": 4}
 
 
 def test_check_flags_a_delta_beyond_tolerance():
