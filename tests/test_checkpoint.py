@@ -135,10 +135,11 @@ def test_resaved_folder_loads_with_remote_code_where_the_package_is_missing(mode
 @pytest.mark.parametrize("folder", [CHECKPOINT, DRAFT], ids=["target", "draft"])
 def test_shipped_remote_code_is_the_package_code(folder):
     """The checkpoints' remote-code files must be today's model files, or `trust_remote_code=True` users would run
-    stale code: re-save the checkpoint (or copy the files) whenever a file under modeling_kdsa/ changes."""
+    stale code: run `python scripts/refresh_remote_code.py` whenever a file under modeling_kdsa/ changes."""
     package = ROOT / "modeling_kdsa"
     shipped = sorted(folder.glob("*.py"))
-    assert {p.name for p in shipped} >= {"modeling_kdsa.py", "configuration_kdsa.py"}
+    expected = {p.name for p in package.glob("*.py")} - {"__init__.py"}
+    assert {p.name for p in shipped} == expected, "run scripts/refresh_remote_code.py"
     for path in shipped:
         assert path.read_bytes() == (package / path.name).read_bytes(), f"{path.name} differs from the package's"
 
