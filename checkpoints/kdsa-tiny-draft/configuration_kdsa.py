@@ -166,6 +166,22 @@ class KDSAConfig(PreTrainedConfig):
         # chosen blocks divide the cached widths (numeric_formats.CacheFormats.from_config raises naming the field).
         CacheFormats.from_config(self)
 
+    def family_features_in_use(self) -> list[str]:
+        """The family features (see the class doc) this config turns on, by field name: what code paths that do not
+        support them yet (context parallelism) refuse by name."""
+        in_use = {
+            "layer_types (full_attention)": MLA_LAYER in self.layer_types,
+            "mla_use_nope": self.mla_use_nope,
+            "mla_norm_eps": self.mla_norm_eps is not None,
+            "n_group": self.n_group != 1,
+            "swiglu_limit": self.swiglu_limit is not None,
+            "linear_lower_bound": self.linear_lower_bound is not None,
+            "index_kpool": self.index_kpool != 1,
+            "indexer_types (shared)": "shared" in self.indexer_types,
+            "hc_mult": self.hc_mult != 0,
+        }
+        return [name for name, used in in_use.items() if used]
+
     def _check_consistency(self):
         """Raise a `ValueError` naming the offending field (DESIGN.md §10). Runs before transformers' validators,
         whose errors are not `ValueError`s."""
@@ -269,19 +285,19 @@ class KDSAConfig(PreTrainedConfig):
         if self.hc_sinkhorn_iters < 1:
             raise ValueError(f"hc_sinkhorn_iters must be >= 1, got {self.hc_sinkhorn_iters}")
         # Features whose config field exists but whose model code has not landed yet: refuse rather than ignore.
-        pending = {
-            "layer_types (full_attention)": MLA_LAYER in self.layer_types,
-            "mla_use_nope": self.mla_use_nope,
-            "mla_norm_eps": self.mla_norm_eps is not None,
-            "n_group": self.n_group != 1,
-            "swiglu_limit": self.swiglu_limit is not None,
-            "linear_lower_bound": self.linear_lower_bound is not None,
-            "index_kpool": self.index_kpool != 1,
-            "indexer_types (shared)": "shared" in self.indexer_types,
-            "hc_mult": self.hc_mult != 0,
-        }
-        for name, used in pending.items():
-            if used:
+        pending = [
+            "layer_types (full_attention)",
+            "mla_use_nope",
+            "mla_norm_eps",
+            "n_group",
+            "swiglu_limit",
+            "linear_lower_bound",
+            "index_kpool",
+            "indexer_types (shared)",
+            "hc_mult",
+        ]
+        for name in self.family_features_in_use():
+            if name in pending:
                 raise ValueError(f"{name} is not implemented yet")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
