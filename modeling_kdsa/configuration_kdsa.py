@@ -12,10 +12,7 @@ from .numeric_formats import CacheFormats
 # The built-in transformers layer-type names, so that `DynamicCache(config)` and masks work unchanged.
 KDA_LAYER = "linear_attention"
 DSA_LAYER = "indexed_attention"
-# Dense MLA (every cached token, no indexer): Kimi-Linear's and Kimi K3's attention layers.
-MLA_LAYER = "full_attention"
-SUPPORTED_LAYER_TYPES = (KDA_LAYER, DSA_LAYER, MLA_LAYER)
-INDEXER_TYPES = ("full", "shared")
+SUPPORTED_LAYER_TYPES = (KDA_LAYER, DSA_LAYER)
 KERNEL_BACKENDS = ("auto", "torch", "cpu", "compiled")
 
 
@@ -25,9 +22,8 @@ class KDSAConfig(PreTrainedConfig):
     Configuration of a KDSA model. Defaults describe a small but realistic model (hidden 1024, 8 layers at
     3 KDA : 1 DSA, 16 heads, MoE with 8 experts top-2).
 
-    layer_types (`list[str]`): per layer, `"linear_attention"` (KDA), `"indexed_attention"` (DSA) or
-        `"full_attention"` (dense MLA: attends to every cached token, no indexer). Default: every 4th layer is DSA,
-        the rest KDA.
+    layer_types (`list[str]`): per layer, `"linear_attention"` (KDA) or `"indexed_attention"` (DSA).
+        Default: every 4th layer is DSA, the rest KDA.
     linear_num_heads, linear_head_dim, linear_conv_kernel_dim: KDA heads, head dim (K = V) and short-conv width.
     q_lora_rank (`int | None`): MLA query LoRA rank; `None` uses a direct query projection.
     kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: MLA dims; `qk_rope_head_dim=0` gives NoPE MLA.
@@ -37,26 +33,6 @@ class KDSAConfig(PreTrainedConfig):
     attn_res_block_size (`int`): sublayers (attention and FFN count one each) per Block-AttnRes block;
         0 = plain residual stream (Kimi-Linear / DeepSeek-style checkpoints).
     attn_res_final_aggregation (`bool`): with AttnRes, aggregate all blocks once more before the final norm.
-    Family features (each defaults to "off", so KDSA's own checkpoints are unaffected; docs/real-checkpoints.md):
-    mla_use_nope (`bool`): MLA keeps its `qk_rope_head_dim` slice unrotated (a shared, position-free key part), as
-        Kimi-Linear and Kimi K3 do; the slice still exists and is cached.
-    mla_norm_eps (`float | None`): eps of the MLA latent norms (`q_a_layernorm`, `kv_a_layernorm`); None =
-        `rms_norm_eps`. Kimi-Linear uses 1e-6 there and 1e-5 elsewhere.
-    n_group, topk_group (`int`): group-limited routing (DeepSeek-V3): experts form `n_group` groups, a group scores
-        the sum of its two best biased scores, and each token routes within its `topk_group` best groups.
-    swiglu_limit (`float | None`): clamp `gate <= limit`, `-limit <= up <= limit` before `act(gate) * up`, in the
-        dense MLP, the shared and the routed experts (GLM-5.3-Flash); None = no clamp.
-    linear_lower_bound (`float | None`): KDA "safe gate" `g = lower_bound · sigmoid(exp(A_log) · (f + dt_bias))`
-        instead of `-exp(A_log) · softplus(f + dt_bias)` (GLM-5.3-Flash, Kimi K3); None = the softplus gate.
-    index_kpool (`int`): the indexer scores pools of `index_kpool` consecutive tokens (learned per-channel softmax
-        pooling of their keys) instead of single tokens, and selects `index_topk // index_kpool` pools
-        (GLM-5.3-Flash); 1 = per-token keys.
-    index_kpool_always_select_tail (`bool`): with pools, the query's incomplete last pool is always attended.
-    indexer_types (`list[str] | None`): per layer, `"full"` (the DSA layer runs its indexer) or `"shared"` (it reuses
-        the top-k of the previous DSA layer, which must be a `"full"` one); None = all `"full"`.
-    hc_mult (`int`): > 0 replaces the residual stream by mHC hyper-connections with `hc_mult` streams (Sinkhorn-mixed,
-        GLM-5.3-Flash); 0 = off. Exclusive with `attn_res_block_size > 0`.
-    hc_sinkhorn_iters, hc_eps: mHC Sinkhorn iterations and its numerical floor.
     kernel_backend (`str`): which kernels read the paged DSA cache: `"torch"` (the readable reference),
         `"cpu"` (fused, memory-bounded), `"compiled"` (the fused kernels under torch.compile), or `"auto"`
         (`"cpu"` on CPU; the reference elsewhere until a device kernel has been verified on its hardware).
@@ -130,19 +106,6 @@ class KDSAConfig(PreTrainedConfig):
     # Residual stream
     attn_res_block_size: int = 4
     attn_res_final_aggregation: bool = True
-    # Family features (off by default)
-    mla_use_nope: bool = False
-    mla_norm_eps: float | None = None
-    n_group: int = 1
-    topk_group: int = 1
-    swiglu_limit: float | None = None
-    linear_lower_bound: float | None = None
-    index_kpool: int = 1
-    index_kpool_always_select_tail: bool = True
-    indexer_types: list[str] | None = None
-    hc_mult: int = 0
-    hc_sinkhorn_iters: int = 20
-    hc_eps: float = 1e-6
     # Kernels
     kernel_backend: str = "auto"
 
@@ -152,8 +115,6 @@ class KDSAConfig(PreTrainedConfig):
         if self.mlp_layer_types is None:
             n_dense = min(self.first_k_dense_replace, self.num_hidden_layers)
             self.mlp_layer_types = ["dense"] * n_dense + ["sparse"] * (self.num_hidden_layers - n_dense)
-        if self.indexer_types is None:
-            self.indexer_types = ["full"] * self.num_hidden_layers
         if self.rope_parameters is None:
             self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -165,22 +126,6 @@ class KDSAConfig(PreTrainedConfig):
         # unregistered quant_method, which would load a silently wrong model, so fail here; for "kdsa", check that the
         # chosen blocks divide the cached widths (numeric_formats.CacheFormats.from_config raises naming the field).
         CacheFormats.from_config(self)
-
-    def family_features_in_use(self) -> list[str]:
-        """The family features (see the class doc) this config turns on, by field name: what code paths that do not
-        support them yet (context parallelism) refuse by name."""
-        in_use = {
-            "layer_types (full_attention)": MLA_LAYER in self.layer_types,
-            "mla_use_nope": self.mla_use_nope,
-            "mla_norm_eps": self.mla_norm_eps is not None,
-            "n_group": self.n_group != 1,
-            "swiglu_limit": self.swiglu_limit is not None,
-            "linear_lower_bound": self.linear_lower_bound is not None,
-            "index_kpool": self.index_kpool != 1,
-            "indexer_types (shared)": "shared" in self.indexer_types,
-            "hc_mult": self.hc_mult != 0,
-        }
-        return [name for name, used in in_use.items() if used]
 
     def _check_consistency(self):
         """Raise a `ValueError` naming the offending field (DESIGN.md §10). Runs before transformers' validators,
@@ -232,73 +177,6 @@ class KDSAConfig(PreTrainedConfig):
             raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
         if self.attn_res_block_size < 0:
             raise ValueError(f"attn_res_block_size must be >= 0 (0 = plain residual), got {self.attn_res_block_size}")
-        if len(self.indexer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"indexer_types has {len(self.indexer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
-            )
-        previous_dsa_type = None
-        for i, (layer_type, indexer_type) in enumerate(zip(self.layer_types, self.indexer_types, strict=True)):
-            if indexer_type not in INDEXER_TYPES:
-                raise ValueError(f"indexer_types[{i}] = {indexer_type!r} must be one of {INDEXER_TYPES}")
-            if layer_type != DSA_LAYER:
-                continue
-            if indexer_type == "shared" and previous_dsa_type != "full":
-                raise ValueError(
-                    f"indexer_types[{i}] = 'shared' reuses the top-k of the previous DSA layer, which must be a 'full' "
-                    f"one; the previous DSA layer is {previous_dsa_type!r}"
-                )
-            previous_dsa_type = indexer_type
-        if self.n_group <= 0 or self.n_routed_experts % self.n_group:
-            raise ValueError(
-                f"n_group ({self.n_group}) must be > 0 and divide n_routed_experts ({self.n_routed_experts})"
-            )
-        experts_per_group = self.n_routed_experts // self.n_group
-        if not 0 < self.topk_group <= self.n_group:
-            raise ValueError(f"topk_group ({self.topk_group}) must be in [1, n_group={self.n_group}]")
-        if self.n_group > 1 and experts_per_group < 2:
-            raise ValueError(
-                f"group-limited routing scores a group by its two best experts: n_routed_experts / n_group = "
-                f"{experts_per_group} must be >= 2"
-            )
-        if self.num_experts_per_tok > self.topk_group * experts_per_group:
-            raise ValueError(
-                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of the topk_group "
-                f"({self.topk_group}) selected groups ({self.topk_group * experts_per_group})"
-            )
-        if self.swiglu_limit is not None and self.swiglu_limit <= 0:
-            raise ValueError(f"swiglu_limit must be None (no clamp) or > 0, got {self.swiglu_limit}")
-        if self.linear_lower_bound is not None and not self.linear_lower_bound < 0:
-            raise ValueError(f"linear_lower_bound must be None or < 0, got {self.linear_lower_bound}")
-        if self.mla_norm_eps is not None and self.mla_norm_eps <= 0:
-            raise ValueError(f"mla_norm_eps must be None (= rms_norm_eps) or > 0, got {self.mla_norm_eps}")
-        if self.index_kpool < 1:
-            raise ValueError(f"index_kpool must be >= 1 (1 = per-token indexer keys), got {self.index_kpool}")
-        if self.index_topk % self.index_kpool:
-            raise ValueError(f"index_topk ({self.index_topk}) must be a multiple of index_kpool ({self.index_kpool})")
-        if self.hc_mult < 0:
-            raise ValueError(f"hc_mult must be >= 0 (0 = no hyper-connections), got {self.hc_mult}")
-        if self.hc_mult > 0 and self.attn_res_block_size > 0:
-            raise ValueError(
-                f"hc_mult={self.hc_mult} (mHC hyper-connections) and attn_res_block_size={self.attn_res_block_size} "
-                "(Block AttnRes) are two different residual streams: set one of them to 0"
-            )
-        if self.hc_sinkhorn_iters < 1:
-            raise ValueError(f"hc_sinkhorn_iters must be >= 1, got {self.hc_sinkhorn_iters}")
-        # Features whose config field exists but whose model code has not landed yet: refuse rather than ignore.
-        pending = [
-            "layer_types (full_attention)",
-            "mla_use_nope",
-            "mla_norm_eps",
-            "n_group",
-            "swiglu_limit",
-            "linear_lower_bound",
-            "index_kpool",
-            "indexer_types (shared)",
-            "hc_mult",
-        ]
-        for name in self.family_features_in_use():
-            if name in pending:
-                raise ValueError(f"{name} is not implemented yet")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
 

@@ -94,12 +94,6 @@ def _prefill_error(model, input_ids: torch.Tensor, mesh: ParallelMesh, layout: s
         )
     if seq_len > config.max_position_embeddings:
         return f"sequence length {seq_len} exceeds max_position_embeddings={config.max_position_embeddings}"
-    unsupported = config.family_features_in_use()
-    if unsupported:
-        return (
-            f"context-parallel prefill does not support {', '.join(unsupported)} yet (checkpoint-family features); "
-            "run the prefill in one process"
-        )
     tp_error = tensor_parallel_errors(config, mesh.tp_size)
     if tp_error is not None:
         return tp_error
