@@ -1,4 +1,5 @@
-"""Accuracy of the quantized KDSA cache: the same weights under BF16 and each quantization choice (DESIGN.md §5, §8).
+"""Accuracy of the quantized KDSA cache: the same weights under BF16 and each quantization choice
+(docs/design.md §4, §8).
 
     python -m modeling_kdsa.eval.quantization_report                     # shipped checkpoint (random model if absent)
     python -m modeling_kdsa.eval.quantization_report --docs 20 --json runs/quantization.json

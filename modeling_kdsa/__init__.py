@@ -22,7 +22,7 @@ KDSAConfig.register_for_auto_class()
 KDSAModel.register_for_auto_class("AutoModel")
 KDSAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
-# After the model classes: quantization/ builds on them (DESIGN.md §1); the model files never import it.
+# After the model classes: quantization/ builds on them (docs/design.md §1); the model files never import it.
 from .quantization import KDSAQuantizationConfig, register  # noqa: E402
 
 register()

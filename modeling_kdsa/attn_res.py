@@ -1,8 +1,7 @@
 """Block Attention Residuals (AttnRes): softmax attention over depth replaces the unit-weight residual sum.
 
-Math: reference/techniques.md §1.2 (depth attention), §1.3 (block representations and partial sums, the reference
-forward this module reproduces) and §1.4 (two-phase computation). Layout as served by Kimi K3:
-reference/real-checkpoints.md §3.3.
+Math: docs/attn-res.md §1 (depth attention), §2 (block representations and partial sums, the reference forward
+this module reproduces, the layout Kimi K3 serves) and §3 (two-phase computation).
 
 Each sublayer (token mixer or FFN) owns a `KDSADepthAttention`: a learned pseudo-query `w` and an RMSNorm on the
 keys. Its input is `Σ_i softmax_i(wᵀ RMSNorm(v_i)) · v_i` over the sources `v_i` (completed block representations
@@ -17,7 +16,7 @@ from .norms import KDSARMSNorm
 
 
 class KDSADepthAttention(nn.Module):
-    """One sublayer's depth attention (techniques.md §1.2): pseudo-query `query: [D]` and key norm `key_norm`.
+    """One sublayer's depth attention (docs/attn-res.md §1): pseudo-query `query: [D]` and key norm `key_norm`.
 
     The query is zero-initialised so that training starts from the uniform average of the sources. There is no
     1/√D temperature: the key RMSNorm keeps large-magnitude sources from dominating.
@@ -32,12 +31,12 @@ class KDSADepthAttention(nn.Module):
         """Direct formula. `sources`: n tensors `[B, T, D]` → `[B, T, D]` in the sources' dtype."""
         values = torch.stack(sources)  # [n, B, T, D]
         logits = torch.einsum("d,nbtd->nbt", self.query.float(), self.key_norm(values).float())
-        weights = logits.softmax(dim=0)  # fp32 softmax over depth (DESIGN.md §10)
+        weights = logits.softmax(dim=0)  # fp32 softmax over depth (docs/design.md §6)
         return torch.einsum("nbt,nbtd->btd", weights, values.float()).to(values.dtype)
 
 
 class BlockAttnResStream:
-    """The residual stream of one forward pass under Block AttnRes (techniques.md §1.3).
+    """The residual stream of one forward pass under Block AttnRes (docs/attn-res.md §2).
 
     Sublayer `s` (`2·layer` for the token mixer, `2·layer + 1` for the FFN) belongs to block `s // block_size`. The
     embedding is the first block representation `b_0`. The first sublayer of a block attends over the completed
@@ -48,7 +47,7 @@ class BlockAttnResStream:
     Usage, once per forward pass: `h = stream.input_for(s)`, then `stream.add_output(s, f_s(norm(h)))` for
     s = 0, 1, …, then `stream.final(...)`.
 
-    `two_phase=True` (techniques.md §1.4) computes the same result as `two_phase=False` (the direct formula) with
+    `two_phase=True` (docs/attn-res.md §3) computes the same result as `two_phase=False` (the direct formula) with
     the inter-block part batched once per block:
     - phase 1, at a block's first sublayer: for all of the block's queries at once, the softmax statistics over the
       completed blocks (running max `m`, denominator `ℓ`, numerator `o`), with each query's RMSNorm gain folded

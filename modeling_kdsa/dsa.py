@@ -1,6 +1,6 @@
 """DSA layer: MLA with a Lightning Indexer and top-k sparse attention over the compressed latent cache.
 
-reference/dsa.md §1.2-§1.3 (indexer: `[rope | nope]` vectors, NeoX RoPE, LayerNorm-with-bias `k_norm`, fp32 head
+docs/dsa.md §1 (indexer: `[rope | nope]` vectors, NeoX RoPE, LayerNorm-with-bias `k_norm`, fp32 head
 weights), §2.1 (MLA projections, scale `qk_head_dim^-0.5 · mscale²`), §2.3 (absorbed form), §5 (one path for
 prefill and decode; context <= index_topk equals dense causal MLA), §8 (pitfalls). Weight names follow DeepSeek /
 transformers' DeepseekV32 so checkpoints load by name. Kernels live in dsa_ops.py.
@@ -22,7 +22,7 @@ from .rotary import apply_rotary_half, apply_rotary_interleaved
 
 
 def mla_softmax_scale(config) -> float:
-    """`qk_head_dim^-0.5`, times `mscale²` for YaRN-style rope with `mscale_all_dim` (reference/dsa.md §2.1, §8.5),
+    """`qk_head_dim^-0.5`, times `mscale²` for YaRN-style rope with `mscale_all_dim` (docs/dsa.md §2),
     as transformers' `yarn_apply_mscale`."""
     scale = config.qk_head_dim**-0.5
     rope_parameters = config.rope_parameters
@@ -73,7 +73,7 @@ class KDSAIndexer(nn.Module):
         batch, seq_len, _ = hidden_states.shape
         q_index = self.wq_b(query_input).view(batch, seq_len, self.n_heads, self.head_dim)
         k_index = self.wk(hidden_states)
-        # LayerNorm statistics in fp32 whatever the parameter dtype (reference/dsa.md §1.2).
+        # LayerNorm statistics in fp32 whatever the parameter dtype (docs/dsa.md §1).
         k_index = F.layer_norm(
             k_index.float(),
             (self.head_dim,),
@@ -85,7 +85,7 @@ class KDSAIndexer(nn.Module):
             cos, sin = position_embeddings
             q_index = self._rotate(q_index, cos[:, :, None], sin[:, :, None])
             k_index = self._rotate(k_index, cos, sin)
-        # Head weights in fp32 (reference/dsa.md §8.2); the model keeps `weights_proj` in fp32 too.
+        # Head weights in fp32 (docs/dsa.md §1); the model keeps `weights_proj` in fp32 too.
         weights = F.linear(hidden_states.float(), self.weights_proj.weight.float())
         return q_index, weights, k_index
 
@@ -166,7 +166,7 @@ class KDSASparseAttention(nn.Module):
         return latent, k_pe
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`W_UK` `[H, Dn, C]` and `W_UV` `[H, Dv, C]` from `kv_b_proj.weight` (reference/dsa.md §2.3).
+        """`W_UK` `[H, Dn, C]` and `W_UV` `[H, Dv, C]` from `kv_b_proj.weight` (docs/dsa.md §3).
         Contiguous copies (one small copy per forward): the strided views make bf16 einsums ~100x slower on CPU."""
         weight = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
         return weight[:, : self.qk_nope_head_dim].contiguous(), weight[:, self.qk_nope_head_dim :].contiguous()

@@ -1,8 +1,8 @@
 """KDSA model: KDA and DSA token mixers interleaved per `config.layer_types`, MoE feed-forward, Block AttnRes.
 
 Reads top to bottom: residual streams → decoder layer → pretrained base (init, flags) → model → causal-LM head.
-The mixers live in `kda.py` (reference/kda.md) and `dsa.py` (reference/dsa.md), the feed-forward in `moe.py`, the
-depth attention in `attn_res.py` (reference/techniques.md §1). DESIGN.md §2.
+The mixers live in `kda.py` (docs/kda.md) and `dsa.py` (docs/dsa.md), the feed-forward in `moe.py`, the
+depth attention in `attn_res.py` (docs/attn-res.md). docs/design.md §2.
 """
 
 import math
@@ -124,12 +124,12 @@ class KDSAPreTrainedModel(PreTrainedModel):
             bound = 1.0 / math.sqrt(module.weight.shape[1] * module.weight.shape[2])
             init.uniform_(module.weight, -bound, bound)
         elif isinstance(module, KDSAKimiDeltaAttention):
-            # fla's KDA initialisation (reference/kda.md §1.2): A = U(1, 16), dt log-uniform in [1e-3, 1e-1].
+            # fla's KDA initialisation (docs/kda.md §2): A = U(1, 16), dt log-uniform in [1e-3, 1e-1].
             init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
             dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
             init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         elif isinstance(module, KDSADepthAttention):
-            init.zeros_(module.query)  # zero-init: uniform depth average at step 0 (techniques.md §1.2)
+            init.zeros_(module.query)  # zero-init: uniform depth average at step 0 (docs/attn-res.md §1)
         elif isinstance(module, KDSATopkRouter):
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.e_score_correction_bias)

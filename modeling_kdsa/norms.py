@@ -1,4 +1,4 @@
-"""Normalisation layers shared by every KDSA sublayer. Statistics are computed in fp32 (DESIGN.md §10)."""
+"""Normalisation layers shared by every KDSA sublayer. Statistics are computed in fp32 (docs/design.md §6)."""
 
 import torch
 from torch import nn

@@ -1,4 +1,4 @@
-"""CP × TP parallelism for KDSA prefill (DESIGN.md §6): a (cp, tp) mesh, the Zigzag layout, KDA state passing,
+"""CP × TP parallelism for KDSA prefill (docs/parallel.md): a (cp, tp) mesh, the Zigzag layout, KDA state passing,
 DSA with all-gathered keys, and a head / intermediate-dim tensor-parallel plan. See README "Parallelism"."""
 
 from .context_parallel import PrefillOutput, PrefillStats, context_parallel_prefill

@@ -1,8 +1,8 @@
 """Context-parallel prefill of a whole KDSA model: every rank runs the layers on its own tokens only.
 
-DESIGN.md §6; reference/techniques.md §4.1 (zigzag layout), §4.3-§4.4 (KDA state passing with zigzag, halo tokens
-for the short conv), reference/dsa.md §7.2-§7.4 (DSA under CP: all-gather the latent and indexer keys, restore the
-causal order, each rank runs the indexer and sparse attention for its own queries with per-segment causal limits).
+docs/parallel.md §2 (zigzag layout), §3 (KDA state passing with zigzag, halo tokens for the short conv), §4 (DSA
+under CP: all-gather the latent and indexer keys, restore the causal order, each rank runs the indexer and sparse
+attention for its own queries with per-segment causal limits).
 
 One forward, per rank, composed from the layers' public pieces (nothing in the model files changes):
 - embeddings of the local tokens, rotary tables at their original positions;

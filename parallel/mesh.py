@@ -1,7 +1,7 @@
 """The 2-D (cp, tp) device mesh, collective helpers that count bytes, and size checks that fail on every rank.
 
-DESIGN.md §6; reference/hf-integration.md §3 (transformers TP: backend map `{"cuda": "nccl", "cpu": "gloo"}`,
-`init_device_mesh`), reference/cpu-environment.md §4 (gloo on CPU: all_gather, all_reduce, `init_device_mesh`).
+docs/parallel.md §1; transformers `integrations/tensor_parallel.py` (backend map `{"cuda": "nccl", "cpu": "gloo"}`,
+`init_device_mesh`); gloo runs all_gather, all_reduce and `init_device_mesh` on CPU.
 
 Launch with `torchrun --nproc_per_node N` or `accelerate launch --num_processes N`: both set the `env://` variables
 (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ...) that `init_process_group` reads. Rank `cp_rank · tp + tp_rank`: the tp

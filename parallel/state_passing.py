@@ -1,9 +1,9 @@
 """KDA context parallelism by state passing: affine segment summaries and their prefix fold (FlashKDA CP / FLA KCP).
 
-reference/kda.md §2.1 (a chunk's state transition is affine, `S_end = M·S_start + S_ext`, and so are its outputs),
-§3.5 (FLA KCP: summaries `[S_ext | M]` in fp32, one all-gather, fold `S ← M_j S + S_ext,j`), reference/techniques.md
-§4.3 (affine composition; zigzag compatibility: every rank summarises both of its segments, all `2·cp` pairs arrive
-in one all-gather, any arrival order works).
+docs/kda.md §5 (a chunk's state transition is affine, `S_end = M·S_start + S_ext`, and so are its outputs),
+docs/parallel.md §3 (FLA KCP: summaries `[S_ext | M]` in fp32, one all-gather, fold `S ← M_j S + S_ext,j`; zigzag
+compatibility: every rank summarises both of its segments, all `2·cp` pairs arrive in one all-gather, any arrival
+order works).
 
 Shapes follow kda_ops: `q, k, g: [B, T, H, K]`, `v: [B, T, H, V]`, `beta: [B, T, H]`, states `[B, H, K, V]` (rows are
 key channels). Everything here is fp32 (the M chain must stay fp32, kda.md §3.5).
@@ -76,7 +76,7 @@ def fold_start_states(
     transitions: list[torch.Tensor], state_exts: list[torch.Tensor], initial_state: torch.Tensor | None = None
 ) -> list[torch.Tensor]:
     """Start state of every segment from the summaries of segments `0 … N−1` in sequence order, by the fold
-    `S ← M_j S + S_ext,j` (techniques.md §4.3), in fp32. Returns `N + 1` states: `[S_in(0), …, S_in(N−1), S_end]`.
+    `S ← M_j S + S_ext,j` (docs/parallel.md §3), in fp32. Returns `N + 1` states: `[S_in(0), …, S_in(N−1), S_end]`.
     A zero `initial_state` (None) is a sequence start."""
     if len(transitions) != len(state_exts) or not transitions:
         raise ValueError(f"need as many transitions as state_exts (>= 1), got {len(transitions)} and {len(state_exts)}")

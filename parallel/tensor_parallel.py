@@ -1,8 +1,8 @@
 """Tensor parallelism for KDSA: our own head / intermediate-dim plan, applied in place to a loaded model.
 
-DESIGN.md §6 ("TP: heads and experts sharded, row/column plans"); reference/hf-integration.md §3.1 (Megatron-style
-column-parallel projections, row-parallel outputs, all-reduce after them; the trap of plans matching the wrong
-mixer, which our distinct `linear_attn` / `self_attn` names avoid).
+docs/parallel.md §5 (Megatron-style column-parallel projections, row-parallel outputs, all-reduce after them);
+docs/design.md §2 (the trap of plans matching the wrong mixer, which our distinct `linear_attn` / `self_attn` names
+avoid).
 
 Why not transformers' `tp_plan`: the KDA layer needs its short-conv weights, `A_log` `[1, 1, H, 1]`, `dt_bias` `[H·K]`,
 `b_proj` and the low-rank gate's second projections cut by the same heads, which no built-in style does, and the

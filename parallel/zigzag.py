@@ -1,8 +1,8 @@
 """Token layouts for context parallelism: Zigzag (causally load-balanced) and contiguous, for comparison.
 
-reference/techniques.md §4.1 (the head-tail / zigzag layout of ring-flash-attention, torch's `_HeadTailLoadBalancer`,
-Megatron), reference/dsa.md §7.2 and §7.4 (SGLang's in-seq-split for DSA; zigzag matters mostly for the indexer,
-whose causal work grows with the query position).
+docs/parallel.md §2 (the head-tail / zigzag layout of ring-flash-attention, torch's `_HeadTailLoadBalancer`,
+Megatron; SGLang's in-seq-split for DSA; zigzag matters mostly for the indexer, whose causal work grows with the
+query position).
 
 A sequence of `seq_len` tokens is cut into `2·cp` chunks of consecutive tokens whose sizes differ by at most one
 (the first `seq_len mod 2cp` chunks hold one token more). Zigzag: rank r holds chunks `r` and `2cp−1−r`, so every
@@ -123,7 +123,7 @@ class SequenceLayout:
 
     def causal_pairs(self, rank: int) -> int:
         """Causal (query, key) pairs of rank `rank`'s queries: `Σ (p + 1)` over its positions `p`. This is the
-        indexer's work, which scores every earlier key (reference/dsa.md §7.4)."""
+        indexer's work, which scores every earlier key (docs/parallel.md §2)."""
         positions = self.positions_of(rank)
         return int((positions[positions >= 0] + 1).sum())
 

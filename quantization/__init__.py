@@ -1,4 +1,4 @@
-"""Layered quantization of KDSA models (DESIGN.md §5): the HF quantization config and quantizer (`quant_method:
+"""Layered quantization of KDSA models (docs/design.md §4): the HF quantization config and quantizer (`quant_method:
 "kdsa"`), and the numeric formats' reference definitions (`formats`, re-exported from `modeling_kdsa.numeric_formats`).
 
 `register()` adds "kdsa" to transformers' quantization registries; `import modeling_kdsa` calls it.

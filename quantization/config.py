@@ -1,9 +1,9 @@
-"""`KDSAQuantizationConfig` (`quant_method: "kdsa"`): which KDSA cache stores are quantized (DESIGN.md §5).
+"""`KDSAQuantizationConfig` (`quant_method: "kdsa"`): which KDSA cache stores are quantized (docs/design.md §4).
 
     from modeling_kdsa.quantization import KDSAQuantizationConfig
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=KDSAQuantizationConfig())
 
-Per-module choices (user-facing names; the defaults are DESIGN.md §5's layering):
+Per-module choices (user-facing names; the defaults are docs/design.md §4's layering):
 - `indexer="mxfp8"` | `"bf16"`: Lightning Indexer keys stored MXFP8 (E4M3 + one E8M0 scale per 32) in the paged
   cache, queries MXFP8-rounded dynamically before scoring. Indexer head weights stay fp32.
 - `kv_cache="fp8"` | `"bf16"`: the normalised MLA latent stored FP8 E4M3 per token in tiles of `kv_cache_tile_size`

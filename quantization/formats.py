@@ -1,7 +1,7 @@
-"""Reference definitions of KDSA's numeric formats (DESIGN.md §5; reference/techniques.md §2).
+"""Reference definitions of KDSA's numeric formats (docs/design.md §4; docs/quantization.md).
 
 The implementations live in `modeling_kdsa/numeric_formats.py`, next to the kernels, because the cache uses them at
-run time and a remote-code copy of the model files must not import this folder (DESIGN.md §1). They are re-exported
+run time and a remote-code copy of the model files must not import this folder (docs/design.md §1). They are re-exported
 here so that quantization code has one place to import them from:
 
 | name | elements | scale | block | use |

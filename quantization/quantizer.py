@@ -1,4 +1,5 @@
-"""`KDSAQuantizer`: the HF quantizer of `quant_method: "kdsa"` (reference/hf-integration.md §2; DESIGN.md §5).
+"""`KDSAQuantizer`: the HF quantizer of `quant_method: "kdsa"` (transformers `quantizers/base.py: HfQuantizer`;
+docs/design.md §4).
 
 What it quantizes is the cache, not the weights: indexer keys/queries (MXFP8) and the MLA latent cache (FP8 tiles)
 are produced at run time by the model's own cache code (`modeling_kdsa/numeric_formats.py`, `cache.py`), chosen from

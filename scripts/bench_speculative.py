@@ -1,5 +1,5 @@
 """Speculative decoding benchmark: plain greedy vs prompt lookup vs an assistant (draft) model, all through
-transformers' own `generate()` (DESIGN.md §7; the rollback is `KDSACache.crop`, modeling_kdsa/cache.py).
+transformers' own `generate()` (docs/design.md §5; the rollback is `KDSACache.crop`, modeling_kdsa/cache.py).
 
 For each eval task's prompts (eval/tasks/data/<task>_test.jsonl: `copy` is copy-heavy, `recall_*` recall-heavy) and
 each method, batch 1, greedy, a fixed number of new tokens (no early stop), after one warm-up call per method:

@@ -1,5 +1,5 @@
 """Long-prompt prefill under context × tensor parallelism: time to first token, per-rank indexer work and
-activation memory, bytes communicated per layer; a projection to 128k-1M tokens on 8-64 devices. DESIGN.md §6.
+activation memory, bytes communicated per layer; a projection to 128k-1M tokens on 8-64 devices. docs/parallel.md.
 
     torchrun --nproc_per_node 4 scripts/cp_prefill.py --cp 2 --tp 2 --seq-len 4096
     accelerate launch --multi_gpu --num_processes 4 scripts/cp_prefill.py --cp 2 --tp 2   # also on CPU: gloo

@@ -1,4 +1,4 @@
-"""fla's pure-torch KDA references (`fla/ops/kda/naive.py`), loaded by file path (DESIGN.md §9).
+"""fla's pure-torch KDA references (`fla/ops/kda/naive.py`), loaded by file path (docs/design.md §7).
 
 Importing `fla.ops.kda` would run its `__init__`, which imports the Triton kernels; triton is deliberately not
 installed on CPU, so the one file is loaded on its own. Its only imports are torch and einops.

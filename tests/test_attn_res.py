@@ -1,4 +1,4 @@
-"""Block AttnRes (modeling_kdsa/attn_res.py) against the reference forward of techniques.md §1.3."""
+"""Block AttnRes (modeling_kdsa/attn_res.py) against the reference forward of docs/attn-res.md §2."""
 
 import pytest
 import torch
@@ -43,7 +43,7 @@ def run_stream(embeddings, block_size, depth_attns, sublayers, two_phase, final_
 
 
 def reference_forward(embeddings, block_size, depth_attns, sublayers, final_attn):
-    """techniques.md §1.3 reference forward, written per sublayer: `blocks=[]`, `partial=embedding`; a sublayer
+    """docs/attn-res.md §2 reference forward, written per sublayer: `blocks=[]`, `partial=embedding`; a sublayer
     that starts a block attends over `blocks + [partial]` and then commits the partial; the head aggregates
     `blocks + [partial]`."""
     blocks, partial = [], embeddings
@@ -94,7 +94,7 @@ def test_depth_attention_matches_written_out_formula():
 
 
 def test_reference_layer_forward_matches_techniques_pseudocode():
-    """The per-sublayer reference above equals the per-layer pseudocode of techniques.md §1.3 (block size 2, where
+    """The per-sublayer reference above equals the per-layer pseudocode of docs/attn-res.md §2 (block size 2, where
     each layer starts a block at its attention sublayer), so the tests below compare against the documented
     semantics."""
     num_layers = 3
@@ -141,7 +141,7 @@ def test_sources_per_sublayer(two_phase):
 @pytest.mark.parametrize("block_size", [1, 2, 3, 4, 5, 20])
 @pytest.mark.parametrize("shape", [(2, 5), (1, 1), (3, 1)])
 def test_two_phase_matches_direct_formula(block_size, shape):
-    """Two-phase (techniques.md §1.4) and direct stream == §1.3 reference in fp32, for every sublayer input and the
+    """Two-phase (docs/attn-res.md §3) and direct stream == §2 reference in fp32, for every sublayer input and the
     final aggregation; block size 20 exceeds the 8 sublayers (a single block after b_0). Measured worst error
     9.4e-7 of the tensor's scale (two-phase; the direct stream is bit-exact)."""
     num_sublayers = 8

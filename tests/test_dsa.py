@@ -1,7 +1,7 @@
 """Tests for the DSA layer (modeling_kdsa/dsa.py), its kernels (dsa_ops.py) and rotary helpers (rotary.py).
 
 Oracles: transformers' DeepseekV32Attention / DeepseekV32Indexer (written by others), and the dense causal MLA
-reference in MHA form (reference/dsa.md §5: context <= index_topk must equal dense MLA).
+reference in MHA form (docs/dsa.md §5: context <= index_topk must equal dense MLA).
 """
 
 import pytest
@@ -410,7 +410,7 @@ def test_indexer_scores_formula():
     q, w, k = torch.randn(2, 5, 3, 4), torch.randn(2, 5, 3), torch.randn(2, 7, 4)
     visible = torch.rand(2, 5, 7) > 0.3
     scores = dsa_ops.indexer_scores(q, w, k, visible)
-    # reference/dsa.md §1.2: I[t,s] = HI^-0.5 · DI^-0.5 · Σ_h w[t,h] · ReLU(q[t,h]·k[s]), written independently.
+    # docs/dsa.md §1: I[t,s] = HI^-0.5 · DI^-0.5 · Σ_h w[t,h] · ReLU(q[t,h]·k[s]), written independently.
     expected = torch.einsum("bth,bths->bts", w, torch.einsum("bthd,bsd->bths", q, k).relu()) * (3 * 4) ** -0.5
     expected = expected.masked_fill(~visible, float("-inf"))
     # fp32, summation order only.

@@ -268,7 +268,7 @@ def sparse_inputs(num_keys, num_queries, index_topk, seed, heads=4, latent_dim=3
     indices = paged_indexer_topk_reference(
         q_index, weights, index_pages, index_table, num_keys, index_topk, num_keys - num_queries, padding
     )
-    # Holes anywhere in the list (FlashMLA allows -1 at any slot, reference/dsa.md §6).
+    # Holes anywhere in the list (FlashMLA allows -1 at any slot, docs/dsa.md §6).
     holes = torch.rand(indices.shape, generator=generator) < 0.2
     return q_latent, q_pe, rows, kv_pages, block_table, indices.masked_fill(holes, -1)
 

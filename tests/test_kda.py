@@ -1,5 +1,5 @@
 """KDA kernels and layer (modeling_kdsa/kda_ops.py, modeling_kdsa/kda.py) against independent oracles: fla's naive
-references (reference/kda.md §2.3) and transformers' `KimiLinearDeltaAttention` (DESIGN.md §9), plus the
+references (fla `fla/ops/kda/naive.py`) and transformers' `KimiLinearDeltaAttention` (docs/design.md §7), plus the
 consistency properties the layer promises: chunked == recurrent, cached decode == full forward, padding is inert.
 """
 
@@ -168,7 +168,7 @@ def kdsa_config(**overrides) -> KDSAConfig:
 
 
 def randomize_(module: torch.nn.Module, seed: int) -> None:
-    """Deterministic non-trivial weights. The gate parameters follow the Kimi init ranges (reference/kda.md §1.2):
+    """Deterministic non-trivial weights. The gate parameters follow the Kimi init ranges (docs/kda.md §2):
     decay rates exp(A_log) in [1, 16] and dt_bias the inverse softplus of dt in [1e-3, 1e-1]."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Quantized KDSA cache and the HF quantizer (`quant_method: "kdsa"`; DESIGN.md §5).
+"""Quantized KDSA cache and the HF quantizer (`quant_method: "kdsa"`; docs/design.md §4).
 
 - Kernels over quantized pages (MXFP8 indexer keys, FP8 latent tiles + BF16 RoPE) give exactly what they give over
   plain pages holding the dequantized values: they read and dequantize only their rows, then run the BF16 path.

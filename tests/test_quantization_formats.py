@@ -2,8 +2,8 @@
 
 Oracle: torchao 0.18's MX code (`torchao.prototype.mx_formats.mx_tensor.to_mx`, CPU), written by others. On ordinary
 data it must agree byte for byte (elements and E8M0 scales) under both rules (FLOOR = spec, RCEIL = our "ceil").
-Where torchao departs from the OCP spec (DESIGN.md §5), a test pins torchao's behaviour *and* checks ours against
-values computed from the spec text here, so that either side changing is noticed.
+Where torchao departs from the OCP spec (docs/quantization.md §1), a test pins torchao's behaviour *and* checks ours
+against values computed from the spec text here, so that either side changing is noticed.
 """
 
 import math
@@ -230,7 +230,7 @@ def test_fp8_tile_scales_and_round_trip():
 
 
 def test_fp8_tile_matches_deepseek_rule_on_ordinary_data():
-    """DeepSeek-V3.2 act_quant with ue8m0 (reference/dsa.md §1.5): s = 2^ceil(log2(max(amax, 1e-4) / 448)) from the
+    """DeepSeek-V3.2 act_quant with ue8m0 (docs/quantization.md §2): s = 2^ceil(log2(max(amax, 1e-4) / 448)) from the
     fp32 quotient; equal to ours away from the fp32 rounding boundary (see the RCEIL departure above)."""
     x = torch.randn(32, 4, 128) * torch.exp2(torch.randint(-20, 20, (32, 1, 1)).float())
     amax = x.abs().amax(-1).clamp(min=1e-4)

@@ -1,5 +1,5 @@
 """Speculative decoding: exact KDSACache rollback (KDA replay, DSA page truncation) and transformers' assisted
-generation / prompt lookup returning exactly the tokens of plain greedy decoding (DESIGN.md §7).
+generation / prompt lookup returning exactly the tokens of plain greedy decoding (docs/design.md §5).
 
 All fp32. Where two computations run the same kernel on the same inputs the test asks for bitwise equality; where
 they feed a kernel through different paths (chunked draft verification vs one-token steps) the tolerance is

@@ -1,7 +1,7 @@
-"""KDSACache: the generation cache of a KDSA model (DESIGN.md §3; reference/dsa.md §2.2, §3, §4.1).
+"""KDSACache: the generation cache of a KDSA model (docs/design.md §3; docs/dsa.md §4; docs/quantization.md §2).
 
 - KDA layers (`KDAReplayLayer`) keep the short-conv window and the fp32 recurrent state per sequence, plus what an
-  exact rollback needs (DESIGN.md §7; reference/kda.md §5.2, techniques.md §3.5 design (b)): a checkpoint (conv
+  exact rollback needs (docs/design.md §5; docs/kda.md §7): a checkpoint (conv
   window + fp32 state) and, for each token since it, the inputs of its recurrence step. `crop` replays the kept
   prefix from the checkpoint with the decode kernel, so the rolled-back state is the one stepping would give.
 - DSA layers keep a **paged** store (`KDSAPagedLayer`): fixed-size pages of `page_size` tokens in one pool per
@@ -11,7 +11,7 @@
   copy-on-write for the page being filled).
 - The store, not the layer, calls the kernels that read it (`dsa_paged_ops`): the fused indexer/top-k and the sparse
   attention over the selected entries, chosen by `config.kernel_backend`.
-- Formats (DESIGN.md §5, `numeric_formats.CacheFormats`, chosen from `config.quantization_config` when the cache is
+- Formats (docs/design.md §4, `numeric_formats.CacheFormats`, chosen from `config.quantization_config` when the cache is
   built): each store holds either model-dtype pages or quantized pages (`QuantizedRows`: FP8 latent tiles + fp32
   scales + the RoPE part unquantized; MXFP8 indexer keys + E8M0 scales). One code path for both: rows are encoded
   on `append`, pages are allocated, copied and counted plane by plane, and the kernels dequantize only the pages /
@@ -31,7 +31,7 @@ from .dsa_paged_ops import dsa_kernels
 from .kda_ops import chunk_kda, recurrent_kda
 from .numeric_formats import CacheFormats, QuantizedRows
 
-PAGE_SIZE = 64  # tokens per page: the CUDA DSA kernels' block size (reference/dsa.md §4.2, §8.7)
+PAGE_SIZE = 64  # tokens per page: the CUDA DSA kernels' block size (docs/dsa.md §4)
 
 
 def resolve_kernel_backend(backend: str, device: torch.device) -> str:
@@ -351,7 +351,7 @@ class KDAReplayRecord(NamedTuple):
 
 
 class KDAReplayLayer(LinearAttentionCacheLayerMixin):
-    """Cache of one KDA layer with exact rollback (ReplaySSM style: reference/kda.md §5.2, techniques.md §3.5 (b)).
+    """Cache of one KDA layer with exact rollback (ReplaySSM style: docs/kda.md §7).
 
     Live state: `conv_states[0]` — the last W pre-conv q|k|v columns `[B, C, W]` (W = conv kernel width) — and
     `recurrent_states[0]`, the fp32 state `[B, H, K, V]`, after `num_tokens` tokens.

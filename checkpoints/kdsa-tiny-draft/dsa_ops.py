@@ -1,6 +1,6 @@
 """DSA kernels, torch reference: Lightning Indexer scores and top-k, sparse MLA attention in absorbed form.
 
-reference/dsa.md §1.2 (indexer formula and constant), §2.3 (absorbed / MQA mode, gather + softmax over the selected
+docs/dsa.md §1 (indexer formula and constant), §3 (absorbed / MQA mode, gather + softmax over the selected
 entries), §5 (short context == dense causal MLA), §6 (-1 sentinel, lonely rows give 0), §8.10 (bounded prefill
 logits). Each function does one job, in the style of vLLM's indexer stages; the layer (dsa.py) chains them per
 block of queries so that a long prefill never holds a `[T, T]` tensor.
@@ -75,7 +75,7 @@ def indexer_topk(
     query_start: int,
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Indexer top-k for one block of queries at positions `query_start + i` (reference/dsa.md §1.2, §6).
+    """Indexer top-k for one block of queries at positions `query_start + i` (docs/dsa.md §1, §6).
 
     q_index: `[B, T, HI, DI]`; weights: `[B, T, HI]`; k_index: `[B, S, DI]`; key_padding_mask: `[B, S]` or None.
     Returns int64 `[B, T, min(index_topk, S')]`, one index set per query shared by all MLA heads, `-1` = no key,
@@ -96,7 +96,7 @@ def sparse_mla_attention(
     indices: torch.Tensor,
     softmax_scale: float,
 ) -> torch.Tensor:
-    """Sparse MLA in absorbed form over exactly the selected latent entries (reference/dsa.md §2.3).
+    """Sparse MLA in absorbed form over exactly the selected latent entries (docs/dsa.md §3).
 
     q_latent: `[B, T, H, C]` (`W_UK^T q_nope`); q_pe: `[B, T, H, R]`; latent: `[B, S, C]` (normalised `c`);
     k_pe: `[B, S, R]` (RoPE'd); indices: `[B, T, K]` int, `-1` = no key. Returns the latent-space output

@@ -1,6 +1,6 @@
-"""KDA token mixer (Kimi Delta Attention) with Moonshot's Kimi-Linear checkpoint names (reference/kda.md §1.1, §4.3).
+"""KDA token mixer (Kimi Delta Attention) with Moonshot's Kimi-Linear checkpoint names (docs/kda.md §1).
 
-Data flow per head (reference/kda.md §1.1, DESIGN.md §2): q, k, v projections → causal depthwise short conv + SiLU →
+Data flow per head (docs/kda.md §1): q, k, v projections → causal depthwise short conv + SiLU →
 L2-normalised q, k; per-channel fp32 decay `g` from a low-rank gate; `β = sigmoid(b_proj(x))`; the delta-rule
 recurrence (`kda_ops.chunk_kda` for prefill, `kda_ops.recurrent_kda` for decode); head-wise RMSNorm with a sigmoid
 output gate; `o_proj`.
@@ -17,7 +17,7 @@ from .kda_ops import causal_short_conv, causal_short_conv_step, chunk_kda, kda_g
 
 class KDSAGatedRMSNorm(nn.Module):
     """`y = x / sqrt(mean(x²) + eps) · weight · sigmoid(gate)` over the last dim, all in fp32 like fla's
-    `FusedRMSNormGated` (reference/kda.md §1.4); returned in the dtype of x."""
+    `FusedRMSNormGated` (docs/kda.md §4); returned in the dtype of x."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()

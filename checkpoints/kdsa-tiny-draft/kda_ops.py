@@ -1,6 +1,6 @@
 """KDA (Kimi Delta Attention) kernels in plain torch: recurrent and chunked delta rule, gate, l2norm, short conv.
 
-Math: reference/kda.md §1.2 (gate), §1.3 (recurrence), §2.1 (chunked WY/UT form), §3.4 (short conv, l2norm).
+Math: docs/kda.md §2 (gate), §3 (recurrence), §5 (chunked WY/UT form), §6 (short conv, l2norm).
 Shapes: `q, k, g: [B, T, H, K]`, `v: [B, T, H, V]`, `beta: [B, T, H]`, `state: [B, H, K, V]` (rows are key
 channels, because the decay acts per key channel). `g` is the natural-log decay (<= 0). Both kernels compute in
 fp32, return `o` in `v.dtype` and the state in fp32, and agree with each other to fp32 rounding.
@@ -16,7 +16,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def kda_gate(raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
-    """Per-channel log decay `g = -exp(A_log[h]) · softplus(raw + dt_bias[h, :])`, in fp32 (reference/kda.md §1.2).
+    """Per-channel log decay `g = -exp(A_log[h]) · softplus(raw + dt_bias[h, :])`, in fp32 (docs/kda.md §2).
 
     raw: `[B, T, H, K]` (output of the low-rank gate projection); A_log: `H` values (e.g. `[1, 1, H, 1]`);
     dt_bias: `H·K` values. Returns fp32 `[B, T, H, K]`, all entries < 0.
@@ -95,7 +95,7 @@ def recurrent_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token-by-token KDA (reference/kda.md §1.3), the decode path.
+    """Token-by-token KDA (docs/kda.md §3), the decode path.
 
     `S_t = (I − β_t k_t k_tᵀ) Diag(exp g_t) S_{t−1} + β_t k_t v_tᵀ`, `o_t = S_tᵀ (scale·q_t)`.
     q, k: `[B, T, H, K]`, L2-normalised by the caller; v: `[B, T, H, V]`; g: `[B, T, H, K]`; beta: `[B, T, H]`;
@@ -132,7 +132,7 @@ SUB_CHUNK_SIZE = 16
 
 
 def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, cum_g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decayed dot products inside one chunk (reference/kda.md §2.2, "secondary chunking").
+    """Decayed dot products inside one chunk (docs/kda.md §5, "secondary chunking").
 
     q, k, cum_g: `[B, H, C, K]`, cum_g the chunk-local cumulative log decay G. Returns `(A_qk, A_kk)`, both
     `[B, H, C, C]`, with `A_xk[i, j] = Σ_d x_i[d] k_j[d] exp(G_i[d] − G_j[d])` for j <= i and 0 above the diagonal.
@@ -182,7 +182,7 @@ def chunk_kda(
     output_final_state: bool = False,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunk-parallel KDA in the WY/UT form (reference/kda.md §2.1), the prefill path. Same contract as
+    """Chunk-parallel KDA in the WY/UT form (docs/kda.md §5), the prefill path. Same contract as
     `recurrent_kda`; any T (the last chunk is padded with identity steps: k = v = 0, beta = 0, g = 0).
     chunk_size must be a multiple of 16 (the sub-chunk size of `_intra_chunk_scores`).
 

@@ -1,6 +1,5 @@
 """Numeric formats the KDSA cache uses at run time: MXFP8 (indexer keys and queries) and FP8 E4M3 with fp32
-power-of-two tile scales (MLA latent cache). DESIGN.md §5; reference/techniques.md §2.1-§2.4, reference/dsa.md §1.5,
-§3.1, §3.3.
+power-of-two tile scales (MLA latent cache). docs/design.md §4; docs/quantization.md §1-§2.
 
 They live here, with the kernels, because `KDSACache` needs them in any copy of the model files (remote code);
 `quantization/` (the HF quantizer and its config) builds on them.
@@ -9,7 +8,7 @@ They live here, with the kernels, because `KDSACache` needs them in any copy of 
 last dim share one E8M0 scale `X = 2^e` (byte `e + 127`, `e` in [-127, 127]; byte 0xFF = NaN); elements are FP8 E4M3
 (`float8_e4m3fn`: max 448, largest exponent `emax = 8`, no Inf). Element `P_i = saturate_RNE(V_i / X)`, value
 `P_i · X`. Two scale rules, both computed from the bits of the fp32 block maximum, never from fp32 `log2` (which
-rounds: techniques.md §2.2):
+rounds: docs/quantization.md §1):
 - `"floor"` — the spec's rule: `e = floor(log2(amax)) - emax`. `amax / X` lies in [256, 512), so block maxima in
   (448, 512)·X clip to 448 (up to 12.5 % error on the block maximum).
 - `"ceil"` (default) — the non-clipping rule of cuBLAS MX "RCEIL" and DeepSeek's ue8m0 scales: the smallest `X`
@@ -23,8 +22,8 @@ gets scale byte 0xFF (NaN) and dequantizes to NaN as a whole (its stored element
 `FP8_TILE_SIZE` = 128 consecutive elements of the last dim — so per token, per head, per 128-wide tile for a
 `[..., heads, 128·n]` tensor — gets an fp32 scale that is a power of two, `s = 2^ceil(log2(max(amax, 1e-4) / 448))`
 evaluated exactly as the "ceil" rule above (the 1e-4 floor is DeepSeek's: an all-zero tile gets s = 2^-22, not 0,
-so nothing divides by zero). Power-of-two scales stay exact when a kernel converts them to E8M0 (reference/dsa.md
-§3.1 pitfall). A tile holding NaN/Inf gets scale NaN and dequantizes to NaN.
+so nothing divides by zero). Power-of-two scales stay exact when a kernel converts them to E8M0 (docs/quantization.md
+§2). A tile holding NaN/Inf gets scale NaN and dequantizes to NaN.
 
 `QuantizedRows` holds quantized rows (any leading shape, e.g. cache pages `[num_pages, page_size, ...]`); its
 `dequantize` turns exactly the rows it holds back into values, so kernels gather first and dequantize only what they
@@ -170,7 +169,7 @@ def dequantize_blocks(elements: torch.Tensor, scales: torch.Tensor, dtype: torch
 
 class QuantizedRows(NamedTuple):
     """Rows `[..., W]` stored as `[elements | unquantized]`: the first Q columns quantized, the last W - Q kept as
-    they are (the MLA cache's RoPE part, reference/dsa.md §3.1; empty for indexer keys).
+    they are (the MLA cache's RoPE part, docs/quantization.md §2; empty for indexer keys).
 
     elements: float8_e4m3fn `[..., Q]`; scales: `[..., Q / block]`, float8_e8m0fnu (MXFP8) or fp32 (FP8 tiles);
     unquantized: `[..., W - Q]` in the model dtype. Leading dims are free: `[num_pages, page_size]` for cache pages,

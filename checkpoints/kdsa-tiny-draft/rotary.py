@@ -1,6 +1,6 @@
 """Rotary position embedding for the DSA layers: one model-level table and the two ways of applying it.
 
-reference/dsa.md §1.3, §2.1: MLA rotates `q_pe`/`k_pe` in the interleaved DeepSeek layout (pairs `(x0, x1),
+docs/dsa.md §1, §2: MLA rotates `q_pe`/`k_pe` in the interleaved DeepSeek layout (pairs `(x0, x1),
 (x2, x3), ...`), while the Lightning Indexer rotates the first `qk_rope_head_dim` channels of its vectors in the
 NeoX half-split layout (pairs `(x_i, x_{i+R/2})`). Both use the same frequencies (YaRN etc. via transformers'
 `ROPE_INIT_FUNCTIONS`), so the model computes `(cos, sin)` once and each layer applies the layout it needs.

@@ -1,7 +1,7 @@
 """KDSA configuration: a hybrid of KDA (Kimi Delta Attention) and DSA (DeepSeek Sparse Attention) layers.
 
 Field names follow transformers' `KimiLinearConfig` (KDA, MoE) and `DeepseekV32Config` (MLA, indexer, MoE) wherever
-the concept is the same, so that converters for those checkpoints are a renaming, not a rewrite (DESIGN.md §2, §11).
+the concept is the same, so that converters for those checkpoints are a renaming, not a rewrite (docs/design.md §2).
 """
 
 from huggingface_hub.dataclasses import strict
@@ -41,7 +41,7 @@ class KDSAConfig(PreTrainedConfig):
     model_type = "kdsa"
     keys_to_ignore_at_inference = ["past_key_values"]
     # Heads and experts are sharded; KDA and DSA mixers have different attribute names (`linear_attn`,
-    # `self_attn`) so that one plan entry can never hit the other mixer (reference/hf-integration.md §3.1).
+    # `self_attn`) so that one plan entry can never hit the other mixer (docs/design.md §2).
     base_model_tp_plan = {
         "layers.*.self_attn.q_b_proj": "colwise",
         "layers.*.self_attn.kv_b_proj": "colwise",
@@ -110,6 +110,16 @@ class KDSAConfig(PreTrainedConfig):
     kernel_backend: str = "auto"
 
     def __post_init__(self, **kwargs):
+        # transformers only warns when a config.json of another model type is loaded into this class, then keeps the
+        # fields whose names match: a Kimi-Linear or DeepSeek-V3.2 folder would load with missing and unexpected
+        # tensors freshly initialised, i.e. silently wrong. Refuse instead.
+        source_type = kwargs.get("model_type", self.model_type)
+        if source_type != self.model_type:
+            raise ValueError(
+                f"this config describes a {source_type!r} model, not {self.model_type!r}: KDSA does not convert other "
+                "model types' checkpoints (Kimi-Linear, DeepSeek-V3.2, GLM-5.3-Flash) yet; load it with transformers' "
+                "own class, e.g. AutoModelForCausalLM.from_pretrained(path)"
+            )
         if self.layer_types is None:
             self.layer_types = [DSA_LAYER if i % 4 == 3 else KDA_LAYER for i in range(self.num_hidden_layers)]
         if self.mlp_layer_types is None:
@@ -128,7 +138,7 @@ class KDSAConfig(PreTrainedConfig):
         CacheFormats.from_config(self)
 
     def _check_consistency(self):
-        """Raise a `ValueError` naming the offending field (DESIGN.md §10). Runs before transformers' validators,
+        """Raise a `ValueError` naming the offending field (docs/design.md §6). Runs before transformers' validators,
         whose errors are not `ValueError`s."""
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(

@@ -1,9 +1,9 @@
 """DSA kernels over a paged cache: Lightning Indexer top-k and sparse MLA that read `KDSACache` pages directly.
 
-reference/dsa.md §4.1 (logical indices, physical slot `block_table[b, s // P] * P + s % P`), §4.2 (vLLM pipeline:
-paged logits, then top-k), §2.3 (absorbed sparse MLA: gather the selected `[c | k_pe]` rows, softmax over them),
-§5 (prefill vs decode), §6 (-1 sentinel, rows without a valid key give 0), §8.10 (never materialise the `[T, S]`
-logits; an exact fused score + top-k was proposed in vLLM RFC #53563).
+docs/dsa.md §4 (logical indices, physical slot `block_table[b, s // P] * P + s % P`; vLLM's pipeline: paged logits,
+then top-k), §3 (absorbed sparse MLA: gather the selected `[c | k_pe]` rows, softmax over them), §5 (prefill vs
+decode), §6 (-1 sentinel, rows without a valid key give 0), §7 (never materialise the `[T, S]` logits; an exact
+fused score + top-k was proposed in vLLM RFC #53563).
 
 Three implementations with the same signatures, picked by name through `dsa_kernels(backend)`:
 - `torch` (`paged_*_reference`): gather the pages into contiguous tensors, then run dsa_ops' reference kernels.
@@ -13,11 +13,11 @@ Three implementations with the same signatures, picked by name through `dsa_kern
 - `compiled`: the same code with its per-block work compiled by `torch.compile` (inductor), cached on disk.
 
 Page layout (owned by `KDSACache`): `kv_pages` `[num_pages, P, C + R]` rows `[normalised latent c | RoPE'd k_pe]`;
-`index_pages` `[num_pages, P, DI]` indexer keys. Either store may instead be quantized (DESIGN.md §5,
+`index_pages` `[num_pages, P, DI]` indexer keys. Either store may instead be quantized (docs/design.md §4,
 `numeric_formats.QuantizedRows` of the same `[num_pages, P, ...]` shape: FP8 latent tiles + fp32 scales + the RoPE part
 unquantized, or MXFP8 indexer keys + E8M0 scales); every kernel then gathers the quantized pages / rows it reads and
 dequantizes exactly those (`read_pages`, `read_rows`) into the query dtype, so the math after the read is the BF16
-path's (on CPU an MXFP8 / FP8 GEMM is emulated as dequantize + GEMM, reference/techniques.md §0.6).
+path's (on CPU an MXFP8 / FP8 GEMM is emulated as dequantize + GEMM, docs/quantization.md §3).
 `block_table` int `[B, max_pages]`, logical token `s` of sequence `b` in page `block_table[b, s // P]`, slot `s % P`,
 unused entries -1. All sequences of a call hold `num_keys` tokens (left padding is described by `key_padding_mask`).
 A query at position `p` sees the keys `s <= p` that are not padding; queries of a call sit at `query_start + i`.
@@ -175,7 +175,7 @@ def _check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices):
 
 
 def gather_pages(pages, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Contiguous copy of the first `num_tokens` tokens of every sequence (reference/dsa.md §4.1).
+    """Contiguous copy of the first `num_tokens` tokens of every sequence (docs/dsa.md §4).
 
     pages: `[num_pages, P, width]` or quantized pages (dequantized into `dtype`, required then); block_table: int
     `[B, max_pages]`. Returns `[B, num_tokens, width]`.
@@ -197,7 +197,7 @@ def paged_indexer_topk_reference(
     query_start: int,
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Indexer top-k over paged keys: `gather_pages` then `dsa_ops.indexer_topk` (reference/dsa.md §1.2, §4, §6).
+    """Indexer top-k over paged keys: `gather_pages` then `dsa_ops.indexer_topk` (docs/dsa.md §1, §4, §6).
 
     q_index: `[B, T, HI, DI]`; weights: `[B, T, HI]` fp32 (raw `weights_proj` output); index_pages `[num_pages, P,
     DI]`; block_table int `[B, max_pages]`; key_padding_mask `[B, num_keys]` bool or None. Returns int64 `[B, T,
@@ -220,7 +220,7 @@ def paged_sparse_mla_reference(
     softmax_scale: float,
 ) -> torch.Tensor:
     """Sparse absorbed MLA over paged `[c | k_pe]` rows: `gather_pages` then `dsa_ops.sparse_mla_attention`
-    (reference/dsa.md §2.3, §6).
+    (docs/dsa.md §3, §6).
 
     q_latent: `[B, T, H, C]`; q_pe: `[B, T, H, R]`; kv_pages `[num_pages, P, C + R]`; block_table int `[B,
     max_pages]`; indices `[B, T, K]` logical positions, -1 = none. Returns `[B, T, H, C]` in q_latent's dtype.
@@ -270,7 +270,7 @@ def _score_block(
     last_visible_key: torch.Tensor,
     key_padding: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Indexer logits of one block of keys, masked and packed for the running top-k (reference/dsa.md §1.2).
+    """Indexer logits of one block of keys, masked and packed for the running top-k (docs/dsa.md §1).
 
     q_index: `[B, T, HI, DI]`; scaled_weights: fp32 `[B, T, HI]` (head weights times `HI^-0.5 · DI^-0.5`); keys:
     `[B, n, DI]`; key_positions: int64 `[n]`; last_visible_key: int64 `[T]`, query `t` sees the keys at positions
@@ -355,8 +355,8 @@ def paged_indexer_topk_fused(
     query_start: int,
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Fused paged indexer: scores, head weighting and top-k in one pass over blocks of pages (reference/dsa.md
-    §4.2, §8.10), same signature and result as `paged_indexer_topk_reference`.
+    """Fused paged indexer: scores, head weighting and top-k in one pass over blocks of pages (docs/dsa.md
+    §4, §7), same signature and result as `paged_indexer_topk_reference`.
 
     q_index: `[B, T, HI, DI]`; weights: `[B, T, HI]` fp32; index_pages `[num_pages, P, DI]`; block_table int `[B,
     max_pages]`; key_padding_mask `[B, num_keys]` or None. Returns int64 `[B, T, min(index_topk, S')]`,
@@ -390,7 +390,7 @@ def _attend(
     batch, num_queries, num_selected = indices.shape
     _, page_size, width = page_geometry(kv_pages)
     valid = indices >= 0
-    # Logical position -> physical slot `page * P + offset` (reference/dsa.md §4.1); -1 reads token 0, masked below.
+    # Logical position -> physical slot `page * P + offset` (docs/dsa.md §4); -1 reads token 0, masked below.
     positions = indices.clamp(min=0).flatten(1)  # [B, T*K]
     pages = block_table.gather(1, torch.div(positions, page_size, rounding_mode="floor")).clamp(min=0)
     slots = pages * page_size + positions % page_size
@@ -440,7 +440,7 @@ def paged_sparse_mla_fused(
     indices: torch.Tensor,
     softmax_scale: float,
 ) -> torch.Tensor:
-    """Sparse absorbed MLA reading only the selected rows from the pages (reference/dsa.md §2.3, §4.1, §6), same
+    """Sparse absorbed MLA reading only the selected rows from the pages (docs/dsa.md §3, §4, §6), same
     signature and result as `paged_sparse_mla_reference`.
 
     q_latent: `[B, T, H, C]`; q_pe: `[B, T, H, R]`; kv_pages `[num_pages, P, C + R]`; block_table int `[B,

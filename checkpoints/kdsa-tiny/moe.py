@@ -1,7 +1,7 @@
 """Feed-forward layers: the dense GLU MLP and the DeepSeek-V3 / Kimi-Linear style mixture of experts.
 
-Router math: reference/kda.md §4.2 (sigmoid scores in fp32, the score-correction bias only selects, renormalise,
-routed scaling); DESIGN.md §2 (MoE). Parameter names and layouts follow transformers' `DeepseekV3MoE` so that
+Router math: docs/design.md §2 (sigmoid scores in fp32, the score-correction bias only selects, renormalise,
+routed scaling). Parameter names and layouts follow transformers' `DeepseekV3MoE` so that
 checkpoints map one to one and the config's tensor-parallel plan (`packed_colwise`, `rowwise`, `moe_tp_experts`)
 applies unchanged.
 """
