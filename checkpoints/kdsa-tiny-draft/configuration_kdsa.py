@@ -52,6 +52,7 @@ class KDSAConfig(PreTrainedConfig):
     # Heads and experts are sharded; KDA and DSA mixers have different attribute names (`linear_attn`,
     # `self_attn`) so that one plan entry can never hit the other mixer (docs/design.md §2).
     base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",  # MLA without q LoRA (Kimi-Linear)
         "layers.*.self_attn.q_b_proj": "colwise",
         "layers.*.self_attn.kv_b_proj": "colwise",
         "layers.*.self_attn.o_proj": "rowwise",
