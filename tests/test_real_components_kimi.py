@@ -80,6 +80,9 @@ def kimi_attention_for(config: KDSAConfig, seed: int = 0) -> KimiLinearAttention
         rms_norm_eps=config.rms_norm_eps,
         num_hidden_layers=1,
         layer_types=["full_attention"],
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
     )
     hf_config._attn_implementation = "eager"
     oracle = KimiLinearAttention(hf_config, layer_idx=0).eval()
