@@ -1,7 +1,8 @@
 """Feed-forward layers: the dense GLU MLP and the DeepSeek-V3 / Kimi-Linear style mixture of experts.
 
 Router math: docs/design.md §2 (sigmoid scores in fp32, the score-correction bias only selects, renormalise,
-routed scaling). Parameter names and layouts follow transformers' `DeepseekV3MoE` so that
+routed scaling; group-limited routing as in DeepSeek-V3, arXiv:2412.19437, and its `noaux_tc` gate). Parameter
+names and layouts follow transformers' `DeepseekV3MoE` so that
 checkpoints map one to one and the config's tensor-parallel plan (`packed_colwise`, `rowwise`, `moe_tp_experts`)
 applies unchanged.
 """
@@ -33,6 +34,9 @@ class KDSATopkRouter(nn.Module):
 
     `weight: [E, D]` fp32 parameter; `e_score_correction_bias: [E]` fp32 buffer (saved in checkpoints, not trained
     by the optimizer: load balancing adjusts it outside backprop), as in transformers' DeepseekV3TopkRouter.
+    With `n_group > 1` the choice is group-limited: the E experts form `n_group` consecutive groups, a group scores
+    the sum of its two best bias-corrected scores, and the top-k is taken among the experts of the best `topk_group`
+    groups only (the config checks the group sizes).
     """
 
     def __init__(self, config):
@@ -40,6 +44,8 @@ class KDSATopkRouter(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
+        self.n_group = config.n_group
+        self.topk_group = config.topk_group
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size, dtype=torch.float32))
         self.e_score_correction_bias = nn.Buffer(torch.zeros(config.n_routed_experts, dtype=torch.float32))
 
@@ -48,11 +54,22 @@ class KDSATopkRouter(nn.Module):
         router_logits = F.linear(hidden_states.float(), self.weight.float())  # [N, E]
         scores = router_logits.sigmoid()
         # The bias steers which experts are chosen (load balancing) but never how much they weigh.
-        topk_indices = torch.topk(scores + self.e_score_correction_bias, k=self.top_k, dim=-1).indices
+        scores_for_choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            scores_for_choice = self._keep_best_groups(scores_for_choice)
+        topk_indices = torch.topk(scores_for_choice, k=self.top_k, dim=-1).indices
         topk_weights = scores.gather(-1, topk_indices)
         if self.norm_topk_prob:
             topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
         return topk_indices, topk_weights * self.routed_scaling_factor
+
+    def _keep_best_groups(self, scores_for_choice: torch.Tensor) -> torch.Tensor:
+        """`[N, E]` biased scores with the experts outside the `topk_group` best groups set to -inf."""
+        grouped = scores_for_choice.view(scores_for_choice.shape[0], self.n_group, -1)  # [N, G, E / G]
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+        best_groups = group_scores.topk(self.topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(scores_for_choice)
 
 
 class KDSAExperts(nn.Module):

@@ -95,6 +95,21 @@ def _scenario_two(rank: int, results: dict) -> None:
     out = context_parallel_prefill(sharded, ids, tp_mesh)  # the CP code path with cp = 1: indexer split over tp
     results["tp2_cp_path_error"] = (out.logits - reference).abs().max().item()
 
+    # Dense MLA layers (Kimi-Linear's "full_attention") with the unrotated rope slice and grouped routing.
+    kimi_fields = dict(
+        layer_types=["linear_attention", "indexed_attention", "full_attention", "full_attention"],
+        mla_use_nope=True,
+        n_routed_experts=8,
+        n_group=4,
+        topk_group=2,
+    )
+    kimi_model = tiny_model(**kimi_fields)
+    kimi_reference = kimi_model(ids).logits
+    out = context_parallel_prefill(kimi_model, ids, cp_mesh)
+    results["mla_cp2_error"] = (out.logits - kimi_reference).abs().max().item()
+    kimi_sharded = apply_tensor_parallel(tiny_model(**kimi_fields), tp_mesh)
+    results["mla_tp2_error"] = (kimi_sharded(ids).logits - kimi_reference).abs().max().item()
+
     # Error paths: each must raise a ValueError on every rank, and return (no rank left waiting).
     results["error_short_sequence"] = _expect_error(
         lambda: context_parallel_prefill(reference_model, ids[:, :3], cp_mesh)
@@ -190,6 +205,12 @@ def four_ranks() -> list[dict]:
 def test_cp2_logits_match_single_process(two_ranks, layout):
     for result in two_ranks:
         assert result[f"cp2_{layout}_error"] < LOGIT_TOLERANCE
+
+
+def test_dense_mla_under_cp2_and_tp2_matches_single_process(two_ranks):
+    for result in two_ranks:
+        assert result["mla_cp2_error"] < LOGIT_TOLERANCE
+        assert result["mla_tp2_error"] < LOGIT_TOLERANCE
 
 
 def test_cp2_prefill_then_single_process_decode(two_ranks):

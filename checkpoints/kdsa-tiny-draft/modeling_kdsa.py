@@ -1,4 +1,5 @@
-"""KDSA model: KDA and DSA token mixers interleaved per `config.layer_types`, MoE feed-forward, Block AttnRes.
+"""KDSA model: KDA, DSA and dense MLA token mixers interleaved per `config.layer_types`, MoE feed-forward, Block
+AttnRes.
 
 Reads top to bottom: residual streams → decoder layer → pretrained base (init, flags) → model → causal-LM head.
 The mixers live in `kda.py` (docs/kda.md) and `dsa.py` (docs/dsa.md), the feed-forward in `moe.py`, the
@@ -17,8 +18,8 @@ from transformers.utils.deprecation import deprecate_kwarg
 
 from .attn_res import BlockAttnResStream, KDSADepthAttention
 from .cache import ROLLBACK_TOKENS, KDSACache
-from .configuration_kdsa import DSA_LAYER, KDA_LAYER, KDSAConfig
-from .dsa import KDSASparseAttention
+from .configuration_kdsa import DSA_LAYER, KDA_LAYER, MLA_LAYER, KDSAConfig
+from .dsa import KDSAMultiLatentAttention, KDSASparseAttention
 from .kda import KDSAKimiDeltaAttention
 from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter
 from .norms import KDSARMSNorm
@@ -43,7 +44,7 @@ class PlainResidualStream:
 
 
 class KDSADecoderLayer(nn.Module):
-    """One layer = two sublayers: a token mixer (KDA or DSA) and a feed-forward (dense MLP or MoE)."""
+    """One layer = two sublayers: a token mixer (KDA, DSA or dense MLA) and a feed-forward (dense MLP or MoE)."""
 
     def __init__(self, config: KDSAConfig, layer_idx: int):
         super().__init__()
@@ -52,8 +53,10 @@ class KDSADecoderLayer(nn.Module):
         # Distinct attribute names per mixer so tensor-parallel plans never hit the wrong one.
         if self.layer_type == KDA_LAYER:
             self.linear_attn = KDSAKimiDeltaAttention(config, layer_idx)
-        else:
+        elif self.layer_type == DSA_LAYER:
             self.self_attn = KDSASparseAttention(config, layer_idx)
+        else:
+            self.self_attn = KDSAMultiLatentAttention(config, layer_idx)
         if config.mlp_layer_types[layer_idx] == "sparse":
             self.mlp = KDSAMoE(config)
         else:
@@ -80,6 +83,9 @@ class KDSADecoderLayer(nn.Module):
             current_mask = None if attention_mask is None else attention_mask[:, -hidden_states.shape[1] :]
             mixed = self.linear_attn(hidden_states, attention_mask=current_mask, cache=cache)
         else:
+            # The model's RoPE table may exist for other layers (a DSA indexer) while this one rotates nothing.
+            if not self.self_attn.uses_position_embeddings:
+                position_embeddings = None
             mixed = self.self_attn(
                 hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache
             )
@@ -146,7 +152,9 @@ class KDSAModel(KDSAPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([KDSADecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = KDSARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        uses_rope = DSA_LAYER in config.layer_types and config.qk_rope_head_dim > 0
+        # RoPE tables only when some layer rotates: the indexer of a DSA layer always does, MLA unless mla_use_nope.
+        rotated_types = {DSA_LAYER} if config.mla_use_nope else {DSA_LAYER, MLA_LAYER}
+        uses_rope = config.qk_rope_head_dim > 0 and not rotated_types.isdisjoint(config.layer_types)
         self.rotary_emb = KDSARotaryEmbedding(config) if uses_rope else None
         if config.attn_res_block_size > 0 and config.attn_res_final_aggregation:
             self.output_attn_res = KDSADepthAttention(config.hidden_size, eps=config.rms_norm_eps)
