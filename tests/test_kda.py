@@ -484,6 +484,7 @@ def test_lower_bound_rollback_replays_the_recorded_gate():
     _, layer, _ = glm_pair(seed=2)
     config = kdsa_config(linear_lower_bound=LOWER_BOUND)
     x = torch.randn(2, 20, HIDDEN, generator=torch.Generator().manual_seed(2))
+
     def run(tokens, cache):
         cache.begin_forward(tokens.shape[1])  # what the model does before its layers run
         return layer(tokens, cache=cache)

@@ -15,8 +15,12 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def kda_gate(raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
-    """Per-channel log decay `g = -exp(A_log[h]) · softplus(raw + dt_bias[h, :])`, in fp32 (docs/kda.md §2).
+def kda_gate(
+    raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None = None
+) -> torch.Tensor:
+    """Per-channel log decay in fp32 (docs/kda.md §2), with `a = exp(A_log[h])` and `x = raw + dt_bias[h, :]`:
+    `g = -a · softplus(x)` (Kimi-Linear), or with `lower_bound` `g = lower_bound · sigmoid(a · x)` (GLM-5.3-Flash's
+    bounded gate: every log decay lies in `(lower_bound, 0)`).
 
     raw: `[B, T, H, K]` (output of the low-rank gate projection); A_log: `H` values (e.g. `[1, 1, H, 1]`);
     dt_bias: `H·K` values. Returns fp32 `[B, T, H, K]`, all entries < 0.
@@ -31,7 +35,10 @@ def kda_gate(raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> t
             f"kda_gate: dt_bias must hold H·K={num_heads * head_dim} values, got shape {tuple(dt_bias.shape)}"
         )
     decay_rate = A_log.float().reshape(num_heads, 1).exp()
-    return -decay_rate * F.softplus(raw.float() + dt_bias.float().reshape(num_heads, head_dim))
+    x = raw.float() + dt_bias.float().reshape(num_heads, head_dim)
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(decay_rate * x)
+    return -decay_rate * F.softplus(x)
 
 
 def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, left_context: torch.Tensor | None = None) -> torch.Tensor:
