@@ -168,6 +168,27 @@ def test_sinkhorn_order_and_eps():
     torch.testing.assert_close(sinkhorn_normalize(comb, 2, 0.5), two)
 
 
+@torch.no_grad()
+def test_stream_update_and_final_written_out():
+    """Expansion, `X'_j = post_j · out + Σ_i comb[i, j] X_i` and the final plain mean, written out per stream (the
+    final norm would hide a sum-for-mean swap, so it is checked here before any norm)."""
+    _, hc = hc_pair(seed=4)
+    embeddings = torch.randn(2, 3, HIDDEN, generator=torch.Generator().manual_seed(5))
+    output = torch.randn(2, 3, HIDDEN, generator=torch.Generator().manual_seed(6))
+    stream = HyperConnectionStream(embeddings, [hc])
+    streams = embeddings.unsqueeze(2).repeat(1, 1, HC_MULT, 1)
+    pre, post, comb = hc.mixing_weights(streams)
+    torch.testing.assert_close(stream.input_for(0), (pre.unsqueeze(-1) * streams).sum(2))
+    stream.add_output(0, output)
+    expected = torch.stack(
+        [post[..., j, None] * output + sum(comb[..., i, j, None] * streams[:, :, i] for i in range(HC_MULT))
+         for j in range(HC_MULT)],
+        dim=2,
+    )  # fmt: skip
+    torch.testing.assert_close(stream.streams, expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(stream.final(), expected.mean(dim=2))
+
+
 def test_stream_misuse_raises():
     _, hc = hc_pair()
     stream = HyperConnectionStream(torch.randn(1, 2, HIDDEN), [hc, hc])
