@@ -46,7 +46,7 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, left_context: torch
 
     x: `[B, C, T]`; weight: `[C, 1, W]` (an `nn.Conv1d(groups=C)` weight); left_context: `[B, C, L]`, the inputs
     that came before `x` (a cached conv state), or None for a sequence start. Missing context counts as zeros.
-    Returns `[B, C, T]`.
+    Computed in the weight's dtype; returns `[B, C, T]` in x's dtype.
     """
     batch_size, channels, _ = x.shape
     width = weight.shape[-1]
@@ -58,7 +58,8 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, left_context: torch
         context = left_context[..., max(left_context.shape[-1] - (width - 1), 0) :].to(x.dtype)
         context = F.pad(context, (width - 1 - context.shape[-1], 0))
     # The W-1 context columns make the un-padded conv output exactly T columns, one per input of x.
-    return F.silu(F.conv1d(torch.cat([context, x], dim=-1), weight, groups=channels))
+    # In the weight's dtype (fp32 weights give an fp32 conv, as GLM-5.3-Flash runs it), returned in x's dtype.
+    return F.silu(F.conv1d(torch.cat([context, x], dim=-1).to(weight.dtype), weight, groups=channels)).to(x.dtype)
 
 
 def causal_short_conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,7 @@ def causal_short_conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: to
             f"{tuple(x.shape)} and {tuple(conv_state.shape)}"
         )
     window = torch.cat([conv_state[..., conv_state.shape[-1] - (width - 1) :].to(x.dtype), x], dim=-1)
-    return F.silu((window * weight[:, 0]).sum(dim=-1, keepdim=True))
+    return F.silu((window.to(weight.dtype) * weight[:, 0]).sum(dim=-1, keepdim=True)).to(x.dtype)
 
 
 def _check_kda_inputs(q, k, v, g, beta, initial_state) -> None:

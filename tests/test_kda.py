@@ -504,3 +504,33 @@ def test_lower_bound_must_be_negative():
     for bad in (0.0, 1.0):
         with pytest.raises(ValueError, match="linear_lower_bound"):
             kdsa_config(linear_lower_bound=bad)
+
+
+def test_short_conv_runs_in_the_weights_dtype():
+    """GLM-5.3-Flash keeps its conv weights in fp32 and convolves bf16 inputs in fp32: with fp32 weights our conv
+    (prefill and decode step) is the fp32 conv rounded once to bf16."""
+    gen = torch.Generator().manual_seed(7)
+    x, weight = torch.randn(2, 6, 9, generator=gen).bfloat16(), torch.randn(6, 1, CONV, generator=gen)
+    expected = causal_short_conv(x.float(), weight).bfloat16()
+    full = causal_short_conv(x, weight)
+    assert full.dtype == torch.bfloat16 and torch.equal(full, expected)
+    step = causal_short_conv_step(x[..., 8:], weight, x[..., :8])
+    assert step.dtype == torch.bfloat16
+    torch.testing.assert_close(step, expected[..., 8:], atol=0, rtol=8e-3)  # fp32 sum order: at most one bf16 ulp
+
+
+@torch.no_grad()
+def test_layer_with_lower_bound_matches_glm5_next_bf16_with_fp32_conv():
+    """bf16 weights with the conv (as GLM's `_keep_in_fp32_modules_strict` keeps it) and the gate parameters in fp32.
+    The kernels' bf16 roundings differ slightly (GLM's beta sigmoid runs in bf16), so: a few bf16 ulps of O(1)."""
+    theirs, ours, _ = glm_pair()
+    theirs, ours = theirs.bfloat16(), ours.bfloat16()
+    for module, names in ((theirs, ("conv1d",)), (ours, ("q_conv1d", "k_conv1d", "v_conv1d"))):
+        for name in names:
+            getattr(module, name).float()
+    for module in (theirs.forget_gate, ours):
+        module.A_log.data, module.dt_bias.data = module.A_log.data.float(), module.dt_bias.data.float()
+    x = torch.randn(2, 70, HIDDEN, generator=torch.Generator().manual_seed(1)).bfloat16()
+    ours_out, theirs_out = ours(x), theirs(x)
+    assert ours_out.dtype == torch.bfloat16
+    torch.testing.assert_close(ours_out, theirs_out, atol=3e-2 * theirs_out.abs().max().item(), rtol=2e-2)
