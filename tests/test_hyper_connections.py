@@ -229,6 +229,20 @@ def test_all_kda_model_matches_transformers_glm5_next():
 
 
 @torch.no_grad()
+def test_all_kda_model_left_padding_matches_transformers_glm5_next():
+    """Left padding: GLM zeroes the padded inputs of its KDA layers, we also make them identity steps; from a
+    sequence start both leave the state at zero, so the real positions agree (fp32, 1e-5 relative)."""
+    theirs, ours, glm_config = model_pair(seed=1)
+    ids = torch.randint(1, glm_config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[0, :5] = 0
+    expected = theirs(ids, attention_mask=mask, use_cache=False).last_hidden_state
+    mine = ours(ids, attention_mask=mask, use_cache=False).last_hidden_state
+    assert_close_rel(mine[0, 5:], expected[0, 5:])
+    assert_close_rel(mine[1], expected[1])
+
+
+@torch.no_grad()
 def test_parameter_names_map_by_prefix_only():
     """GLM's `layers.N.attn_hc.{fn,base,scale}` / `ffn_hc.*` are ours under the same names."""
     theirs, ours, _ = model_pair()
