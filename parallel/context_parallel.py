@@ -16,7 +16,8 @@ One forward, per rank, composed from the layers' public pieces (nothing in the m
   the tp ranks split those queries for the indexer and all-gather the selected indices;
 - dense MLA layer (`"full_attention"`): the same with the latent rows only and no indexer: each segment's queries
   attend densely to every gathered key up to their own position (docs/dsa.md §8);
-- MoE / MLP / AttnRes / norms are position-wise: they run on the local tokens as they are;
+- MoE / MLP (SwiGLU clamp included) / AttnRes / mHC hyper-connections / norms are position-wise: they run on the
+  local tokens as they are (the model's own `residual_stream`);
 - final norm and head on the local tokens, logits gathered and put back in order (or only the last token's).
 
 Limits: batches of equal-length prompts without padding mask (prefill from an empty cache); no autograd.
@@ -28,11 +29,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from modeling_kdsa.attn_res import BlockAttnResStream
 from modeling_kdsa.cache import KDSACache, KDSAPagedLayer, KDSAPagedMLALayer
 from modeling_kdsa.configuration_kdsa import DSA_LAYER, KDA_LAYER
 from modeling_kdsa.kda_ops import causal_short_conv, kda_gate, l2norm
-from modeling_kdsa.modeling_kdsa import PlainResidualStream
 
 from .mesh import ParallelMesh, raise_on_all_ranks
 from .state_passing import fold_start_states, summarize_segment
@@ -176,7 +175,7 @@ def _kda_forward(attn, hidden: torch.Tensor, view: _RankView, cache: KDSACache |
     q = l2norm(q.reshape(heads_k).float())
     k = l2norm(k.reshape(heads_k).float())
     v = v.reshape(heads_v)
-    g = kda_gate(attn.f_b_proj(attn.f_a_proj(hidden)).reshape(heads_k), attn.A_log, attn.dt_bias)
+    g = kda_gate(attn.f_b_proj(attn.f_a_proj(hidden)).reshape(heads_k), attn.A_log, attn.dt_bias, attn.lower_bound)
     beta = attn.b_proj(hidden).float().sigmoid()
     g = g.masked_fill(~view.real[None, :, None, None], 0.0)
     beta = beta.masked_fill(~view.real[None, :, None], 0.0)
@@ -324,11 +323,7 @@ def context_parallel_prefill(
     if cache is not None:
         cache.begin_forward(seq_len)
 
-    if config.attn_res_block_size > 0:
-        depth_attentions = [m for layer in base.layers for m in (layer.attention_res, layer.mlp_res)]
-        stream = BlockAttnResStream(hidden, config.attn_res_block_size, depth_attentions, two_phase=True)
-    else:
-        stream = PlainResidualStream(hidden)
+    stream = base.residual_stream(hidden)
     for layer in base.layers:
         started = time.perf_counter()
         mixer_input = layer.input_layernorm(stream.input_for(2 * layer.layer_idx))

@@ -110,6 +110,15 @@ def _scenario_two(rank: int, results: dict) -> None:
     kimi_sharded = apply_tensor_parallel(tiny_model(**kimi_fields), tp_mesh)
     results["mla_tp2_error"] = (kimi_sharded(ids).logits - kimi_reference).abs().max().item()
 
+    # GLM-5.3-Flash's features (bounded KDA gate, SwiGLU clamp, mHC ×4): under cp = 2 and under tp = 2.
+    glm_features = dict(attn_res_block_size=0, hc_mult=4, linear_lower_bound=-5.0, swiglu_limit=0.5)
+    glm_model = tiny_model(**glm_features)
+    glm_reference = glm_model(ids).logits
+    out = context_parallel_prefill(glm_model, ids, cp_mesh)
+    results["glm_cp2_error"] = (out.logits - glm_reference).abs().max().item()
+    glm_sharded = apply_tensor_parallel(tiny_model(**glm_features), tp_mesh)
+    results["glm_tp2_error"] = (glm_sharded(ids).logits - glm_reference).abs().max().item()
+
     # Error paths: each must raise a ValueError on every rank, and return (no rank left waiting).
     results["error_short_sequence"] = _expect_error(
         lambda: context_parallel_prefill(reference_model, ids[:, :3], cp_mesh)
@@ -226,6 +235,15 @@ def test_tp2_model_forward_and_generate(two_ranks):
         assert result["tp2_error"] < LOGIT_TOLERANCE
         assert result["tp2_generate_equal"]
         assert result["tp2_cp_path_error"] < LOGIT_TOLERANCE
+
+
+def test_glm_features_under_cp2_and_tp2(two_ranks):
+    """The bounded KDA gate, SwiGLU clamp and mHC need nothing rank-specific: CP computes the gate with the layer's
+    bound and runs the model's own residual stream; TP shards the gate's A_log / dt_bias by head and the clamp is
+    elementwise on the intermediate slice."""
+    for result in two_ranks:
+        assert result["glm_cp2_error"] < LOGIT_TOLERANCE
+        assert result["glm_tp2_error"] < LOGIT_TOLERANCE
 
 
 @pytest.mark.parametrize(

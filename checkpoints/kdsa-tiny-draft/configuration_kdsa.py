@@ -42,6 +42,16 @@ class KDSAConfig(PreTrainedConfig):
     attn_res_block_size (`int`): sublayers (attention and FFN count one each) per Block-AttnRes block;
         0 = plain residual stream (Kimi-Linear / DeepSeek-style checkpoints).
     attn_res_final_aggregation (`bool`): with AttnRes, aggregate all blocks once more before the final norm.
+    linear_lower_bound (`float | None`): GLM-5.3-Flash's KDA forget gate. `None` = Kimi's
+        `g = -exp(A_log)·softplus(f + dt_bias)`; a value `lb < 0` = `g = lb·sigmoid(exp(A_log)·(f + dt_bias))`, every
+        log decay in `(lb, 0)` (docs/kda.md §2).
+    swiglu_limit (`float | None`): GLM-5.3-Flash's SwiGLU clamp in the dense MLP, shared and routed experts: the gate
+        is clamped to `<= swiglu_limit`, the up projection to `[-swiglu_limit, swiglu_limit]`. `None` = no clamp.
+    hc_mult (`int`): mHC hyper-connections (docs/hyper-connections.md): the residual stream is `hc_mult` streams
+        per token, mixed per sublayer and averaged before the final norm. 1 = no hyper-connections. Cannot be
+        combined with Block AttnRes (`attn_res_block_size` must be 0).
+    hc_eps (`float`): mHC epsilon added to the pre weights, the mixing matrix and the Sinkhorn denominators.
+    hc_sinkhorn_iters (`int`): Sinkhorn-Knopp normalisations of the mHC mixing matrix (>= 1).
     kernel_backend (`str`): which kernels read the paged DSA cache: `"torch"` (the readable reference),
         `"cpu"` (fused, memory-bounded), `"compiled"` (the fused kernels under torch.compile), or `"auto"`
         (`"cpu"` on CPU; the reference elsewhere until a device kernel has been verified on its hardware).
@@ -122,6 +132,12 @@ class KDSAConfig(PreTrainedConfig):
     # Residual stream
     attn_res_block_size: int = 4
     attn_res_final_aggregation: bool = True
+    # GLM-5.3-Flash (glm5_next): KDA gate lower bound, SwiGLU clamp, mHC hyper-connections
+    linear_lower_bound: float | None = None
+    swiglu_limit: float | None = None
+    hc_mult: int = 1
+    hc_eps: float = 1e-6
+    hc_sinkhorn_iters: int = 20
     # Kernels
     kernel_backend: str = "auto"
 
@@ -206,6 +222,7 @@ class KDSAConfig(PreTrainedConfig):
             raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
         if self.attn_res_block_size < 0:
             raise ValueError(f"attn_res_block_size must be >= 0 (0 = plain residual), got {self.attn_res_block_size}")
+        self._check_glm_fields()
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
 
@@ -226,6 +243,26 @@ class KDSAConfig(PreTrainedConfig):
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of topk_group={self.topk_group} "
                 f"groups ({self.topk_group} x {experts_per_group})"
+            )
+
+    def _check_glm_fields(self):
+        """GLM-5.3-Flash fields: KDA gate lower bound, SwiGLU clamp, mHC."""
+        if self.linear_lower_bound is not None and not self.linear_lower_bound < 0:
+            raise ValueError(
+                f"linear_lower_bound must be None or < 0 (the lowest KDA log decay), got {self.linear_lower_bound}"
+            )
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be None or > 0, got {self.swiglu_limit}")
+        if self.hc_mult < 1:
+            raise ValueError(f"hc_mult must be >= 1 (1 = no hyper-connections), got {self.hc_mult}")
+        if self.hc_eps < 0:
+            raise ValueError(f"hc_eps must be >= 0, got {self.hc_eps}")
+        if self.hc_sinkhorn_iters < 1:
+            raise ValueError(f"hc_sinkhorn_iters must be >= 1, got {self.hc_sinkhorn_iters}")
+        if self.hc_mult > 1 and self.attn_res_block_size > 0:
+            raise ValueError(
+                f"hc_mult={self.hc_mult} (mHC hyper-connections) and attn_res_block_size={self.attn_res_block_size} "
+                "(Block AttnRes) both replace the residual stream; set attn_res_block_size=0 to use mHC"
             )
 
 

@@ -13,8 +13,17 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 
+def clamp_swiglu_inputs(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-5.3-Flash's SwiGLU clamp: `gate <= limit`, `-limit <= up <= limit` (the gate is only bounded above: its
+    SiLU is already bounded below). `limit=None` returns both unchanged."""
+    if limit is None:
+        return gate, up
+    return gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+
+
 class KDSAMLP(nn.Module):
-    """Gated MLP `down(act(gate(x)) * up(x))`, `[..., D]` → `[..., D]`; also the MoE's shared experts."""
+    """Gated MLP `down(act(gate(x)) * up(x))`, `[..., D]` → `[..., D]`; also the MoE's shared experts. With
+    `config.swiglu_limit` the gate and up activations are clamped first (`clamp_swiglu_inputs`)."""
 
     def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
@@ -24,9 +33,11 @@ class KDSAMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.swiglu_limit = config.swiglu_limit
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
+        gate, up = clamp_swiglu_inputs(self.gate_proj(hidden_states), self.up_proj(hidden_states), self.swiglu_limit)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class KDSATopkRouter(nn.Module):
@@ -76,7 +87,8 @@ class KDSAExperts(nn.Module):
     """The routed experts as stacked weights (transformers 5.x layout).
 
     `gate_up_proj: [E, 2·I, D]` (gate rows first, then up rows), `down_proj: [E, D, I]`. Under tensor parallelism
-    each rank holds a slice of `I`, so the forward reads `I` from the weights, never from the config.
+    each rank holds a slice of `I`, so the forward reads `I` from the weights, never from the config. With
+    `config.swiglu_limit` each expert clamps its gate and up activations (`clamp_swiglu_inputs`).
     """
 
     def __init__(self, config):
@@ -86,6 +98,7 @@ class KDSAExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden_size, intermediate_size))
         self.act_fn = ACT2FN[config.hidden_act]
+        self.swiglu_limit = config.swiglu_limit
 
     def forward(
         self, hidden_states: torch.Tensor, topk_indices: torch.Tensor, topk_weights: torch.Tensor
@@ -111,6 +124,7 @@ class KDSAExperts(nn.Module):
                 continue
             inputs = grouped_inputs[start : start + count]
             gate, up = F.linear(inputs, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            gate, up = clamp_swiglu_inputs(gate, up, self.swiglu_limit)
             expert_outputs.append(F.linear(self.act_fn(gate) * up, self.down_proj[expert]))
             start += count
 
