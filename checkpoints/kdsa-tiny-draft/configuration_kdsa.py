@@ -14,7 +14,7 @@ KDA_LAYER = "linear_attention"
 DSA_LAYER = "indexed_attention"
 MLA_LAYER = "full_attention"  # dense MLA, no indexer (Kimi-Linear's attention layers)
 SUPPORTED_LAYER_TYPES = (KDA_LAYER, DSA_LAYER, MLA_LAYER)
-KERNEL_BACKENDS = ("auto", "torch", "cpu", "compiled")
+KERNEL_BACKENDS = ("auto", "torch", "cpu", "compiled", "npu")
 
 
 @strict
@@ -53,8 +53,9 @@ class KDSAConfig(PreTrainedConfig):
     hc_eps (`float`): mHC epsilon added to the pre weights, the mixing matrix and the Sinkhorn denominators.
     hc_sinkhorn_iters (`int`): Sinkhorn-Knopp normalisations of the mHC mixing matrix (>= 1).
     kernel_backend (`str`): which kernels read the paged DSA cache: `"torch"` (the readable reference),
-        `"cpu"` (fused, memory-bounded), `"compiled"` (the fused kernels under torch.compile), or `"auto"`
-        (`"cpu"` on CPU; the reference elsewhere until a device kernel has been verified on its hardware).
+        `"cpu"` (fused, memory-bounded), `"compiled"` (the fused kernels under torch.compile), `"npu"` (torch_npu's
+        fused Lightning Indexer and Sparse Flash Attention; contract-tested on CPU, not run on Ascend hardware,
+        docs/backends.md §2), or `"auto"` (`"cpu"` on CPU, `"npu"` on an NPU, the reference elsewhere).
     """
 
     model_type = "kdsa"

@@ -728,7 +728,12 @@ DSA_KERNELS = {
 
 
 def dsa_kernels(backend: str):
-    """`(indexer_topk, sparse_mla)` for a backend name in DSA_KERNELS; ValueError for an unknown name."""
+    """`(indexer_topk, sparse_mla)` for a backend name in DSA_KERNELS or `"npu"` (npu_kernels, imported only then:
+    it needs torch_npu); ValueError for an unknown name."""
+    if backend == "npu":
+        from .npu_kernels import npu_dsa_kernels
+
+        return npu_dsa_kernels()
     if backend not in DSA_KERNELS:
         raise ValueError(f"unknown DSA kernel backend {backend!r}; choose one of {sorted(DSA_KERNELS)}")
     return DSA_KERNELS[backend]
@@ -742,7 +747,12 @@ DENSE_MLA_KERNELS = {
 
 
 def dense_mla_kernel(backend: str):
-    """The dense causal MLA kernel of a backend name in DENSE_MLA_KERNELS; ValueError for an unknown name."""
+    """The dense causal MLA kernel of a backend name in DENSE_MLA_KERNELS or `"npu"` (npu_kernels); ValueError for an
+    unknown name."""
+    if backend == "npu":
+        from .npu_kernels import npu_dense_mla_kernel
+
+        return npu_dense_mla_kernel()
     if backend not in DENSE_MLA_KERNELS:
         raise ValueError(f"unknown dense MLA kernel backend {backend!r}; choose one of {sorted(DENSE_MLA_KERNELS)}")
     return DENSE_MLA_KERNELS[backend]
