@@ -336,7 +336,7 @@ def test_generate_over_the_npu_ops_equals_cpu(npu):
     for backend in ("npu", "cpu"):
         model = npu_shaped_model(backend)
         cache = KDSACache(model.config)
-        outputs[backend] = model.generate(prompt, past_key_values=cache, **kwargs)
+        outputs[backend] = model.generate(prompt, cache=cache, **kwargs)
         if backend == "npu":
             assert {"npu_lightning_indexer", "npu_sparse_flash_attention"} <= set(fake_torch_npu.calls)
             assert cache.layers[1].kernels == (paged_indexer_topk_npu, paged_sparse_mla_npu)
