@@ -14,7 +14,7 @@ KDA_LAYER = "linear_attention"
 DSA_LAYER = "indexed_attention"
 MLA_LAYER = "full_attention"  # dense MLA, no indexer (Kimi-Linear's attention layers)
 SUPPORTED_LAYER_TYPES = (KDA_LAYER, DSA_LAYER, MLA_LAYER)
-KERNEL_BACKENDS = ("auto", "torch", "cpu", "compiled", "npu")
+KERNEL_BACKENDS = ("auto", "torch", "cpu", "compiled", "npu", "triton")
 
 
 @strict
@@ -55,7 +55,9 @@ class KDSAConfig(PreTrainedConfig):
     kernel_backend (`str`): which kernels read the paged DSA cache: `"torch"` (the readable reference),
         `"cpu"` (fused, memory-bounded), `"compiled"` (the fused kernels under torch.compile), `"npu"` (torch_npu's
         fused Lightning Indexer and Sparse Flash Attention; contract-tested on CPU, not run on Ascend hardware,
-        docs/backends.md §2), or `"auto"` (`"cpu"` on CPU, `"npu"` on an NPU, the reference elsewhere).
+        docs/backends.md §2), `"triton"` (Triton kernels reading the pages; tested under Triton's interpreter, not
+        run on a GPU, docs/backends.md §4; opt-in), or `"auto"` (`"cpu"` on CPU, `"npu"` on an NPU, the reference
+        elsewhere).
     """
 
     model_type = "kdsa"
