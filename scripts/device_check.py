@@ -3,15 +3,16 @@
     python scripts/device_check.py                 # on an Ascend NPU (torch_npu) or a CUDA GPU
     python scripts/device_check.py --dry-run       # the CPU-side self-check of this script (no device needed)
 
-What it runs (docs/backends.md §5), per backend (`npu` on an NPU; `torch` everywhere), inputs built on the CPU and
-moved to the device, dims the fused Ascend ops accept (index head dim 128, latent 512, RoPE 64), bf16, batch 2
-with a left-padded sequence, pages in shuffled order:
+What it runs (docs/backends.md §5), per backend (`npu` on an NPU, `triton` on CUDA, `torch` everywhere), inputs built
+on the CPU and moved to the device, dims the fused Ascend ops accept (index head dim 128, latent 512, RoPE 64),
+bf16, batch 2 with a left-padded sequence, pages in shuffled order:
   1. indexer top-k recall against the `cpu` backend's selection, prefill (a 128-query block) and decode;
   2. sparse attention and dense MLA outputs against the `cpu` backend (relative Frobenius error);
   3. generate equality: a tiny KDA + DSA + dense-MLA model, greedy, the backend against `torch` on the same device
      (only the DSA kernels differ) and against the `cpu` backend on the CPU (reported, not gated);
   4. a decode-step timing table (indexer + sparse attention, batch 1, DeepSeek-V3.2-like dims: 16 heads, 64
-     indexer heads, index_topk 2048) at contexts 4k and 64k, median of --repeats synchronised calls.
+     indexer heads, index_topk 2048) at contexts 4k and 64k, median of --repeats synchronised calls;
+  5. on CUDA with fla installed: fla's Triton `chunk_kda` / `fused_recurrent_kda` against kda_ops' torch kernels.
 Prints a table, writes JSON (default runs/device_check.json) and exits 1 when a check misses its bound.
 """
 
@@ -210,10 +211,41 @@ def time_decode(backend: str, device: str, contexts, repeats: int, heads: int, i
     return rows
 
 
+def check_fla_kda(device: str) -> list[dict]:
+    """fla's Triton KDA kernels against kda_ops (fp32 inputs, T a multiple of fla's chunk of 64, initial state)."""
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+        from fla.ops.kda import fused_recurrent_kda as fla_recurrent_kda
+    except ImportError:
+        return [{"kernel": "fla (not installed)", "max_abs_error": float("nan"), "ok": False}]
+    from modeling_kdsa.kda_ops import chunk_kda, l2norm, recurrent_kda
+
+    generator = torch.Generator().manual_seed(3)
+    shape = (2, 256, 4, 64)
+    q, k = (l2norm(torch.randn(shape, generator=generator)) for _ in range(2))
+    v = torch.randn(shape, generator=generator)
+    g = -torch.rand(shape, generator=generator) * 0.1
+    beta = torch.rand(shape[:3], generator=generator)
+    state = torch.randn(2, 4, 64, 64, generator=generator) * 0.1
+    rows = []
+    for name, ours, theirs, steps in (
+        ("chunk_kda", chunk_kda, fla_chunk_kda, 256),
+        ("fused_recurrent_kda", recurrent_kda, fla_recurrent_kda, 1),
+    ):
+        inputs = [x[:, :steps] for x in (q, k, v, g, beta)]
+        expected, expected_state = ours(*inputs, initial_state=state, output_final_state=True)
+        got, got_state = theirs(
+            *(x.to(device) for x in inputs), initial_state=state.to(device), output_final_state=True
+        )
+        error = max(float((got.cpu() - expected).abs().max()), float((got_state.cpu() - expected_state).abs().max()))
+        rows.append({"kernel": name, "max_abs_error": error, "ok": error <= 1e-3})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", choices=["auto", "npu", "cuda", "cpu"])
-    parser.add_argument("--backends", nargs="+", default=None, help="default: npu + torch on an NPU, torch elsewhere")
+    parser.add_argument("--backends", nargs="+", default=None, help="default: npu+torch on NPU, triton+torch on CUDA")
     parser.add_argument("--dry-run", action="store_true", help="CPU self-check: small contexts, device cpu")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per context (default 10, dry 2)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "device_check.json")
@@ -221,13 +253,15 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "cpu" if args.dry_run and args.device == "auto" else args.device
     device = detect_device() if device == "auto" else device
-    backends = args.backends or (["npu", "torch"] if device == "npu" else ["torch"])
+    default_backends = {"npu": ["npu", "torch"], "cuda": ["triton", "torch"]}
+    backends = args.backends or default_backends.get(device, ["torch"])
     cases = DRY_CHECK_CASES if args.dry_run else CHECK_CASES
     contexts = [512, 2048] if args.dry_run else [4096, 65536]
     repeats = args.repeats or (2 if args.dry_run else 10)
     timing_dims = dict(heads=4, index_heads=8, topk=64) if args.dry_run else dict(heads=16, index_heads=64, topk=2048)
 
     report = {"device": device, "dry_run": args.dry_run, "kernels": [], "generate": [], "decode_timing": []}
+    report["kda"] = check_fla_kda(device) if device == "cuda" else []
     for backend in backends:
         report["kernels"] += check_kernels(backend, device, cases, index_topk=64)
         report["generate"].append(check_generate(backend, device, new_tokens=4 if args.dry_run else 8))
@@ -251,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
-    passed = all(row["ok"] for row in report["kernels"] + report["generate"])
+    for row in report["kda"]:
+        verdict = "yes" if row["ok"] else "NO"
+        print(f"fla {row['kernel']}: max abs error vs kda_ops {row['max_abs_error']:.2e}  {verdict}")
+    passed = all(row["ok"] for row in report["kernels"] + report["generate"] + report["kda"])
     print("PASS" if passed else "FAIL")
     return 0 if passed else 1
 

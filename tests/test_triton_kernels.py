@@ -88,3 +88,11 @@ def test_fla_fused_recurrent_kda_equals_our_decode_kernel():
     got, got_state = fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_state, expected_state, rtol=1e-4, atol=1e-4)
+
+
+def test_device_check_dry_run_with_the_triton_backend(tmp_path):
+    """scripts/device_check.py end to end for `triton`: kernels vs cpu and a greedy generate equal to `torch`."""
+    from test_device_check import load_script
+
+    out = tmp_path / "device_check.json"
+    assert load_script().main(["--dry-run", "--backends", "triton", "--out", str(out)]) == 0
