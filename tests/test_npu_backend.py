@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_model
 from test_dsa_paged_ops import left_padding, paged
 
-from modeling_kdsa import dsa_ops, npu_kernels
+from modeling_kdsa import dsa_ops, npu_kernels, triton_kernels
 from modeling_kdsa.cache import KDSACache, KDSAPagedLayer
 from modeling_kdsa.dsa_paged_ops import (
     dense_mla_kernel,
@@ -272,6 +272,16 @@ def test_npu_backend_needs_torch_npu_and_an_npu(monkeypatch):
     fake_torch_npu.install(monkeypatch, available=False)
     with pytest.raises(ValueError, match="is_available"):
         dense_mla_kernel("npu")
+
+
+def test_a_model_on_a_missing_backend_fails_on_its_first_forward(monkeypatch):
+    fake_torch_npu.install(monkeypatch, available=False)
+    model = npu_shaped_model("npu")
+    with pytest.raises(ValueError, match="is_available"):
+        model(torch.randint(3, 128, (1, 5)), cache=KDSACache(model.config))
+    monkeypatch.setattr(triton_kernels, "triton", None)
+    with pytest.raises(ValueError, match="needs the triton package"):
+        dsa_kernels("triton")
 
 
 def test_npu_backend_refuses_shapes_the_ops_do_not_take(npu):
