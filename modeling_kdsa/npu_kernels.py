@@ -32,19 +32,14 @@ Our side of the contract (same signatures and results as dsa_paged_ops' `cpu` ke
   store that keeps the two planes, as vllm-ascend's `kv_cache[0]` / `kv_cache[1]`, removes it). `sparse_mode=0`:
   our indices are already causal and the kernel's contract is "attend exactly these keys", so `actual_seq_lengths_kv`
   covers every mapped page of the sequence and no mask is added.
-- Dense MLA (`"full_attention"` layers) runs the torch reference (`paged_dense_mla_reference`): the fused MLA op
-  (`npu_fused_infer_attention_score`) is not wired. KDA runs the torch kernels (docs/backends.md §2).
+- Dense MLA (`"full_attention"` layers) is the same op selecting every key (`paged_dense_mla_npu`), with
+  rightDownCausal masking; KDA runs the torch kernels (docs/backends.md §2).
 - Quantized stores (FP8 latent, MXFP8 indexer keys) are refused: the quantized ops read other packed layouts.
 """
 
 import torch
 
-from .dsa_paged_ops import (
-    _check_indexer_inputs,
-    _check_sparse_inputs,
-    page_geometry,
-    paged_dense_mla_reference,
-)
+from .dsa_paged_ops import _check_dense_inputs, _check_indexer_inputs, _check_sparse_inputs, page_geometry
 from .numeric_formats import QuantizedRows
 
 INDEXER_HEAD_DIM = 128  # npu_lightning_indexer: D of query and key
@@ -156,6 +151,45 @@ def paged_indexer_topk_npu(
     return indices[..., :num_selected]
 
 
+def _check_attention_shapes(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_pages) -> int:
+    """What npu_sparse_flash_attention takes (module doc); returns the page size."""
+    _require_plain(kv_pages, "kv_cache")
+    latent_width, rope_width, num_heads = q_latent.shape[-1], q_pe.shape[-1], q_latent.shape[2]
+    _require(latent_width == LATENT_DIM, f"kv_lora_rank must be {LATENT_DIM}, got {latent_width}")
+    _require(rope_width == ROPE_DIM, f"qk_rope_head_dim must be {ROPE_DIM}, got {rope_width}")
+    _require(num_heads in ATTENTION_HEADS, f"num_attention_heads must be one of {ATTENTION_HEADS}, got {num_heads}")
+    _require(q_latent.dtype in OP_DTYPES, f"attention runs in bf16 or fp16, got {q_latent.dtype}")
+    _require(kv_pages.dtype == q_latent.dtype, f"kv pages {kv_pages.dtype} and queries {q_latent.dtype} must agree")
+    page_size = page_geometry(kv_pages)[1]
+    _check_page_size(page_size)
+    return page_size
+
+
+def _sparse_flash_attention(q_latent, q_pe, kv_pages, block_table, sparse_indices, softmax_scale, **kwargs):
+    """One npu_sparse_flash_attention call in MLA-absorb mode over our `[c | k_pe]` pages: `sparse_indices` int32
+    `[B, T, 1, K]`; kwargs: lengths, sparse_block_size, sparse_mode. Returns `[B, T, H, C]`."""
+    torch_npu = torch_npu_module()
+    latent_width = q_latent.shape[-1]
+    # The op takes the latent and RoPE pools as separate contiguous tensors (module doc: the copy per call).
+    latent_pages = kv_pages[..., :latent_width].unsqueeze(2).contiguous()
+    rope_pages = kv_pages[..., latent_width:].unsqueeze(2).contiguous()
+    out, _, _ = torch_npu.npu_sparse_flash_attention(
+        q_latent.contiguous(),
+        latent_pages,
+        latent_pages,
+        sparse_indices,
+        softmax_scale,
+        block_table=block_table.to(torch.int32).contiguous(),
+        query_rope=q_pe.contiguous(),
+        key_rope=rope_pages,
+        layout_query="BSND",
+        layout_kv="PA_BSND",
+        attention_mode=2,
+        **kwargs,
+    )
+    return out
+
+
 def paged_sparse_mla_npu(
     q_latent: torch.Tensor,
     q_pe: torch.Tensor,
@@ -167,43 +201,75 @@ def paged_sparse_mla_npu(
     """Sparse absorbed MLA through `torch_npu.npu_sparse_flash_attention` (MLA-absorb mode, module doc), same
     signature and result as `dsa_paged_ops.paged_sparse_mla_fused`. Returns `[B, T, H, C]` in q_latent's dtype."""
     _check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices)
-    _require_plain(kv_pages, "kv_cache")
-    latent_width, rope_width, num_heads = q_latent.shape[-1], q_pe.shape[-1], q_latent.shape[2]
-    _require(latent_width == LATENT_DIM, f"kv_lora_rank must be {LATENT_DIM}, got {latent_width}")
-    _require(rope_width == ROPE_DIM, f"qk_rope_head_dim must be {ROPE_DIM}, got {rope_width}")
-    _require(num_heads in ATTENTION_HEADS, f"num_attention_heads must be one of {ATTENTION_HEADS}, got {num_heads}")
-    _require(q_latent.dtype in OP_DTYPES, f"sparse attention runs in bf16 or fp16, got {q_latent.dtype}")
-    _require(kv_pages.dtype == q_latent.dtype, f"kv pages {kv_pages.dtype} and queries {q_latent.dtype} must agree")
-    _, page_size, _ = page_geometry(kv_pages)
-    _check_page_size(page_size)
+    page_size = _check_attention_shapes(q_latent, q_pe, kv_pages)
     batch, num_queries, num_selected = indices.shape
     if num_selected == 0:
         return q_latent.new_zeros(q_latent.shape)
-    torch_npu = torch_npu_module()
     device = q_latent.device
-    # The op takes the latent and RoPE pools as separate contiguous tensors (module doc: the copy per call).
-    latent_pages = kv_pages[..., :latent_width].unsqueeze(2).contiguous()
-    rope_pages = kv_pages[..., latent_width:].unsqueeze(2).contiguous()
     # Every mapped page (the table maps a prefix of pages, -1 after): the selected keys all lie in them.
     mapped_tokens = ((block_table >= 0).sum(dim=1) * page_size).to(torch.int32)
-    out, _, _ = torch_npu.npu_sparse_flash_attention(
-        q_latent.contiguous(),
-        latent_pages,
-        latent_pages,
+    return _sparse_flash_attention(
+        q_latent,
+        q_pe,
+        kv_pages,
+        block_table,
         _valid_first(indices).to(torch.int32).unsqueeze(2).contiguous(),
         softmax_scale,
-        block_table=block_table.to(torch.int32).contiguous(),
         actual_seq_lengths_query=torch.full((batch,), num_queries, dtype=torch.int32, device=device),
         actual_seq_lengths_kv=mapped_tokens,
-        query_rope=q_pe.contiguous(),
-        key_rope=rope_pages,
         sparse_block_size=1,
-        layout_query="BSND",
-        layout_kv="PA_BSND",
         sparse_mode=0,
-        attention_mode=2,
     )
-    return out
+
+
+def paged_dense_mla_npu(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    num_keys: int,
+    query_start: int,
+    softmax_scale: float,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense causal absorbed MLA through `torch_npu.npu_sparse_flash_attention` selecting every key, same signature
+    and result as `dsa_paged_ops.paged_dense_mla_fused`.
+
+    rightDownCausal (`sparse_mode=3`, `Lq = T`, `Lkv = query_start + T`) limits query `i` to the keys
+    `<= query_start + i`. Without padding the selection is every page as one block (`sparse_block_size` = page size,
+    the op clips the last block at the causal limit): `ceil(Lkv / P)` indices per query. With a padding mask it is
+    every real key, one token per index, in ascending order (the op has no mask of its own)."""
+    _check_dense_inputs(q_latent, q_pe, kv_pages, block_table, num_keys, query_start, key_padding_mask)
+    page_size = _check_attention_shapes(q_latent, q_pe, kv_pages)
+    batch, num_queries = q_latent.shape[:2]
+    num_visible = query_start + num_queries
+    _require(
+        num_visible <= num_keys,
+        f"queries at {query_start}..{num_visible - 1} must lie inside the {num_keys} cached keys",
+    )
+    device = q_latent.device
+    if key_padding_mask is None:
+        _require(page_size <= 128 and page_size & (page_size - 1) == 0, f"page size {page_size}: a power of 2 <= 128")
+        block = page_size
+        selection = torch.arange(-(-num_visible // page_size), device=device).expand(batch, -1)
+    else:
+        block = 1
+        real = key_padding_mask[:, :num_visible].bool()
+        positions = (~real).to(torch.int8).argsort(dim=-1, stable=True)  # real keys first, ascending
+        selection = positions.masked_fill(~real.gather(1, positions), -1)
+    sparse_indices = selection[:, None, None, :].expand(-1, num_queries, 1, -1).to(torch.int32).contiguous()
+    return _sparse_flash_attention(
+        q_latent,
+        q_pe,
+        kv_pages,
+        block_table,
+        sparse_indices,
+        softmax_scale,
+        actual_seq_lengths_query=torch.full((batch,), num_queries, dtype=torch.int32, device=device),
+        actual_seq_lengths_kv=torch.full((batch,), num_visible, dtype=torch.int32, device=device),
+        sparse_block_size=block,
+        sparse_mode=3,
+    )
 
 
 def npu_dsa_kernels():
@@ -213,15 +279,15 @@ def npu_dsa_kernels():
 
 
 def npu_dense_mla_kernel():
-    """Dense MLA of the npu backend: the torch reference (no fused MLA op is wired); ValueError unless torch_npu and
-    an NPU are available, like the DSA kernels, so that one backend name means one requirement."""
+    """Dense MLA of the npu backend (`paged_dense_mla_npu`); ValueError unless torch_npu and an NPU are available."""
     torch_npu_module()
-    return paged_dense_mla_reference
+    return paged_dense_mla_npu
 
 
 __all__ = [
     "npu_dsa_kernels",
     "npu_dense_mla_kernel",
+    "paged_dense_mla_npu",
     "paged_indexer_topk_npu",
     "paged_sparse_mla_npu",
     "torch_npu_module",

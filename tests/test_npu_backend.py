@@ -14,17 +14,18 @@ import torch
 from conftest import tiny_model
 from test_dsa_paged_ops import left_padding, paged
 
-from modeling_kdsa import dsa_ops, npu_kernels, triton_kernels
+from modeling_kdsa import dsa_ops, triton_kernels
 from modeling_kdsa.cache import KDSACache, KDSAPagedLayer
 from modeling_kdsa.dsa_paged_ops import (
     dense_mla_kernel,
     dsa_kernels,
     gather_pages,
+    paged_dense_mla_fused,
     paged_indexer_topk_fused,
     paged_sparse_mla_fused,
     paged_sparse_mla_reference,
 )
-from modeling_kdsa.npu_kernels import paged_indexer_topk_npu, paged_sparse_mla_npu
+from modeling_kdsa.npu_kernels import paged_dense_mla_npu, paged_indexer_topk_npu, paged_sparse_mla_npu
 from modeling_kdsa.numeric_formats import CacheFormats
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,6 +143,25 @@ def test_npu_sparse_attention_equals_cpu(npu, num_keys, num_queries):
     # The fp32 reference on the same bf16 values: only the final rounding to bf16 differs.
     reference = paged_sparse_mla_reference(*args)
     torch.testing.assert_close(got.float(), reference.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize(("num_keys", "num_queries", "query_start"), CASES)
+def test_npu_dense_attention_equals_cpu(npu, num_keys, num_queries, query_start, padded):
+    """Dense causal MLA through the sparse-attention op selecting every page (or every real key with padding)."""
+    q_latent, q_pe, kv_pages, block_table, _ = sparse_case(num_keys, num_queries, seed=num_keys + num_queries)
+    padding = left_padding(2, num_keys, pad=5) if padded else None
+    args = (q_latent, q_pe, kv_pages, block_table, num_keys, query_start, 0.07, padding)
+    got = paged_dense_mla_npu(*args)
+    assert fake_torch_npu.calls == ["npu_sparse_flash_attention"]
+    assert not got.isnan().any()  # never reads the NaN slots after the last key
+    # The cpu kernel reads whole pages and masks the scores, so it needs finite values there (zeros, as in a cache).
+    expected = paged_dense_mla_fused(q_latent, q_pe, kv_pages.nan_to_num(), *args[3:])
+    error = (got.float() - expected.float()).norm() / expected.float().norm()
+    assert error < BF16_REL_FRO, error
+    torch.testing.assert_close(got.float(), expected.float(), atol=BF16_ATOL, rtol=0)
+    if padded and query_start == 0:
+        assert (got[1, :5] == 0).all()  # left-padded queries see no key
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -350,7 +370,7 @@ def test_generate_over_the_npu_ops_equals_cpu(npu):
         if backend == "npu":
             assert {"npu_lightning_indexer", "npu_sparse_flash_attention"} <= set(fake_torch_npu.calls)
             assert cache.layers[1].kernels == (paged_indexer_topk_npu, paged_sparse_mla_npu)
-            assert cache.layers[2].dense_kernel is npu_kernels.paged_dense_mla_reference
+            assert cache.layers[2].dense_kernel is paged_dense_mla_npu
     assert torch.equal(outputs["npu"], outputs["cpu"])
 
 
