@@ -7,8 +7,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from modeling_kdsa import KDSAQuantizationConfig
-from modeling_kdsa import dsa_paged_ops
+from modeling_kdsa import KDSAQuantizationConfig, dsa_paged_ops
 from modeling_kdsa.cache import KDSACache, KDSAPagedLayer
 from modeling_kdsa.dsa_paged_ops import gather_pages
 from modeling_kdsa.numeric_formats import CacheFormats, fp8_tile_quantize, mxfp8_dequantize, mxfp8_quantize
