@@ -29,6 +29,7 @@ import torch.distributed as dist
 from modeling_kdsa.attn_res import BlockAttnResStream
 from modeling_kdsa.cache import KDSACache, KDSAPagedLayer
 from modeling_kdsa.configuration_kdsa import KDA_LAYER
+from modeling_kdsa.dsa_ops import ScoredPairs
 from modeling_kdsa.kda_ops import causal_short_conv, kda_gate, l2norm
 from modeling_kdsa.modeling_kdsa import PlainResidualStream
 
@@ -40,8 +41,8 @@ from .zigzag import LAYOUTS, SequenceLayout
 
 @dataclass
 class PrefillStats:
-    """What one rank did: `indexer_pairs` (query, key) pairs the indexer scored on this rank (summed over the
-    batch), `indexer_seconds`,
+    """What one rank did: `indexer_pairs` (query, key) pairs the indexer kernels scored on this rank (summed over the
+    batch; counted by the kernels, `dsa_ops.ScoredPairs`: the fused CPU kernel scores whole pages), `indexer_seconds`,
     seconds per layer kind, and the mesh's `CommLog` bytes by tag."""
 
     indexer_pairs: int = 0
@@ -218,10 +219,11 @@ def _indexer_topk(attn, store: KDSAPagedLayer, q_index, weights, query_start: in
     started = time.perf_counter()
     selected = None
     if last > first:
-        selected = store.indexer_topk(
-            q_index[:, first:last], weights[:, first:last], query_start + first, attn.index_topk
-        )
-        view.stats.indexer_pairs += q_index.shape[0] * (last - first) * min(store.num_tokens, query_start + last)
+        with ScoredPairs() as scored:
+            selected = store.indexer_topk(
+                q_index[:, first:last], weights[:, first:last], query_start + first, attn.index_topk
+            )
+        view.stats.indexer_pairs += scored.pairs
     view.stats.indexer_seconds += time.perf_counter() - started
     if mesh.tp_size == 1:
         return selected

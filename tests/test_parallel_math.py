@@ -163,3 +163,24 @@ def test_cp_path_rejects_short_prompt_and_used_cache():
     model(torch.tensor([[5, 6, 7]]), cache=cache)
     with pytest.raises(ValueError, match="empty KDSACache"):
         context_parallel_prefill(model, torch.tensor([[5, 6, 7]]), single_process_mesh(), cache=cache)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_cp_indexer_pairs_are_counted_by_the_kernels(backend):
+    """`stats.indexer_pairs` is the work the indexer kernels report (`ScoredPairs`), not a formula: the reference
+    scores `[B, n, s + n]` per block of n queries at position s, the fused CPU kernel whole pages of 64 keys."""
+    from modeling_kdsa.cache import PAGE_SIZE
+    from modeling_kdsa.dsa_ops import ScoredPairs
+
+    model = tiny_model(kernel_backend=backend)
+    batch, length = 2, 29
+    ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(0))
+    with ScoredPairs() as scored:
+        out = context_parallel_prefill(model, ids, single_process_mesh(), layout="zigzag")
+    segments = SequenceLayout(length, 1, "zigzag").segments_of(0)
+    keys = [s.start + s.num_real for s in segments]
+    if backend == "cpu":
+        keys = [-(-k // PAGE_SIZE) * PAGE_SIZE for k in keys]
+    dsa_layers = model.config.layer_types.count("indexed_attention")
+    expected = dsa_layers * batch * sum(s.num_real * k for s, k in zip(segments, keys, strict=True))
+    assert out.stats.indexer_pairs == scored.pairs == expected
