@@ -200,6 +200,8 @@ def _kda_forward(attn, hidden: torch.Tensor, view: _RankView, cache: KDSACache |
     if cache is not None:
         cache.update_conv_state(context[..., -width:], attn.layer_idx, conv_kernel_size=width)
         cache.update_recurrent_state(start_states[-1], attn.layer_idx)
+        # No replay inputs are recorded here: the prefilled tokens are committed (a later crop reaches back to them).
+        cache.layers[attn.layer_idx].commit_unrecorded(layout.seq_len)
 
     gate = attn.g_b_proj(attn.g_a_proj(hidden)).reshape(heads_v)
     o = attn.o_norm(o.to(v.dtype), gate).reshape(batch, local_len, -1)
@@ -248,7 +250,7 @@ def _dsa_forward(attn, hidden, position_embeddings, view: _RankView, cache: KDSA
     if cache is not None:
         store = cache.layers[attn.layer_idx]
     else:
-        store = KDSAPagedLayer(kv_width, attn.indexer.head_dim, attn.kernel_backend)
+        store = KDSAPagedLayer.from_config(attn.config)  # the config's formats, as the layer's private store
     store.append(keys[..., :kv_width], keys[..., kv_width:].to(k_index.dtype))
 
     w_uk, w_uv = attn.absorbed_weights()
