@@ -152,3 +152,19 @@ def test_readme_quantization_example_runs_on_the_shipped_checkpoint(tmp_path):
     config = namespace["model"].config.quantization_config
     assert config.kv_cache == "fp8" and config.indexer == "mxfp8"
     assert (tmp_path / "quantized" / "config.json").exists()
+
+
+def test_fp32_strict_modules_are_fp32_under_a_half_default_dtype():
+    """`_keep_in_fp32_modules_strict` is applied by from_pretrained; a model built under a bf16 default dtype (as
+    transformers' own tests and `from_config(dtype=...)` do) must create those parameters in fp32 too."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = tiny_model()
+    finally:
+        torch.set_default_dtype(previous)
+    strict = model._keep_in_fp32_modules_strict
+    matched = {name: p.dtype for name, p in model.named_parameters() if any(key in name for key in strict)}
+    assert len(matched) > 10 and set(matched.values()) == {torch.float32}, matched
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    model(ids())  # runs with mixed dtypes
