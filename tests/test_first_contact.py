@@ -168,3 +168,22 @@ def test_fp32_strict_modules_are_fp32_under_a_half_default_dtype():
     assert len(matched) > 10 and set(matched.values()) == {torch.float32}, matched
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     model(ids())  # runs with mixed dtypes
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        dict(rope_type="linear", factor=2.0, rope_theta=10000.0),
+        dict(rope_type="yarn", factor=4.0, rope_theta=10000.0, original_max_position_embeddings=16),
+    ],
+    ids=["linear", "yarn"],
+)
+def test_rope_scaled_configs_run_past_max_position_embeddings(rope_parameters):
+    """What RoPE scaling is for: inputs longer than max_position_embeddings, prefill + decode == one forward."""
+    model = tiny_model(rope_parameters=rope_parameters, max_position_embeddings=16)
+    tokens = ids(length=40)
+    full = model(tokens).logits
+    cache = KDSACache(model.config)
+    steps = [model(tokens[:, :30], cache=cache).logits]
+    steps += [model(tokens[:, t : t + 1], cache=cache).logits for t in range(30, 40)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
