@@ -189,7 +189,11 @@ class KDSAModel(KDSAPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
-            if ((input_ids < 0) | (input_ids >= self.config.vocab_size)).any():
+            # One host sync per forward (eager only: a compiled graph must not branch on data).
+            out_of_vocab = not torch.compiler.is_compiling() and bool(
+                ((input_ids < 0) | (input_ids >= self.config.vocab_size)).any()
+            )
+            if out_of_vocab:
                 raise ValueError(
                     f"input_ids must lie in [0, vocab_size={self.config.vocab_size}); got ids from "
                     f"{int(input_ids.min())} to {int(input_ids.max())}"
