@@ -27,7 +27,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from .configuration_kdsa import DSA_LAYER
-from .dsa_paged_ops import dsa_kernels
+from .dsa_ops import kpool_keys, kpool_origin
+from .dsa_paged_ops import dsa_kernels, kpool_indexer_kernel, read_rows
 from .kda_ops import chunk_kda, recurrent_kda
 from .numeric_formats import CacheFormats, QuantizedRows
 
@@ -43,7 +44,9 @@ def resolve_kernel_backend(backend: str, device: torch.device) -> str:
 
 
 def _planes(pages) -> tuple[torch.Tensor, ...]:
-    """The tensors a store is made of: one for model-dtype pages, three for `QuantizedRows`."""
+    """The tensors a store is made of: one for model-dtype pages, three for `QuantizedRows`, none for no store."""
+    if pages is None:
+        return ()
     return tuple(pages) if isinstance(pages, QuantizedRows) else (pages,)
 
 
@@ -54,7 +57,9 @@ def _bytes_view(plane: torch.Tensor) -> torch.Tensor:
 
 
 def _map_planes(pages, function):
-    """`function` applied to every plane, same container type back."""
+    """`function` applied to every plane, same container type back (None stays None)."""
+    if pages is None:
+        return None
     return pages.map(function) if isinstance(pages, QuantizedRows) else function(pages)
 
 
@@ -66,6 +71,13 @@ class KDSAPagedLayer(CacheLayerMixin):
     (-1 = unused), `num_tokens`: cached tokens per sequence. Physical pages come from a pool that doubles when it
     runs out; `page_refcount[p]` counts the block-table entries pointing at page `p`. `latent_width` (C) is the part
     of a kv row that `kv_cache="fp8"` quantizes; the rest (RoPE) stays in the model dtype.
+
+    `index_width=0`: a shared-indexer layer (`indexer_types`), which stores no indexer keys. `index_kpool > 1`
+    (docs/dsa.md §9): index_pages rows are `[normalised key | gate score]` `[2·DI]` per token, and `pool_pages`
+    `[P, page_size // kp, DI]` holds the pooled key of every complete pool in the page of its last token (slot
+    `(end % page_size) // kp`), written by `append` when that token arrives. Pools start at each sequence's first
+    real token (`pool_origin`, from the left-padding mask). Crop needs no pool bookkeeping: a pool cut in half is
+    pooled again when its last token is appended again, and a pool is only read once its last token is cached.
     """
 
     is_croppable = True  # `crop` truncates the block table: exact
@@ -78,6 +90,7 @@ class KDSAPagedLayer(CacheLayerMixin):
         page_size: int = PAGE_SIZE,
         formats: CacheFormats | None = None,
         latent_width: int | None = None,
+        index_kpool: int = 1,
     ):
         super().__init__()
         self.kv_width = kv_width
@@ -86,49 +99,75 @@ class KDSAPagedLayer(CacheLayerMixin):
         self.page_size = page_size
         self.formats = CacheFormats() if formats is None else formats
         self.latent_width = kv_width if latent_width is None else latent_width
+        self.index_kpool = index_kpool
         if self.formats.kv_cache != "bf16" and self.latent_width % self.formats.kv_cache_tile_size:
             raise ValueError(
                 f"kv_cache={self.formats.kv_cache!r} needs the latent width {self.latent_width} to be a multiple of "
                 f"kv_cache_tile_size={self.formats.kv_cache_tile_size}"
             )
+        if index_kpool < 1 or page_size % index_kpool:
+            raise ValueError(
+                f"index_kpool={index_kpool} must be >= 1 and divide the page size {page_size}: a page holds whole "
+                "pooled-key slots"
+            )
+        if index_kpool > 1 and self.formats.indexer != "bf16":
+            raise ValueError(
+                f"indexer={self.formats.indexer!r} cache format is not implemented for the k-pool indexer "
+                f"(index_kpool={index_kpool}): its pooled keys are stored in the model dtype"
+            )
         self.kv_pages: torch.Tensor | None = None
         self.index_pages: torch.Tensor | None = None
+        self.pool_pages: torch.Tensor | None = None
+        self.pool_origin: torch.Tensor | None = None
         self.block_table: torch.Tensor | None = None
         self.page_refcount: list[int] = []
         self.free_pages: list[int] = []
         self.num_tokens = 0
 
     @classmethod
-    def from_config(cls, config, page_size: int = PAGE_SIZE) -> "KDSAPagedLayer":
-        """The store of a DSA layer of `config`, in the formats `config.quantization_config` asks for."""
+    def from_config(cls, config, page_size: int = PAGE_SIZE, layer_idx: int | None = None) -> "KDSAPagedLayer":
+        """The store of DSA layer `layer_idx` of `config`, in the formats `config.quantization_config` asks for. A
+        shared-indexer layer (`config.indexer_types[layer_idx] == "shared"`) stores no indexer keys."""
+        shared = layer_idx is not None and config.indexer_types[layer_idx] == "shared"
         return cls(
             kv_width=config.kv_lora_rank + config.qk_rope_head_dim,
-            index_width=config.index_head_dim,
+            index_width=0 if shared else config.index_head_dim,
             kernel_backend=config.kernel_backend,
             page_size=page_size,
             formats=CacheFormats.from_config(config),
             latent_width=config.kv_lora_rank,
+            index_kpool=config.index_kpool,
         )
+
+    @property
+    def index_row_width(self) -> int:
+        """Width of a stored indexer row: the key, plus its gate score with the k-pool indexer."""
+        return self.index_width * (2 if self.index_kpool > 1 else 1)
+
+    def _all_planes(self) -> tuple[torch.Tensor, ...]:
+        return _planes(self.kv_pages) + _planes(self.index_pages) + _planes(self.pool_pages)
 
     # ---------------------------------------------------------------------------------------------- bookkeeping
-    def _encode(self, kv_rows: torch.Tensor, index_keys: torch.Tensor):
-        """Rows `[..., C + R]` and keys `[..., DI]` in the stored formats (tensors or `QuantizedRows`)."""
-        kv_rows, index_keys = kv_rows.to(self.dtype), index_keys.to(self.dtype)
-        return (
-            self.formats.encode_kv_rows(kv_rows, self.latent_width),
-            self.formats.encode_index_keys(index_keys),
-        )
+    def _encode(self, kv_rows: torch.Tensor, index_keys: torch.Tensor | None):
+        """Rows `[..., C + R]` and indexer rows `[..., index_row_width]` (or None) in the stored formats (tensors or
+        `QuantizedRows`)."""
+        kv_rows = self.formats.encode_kv_rows(kv_rows.to(self.dtype), self.latent_width)
+        if index_keys is None:
+            return kv_rows, None
+        return kv_rows, self.formats.encode_index_keys(index_keys.to(self.dtype))
 
-    def lazy_initialization(self, kv_rows: torch.Tensor, index_keys: torch.Tensor) -> None:
+    def lazy_initialization(self, kv_rows: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         batch_size = kv_rows.shape[0]
         self.dtype, self.device = kv_rows.dtype, kv_rows.device
         # Empty pools in the stored formats: encoding zero rows gives every plane its dtype and width.
-        self.kv_pages, self.index_pages = self._encode(
-            kv_rows.new_zeros(0, self.page_size, self.kv_width),
-            index_keys.new_zeros(0, self.page_size, self.index_width),
-        )
+        empty_index = None if self.index_width == 0 else kv_rows.new_zeros(0, self.page_size, self.index_row_width)
+        self.kv_pages, self.index_pages = self._encode(kv_rows.new_zeros(0, self.page_size, self.kv_width), empty_index)
+        if self.index_kpool > 1 and self.index_width:
+            self.pool_pages = kv_rows.new_zeros(0, self.page_size // self.index_kpool, self.index_width)
         self.block_table = torch.full((batch_size, 0), -1, dtype=torch.long, device=self.device)
-        self.kernels = dsa_kernels(resolve_kernel_backend(self.kernel_backend, self.device))
+        backend = resolve_kernel_backend(self.kernel_backend, self.device)
+        self.kernels = dsa_kernels(backend)
+        self.kpool_kernel = kpool_indexer_kernel(backend)
         self.is_initialized = True
 
     @property
@@ -150,6 +189,7 @@ class KDSAPagedLayer(CacheLayerMixin):
 
         self.kv_pages = _map_planes(self.kv_pages, grown)
         self.index_pages = _map_planes(self.index_pages, grown)
+        self.pool_pages = _map_planes(self.pool_pages, grown)
         self.page_refcount.extend([0] * (new - old))
         self.free_pages.extend(range(new - 1, old - 1, -1))  # pop() hands out low page ids first
 
@@ -184,7 +224,7 @@ class KDSAPagedLayer(CacheLayerMixin):
         for row in rows:
             if shared_partial and self.page_refcount[row[first_page]] > 1:
                 shared, private = row[first_page], self._take_page()
-                for plane in _planes(self.kv_pages) + _planes(self.index_pages):
+                for plane in self._all_planes():
                     _bytes_view(plane)[private] = _bytes_view(plane)[shared]
                 self._release(shared)
                 row[first_page] = private
@@ -194,20 +234,46 @@ class KDSAPagedLayer(CacheLayerMixin):
         self.block_table = torch.tensor(rows, dtype=torch.long, device=self.device)
 
     # ------------------------------------------------------------------------------------------------- writes
-    def append(self, kv_rows: torch.Tensor, index_keys: torch.Tensor) -> int:
-        """Store the current tokens: kv_rows `[B, T, C + R]`, index_keys `[B, T, DI]`. Returns the number of tokens
+    def append(
+        self,
+        kv_rows: torch.Tensor,
+        index_keys: torch.Tensor | None,
+        key_padding_mask: torch.Tensor | None = None,
+        kpool_ape: torch.Tensor | None = None,
+    ) -> int:
+        """Store the current tokens: kv_rows `[B, T, C + R]`, index_keys `[B, T, index_row_width]` (None for a
+        shared-indexer layer). With the k-pool indexer, `key_padding_mask` `[B, past + T]` (left padding, or None)
+        and the pooling `kpool_ape` `[kp, DI]` pool every pool the new tokens complete. Returns the number of tokens
         cached before them (the position of the first new token)."""
-        if kv_rows.shape[-1] != self.kv_width or index_keys.shape[-1] != self.index_width:
+        if kv_rows.shape[-1] != self.kv_width or (index_keys is None) != (self.index_width == 0):
             raise ValueError(
-                f"paged DSA store expects rows of width {self.kv_width} and indexer keys of width {self.index_width}, "
-                f"got {tuple(kv_rows.shape)} and {tuple(index_keys.shape)}"
+                f"paged DSA store expects rows of width {self.kv_width} and "
+                f"{'no indexer keys' if self.index_width == 0 else 'indexer keys'}, got {tuple(kv_rows.shape)} and "
+                f"{None if index_keys is None else tuple(index_keys.shape)}"
             )
+        if index_keys is not None and index_keys.shape[-1] != self.index_row_width:
+            raise ValueError(
+                f"paged DSA store expects indexer rows of width {self.index_row_width}, got {tuple(index_keys.shape)}"
+            )
+        pooling = self.index_kpool > 1 and self.index_width > 0
+        if pooling and (kpool_ape is None or tuple(kpool_ape.shape) != (self.index_kpool, self.index_width)):
+            raise ValueError(f"the k-pool store needs kpool_ape [{self.index_kpool}, {self.index_width}]")
         if not self.is_initialized:
             self.lazy_initialization(kv_rows, index_keys)
         batch_size, new_tokens, _ = kv_rows.shape
         if batch_size != self.batch_size:
             raise ValueError(f"cache holds {self.batch_size} sequences, got a batch of {batch_size}")
         past = self.num_tokens
+        origin = None
+        if pooling:
+            origin = kpool_origin(key_padding_mask, batch_size, past + new_tokens, self.device)
+            # Pools already written start at the stored origin: a mask that moves it would make them wrong.
+            moved = None if self.pool_origin is None else (origin != self.pool_origin) & (self.pool_origin < past)
+            if moved is not None and bool(moved.any()):
+                raise ValueError(
+                    "attention_mask changed where a sequence's first real token is after its k-pools were stored; "
+                    "pass the same left padding on every forward"
+                )
         if new_tokens == 0:
             return past
         self._prepare_pages(new_tokens)
@@ -218,7 +284,31 @@ class KDSAPagedLayer(CacheLayerMixin):
             for plane, new in zip(_planes(pages), _planes(rows), strict=True):
                 _bytes_view(plane).flatten(0, 1)[slots] = _bytes_view(new).flatten(0, 1)
         self.num_tokens = past + new_tokens
+        if pooling:
+            self.pool_origin = origin
+            self._write_pools(past, kpool_ape)
         return past
+
+    def _write_pools(self, past: int, ape: torch.Tensor) -> None:
+        """Pool every pool whose last token is among positions `past ..` and store its key (docs/dsa.md §9)."""
+        kpool, width = self.index_kpool, self.index_width
+        ends = torch.arange(past, self.num_tokens, device=self.device)
+        first_end = self.pool_origin[:, None] + kpool - 1
+        completes = ((ends[None, :] - first_end) % kpool == 0) & (ends[None, :] >= first_end)  # [B, new]
+        batch_ids, end_ids = completes.nonzero(as_tuple=True)
+        if batch_ids.numel() == 0:
+            return
+        pool_end = ends[end_ids]
+        tokens = pool_end[:, None] + torch.arange(1 - kpool, 1, device=self.device)  # [n, kp]
+        token_pages = self.block_table[batch_ids[:, None], tokens // self.page_size]
+        rows = read_rows(
+            self.index_pages, (token_pages * self.page_size + tokens % self.page_size).flatten(), self.dtype
+        )
+        rows = rows.view(-1, kpool, 2 * width)
+        pooled = kpool_keys(rows[..., :width], rows[..., width:], ape)
+        end_pages = self.block_table[batch_ids, pool_end // self.page_size]
+        pool_slots = end_pages * (self.page_size // kpool) + (pool_end % self.page_size) // kpool
+        self.pool_pages.view(-1, width)[pool_slots] = pooled.to(self.dtype)
 
     def physical_slots(self, positions: torch.Tensor) -> torch.Tensor:
         """Logical token positions `[B, N]` → row indices into `kv_pages.view(-1, width)`."""
@@ -241,6 +331,23 @@ class KDSAPagedLayer(CacheLayerMixin):
         return indexer(
             q_index, weights, self.index_pages, self.block_table, self.num_tokens, index_topk, query_start,
             key_padding_mask,
+        )  # fmt: skip
+
+    def kpool_indexer_topk(
+        self,
+        q_index: torch.Tensor,
+        weights: torch.Tensor,
+        query_start: int,
+        index_topk: int,
+        key_padding_mask: torch.Tensor | None,
+        ape: torch.Tensor,
+        select_tail: bool,
+    ) -> torch.Tensor:
+        """k-pool indexer top-k over the stored pools (docs/dsa.md §9); see dsa_paged_ops. Returns token positions
+        `[B, T, K]`, -1 = none."""
+        return self.kpool_kernel(
+            q_index, weights, self.index_pages, self.pool_pages, self.block_table, self.num_tokens, index_topk,
+            query_start, key_padding_mask, ape, select_tail,
         )  # fmt: skip
 
     def sparse_attention(
@@ -276,6 +383,8 @@ class KDSAPagedLayer(CacheLayerMixin):
                 if page >= 0:
                     self._release(page)
         self.block_table = new_table
+        if self.pool_origin is not None:
+            self.pool_origin = self.pool_origin.index_select(0, beam_idx.to(self.device))
 
     def crop(self, max_length: int) -> None:
         """Keep the first `max_length` tokens (negative: drop `-max_length` tokens). Pages past the end are
@@ -294,21 +403,31 @@ class KDSAPagedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.__init__(
-            self.kv_width, self.index_width, self.kernel_backend, self.page_size, self.formats, self.latent_width
+            self.kv_width,
+            self.index_width,
+            self.kernel_backend,
+            self.page_size,
+            self.formats,
+            self.latent_width,
+            self.index_kpool,
         )
 
+    def bytes_per_page(self) -> int:
+        """Bytes one page takes in every plane (values, scales, RoPE part, pooled keys)."""
+        return sum(plane.shape[1:].numel() * plane.element_size() for plane in self._all_planes())
+
     def bytes_per_token(self) -> int:
-        """Bytes one cached token takes in this store: its row in every plane (values, scales, RoPE part)."""
-        planes = _planes(self.kv_pages) + _planes(self.index_pages)
-        return sum(plane.shape[-1] * plane.element_size() for plane in planes)
+        """Bytes one cached token takes in this store: its row in every plane, and its share of a pooled key
+        (`DI / kp` values with the k-pool indexer)."""
+        return self.bytes_per_page() // self.page_size
 
     def memory_bytes(self) -> dict[str, int]:
         """`allocated`: the page pool; `in_use`: pages some sequence points at (shared pages counted once)."""
         if not self.is_initialized:
             return {"allocated": 0, "in_use": 0}
         in_use = sum(1 for count in self.page_refcount if count > 0)
-        allocated = sum(plane.nbytes for plane in _planes(self.kv_pages) + _planes(self.index_pages))
-        return {"allocated": allocated, "in_use": in_use * self.page_size * self.bytes_per_token()}
+        allocated = sum(plane.nbytes for plane in self._all_planes())
+        return {"allocated": allocated, "in_use": in_use * self.bytes_per_page()}
 
 
 # Default rollback window of a KDA layer (tokens since the checkpoint whose replay inputs are kept). transformers
@@ -559,9 +678,9 @@ class KDSACache(Cache):
         rollback_tokens: int = 0,
     ):
         layers = []
-        for layer_type in config.layer_types:
+        for layer_idx, layer_type in enumerate(config.layer_types):
             if layer_type == DSA_LAYER:
-                layers.append(KDSAPagedLayer.from_config(config, page_size))
+                layers.append(KDSAPagedLayer.from_config(config, page_size, layer_idx))
             else:
                 layers.append(KDAReplayLayer(config.linear_conv_kernel_dim, rollback_tokens))
         super().__init__(layers=layers)

@@ -41,6 +41,10 @@ class KDSAIndexer(nn.Module):
     `q_lora_rank is None` there is no query latent and `wq_b` reads the hidden state (width hidden_size) instead.
     Vectors are laid out `[rope | nope]` with NeoX (half-split) RoPE on the first `qk_rope_head_dim` channels.
     Scoring and top-k are in dsa_ops (`indexer_topk`) because they read the cached keys.
+
+    With `index_kpool > 1` (GLM-5.3-Flash, docs/dsa.md §9) keys are pooled over groups of `index_kpool` tokens:
+    `index_kpool_compress_gate` `[DI, D]` gives each token per-channel gate scores, `index_kpool_compress_ape`
+    `[kp, DI]` a learned bias per position in the pool; the cache pools `softmax_pool(gate + ape) · key`.
     """
 
     def __init__(self, config, layer_idx: int):
@@ -54,6 +58,11 @@ class KDSAIndexer(nn.Module):
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.index_kpool = config.index_kpool
+        if self.index_kpool > 1:
+            # GLM-5.3-Flash's names, so its checkpoints load by name.
+            self.index_kpool_compress_ape = nn.Parameter(torch.zeros(self.index_kpool, self.head_dim))
+            self.index_kpool_compress_gate = nn.Parameter(torch.zeros(self.head_dim, config.hidden_size))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rope, nope = x.split([self.qk_rope_head_dim, self.head_dim - self.qk_rope_head_dim], dim=-1)
@@ -68,7 +77,8 @@ class KDSAIndexer(nn.Module):
         """hidden_states: `[B, T, D]`; query_input: `[B, T, q_lora_rank]` (or `[B, T, D]` without q LoRA);
         position_embeddings: `(cos, sin)` `[B, T, R]` or None (NoPE).
 
-        Returns `q_index` `[B, T, HI, DI]`, `weights` `[B, T, HI]` fp32, `k_index` `[B, T, DI]` (to be cached).
+        Returns `q_index` `[B, T, HI, DI]`, `weights` `[B, T, HI]` fp32, `k_index` `[B, T, DI]` (to be cached; with
+        the k-pool indexer `[B, T, 2·DI]`: the key, then its gate scores).
         """
         batch, seq_len, _ = hidden_states.shape
         q_index = self.wq_b(query_input).view(batch, seq_len, self.n_heads, self.head_dim)
@@ -87,6 +97,9 @@ class KDSAIndexer(nn.Module):
             k_index = self._rotate(k_index, cos, sin)
         # Head weights in fp32 (docs/dsa.md §1); the model keeps `weights_proj` in fp32 too.
         weights = F.linear(hidden_states.float(), self.weights_proj.weight.float())
+        if self.index_kpool > 1:
+            gate_scores = F.linear(hidden_states, self.index_kpool_compress_gate.to(hidden_states.dtype))
+            k_index = torch.cat([k_index, gate_scores], dim=-1)
         return q_index, weights, k_index
 
 
@@ -132,7 +145,11 @@ class KDSASparseAttention(nn.Module):
             self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, self.hidden_size, bias=config.attention_bias)
-        self.indexer = KDSAIndexer(config, layer_idx)
+        # A shared-indexer layer (docs/dsa.md §10) has no indexer: it attends to the previous layer's selection.
+        self.shares_indexer = config.indexer_types[layer_idx] == "shared"
+        self.indexer = None if self.shares_indexer else KDSAIndexer(config, layer_idx)
+        self.index_kpool = config.index_kpool
+        self.index_kpool_always_select_tail = config.index_kpool_always_select_tail
 
     def project_queries(
         self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
@@ -176,7 +193,7 @@ class KDSASparseAttention(nn.Module):
         cache, so that prefill and decode always run the same kernels over the same layout and formats (a quantized
         cache quantizes a cache-less forward too)."""
         if cache is None:
-            return KDSAPagedLayer.from_config(self.config)
+            return KDSAPagedLayer.from_config(self.config, layer_idx=self.layer_idx)
         layers = getattr(cache, "layers", [])
         if self.layer_idx >= len(layers) or not isinstance(layers[self.layer_idx], KDSAPagedLayer):
             raise ValueError(
@@ -221,34 +238,67 @@ class KDSASparseAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         cache=None,
-    ) -> torch.Tensor:
+        topk_indices: torch.Tensor | None = None,
+        return_topk_indices: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """hidden_states `[B, T, D]`; position_embeddings `(cos, sin)` `[B, T, R]` for the current tokens or None
         (NoPE); attention_mask `[B, S]` over past + current keys (1 = real, 0 = padding) or None; cache: a
         `KDSACache` (its paged store for this layer runs the indexer and sparse-attention kernels), or None.
-        Query `i` sits at cache position `past_len + i`. Returns `[B, T, D]`."""
+        Query `i` sits at cache position `past_len + i`. Returns `[B, T, D]`.
+
+        topk_indices `[B, T, K]`: the selection of the previous layer, required by (and only by) a shared-indexer
+        layer. `return_topk_indices`: also return this layer's selection `[B, T, K]` (-1 = none) for the next one.
+        """
         self._check_inputs(hidden_states, position_embeddings)
         batch, seq_len, _ = hidden_states.shape
+        if self.shares_indexer != (topk_indices is not None):
+            raise ValueError(
+                f"DSA layer {self.layer_idx} is {'a shared-indexer' if self.shares_indexer else 'a full-indexer'} "
+                f"layer (indexer_types): topk_indices from the previous layer are "
+                f"{'required' if self.shares_indexer else 'not accepted'}"
+            )
+        if topk_indices is not None and (topk_indices.dim() != 3 or tuple(topk_indices.shape[:2]) != (batch, seq_len)):
+            raise ValueError(f"topk_indices must be [batch={batch}, {seq_len}, K], got {tuple(topk_indices.shape)}")
         q_nope, q_pe, query_input = self.project_queries(hidden_states, position_embeddings)
         latent, k_pe = self.project_latent(hidden_states, position_embeddings)
-        q_index, index_weights, k_index = self.indexer(hidden_states, query_input, position_embeddings)
+        q_index = index_weights = k_index = ape = None
+        if self.indexer is not None:
+            q_index, index_weights, k_index = self.indexer(hidden_states, query_input, position_embeddings)
+            ape = getattr(self.indexer, "index_kpool_compress_ape", None)
         # Validate everything before the cache is written, so that bad input never leaves it half-updated.
         store = self._store(cache)
         past_len = store.num_tokens
         self._check_attention_mask(attention_mask, batch, past_len + seq_len)
-        store.append(torch.cat([latent, k_pe], dim=-1), k_index)
+        store.append(torch.cat([latent, k_pe], dim=-1), k_index, attention_mask, ape)
 
         w_uk, w_uv = self.absorbed_weights()
-        outputs = []
+        outputs, selections = [], []
         for start in range(0, seq_len, self.query_block_size):
             block = slice(start, min(start + self.query_block_size, seq_len))
-            indices = store.indexer_topk(
-                q_index[:, block], index_weights[:, block], past_len + start, self.index_topk, attention_mask
-            )
+            if topk_indices is not None:
+                indices = topk_indices[:, block]
+            elif self.index_kpool > 1:
+                indices = store.kpool_indexer_topk(
+                    q_index[:, block], index_weights[:, block], past_len + start, self.index_topk, attention_mask,
+                    ape, self.index_kpool_always_select_tail,
+                )  # fmt: skip
+            else:
+                indices = store.indexer_topk(
+                    q_index[:, block], index_weights[:, block], past_len + start, self.index_topk, attention_mask
+                )
             q_latent = torch.einsum("bthd,hdc->bthc", q_nope[:, block], w_uk)
             out_latent = store.sparse_attention(q_latent, q_pe[:, block], indices, self.softmax_scale)
             outputs.append(torch.einsum("bthc,hvc->bthv", out_latent, w_uv))
+            if return_topk_indices:
+                selections.append(indices)
         attn_output = torch.cat(outputs, dim=1).reshape(batch, seq_len, self.num_heads * self.v_head_dim)
-        return self.o_proj(attn_output)
+        attn_output = self.o_proj(attn_output)
+        if not return_topk_indices:
+            return attn_output
+        # Blocks select up to different widths (early blocks see fewer keys): pad with -1 (no key).
+        width = max(indices.shape[-1] for indices in selections)
+        selections = [F.pad(indices, (0, width - indices.shape[-1]), value=-1) for indices in selections]
+        return attn_output, torch.cat(selections, dim=1)
 
 
 __all__ = ["KDSAIndexer", "KDSASparseAttention", "mla_softmax_scale"]

@@ -18,7 +18,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from .attn_res import BlockAttnResStream, KDSADepthAttention
 from .cache import ROLLBACK_TOKENS, KDSACache
 from .configuration_kdsa import DSA_LAYER, KDA_LAYER, KDSAConfig
-from .dsa import KDSASparseAttention
+from .dsa import KDSAIndexer, KDSASparseAttention
 from .kda import KDSAKimiDeltaAttention
 from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter
 from .norms import KDSARMSNorm
@@ -63,6 +63,11 @@ class KDSADecoderLayer(nn.Module):
         if config.attn_res_block_size > 0:
             self.attention_res = KDSADepthAttention(config.hidden_size, eps=config.rms_norm_eps)
             self.mlp_res = KDSADepthAttention(config.hidden_size, eps=config.rms_norm_eps)
+        # The next layer reuses this layer's top-k (indexer_types; the config allows it only after a full DSA layer).
+        next_idx = layer_idx + 1
+        self.hands_over_topk = next_idx < config.num_hidden_layers and (
+            config.layer_types[next_idx] == DSA_LAYER and config.indexer_types[next_idx] == "shared"
+        )
 
     def forward(
         self,
@@ -70,9 +75,11 @@ class KDSADecoderLayer(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None,
         cache: KDSACache | None,
-    ) -> None:
+        topk_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """Advance `stream` by this layer's two sublayers. `attention_mask`: 2-D `[B, S]` padding mask over all keys
-        (past + current) or None when nothing is padded."""
+        (past + current) or None when nothing is padded. `topk_indices`: the previous layer's DSA selection, for a
+        shared-indexer layer. Returns this layer's selection when the next layer shares it, else None."""
         attn_idx, mlp_idx = 2 * self.layer_idx, 2 * self.layer_idx + 1
         hidden_states = self.input_layernorm(stream.input_for(attn_idx))
         if self.layer_type == KDA_LAYER:
@@ -81,11 +88,20 @@ class KDSADecoderLayer(nn.Module):
             mixed = self.linear_attn(hidden_states, attention_mask=current_mask, cache=cache)
         else:
             mixed = self.self_attn(
-                hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache
+                hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                cache=cache,
+                topk_indices=topk_indices if self.self_attn.shares_indexer else None,
+                return_topk_indices=self.hands_over_topk,
             )
+        handed_over = None
+        if self.hands_over_topk:
+            mixed, handed_over = mixed
         stream.add_output(attn_idx, mixed)
         hidden_states = self.post_attention_layernorm(stream.input_for(mlp_idx))
         stream.add_output(mlp_idx, self.mlp(hidden_states))
+        return handed_over
 
 
 class KDSAPreTrainedModel(PreTrainedModel):
@@ -136,6 +152,10 @@ class KDSAPreTrainedModel(PreTrainedModel):
         elif isinstance(module, KDSAExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, KDSAIndexer) and module.index_kpool > 1:
+            # GLM-5.3-Flash's initialisation: no position bias, equal gate weights (pooling starts near a mean).
+            init.zeros_(module.index_kpool_compress_ape)
+            init.ones_(module.index_kpool_compress_gate)
 
 
 class KDSAModel(KDSAPreTrainedModel):
@@ -205,8 +225,15 @@ class KDSAModel(KDSAPreTrainedModel):
             )
         else:
             stream = PlainResidualStream(inputs_embeds)
+        topk_indices = None  # a DSA layer's selection, handed to the next layer when that one shares its indexer
         for layer in self.layers:
-            layer(stream, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache)
+            topk_indices = layer(
+                stream,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                cache=cache,
+                topk_indices=topk_indices,
+            )
         hidden_states = self.norm(stream.final(getattr(self, "output_attn_res", None)))
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
 
