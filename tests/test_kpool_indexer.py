@@ -176,6 +176,7 @@ def test_shared_layer_reuses_previous_selection_as_glm(backend):
         _, _, glm_topk = theirs[0](hidden, mask, None)
         expected = theirs[1](hidden_next, mask, None, prev_topk_indices=glm_topk)[0]
         cache = KDSACache(config)
+        ours[0].query_block_size = 7  # the handed-over selection is assembled from blocks of different widths
         _, topk = ours[0](hidden, attention_mask=mask, cache=cache, return_topk_indices=True)
         assert as_sets(topk) == as_sets(glm_topk)
         actual = ours[1](hidden_next, attention_mask=mask, cache=cache, topk_indices=topk)
@@ -249,6 +250,22 @@ def test_crop_across_pool_boundary_then_redecode_equals_fresh_run(backend):
     torch.testing.assert_close(torch.cat(redone, 1), fresh[:, 26:], rtol=1e-5, atol=1e-6)
 
 
+def test_fp8_latent_cache_with_kpool_matches_its_torch_reference():
+    """kv_cache='fp8' quantizes the latent rows only; the k-pool planes stay in the model dtype. cpu == torch."""
+    outputs = {}
+    for backend in ("torch", "cpu"):
+        _, config, _, ours = _glm_and_ours(backend)
+        config.quantization_config = {"quant_method": "kdsa", "kv_cache": "fp8", "kv_cache_tile_size": 16}
+        cache = KDSACache(config)
+        assert cache.layers[0].formats.kv_cache == "fp8"
+        hidden = torch.randn(1, 50, HIDDEN, generator=torch.Generator().manual_seed(10))
+        with torch.no_grad():
+            steps = [ours[0](hidden[:, :30], cache=cache)]
+            steps += [ours[0](hidden[:, t : t + 1], cache=cache) for t in range(30, 50)]
+        outputs[backend] = torch.cat(steps, 1)
+    torch.testing.assert_close(outputs["cpu"], outputs["torch"], rtol=1e-5, atol=1e-6)
+
+
 def test_memory_bytes_counts_pooled_keys():
     _, config, _, ours = _glm_and_ours("cpu")
     cache = KDSACache(config)
@@ -276,6 +293,9 @@ def test_kpool_store_refuses_unsupported_formats_and_masks():
         KDSAPagedLayer(16, 16, "torch", page_size=64, index_kpool=3)
     with pytest.raises(ValueError, match="indexer='mxfp8' cache format is not implemented for the k-pool"):
         KDSAPagedLayer(16, 32, "torch", formats=CacheFormats(indexer="mxfp8"), index_kpool=4)
+    quantization = {"quant_method": "kdsa", "indexer": "mxfp8"}
+    with pytest.raises(ValueError, match="indexer='mxfp8' cache format is not implemented for the k-pool"):
+        tiny_config(qk_rope_head_dim=0, index_kpool=4, index_head_dim=32, quantization_config=quantization)
     store = KDSAPagedLayer(16, 16, "torch", index_kpool=4)
     right_padded = torch.tensor([[True, True, False]])
     with pytest.raises(ValueError, match="left padding"):
@@ -325,3 +345,29 @@ def test_context_parallel_refuses_kpool_and_shared_layers():
     model = tiny_model(layer_types=layer_types, indexer_types=["full", "full", "shared", "full"])
     with pytest.raises(ValueError, match="shared-indexer DSA layers"):
         context_parallel_prefill(model, torch.randint(3, 100, (1, 8)), single_process_mesh())
+
+
+def test_shared_layer_gets_the_selection_of_the_layer_right_before_it():
+    """Four DSA layers full, shared, full, shared: layer 3 must attend to layer 2's selection, not layer 0's."""
+    model = tiny_model(
+        layer_types=["indexed_attention"] * 4,
+        indexer_types=["full", "shared", "full", "shared"],
+        qk_rope_head_dim=0,
+        index_kpool=4,
+        index_n_heads=8,
+        mlp_layer_types=["dense"] * 4,
+    )
+    seen, returned = {}, {}
+
+    def record(module, args, kwargs, output):
+        seen[module.layer_idx] = kwargs.get("topk_indices")
+        returned[module.layer_idx] = output[1] if isinstance(output, tuple) else None
+
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_hook(record, with_kwargs=True)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(9)))
+    assert seen[0] is None and seen[2] is None
+    assert returned[1] is None and returned[3] is None
+    assert seen[1] is returned[0] and seen[3] is returned[2]
+    assert not torch.equal(returned[0], returned[2])
