@@ -15,7 +15,7 @@ from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttenti
 from modeling_kdsa import KDSAConfig
 from modeling_kdsa.cache import KDSACache, KDSAPagedLayer
 from modeling_kdsa.dsa import KDSAIndexer, KDSASparseAttention
-from modeling_kdsa.dsa_ops import kpool_indexer_topk
+from modeling_kdsa.dsa_ops import kpool_indexer_topk, kpool_keys
 from modeling_kdsa.dsa_paged_ops import KPOOL_INDEXER_KERNELS
 from modeling_kdsa.numeric_formats import CacheFormats
 
@@ -320,8 +320,17 @@ def test_fused_kernels_equal_reference_at_a_few_hundred_tokens(backend, select_t
     full_mask = left_padded_mask(num_keys + 20, pads)
     for start, stop in ((0, 97), (97, 98), (98, 251), (251, 320)):
         store.append(torch.zeros(3, stop - start, 8), rows[:, start:stop], full_mask[:, :stop], ape)
-    store.crop(num_keys - 2)
-    store.append(torch.zeros(3, 2, 8), rows[:, num_keys - 2 : num_keys] + 1.0, mask, ape)
+    store.crop(num_keys - 11)  # cuts a pool in every sequence; the new rows differ from the dropped ones
+    new_rows = torch.randn(3, 11, 2 * INDEX_DIM, generator=generator)
+    store.append(torch.zeros(3, 11, 8), new_rows, mask, ape)
+    rows = torch.cat([rows[:, : num_keys - 11], new_rows], dim=1)
+    # Every complete pool's stored key is the pooling of its tokens as they are now.
+    for b, pad in enumerate(pads):
+        ends = torch.arange(pad + KPOOL - 1, num_keys, KPOOL)
+        tokens = ends[:, None] - torch.arange(KPOOL - 1, -1, -1)
+        expected_keys = kpool_keys(rows[b, tokens, :INDEX_DIM], rows[b, tokens, INDEX_DIM:], ape)
+        slots = store.block_table[b, ends // page_size] * (page_size // KPOOL) + (ends % page_size) // KPOOL
+        torch.testing.assert_close(store.pool_pages.view(-1, INDEX_DIM)[slots], expected_keys, rtol=0, atol=0)
     q_index = torch.randn(3, 40, INDEX_HEADS, INDEX_DIM, generator=generator)
     weights = torch.randn(3, 40, INDEX_HEADS, generator=generator)
     for query_start in (num_keys - 40, 100):
@@ -371,3 +380,24 @@ def test_shared_layer_gets_the_selection_of_the_layer_right_before_it():
     assert returned[1] is None and returned[3] is None
     assert seen[1] is returned[0] and seen[3] is returned[2]
     assert not torch.equal(returned[0], returned[2])
+
+
+def test_prompt_lookup_generation_with_kpool_and_shared_layers_equals_greedy():
+    """Speculative decoding crops after every verification, cutting pools anywhere: greedy output must not change.
+    Left-padded (assisted generation takes one sequence), so pools start off the page grid."""
+    model = tiny_model(
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+        indexer_types=["full", "full", "shared", "full"],
+        qk_rope_head_dim=0,
+        index_kpool=4,
+        index_n_heads=8,
+        kernel_backend="cpu",
+    )
+    pattern = torch.randint(3, 128, (9,), generator=torch.Generator().manual_seed(11))
+    prompt = pattern.repeat(5)[None]
+    mask = left_padded_mask(prompt.shape[1], (6,))
+    prompt[0, :6] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
+    plain = model.generate(prompt, **kwargs)
+    lookup = model.generate(prompt, prompt_lookup_num_tokens=5, **kwargs)
+    assert torch.equal(lookup, plain)
