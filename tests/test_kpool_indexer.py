@@ -120,9 +120,7 @@ def test_indexer_topk_matches_glm(seq_len, select_tail, backend):
         store.kpool_indexer_topk(q_index[:, block], weights[:, block], block.start, TOPK, mask, ape, select_tail)
         for block in (slice(0, half), slice(half, seq_len))
     ]
-    assert as_sets(torch.cat([selected[0], selected[1][..., : selected[0].shape[-1]]], 1)[:, :half]) == as_sets(
-        expected[:, :half]
-    )
+    assert as_sets(selected[0]) == as_sets(expected[:, :half])
     assert as_sets(selected[1]) == as_sets(expected[:, half:])
 
 
