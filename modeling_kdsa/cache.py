@@ -9,6 +9,11 @@
   normalised MLA latent and the RoPE'd key `[c | k_pe]` (`kv_pages`) and the indexer key (`index_pages`). Pages are
   allocated as sequences grow; beams that share a prefix after `reorder_cache` share its pages (reference counts,
   copy-on-write for the page being filled).
+- Dense MLA layers (`"full_attention"`, no indexer) keep the same paged latent store without indexer keys
+  (`KDSAPagedMLALayer`, the DSA store's base class) and read it with the dense causal MLA kernel (docs/dsa.md §8).
+  A shared-indexer DSA layer (`indexer_types`) keeps the same latent-only store and reads it sparsely at the
+  selection of the layer before it (docs/dsa.md §10). The k-pool indexer (`index_kpool > 1`) adds a plane of pooled
+  keys to the DSA store (`KDSAPagedKPoolLayer`, docs/dsa.md §9). `attention_store_class` picks the store of a layer.
 - The store, not the layer, calls the kernels that read it (`dsa_paged_ops`): the fused indexer/top-k and the sparse
   attention over the selected entries, chosen by `config.kernel_backend`.
 - Formats (docs/design.md §4, `numeric_formats.CacheFormats`, chosen from `config.quantization_config` when the cache is
@@ -26,9 +31,9 @@ from typing import NamedTuple
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-from .configuration_kdsa import DSA_LAYER
+from .configuration_kdsa import DSA_LAYER, MLA_LAYER
 from .dsa_ops import kpool_keys, kpool_origin
-from .dsa_paged_ops import dsa_kernels, kpool_indexer_kernel, read_rows
+from .dsa_paged_ops import dense_mla_kernel, dsa_kernels, kpool_indexer_kernel, read_rows
 from .kda_ops import chunk_kda, recurrent_kda
 from .numeric_formats import CacheFormats, QuantizedRows
 
@@ -44,9 +49,7 @@ def resolve_kernel_backend(backend: str, device: torch.device) -> str:
 
 
 def _planes(pages) -> tuple[torch.Tensor, ...]:
-    """The tensors a store is made of: one for model-dtype pages, three for `QuantizedRows`, none for no store."""
-    if pages is None:
-        return ()
+    """The tensors a store is made of: one for model-dtype pages, three for `QuantizedRows`."""
     return tuple(pages) if isinstance(pages, QuantizedRows) else (pages,)
 
 
@@ -57,117 +60,105 @@ def _bytes_view(plane: torch.Tensor) -> torch.Tensor:
 
 
 def _map_planes(pages, function):
-    """`function` applied to every plane, same container type back (None stays None)."""
-    if pages is None:
-        return None
+    """`function` applied to every plane, same container type back."""
     return pages.map(function) if isinstance(pages, QuantizedRows) else function(pages)
 
 
-class KDSAPagedLayer(CacheLayerMixin):
-    """Paged latent + indexer-key store of one DSA layer.
+class KDSAPagedMLALayer(CacheLayerMixin):
+    """Paged latent store of one dense MLA layer (`"full_attention"`, docs/dsa.md §8); the base of the DSA store.
 
-    kv_pages: `[P, page_size, C + R]`, index_pages: `[P, page_size, DI]` — model-dtype tensors, or `QuantizedRows` of
-    that geometry when `formats` quantizes them (module doc); block_table: int64 `[B, pages per sequence]`
-    (-1 = unused), `num_tokens`: cached tokens per sequence. Physical pages come from a pool that doubles when it
-    runs out; `page_refcount[p]` counts the block-table entries pointing at page `p`. `latent_width` (C) is the part
-    of a kv row that `kv_cache="fp8"` quantizes; the rest (RoPE) stays in the model dtype.
-
-    `index_width=0`: a shared-indexer layer (`indexer_types`), which stores no indexer keys. `index_kpool > 1`
-    (docs/dsa.md §9): index_pages rows are `[normalised key | gate score]` `[2·DI]` per token, and `pool_pages`
-    `[P, page_size // kp, DI]` holds the pooled key of every complete pool in the page of its last token (slot
-    `(end % page_size) // kp`), written by `append` when that token arrives. Pools start at each sequence's first
-    real token (`pool_origin`, from the left-padding mask). Crop needs no pool bookkeeping: a pool cut in half is
-    pooled again when its last token is appended again, and a pool is only read once its last token is cached.
+    kv_pages: `[P, page_size, C + R]` rows `[normalised latent c | k_pe]` — a model-dtype tensor, or `QuantizedRows` of
+    that geometry when `formats` quantizes it (module doc); block_table: int64 `[B, pages per sequence]` (-1 =
+    unused), `num_tokens`: cached tokens per sequence. Physical pages come from a pool that doubles when it runs out;
+    `page_refcount[p]` counts the block-table entries pointing at page `p`. `latent_width` (C) is the part of a kv
+    row that `kv_cache="fp8"` quantizes; the rest (RoPE slice) stays in the model dtype. Subclasses add planes of
+    per-token rows (`store_names`, `row_widths`, `_encode`) that share the pages and block table, and may add paged
+    planes written otherwise (`paged_store_names`). Reads: dense causal attention, or sparse attention at given
+    positions (a shared-indexer DSA layer, docs/dsa.md §10).
     """
 
     is_croppable = True  # `crop` truncates the block table: exact
+    store_names = ("kv_pages",)
 
     def __init__(
         self,
         kv_width: int,
-        index_width: int,
         kernel_backend: str,
         page_size: int = PAGE_SIZE,
         formats: CacheFormats | None = None,
         latent_width: int | None = None,
-        index_kpool: int = 1,
     ):
         super().__init__()
         self.kv_width = kv_width
-        self.index_width = index_width
         self.kernel_backend = kernel_backend
         self.page_size = page_size
         self.formats = CacheFormats() if formats is None else formats
         self.latent_width = kv_width if latent_width is None else latent_width
-        self.index_kpool = index_kpool
         if self.formats.kv_cache != "bf16" and self.latent_width % self.formats.kv_cache_tile_size:
             raise ValueError(
                 f"kv_cache={self.formats.kv_cache!r} needs the latent width {self.latent_width} to be a multiple of "
                 f"kv_cache_tile_size={self.formats.kv_cache_tile_size}"
             )
-        if index_kpool < 1 or page_size % index_kpool:
-            raise ValueError(
-                f"index_kpool={index_kpool} must be >= 1 and divide the page size {page_size}: a page holds whole "
-                "pooled-key slots"
-            )
-        if index_kpool > 1 and self.formats.indexer != "bf16":
-            raise ValueError(
-                f"indexer={self.formats.indexer!r} cache format is not implemented for the k-pool indexer "
-                f"(index_kpool={index_kpool}): its pooled keys are stored in the model dtype"
-            )
         self.kv_pages: torch.Tensor | None = None
-        self.index_pages: torch.Tensor | None = None
-        self.pool_pages: torch.Tensor | None = None
-        self.pool_origin: torch.Tensor | None = None
         self.block_table: torch.Tensor | None = None
         self.page_refcount: list[int] = []
         self.free_pages: list[int] = []
         self.num_tokens = 0
 
     @classmethod
-    def from_config(cls, config, page_size: int = PAGE_SIZE, layer_idx: int | None = None) -> "KDSAPagedLayer":
-        """The store of DSA layer `layer_idx` of `config`, in the formats `config.quantization_config` asks for. A
-        shared-indexer layer (`config.indexer_types[layer_idx] == "shared"`) stores no indexer keys."""
-        shared = layer_idx is not None and config.indexer_types[layer_idx] == "shared"
+    def from_config(cls, config, page_size: int = PAGE_SIZE) -> "KDSAPagedMLALayer":
+        """The store of a dense MLA layer of `config`, in the formats `config.quantization_config` asks for."""
         return cls(
             kv_width=config.kv_lora_rank + config.qk_rope_head_dim,
-            index_width=0 if shared else config.index_head_dim,
             kernel_backend=config.kernel_backend,
             page_size=page_size,
             formats=CacheFormats.from_config(config),
             latent_width=config.kv_lora_rank,
-            index_kpool=config.index_kpool,
         )
 
+    # ---------------------------------------------------------------------------------------------- bookkeeping
     @property
-    def index_row_width(self) -> int:
-        """Width of a stored indexer row: the key, plus its gate score with the k-pool indexer."""
-        return self.index_width * (2 if self.index_kpool > 1 else 1)
+    def row_widths(self) -> tuple[int, ...]:
+        """Width of one token's row in each of `store_names`."""
+        return (self.kv_width,)
+
+    @property
+    def paged_store_names(self) -> tuple[str, ...]:
+        """Every store laid out by page (allocated, copied on write and counted together): the per-token
+        `store_names`, plus planes a subclass writes otherwise."""
+        return self.store_names
+
+    def _stores(self) -> tuple:
+        return tuple(getattr(self, name) for name in self.store_names)
 
     def _all_planes(self) -> tuple[torch.Tensor, ...]:
-        return _planes(self.kv_pages) + _planes(self.index_pages) + _planes(self.pool_pages)
+        return tuple(plane for name in self.paged_store_names for plane in _planes(getattr(self, name)))
 
-    # ---------------------------------------------------------------------------------------------- bookkeeping
-    def _encode(self, kv_rows: torch.Tensor, index_keys: torch.Tensor | None):
-        """Rows `[..., C + R]` and indexer rows `[..., index_row_width]` (or None) in the stored formats (tensors or
-        `QuantizedRows`)."""
-        kv_rows = self.formats.encode_kv_rows(kv_rows.to(self.dtype), self.latent_width)
-        if index_keys is None:
-            return kv_rows, None
-        return kv_rows, self.formats.encode_index_keys(index_keys.to(self.dtype))
+    def _encode(self, kv_rows: torch.Tensor) -> tuple:
+        """Rows `[..., C + R]` in the stored format (a tensor or `QuantizedRows`), one entry per store."""
+        return (self.formats.encode_kv_rows(kv_rows.to(self.dtype), self.latent_width),)
 
-    def lazy_initialization(self, kv_rows: torch.Tensor, index_keys: torch.Tensor | None) -> None:
-        batch_size = kv_rows.shape[0]
-        self.dtype, self.device = kv_rows.dtype, kv_rows.device
+    def _bind_kernels(self, backend: str) -> None:
+        self.dense_kernel = dense_mla_kernel(backend)
+        _, self.sparse_kernel = dsa_kernels(backend)
+
+    def _check_widths(self, rows: tuple[torch.Tensor, ...]) -> None:
+        if tuple(row.shape[-1] for row in rows) != self.row_widths:
+            raise ValueError(
+                f"paged {type(self).__name__} expects rows of widths {self.row_widths} "
+                f"({', '.join(self.store_names)}), got shapes {[tuple(row.shape) for row in rows]}"
+            )
+
+    def lazy_initialization(self, *rows: torch.Tensor) -> None:
+        batch_size = rows[0].shape[0]
+        self.dtype, self.device = rows[0].dtype, rows[0].device
         # Empty pools in the stored formats: encoding zero rows gives every plane its dtype and width.
-        empty_index = None if self.index_width == 0 else kv_rows.new_zeros(0, self.page_size, self.index_row_width)
-        self.kv_pages, self.index_pages = self._encode(kv_rows.new_zeros(0, self.page_size, self.kv_width), empty_index)
-        if self.index_kpool > 1 and self.index_width:
-            self.pool_pages = kv_rows.new_zeros(0, self.page_size // self.index_kpool, self.index_width)
+        widths = zip(rows, self.row_widths, strict=True)
+        empty = self._encode(*(row.new_zeros(0, self.page_size, width) for row, width in widths))
+        for name, store in zip(self.store_names, empty, strict=True):
+            setattr(self, name, store)
         self.block_table = torch.full((batch_size, 0), -1, dtype=torch.long, device=self.device)
-        backend = resolve_kernel_backend(self.kernel_backend, self.device)
-        self.kernels = dsa_kernels(backend)
-        self.kpool_kernel = kpool_indexer_kernel(backend)
+        self._bind_kernels(resolve_kernel_backend(self.kernel_backend, self.device))
         self.is_initialized = True
 
     @property
@@ -187,9 +178,8 @@ class KDSAPagedLayer(CacheLayerMixin):
             _bytes_view(larger)[:old] = _bytes_view(plane)
             return larger
 
-        self.kv_pages = _map_planes(self.kv_pages, grown)
-        self.index_pages = _map_planes(self.index_pages, grown)
-        self.pool_pages = _map_planes(self.pool_pages, grown)
+        for name in self.paged_store_names:
+            setattr(self, name, _map_planes(getattr(self, name), grown))
         self.page_refcount.extend([0] * (new - old))
         self.free_pages.extend(range(new - 1, old - 1, -1))  # pop() hands out low page ids first
 
@@ -234,57 +224,283 @@ class KDSAPagedLayer(CacheLayerMixin):
         self.block_table = torch.tensor(rows, dtype=torch.long, device=self.device)
 
     # ------------------------------------------------------------------------------------------------- writes
-    def append(
-        self,
-        kv_rows: torch.Tensor,
-        index_keys: torch.Tensor | None,
-        key_padding_mask: torch.Tensor | None = None,
-        kpool_ape: torch.Tensor | None = None,
-    ) -> int:
-        """Store the current tokens: kv_rows `[B, T, C + R]`, index_keys `[B, T, index_row_width]` (None for a
-        shared-indexer layer). With the k-pool indexer, `key_padding_mask` `[B, past + T]` (left padding, or None)
-        and the pooling `kpool_ape` `[kp, DI]` pool every pool the new tokens complete. Returns the number of tokens
-        cached before them (the position of the first new token)."""
-        if kv_rows.shape[-1] != self.kv_width or (index_keys is None) != (self.index_width == 0):
-            raise ValueError(
-                f"paged DSA store expects rows of width {self.kv_width} and "
-                f"{'no indexer keys' if self.index_width == 0 else 'indexer keys'}, got {tuple(kv_rows.shape)} and "
-                f"{None if index_keys is None else tuple(index_keys.shape)}"
-            )
-        if index_keys is not None and index_keys.shape[-1] != self.index_row_width:
-            raise ValueError(
-                f"paged DSA store expects indexer rows of width {self.index_row_width}, got {tuple(index_keys.shape)}"
-            )
-        pooling = self.index_kpool > 1 and self.index_width > 0
-        if pooling and (kpool_ape is None or tuple(kpool_ape.shape) != (self.index_kpool, self.index_width)):
-            raise ValueError(f"the k-pool store needs kpool_ape [{self.index_kpool}, {self.index_width}]")
+    def _write(self, *rows: torch.Tensor) -> int:
+        """Store the current tokens' rows `[B, T, width]`, one tensor per store. Returns the tokens cached before."""
+        self._check_widths(rows)
         if not self.is_initialized:
-            self.lazy_initialization(kv_rows, index_keys)
-        batch_size, new_tokens, _ = kv_rows.shape
+            self.lazy_initialization(*rows)
+        batch_size, new_tokens, _ = rows[0].shape
         if batch_size != self.batch_size:
             raise ValueError(f"cache holds {self.batch_size} sequences, got a batch of {batch_size}")
         past = self.num_tokens
-        origin = None
-        if pooling:
-            origin = kpool_origin(key_padding_mask, batch_size, past + new_tokens, self.device)
-            # Pools already written start at the stored origin: a mask that moves it would make them wrong.
-            moved = None if self.pool_origin is None else (origin != self.pool_origin) & (self.pool_origin < past)
-            if moved is not None and bool(moved.any()):
-                raise ValueError(
-                    "attention_mask changed where a sequence's first real token is after its k-pools were stored; "
-                    "pass the same left padding on every forward"
-                )
         if new_tokens == 0:
             return past
         self._prepare_pages(new_tokens)
         slots = self.physical_slots(torch.arange(past, past + new_tokens, device=self.device).expand(batch_size, -1))
         slots = slots.reshape(-1)
-        kv_rows, index_keys = self._encode(kv_rows, index_keys)
-        for pages, rows in ((self.kv_pages, kv_rows), (self.index_pages, index_keys)):
-            for plane, new in zip(_planes(pages), _planes(rows), strict=True):
+        for store, encoded in zip(self._stores(), self._encode(*rows), strict=True):
+            for plane, new in zip(_planes(store), _planes(encoded), strict=True):
                 _bytes_view(plane).flatten(0, 1)[slots] = _bytes_view(new).flatten(0, 1)
         self.num_tokens = past + new_tokens
-        if pooling:
+        return past
+
+    def append(self, kv_rows: torch.Tensor) -> int:
+        """Store the current tokens' rows `[B, T, C + R]`. Returns the number of tokens cached before them."""
+        return self._write(kv_rows)
+
+    def physical_slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Logical token positions `[B, N]` → row indices into `kv_pages.view(-1, width)`."""
+        pages = self.block_table.gather(1, positions // self.page_size)
+        return pages * self.page_size + positions % self.page_size
+
+    # -------------------------------------------------------------------------------------------------- reads
+    def dense_attention(
+        self,
+        q_latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        query_start: int,
+        softmax_scale: float,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Dense causal absorbed-form attention over every cached token (queries at `query_start + i`); see
+        dsa_paged_ops.paged_dense_mla_*."""
+        return self.dense_kernel(
+            q_latent, q_pe, self.kv_pages, self.block_table, self.num_tokens, query_start, softmax_scale,
+            key_padding_mask,
+        )  # fmt: skip
+
+    def sparse_attention(
+        self, q_latent: torch.Tensor, q_pe: torch.Tensor, indices: torch.Tensor, softmax_scale: float
+    ) -> torch.Tensor:
+        """Absorbed-form attention over exactly the cached entries at `indices` `[B, T, K]` (-1 = none); see
+        dsa_paged_ops."""
+        return self.sparse_kernel(q_latent, q_pe, self.kv_pages, self.block_table, indices, softmax_scale)
+
+    # -------------------------------------------------------------------------- transformers CacheLayerMixin API
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} is written through `append` by the KDSA attention layer")
+
+    def get_seq_length(self) -> int:
+        return self.num_tokens
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.num_tokens + query_length, 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Sequence i takes over the pages of sequence `beam_idx[i]`; shared pages are reference-counted."""
+        if not self.is_initialized:
+            return
+        old_rows = self.block_table.tolist()
+        new_table = self.block_table.index_select(0, beam_idx.to(self.device))
+        for page in new_table[new_table >= 0].tolist():
+            self.page_refcount[page] += 1
+        for row in old_rows:
+            for page in row:
+                if page >= 0:
+                    self._release(page)
+        self.block_table = new_table
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` tokens (negative: drop `-max_length` tokens). Pages past the end are
+        released; the partly kept page stays and is overwritten (or copied, if shared) by the next append."""
+        new_length = max_length if max_length >= 0 else self.num_tokens + max_length
+        if not 0 <= new_length <= self.num_tokens:
+            raise ValueError(f"cannot crop a paged layer holding {self.num_tokens} tokens to {new_length} tokens")
+        if not self.is_initialized or new_length == self.num_tokens:
+            return
+        keep_pages = -(-new_length // self.page_size)
+        for page in self.block_table[:, keep_pages:].reshape(-1).tolist():
+            if page >= 0:
+                self._release(page)
+        self.block_table = self.block_table[:, :keep_pages].clone()
+        self.num_tokens = new_length
+
+    def reset(self) -> None:
+        self.__init__(self.kv_width, self.kernel_backend, self.page_size, self.formats, self.latent_width)
+
+    def bytes_per_page(self) -> int:
+        """Bytes one page takes in every plane (values, scales, RoPE part, pooled keys)."""
+        return sum(plane.shape[1:].numel() * plane.element_size() for plane in self._all_planes())
+
+    def bytes_per_token(self) -> int:
+        """Bytes one cached token takes in this store: its row in every per-token plane (values, scales, RoPE part)
+        and its share of a page-level plane (a pooled key: `DI / kp` values per token)."""
+        return self.bytes_per_page() // self.page_size
+
+    def memory_bytes(self) -> dict[str, int]:
+        """`allocated`: the page pool; `in_use`: pages some sequence points at (shared pages counted once)."""
+        if not self.is_initialized:
+            return {"allocated": 0, "in_use": 0}
+        in_use = sum(1 for count in self.page_refcount if count > 0)
+        allocated = sum(plane.nbytes for plane in self._all_planes())
+        return {"allocated": allocated, "in_use": in_use * self.bytes_per_page()}
+
+
+class KDSAPagedLayer(KDSAPagedMLALayer):
+    """Paged latent + indexer-key store of one DSA layer: `KDSAPagedMLALayer`'s `kv_pages` plus `index_pages`
+    `[P, page_size, DI]` (model dtype, or MXFP8 `QuantizedRows` when `formats` asks for it), one row per token in the
+    same pages."""
+
+    store_names = ("kv_pages", "index_pages")
+
+    def __init__(
+        self,
+        kv_width: int,
+        index_width: int,
+        kernel_backend: str,
+        page_size: int = PAGE_SIZE,
+        formats: CacheFormats | None = None,
+        latent_width: int | None = None,
+    ):
+        super().__init__(kv_width, kernel_backend, page_size, formats, latent_width)
+        self.index_width = index_width
+        self.index_pages: torch.Tensor | None = None
+
+    @classmethod
+    def from_config(cls, config, page_size: int = PAGE_SIZE) -> "KDSAPagedLayer":
+        """The store of a DSA layer of `config`, in the formats `config.quantization_config` asks for."""
+        return cls(
+            kv_width=config.kv_lora_rank + config.qk_rope_head_dim,
+            index_width=config.index_head_dim,
+            kernel_backend=config.kernel_backend,
+            page_size=page_size,
+            formats=CacheFormats.from_config(config),
+            latent_width=config.kv_lora_rank,
+        )
+
+    @property
+    def row_widths(self) -> tuple[int, ...]:
+        return (self.kv_width, self.index_width)
+
+    def _encode(self, kv_rows: torch.Tensor, index_keys: torch.Tensor) -> tuple:
+        """Rows `[..., C + R]` and keys `[..., DI]` in the stored formats (tensors or `QuantizedRows`)."""
+        return (
+            self.formats.encode_kv_rows(kv_rows.to(self.dtype), self.latent_width),
+            self.formats.encode_index_keys(index_keys.to(self.dtype)),
+        )
+
+    def _bind_kernels(self, backend: str) -> None:
+        super()._bind_kernels(backend)
+        self.indexer_kernel, _ = dsa_kernels(backend)
+
+    def append(self, kv_rows: torch.Tensor, index_keys: torch.Tensor) -> int:
+        """Store the current tokens: kv_rows `[B, T, C + R]`, index_keys `[B, T, DI]`. Returns the number of tokens
+        cached before them (the position of the first new token)."""
+        return self._write(kv_rows, index_keys)
+
+    def indexer_topk(
+        self,
+        q_index: torch.Tensor,
+        weights: torch.Tensor,
+        query_start: int,
+        index_topk: int,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Top-`index_topk` cached positions per query (fused indexer over the pages); see dsa_paged_ops. With MXFP8
+        keys, the queries `[B, T, HI, DI]` are MXFP8-rounded first (dynamic, per block of 32)."""
+        q_index = self.formats.quantize_index_queries(q_index)
+        return self.indexer_kernel(
+            q_index, weights, self.index_pages, self.block_table, self.num_tokens, index_topk, query_start,
+            key_padding_mask,
+        )  # fmt: skip
+
+    def reset(self) -> None:
+        self.__init__(
+            self.kv_width, self.index_width, self.kernel_backend, self.page_size, self.formats, self.latent_width
+        )
+
+
+class KDSAPagedKPoolLayer(KDSAPagedLayer):
+    """Paged store of a DSA layer with the k-pool indexer (`index_kpool = kp > 1`, docs/dsa.md §9).
+
+    `index_pages` rows are `[normalised key | gate score]` `[2·DI]` per token (a pool cut by a crop is pooled again
+    from them); `pool_pages` `[P, page_size // kp, DI]` holds the pooled key of every complete pool in the page of
+    its last token (slot `(end % page_size) // kp`), written by `append` when that token arrives, so paging,
+    copy-on-write, reordering and crop treat it like the per-token planes. Pools start at each sequence's first real
+    token (`pool_origin`, from the left-padding mask). A pool is read only once its last token is cached.
+    """
+
+    def __init__(
+        self,
+        kv_width: int,
+        index_width: int,
+        kernel_backend: str,
+        page_size: int = PAGE_SIZE,
+        formats: CacheFormats | None = None,
+        latent_width: int | None = None,
+        index_kpool: int = 2,
+    ):
+        super().__init__(kv_width, index_width, kernel_backend, page_size, formats, latent_width)
+        if index_kpool < 2 or page_size % index_kpool:
+            raise ValueError(
+                f"index_kpool={index_kpool} must be >= 2 and divide the page size {page_size}: a page holds whole "
+                "pooled-key slots"
+            )
+        if self.formats.indexer != "bf16":
+            raise ValueError(
+                f"indexer={self.formats.indexer!r} cache format is not implemented for the k-pool indexer "
+                f"(index_kpool={index_kpool}): its pooled keys are stored in the model dtype"
+            )
+        self.index_kpool = index_kpool
+        self.pool_pages: torch.Tensor | None = None
+        self.pool_origin: torch.Tensor | None = None
+
+    @classmethod
+    def from_config(cls, config, page_size: int = PAGE_SIZE) -> "KDSAPagedKPoolLayer":
+        return cls(
+            kv_width=config.kv_lora_rank + config.qk_rope_head_dim,
+            index_width=config.index_head_dim,
+            kernel_backend=config.kernel_backend,
+            page_size=page_size,
+            formats=CacheFormats.from_config(config),
+            latent_width=config.kv_lora_rank,
+            index_kpool=config.index_kpool,
+        )
+
+    @property
+    def row_widths(self) -> tuple[int, ...]:
+        return (self.kv_width, 2 * self.index_width)
+
+    @property
+    def paged_store_names(self) -> tuple[str, ...]:
+        return (*self.store_names, "pool_pages")
+
+    def lazy_initialization(self, *rows: torch.Tensor) -> None:
+        super().lazy_initialization(*rows)
+        self.pool_pages = rows[0].new_zeros(0, self.page_size // self.index_kpool, self.index_width, dtype=self.dtype)
+
+    def _bind_kernels(self, backend: str) -> None:
+        super()._bind_kernels(backend)
+        self.kpool_kernel = kpool_indexer_kernel(backend)
+
+    def append(
+        self,
+        kv_rows: torch.Tensor,
+        index_rows: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        kpool_ape: torch.Tensor,
+    ) -> int:
+        """Store the current tokens: kv_rows `[B, T, C + R]`, index_rows `[B, T, 2·DI]` (key, gate scores), and pool
+        every pool they complete with the position bias `kpool_ape` `[kp, DI]`. `key_padding_mask` `[B, past + T]`
+        (left padding, or None) places the pools. Returns the number of tokens cached before them."""
+        if kpool_ape is None or tuple(kpool_ape.shape) != (self.index_kpool, self.index_width):
+            raise ValueError(f"the k-pool store needs kpool_ape [{self.index_kpool}, {self.index_width}]")
+        batch_size, new_tokens, _ = kv_rows.shape
+        origin = kpool_origin(key_padding_mask, batch_size, self.num_tokens + new_tokens, kv_rows.device)
+        # Pools already written start at the stored origin: a mask that moves it would make them wrong.
+        moved = (
+            None if self.pool_origin is None else (origin != self.pool_origin) & (self.pool_origin < self.num_tokens)
+        )
+        if moved is not None and bool(moved.any()):
+            raise ValueError(
+                "attention_mask changed where a sequence's first real token is after its k-pools were stored; "
+                "pass the same left padding on every forward"
+            )
+        past = self._write(kv_rows, index_rows)
+        if new_tokens:
             self.pool_origin = origin
             self._write_pools(past, kpool_ape)
         return past
@@ -310,29 +526,6 @@ class KDSAPagedLayer(CacheLayerMixin):
         pool_slots = end_pages * (self.page_size // kpool) + (pool_end % self.page_size) // kpool
         self.pool_pages.view(-1, width)[pool_slots] = pooled.to(self.dtype)
 
-    def physical_slots(self, positions: torch.Tensor) -> torch.Tensor:
-        """Logical token positions `[B, N]` → row indices into `kv_pages.view(-1, width)`."""
-        pages = self.block_table.gather(1, positions // self.page_size)
-        return pages * self.page_size + positions % self.page_size
-
-    # -------------------------------------------------------------------------------------------------- reads
-    def indexer_topk(
-        self,
-        q_index: torch.Tensor,
-        weights: torch.Tensor,
-        query_start: int,
-        index_topk: int,
-        key_padding_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Top-`index_topk` cached positions per query (fused indexer over the pages); see dsa_paged_ops. With MXFP8
-        keys, the queries `[B, T, HI, DI]` are MXFP8-rounded first (dynamic, per block of 32)."""
-        indexer, _ = self.kernels
-        q_index = self.formats.quantize_index_queries(q_index)
-        return indexer(
-            q_index, weights, self.index_pages, self.block_table, self.num_tokens, index_topk, query_start,
-            key_padding_mask,
-        )  # fmt: skip
-
     def kpool_indexer_topk(
         self,
         q_index: torch.Tensor,
@@ -350,56 +543,10 @@ class KDSAPagedLayer(CacheLayerMixin):
             query_start, key_padding_mask, ape, select_tail,
         )  # fmt: skip
 
-    def sparse_attention(
-        self, q_latent: torch.Tensor, q_pe: torch.Tensor, indices: torch.Tensor, softmax_scale: float
-    ) -> torch.Tensor:
-        """Absorbed-form attention over exactly the selected cached entries; see dsa_paged_ops."""
-        _, attention = self.kernels
-        return attention(q_latent, q_pe, self.kv_pages, self.block_table, indices, softmax_scale)
-
-    # -------------------------------------------------------------------------- transformers CacheLayerMixin API
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("KDSAPagedLayer is written through `append` by the KDSA sparse attention layer")
-
-    def get_seq_length(self) -> int:
-        return self.num_tokens
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.num_tokens + query_length, 0
-
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Sequence i takes over the pages of sequence `beam_idx[i]`; shared pages are reference-counted."""
-        if not self.is_initialized:
-            return
-        old_rows = self.block_table.tolist()
-        new_table = self.block_table.index_select(0, beam_idx.to(self.device))
-        for page in new_table[new_table >= 0].tolist():
-            self.page_refcount[page] += 1
-        for row in old_rows:
-            for page in row:
-                if page >= 0:
-                    self._release(page)
-        self.block_table = new_table
+        super().reorder_cache(beam_idx)
         if self.pool_origin is not None:
             self.pool_origin = self.pool_origin.index_select(0, beam_idx.to(self.device))
-
-    def crop(self, max_length: int) -> None:
-        """Keep the first `max_length` tokens (negative: drop `-max_length` tokens). Pages past the end are
-        released; the partly kept page stays and is overwritten (or copied, if shared) by the next append."""
-        new_length = max_length if max_length >= 0 else self.num_tokens + max_length
-        if not 0 <= new_length <= self.num_tokens:
-            raise ValueError(f"cannot crop a DSA layer holding {self.num_tokens} tokens to {new_length} tokens")
-        if not self.is_initialized or new_length == self.num_tokens:
-            return
-        keep_pages = -(-new_length // self.page_size)
-        for page in self.block_table[:, keep_pages:].reshape(-1).tolist():
-            if page >= 0:
-                self._release(page)
-        self.block_table = self.block_table[:, :keep_pages].clone()
-        self.num_tokens = new_length
 
     def reset(self) -> None:
         self.__init__(
@@ -412,22 +559,14 @@ class KDSAPagedLayer(CacheLayerMixin):
             self.index_kpool,
         )
 
-    def bytes_per_page(self) -> int:
-        """Bytes one page takes in every plane (values, scales, RoPE part, pooled keys)."""
-        return sum(plane.shape[1:].numel() * plane.element_size() for plane in self._all_planes())
 
-    def bytes_per_token(self) -> int:
-        """Bytes one cached token takes in this store: its row in every plane, and its share of a pooled key
-        (`DI / kp` values with the k-pool indexer)."""
-        return self.bytes_per_page() // self.page_size
-
-    def memory_bytes(self) -> dict[str, int]:
-        """`allocated`: the page pool; `in_use`: pages some sequence points at (shared pages counted once)."""
-        if not self.is_initialized:
-            return {"allocated": 0, "in_use": 0}
-        in_use = sum(1 for count in self.page_refcount if count > 0)
-        allocated = sum(plane.nbytes for plane in self._all_planes())
-        return {"allocated": allocated, "in_use": in_use * self.bytes_per_page()}
+def attention_store_class(config, layer_idx: int) -> type[KDSAPagedMLALayer]:
+    """The paged store of MLA / DSA layer `layer_idx`: latent rows only for a dense MLA layer (docs/dsa.md §8) and
+    a shared-indexer DSA layer (§10), plus indexer keys for a DSA layer, plus pooled keys with the k-pool indexer
+    (§9)."""
+    if config.layer_types[layer_idx] == MLA_LAYER or config.indexer_types[layer_idx] == "shared":
+        return KDSAPagedMLALayer
+    return KDSAPagedKPoolLayer if config.index_kpool > 1 else KDSAPagedLayer
 
 
 # Default rollback window of a KDA layer (tokens since the checkpoint whose replay inputs are kept). transformers
@@ -659,7 +798,8 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
 
 class KDSACache(Cache):
     """The cache `generate()` uses for KDSA models: `KDAReplayLayer` for KDA layers, `KDSAPagedLayer` for DSA
-    layers.
+    layers (`KDSAPagedKPoolLayer` with the k-pool indexer), `KDSAPagedMLALayer` for dense MLA and shared-indexer DSA
+    layers (`attention_store_class`).
 
     `max_cache_tokens`: optional capacity per sequence; a forward that would exceed it raises a `ValueError`
     before anything is written, so the cache stays usable.
@@ -667,7 +807,8 @@ class KDSACache(Cache):
     The default 0 keeps no replay records (no cost; a KDA rollback raises), because most forwards never crop;
     `generate()` passes `ROLLBACK_TOKENS` itself for assisted generation / prompt lookup and for draft models.
     Pass it yourself to `crop` a cache you drive by hand.
-    DSA stores take their formats from `config.quantization_config` (`numeric_formats.CacheFormats.from_config`).
+    DSA and dense MLA stores take their formats from `config.quantization_config`
+    (`numeric_formats.CacheFormats.from_config`).
     """
 
     def __init__(
@@ -679,8 +820,8 @@ class KDSACache(Cache):
     ):
         layers = []
         for layer_idx, layer_type in enumerate(config.layer_types):
-            if layer_type == DSA_LAYER:
-                layers.append(KDSAPagedLayer.from_config(config, page_size, layer_idx))
+            if layer_type in (DSA_LAYER, MLA_LAYER):
+                layers.append(attention_store_class(config, layer_idx).from_config(config, page_size))
             else:
                 layers.append(KDAReplayLayer(config.linear_conv_kernel_dim, rollback_tokens))
         super().__init__(layers=layers)
@@ -725,9 +866,9 @@ class KDSACache(Cache):
         self.reorder_cache(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        batch_size = next((layer.batch_size for layer in self.layers if isinstance(layer, KDSAPagedLayer)), None)
+        batch_size = next((layer.batch_size for layer in self.layers if isinstance(layer, KDSAPagedMLALayer)), None)
         if batch_size is None:
-            raise ValueError("batch_repeat_interleave needs a DSA layer that knows the batch size")
+            raise ValueError("batch_repeat_interleave needs a paged (DSA or dense MLA) layer that knows the batch size")
         self.reorder_cache(torch.arange(batch_size).repeat_interleave(repeats))
 
     @property
@@ -756,14 +897,16 @@ class KDSACache(Cache):
         self.num_tokens = 0
 
     def memory_bytes(self) -> dict[str, int | float]:
-        """Exact bytes held: `dsa_allocated` (page pools), `dsa_in_use` (referenced pages), `kda_states` (conv windows
-        + fp32 recurrent states), `kda_rollback` (KDA checkpoints + replay records), `total` (allocated + KDA),
-        `per_token`: the DSA bytes one cached token adds to one sequence (`Σ_DSA layers` of its row in every plane:
-        `(C + R + DI) · itemsize` unquantized; see `KDSAPagedLayer.bytes_per_token`),
+        """Exact bytes held: `dsa_allocated` (page pools of the DSA and dense MLA layers), `dsa_in_use` (referenced
+        pages), `kda_states` (conv windows + fp32 recurrent states), `kda_rollback` (KDA checkpoints + replay records),
+        `total` (allocated + KDA), `per_token`: the paged bytes one cached token adds to one sequence (`Σ` over paged
+        layers of its row in every plane: `(C + R + DI) · itemsize` per DSA layer and `(C + R) · itemsize` per dense
+        MLA or shared-indexer layer unquantized, `(C + R + 2·DI + DI / kp) · itemsize` per k-pool DSA layer; see
+        `KDSAPagedMLALayer.bytes_per_token`),
         and `rollback_per_token`: the record bytes one pending token adds to one sequence (all KDA layers)."""
         dsa_allocated = dsa_in_use = kda_states = kda_rollback = per_token = rollback_per_token = 0
         for layer in self.layers:
-            if isinstance(layer, KDSAPagedLayer):
+            if isinstance(layer, KDSAPagedMLALayer):
                 usage = layer.memory_bytes()
                 dsa_allocated += usage["allocated"]
                 dsa_in_use += usage["in_use"]
@@ -787,10 +930,13 @@ class KDSACache(Cache):
 
 __all__ = [
     "KDSACache",
+    "KDSAPagedKPoolLayer",
     "KDSAPagedLayer",
+    "KDSAPagedMLALayer",
     "KDAReplayLayer",
     "KDAReplayRecord",
     "PAGE_SIZE",
     "ROLLBACK_TOKENS",
+    "attention_store_class",
     "resolve_kernel_backend",
 ]

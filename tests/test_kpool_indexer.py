@@ -13,7 +13,7 @@ from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextCo
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention, Glm5NextTextIndexer
 
 from modeling_kdsa import KDSAConfig
-from modeling_kdsa.cache import KDSACache, KDSAPagedLayer
+from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer, KDSAPagedMLALayer
 from modeling_kdsa.dsa import KDSAIndexer, KDSASparseAttention
 from modeling_kdsa.dsa_ops import kpool_indexer_topk, kpool_keys
 from modeling_kdsa.dsa_paged_ops import KPOOL_INDEXER_KERNELS
@@ -112,7 +112,7 @@ def test_indexer_topk_matches_glm(seq_len, select_tail, backend):
     q_index, weights, rows = ours(hidden, q_resid, None)
     ape = ours.index_kpool_compress_ape
     assert as_sets(kpool_indexer_topk(q_index, weights, rows, ape, TOPK, 0, mask, select_tail)) == as_sets(expected)
-    store = KDSAPagedLayer.from_config(config, page_size=16, layer_idx=0)
+    store = KDSAPagedKPoolLayer.from_config(config, page_size=16)
     store.append(torch.zeros(2, seq_len, store.kv_width), rows, mask, ape)
     # Two query blocks, as the layer runs a long prefill.
     half = seq_len // 2
@@ -180,7 +180,7 @@ def test_shared_layer_reuses_previous_selection_as_glm(backend):
         actual = ours[1](hidden_next, attention_mask=mask, cache=cache, topk_indices=topk)
     valid = mask[..., None]
     assert _relative_error(actual * valid, expected * valid) < 1e-5
-    assert cache.layers[1].index_pages is None and cache.layers[1].pool_pages is None
+    assert type(cache.layers[1]) is KDSAPagedMLALayer  # latent rows only: no indexer keys, no pooled keys
     assert cache.layers[1].bytes_per_token() == config.kv_lora_rank * 4
 
 
@@ -280,21 +280,21 @@ def test_memory_bytes_counts_pooled_keys():
     assert store.memory_bytes()["allocated"] == planes
     # reorder_cache moves pools with their pages, and the pool origin with its sequence.
     mask = left_padded_mask(4, (0, 2))
-    store2 = KDSAPagedLayer.from_config(config, page_size=4, layer_idx=0)
+    store2 = KDSAPagedKPoolLayer.from_config(config, page_size=4)
     store2.append(torch.zeros(2, 4, store2.kv_width), torch.randn(2, 4, 2 * INDEX_DIM), mask, torch.zeros(4, 16))
     store2.reorder_cache(torch.tensor([1, 1]))
     assert store2.pool_origin.tolist() == [2, 2]
 
 
 def test_kpool_store_refuses_unsupported_formats_and_masks():
-    with pytest.raises(ValueError, match="index_kpool=3 must be >= 1 and divide the page size"):
-        KDSAPagedLayer(16, 16, "torch", page_size=64, index_kpool=3)
+    with pytest.raises(ValueError, match="index_kpool=3 must be >= 2 and divide the page size"):
+        KDSAPagedKPoolLayer(16, 16, "torch", page_size=64, index_kpool=3)
     with pytest.raises(ValueError, match="indexer='mxfp8' cache format is not implemented for the k-pool"):
-        KDSAPagedLayer(16, 32, "torch", formats=CacheFormats(indexer="mxfp8"), index_kpool=4)
+        KDSAPagedKPoolLayer(16, 32, "torch", formats=CacheFormats(indexer="mxfp8"), index_kpool=4)
     quantization = {"quant_method": "kdsa", "indexer": "mxfp8"}
     with pytest.raises(ValueError, match="indexer='mxfp8' cache format is not implemented for the k-pool"):
         tiny_config(qk_rope_head_dim=0, index_kpool=4, index_head_dim=32, quantization_config=quantization)
-    store = KDSAPagedLayer(16, 16, "torch", index_kpool=4)
+    store = KDSAPagedKPoolLayer(16, 16, "torch", index_kpool=4)
     right_padded = torch.tensor([[True, True, False]])
     with pytest.raises(ValueError, match="left padding"):
         store.append(torch.zeros(1, 3, 16), torch.zeros(1, 3, 32), right_padded, torch.zeros(4, 16))
@@ -312,7 +312,7 @@ def test_fused_kernels_equal_reference_at_a_few_hundred_tokens(backend, select_t
     pads = (0, 5, 37)
     mask = left_padded_mask(num_keys, pads)
     ape = torch.randn(KPOOL, INDEX_DIM, generator=generator)
-    store = KDSAPagedLayer(8, INDEX_DIM, "torch", page_size=page_size, index_kpool=KPOOL)
+    store = KDSAPagedKPoolLayer(8, INDEX_DIM, "torch", page_size=page_size, index_kpool=KPOOL)
     # Appended in uneven pieces, so pools complete inside and across appends; then a crop cuts a pool.
     rows = torch.randn(3, num_keys + 20, 2 * INDEX_DIM, generator=generator)
     full_mask = left_padded_mask(num_keys + 20, pads)
