@@ -58,7 +58,7 @@ class KDSAIndexer(nn.Module):
         self.wq_b = nn.Linear(query_input_dim, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
         self.index_kpool = config.index_kpool
         if self.index_kpool > 1:
             # GLM-5.3-Flash's names, so its checkpoints load by name.

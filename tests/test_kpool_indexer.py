@@ -15,7 +15,7 @@ from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttenti
 from modeling_kdsa import KDSAConfig
 from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer, KDSAPagedMLALayer
 from modeling_kdsa.dsa import KDSAIndexer, KDSASparseAttention
-from modeling_kdsa.dsa_ops import kpool_indexer_topk, kpool_keys
+from modeling_kdsa.dsa_ops import ScoredPairs, kpool_indexer_topk, kpool_keys
 from modeling_kdsa.dsa_paged_ops import KPOOL_INDEXER_KERNELS
 from modeling_kdsa.numeric_formats import CacheFormats
 
@@ -340,6 +340,20 @@ def test_fused_kernels_equal_reference_at_a_few_hundred_tokens(backend, select_t
         assert as_sets(actual) == as_sets(expected)
         # Same tie rule, same order: identical tensors, not only identical sets.
         assert torch.equal(actual, expected)
+
+
+def test_fused_kpool_kernel_reports_the_pooled_keys_it_scores():
+    """`ScoredPairs` counts the work of every indexer kernel: the fused k-pool kernel scores one pooled-key slot per
+    group of kp tokens on every page it reads (a kernel that does not report counts 0)."""
+    page_size, num_keys, num_queries = 16, 40, 3
+    store = KDSAPagedKPoolLayer(8, INDEX_DIM, "cpu", page_size=page_size, index_kpool=KPOOL)
+    ape = torch.zeros(KPOOL, INDEX_DIM)
+    store.append(torch.zeros(2, num_keys, 8), torch.randn(2, num_keys, 2 * INDEX_DIM), None, ape)
+    q_index, weights = torch.randn(2, num_queries, INDEX_HEADS, INDEX_DIM), torch.randn(2, num_queries, INDEX_HEADS)
+    with ScoredPairs() as scored:
+        store.kpool_indexer_topk(q_index, weights, num_keys - num_queries, TOPK, None, ape, True)
+    pages_read = -(-num_keys // page_size)
+    assert scored.pairs == 2 * num_queries * pages_read * (page_size // KPOOL)
 
 
 def test_context_parallel_refuses_kpool_and_shared_layers():

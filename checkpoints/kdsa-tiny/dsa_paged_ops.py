@@ -34,6 +34,7 @@ import torch
 import torch.fx.experimental._config
 
 from .dsa_ops import (
+    ScoredPairs,
     dense_mla_attention,
     indexer_topk,
     kpool_expand,
@@ -359,6 +360,7 @@ def _blocked_indexer_topk(
         # Contiguous, so that every block has the same strides (a compiled block step never recompiles for them).
         key_padding = None if key_padding_mask is None else key_padding_mask[:, block].contiguous()
         packed = score_block(q_index, scaled_weights, keys, key_positions, last_visible_key, key_padding)
+        ScoredPairs.add(packed)
         if best is not None:
             packed = torch.cat([best, packed], dim=-1)
         best = packed.topk(min(num_selected, packed.shape[-1]), dim=-1).values
@@ -487,6 +489,7 @@ def _blocked_kpool_indexer_topk(
         group_starts = torch.arange(first_page * page_size, last_page * page_size, kpool, device=q_index.device)
         pool_ends = group_starts[None, :] + phase[:, None]
         packed = score_block(q_index, scaled_weights, keys, pool_ends, last_visible_key, first_pool_end)
+        ScoredPairs.add(packed)
         if best is not None:
             packed = torch.cat([best, packed], dim=-1)
         best = packed.topk(min(num_selected, packed.shape[-1]), dim=-1).values
