@@ -243,6 +243,12 @@ class KDSAConfig(PreTrainedConfig):
         self._check_glm_fields()
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
+        # Device backends (docs/backends.md §2, §4): their indexers score one key per token.
+        if self.kernel_backend in ("npu", "triton") and self.index_kpool > 1:
+            raise ValueError(
+                f"kernel_backend={self.kernel_backend!r} does not support the k-pool indexer "
+                f"(index_kpool={self.index_kpool}); use kernel_backend 'cpu', 'compiled' or 'torch'"
+            )
 
     def _check_group_routing(self):
         if self.n_group <= 0 or self.n_routed_experts % self.n_group:

@@ -11,7 +11,7 @@ from pathlib import Path
 import fake_torch_npu
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_config, tiny_model
 from modeling_kdsa.parallel import context_parallel_prefill, single_process_mesh
 from test_dsa_paged_ops import left_padding, paged
 
@@ -21,6 +21,7 @@ from modeling_kdsa.dsa_paged_ops import (
     dense_mla_kernel,
     dsa_kernels,
     gather_pages,
+    kpool_indexer_kernel,
     paged_dense_mla_fused,
     paged_indexer_topk_fused,
     paged_sparse_mla_fused,
@@ -305,6 +306,16 @@ def test_a_model_on_a_missing_backend_fails_on_its_first_forward(monkeypatch):
         dsa_kernels("triton")
 
 
+def test_device_backends_refuse_the_kpool_indexer(npu):
+    """torch_npu's indexer scores one key per token: the k-pool indexer (docs/dsa.md §9) is refused by name, at config
+    time for an explicit backend and when the store binds its kernels for `auto` on an NPU."""
+    for backend in ("npu", "triton"):
+        with pytest.raises(ValueError, match=r"k-pool indexer \(index_kpool=2\)"):
+            tiny_config(kernel_backend=backend, index_kpool=2, qk_rope_head_dim=0, index_topk=8)
+        with pytest.raises(ValueError, match="does not support the k-pool indexer"):
+            kpool_indexer_kernel(backend)
+
+
 def test_npu_backend_refuses_shapes_the_ops_do_not_take(npu):
     q_index, weights, _, index_pages, block_table = indexer_case(40, 1, seed=0)
     args = (weights, index_pages, block_table, 40, 8, 39)
@@ -336,13 +347,14 @@ def test_npu_backend_refuses_quantized_pages(npu):
 # Whole model: generate through the fused ops equals the cpu backend
 
 
-def npu_shaped_model(kernel_backend: str):
+def npu_shaped_model(kernel_backend: str, **overrides):
     """A tiny KDA + DSA + dense-MLA model with the dims the fused ops take, in bf16."""
+    fields = dict(num_hidden_layers=3, layer_types=["linear_attention", "indexed_attention", "full_attention"])
+    fields.update(overrides)
     model = tiny_model(
         seed=5,
         kernel_backend=kernel_backend,
-        num_hidden_layers=3,
-        layer_types=["linear_attention", "indexed_attention", "full_attention"],
+        **fields,
         attn_res_block_size=0,
         num_attention_heads=2,
         kv_lora_rank=LATENT,
@@ -355,8 +367,17 @@ def npu_shaped_model(kernel_backend: str):
     return model.to(torch.bfloat16)
 
 
-def test_generate_over_the_npu_ops_equals_cpu(npu):
-    """Left-padded batch of 2, prompts longer than index_topk (really sparse) and than a 64-token page, greedy."""
+SHARED_INDEXER = dict(
+    num_hidden_layers=3,
+    layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
+    indexer_types=["full", "full", "shared"],
+)
+
+
+@pytest.mark.parametrize("layers", [{}, SHARED_INDEXER], ids=["dsa+dense", "shared-indexer"])
+def test_generate_over_the_npu_ops_equals_cpu(npu, layers):
+    """Left-padded batch of 2, prompts longer than index_topk (really sparse) and than a 64-token page, greedy. A
+    shared-indexer DSA layer (docs/dsa.md §10) reads its predecessor's selection through the npu sparse attention."""
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 128, (2, 70), generator=generator)
     attention_mask = torch.ones_like(prompt)
@@ -365,12 +386,13 @@ def test_generate_over_the_npu_ops_equals_cpu(npu):
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     outputs = {}
     for backend in ("npu", "cpu"):
-        model = npu_shaped_model(backend)
+        model = npu_shaped_model(backend, **layers)
         cache = KDSACache(model.config)
         outputs[backend] = model.generate(prompt, cache=cache, **kwargs)
         if backend == "npu":
             assert {"npu_lightning_indexer", "npu_sparse_flash_attention"} <= set(fake_torch_npu.calls)
-            assert cache.layers[1].kernels == (paged_indexer_topk_npu, paged_sparse_mla_npu)
+            assert cache.layers[1].indexer_kernel is paged_indexer_topk_npu
+            assert all(cache.layers[i].sparse_kernel is paged_sparse_mla_npu for i in (1, 2))
             assert cache.layers[2].dense_kernel is paged_dense_mla_npu
     assert torch.equal(outputs["npu"], outputs["cpu"])
 
