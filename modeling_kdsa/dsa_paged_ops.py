@@ -888,13 +888,16 @@ KPOOL_INDEXER_KERNELS = {
 
 
 def kpool_indexer_kernel(backend: str):
-    """The k-pool indexer top-k of a backend name in KPOOL_INDEXER_KERNELS; ValueError for an unknown name, and for the
-    device backends, whose indexers score one key per token (torch_npu's npu_lightning_indexer has no pooled-key mode,
-    docs/backends.md §2)."""
-    if backend in ("npu", "triton"):
+    """The k-pool indexer top-k of a backend name in KPOOL_INDEXER_KERNELS or `"npu"` (npu_kernels); ValueError for an
+    unknown name, and for `"triton"`, whose indexer scores one key per token (docs/backends.md §4)."""
+    if backend == "npu":
+        from .npu_kernels import npu_kpool_indexer_kernel
+
+        return npu_kpool_indexer_kernel()
+    if backend == "triton":
         raise ValueError(
-            f"kernel_backend={backend!r} does not support the k-pool indexer (index_kpool > 1); use kernel_backend "
-            "'cpu', 'compiled' or 'torch'"
+            "kernel_backend='triton' does not support the k-pool indexer (index_kpool > 1); use kernel_backend "
+            "'cpu', 'compiled', 'torch' or 'npu'"
         )
     if backend not in KPOOL_INDEXER_KERNELS:
         raise ValueError(f"unknown DSA kernel backend {backend!r}; choose one of {sorted(KPOOL_INDEXER_KERNELS)}")

@@ -16,8 +16,9 @@ from modeling_kdsa.parallel import context_parallel_prefill, single_process_mesh
 from test_dsa_paged_ops import left_padding, paged
 
 from modeling_kdsa import dsa_ops, triton_kernels
-from modeling_kdsa.cache import KDSACache, KDSAPagedLayer
+from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer, KDSAPagedLayer
 from modeling_kdsa.dsa_paged_ops import (
+    KPOOL_INDEXER_KERNELS,
     dense_mla_kernel,
     dsa_kernels,
     gather_pages,
@@ -27,7 +28,12 @@ from modeling_kdsa.dsa_paged_ops import (
     paged_sparse_mla_fused,
     paged_sparse_mla_reference,
 )
-from modeling_kdsa.npu_kernels import paged_dense_mla_npu, paged_indexer_topk_npu, paged_sparse_mla_npu
+from modeling_kdsa.npu_kernels import (
+    paged_dense_mla_npu,
+    paged_indexer_topk_npu,
+    paged_kpool_indexer_topk_npu,
+    paged_sparse_mla_npu,
+)
 from modeling_kdsa.numeric_formats import CacheFormats
 
 REPO = Path(__file__).resolve().parents[1]
@@ -306,14 +312,13 @@ def test_a_model_on_a_missing_backend_fails_on_its_first_forward(monkeypatch):
         dsa_kernels("triton")
 
 
-def test_device_backends_refuse_the_kpool_indexer(npu):
-    """torch_npu's indexer scores one key per token: the k-pool indexer (docs/dsa.md §9) is refused by name, at config
-    time for an explicit backend and when the store binds its kernels for `auto` on an NPU."""
-    for backend in ("npu", "triton"):
-        with pytest.raises(ValueError, match=r"k-pool indexer \(index_kpool=2\)"):
-            tiny_config(kernel_backend=backend, index_kpool=2, qk_rope_head_dim=0, index_topk=8)
-        with pytest.raises(ValueError, match="does not support the k-pool indexer"):
-            kpool_indexer_kernel(backend)
+def test_triton_backend_refuses_the_kpool_indexer():
+    """The Triton indexer scores one key per token: the k-pool indexer (docs/dsa.md §9) is refused by name, at config
+    time and by the kernel registry."""
+    with pytest.raises(ValueError, match=r"k-pool indexer \(index_kpool=2\)"):
+        tiny_config(kernel_backend="triton", index_kpool=2, qk_rope_head_dim=0, index_topk=8)
+    with pytest.raises(ValueError, match="does not support the k-pool indexer"):
+        kpool_indexer_kernel("triton")
 
 
 def test_npu_backend_refuses_shapes_the_ops_do_not_take(npu):
@@ -348,23 +353,23 @@ def test_npu_backend_refuses_quantized_pages(npu):
 
 
 def npu_shaped_model(kernel_backend: str, **overrides):
-    """A tiny KDA + DSA + dense-MLA model with the dims the fused ops take, in bf16."""
-    fields = dict(num_hidden_layers=3, layer_types=["linear_attention", "indexed_attention", "full_attention"])
-    fields.update(overrides)
-    model = tiny_model(
-        seed=5,
-        kernel_backend=kernel_backend,
-        **fields,
+    """A tiny KDA + DSA + dense-MLA model with the dims the fused ops take, in bf16. 16 indexer heads: with few heads
+    every head's ReLU is zero for many keys, and those exact-zero scores tie at the top-k boundary, where the op and
+    our kernels may pick different keys (the op leaves the order of equal scores unspecified)."""
+    fields = dict(
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "indexed_attention", "full_attention"],
         attn_res_block_size=0,
         num_attention_heads=2,
         kv_lora_rank=LATENT,
         qk_rope_head_dim=ROPE,
         qk_nope_head_dim=16,
         index_head_dim=INDEX_DIM,
-        index_n_heads=4,
+        index_n_heads=16,
         index_topk=8,
     )
-    return model.to(torch.bfloat16)
+    fields.update(overrides)
+    return tiny_model(seed=5, kernel_backend=kernel_backend, **fields).to(torch.bfloat16)
 
 
 SHARED_INDEXER = dict(
@@ -417,3 +422,63 @@ def test_context_parallel_prefill_runs_the_npu_ops(npu):
         parallel = context_parallel_prefill(model, ids, single_process_mesh()).logits.float()
     assert {"npu_lightning_indexer", "npu_sparse_flash_attention"} <= set(fake_torch_npu.calls)
     torch.testing.assert_close(parallel, plain, rtol=1e-3, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GLM-5.3-Flash k-pool indexer (docs/dsa.md §9) and NoPE attention on the npu backend
+
+
+@pytest.mark.parametrize("select_tail", [True, False])
+def test_npu_kpool_indexer_equals_the_reference(npu, select_tail):
+    """Stored pooled keys read as the op's paged pool (block size P / kp), left padding that shifts every sequence's
+    pools differently, prefill blocks and decode; the same pools as the torch reference (which pools again from the
+    token rows), as sets (the op leaves equal scores unordered)."""
+    generator = torch.Generator().manual_seed(8)
+    kpool, num_keys, index_topk, pads = 4, 150, 32, (0, 5, 38)
+    mask = torch.ones(3, num_keys, dtype=torch.bool)
+    for b, pad in enumerate(pads):
+        mask[b, :pad] = False
+    ape = torch.randn(kpool, INDEX_DIM, generator=generator).to(torch.bfloat16)
+    store = KDSAPagedKPoolLayer(8, INDEX_DIM, "torch", page_size=64, index_kpool=kpool)
+    rows = torch.randn(3, num_keys, 2 * INDEX_DIM, generator=generator).to(torch.bfloat16)
+    for start, stop in ((0, 97), (97, 98), (98, num_keys)):
+        store.append(torch.zeros(3, stop - start, 8, dtype=torch.bfloat16), rows[:, start:stop], mask[:, :stop], ape)
+    q_index = torch.randn(3, 40, 8, INDEX_DIM, generator=generator).to(torch.bfloat16)
+    weights = torch.randn(3, 40, 8, generator=generator)
+    for query_start, num_queries in ((num_keys - 40, 40), (30, 40), (num_keys - 1, 1)):
+        args = (q_index[:, :num_queries], weights[:, :num_queries], store.index_pages, store.pool_pages)
+        args = (*args, store.block_table, num_keys, index_topk, query_start, mask, ape, select_tail)
+        fake_torch_npu.calls.clear()
+        got = paged_kpool_indexer_topk_npu(*args)
+        assert fake_torch_npu.calls == ["npu_lightning_indexer"]
+        expected = KPOOL_INDEXER_KERNELS["torch"](*args)
+        assert got.shape == expected.shape
+        assert [set(row) for row in got.flatten(0, 1).tolist()] == [set(row) for row in expected.flatten(0, 1).tolist()]
+
+
+def test_generate_glm_shaped_model_over_the_npu_ops_equals_cpu(npu):
+    """NoPE MLA (the op gets zero RoPE columns), the k-pool indexer and a shared-indexer layer, as GLM-5.3-Flash's
+    DSA layers; left-padded batch, greedy."""
+    glm = dict(
+        qk_rope_head_dim=0,
+        index_kpool=4,
+        index_topk=16,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
+        indexer_types=["full", "full", "shared"],
+    )
+    generator = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, 128, (2, 70), generator=generator)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :6] = 0
+    prompt[1, :6] = 0
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    outputs = {}
+    for backend in ("npu", "cpu"):
+        model = npu_shaped_model(backend, **glm)
+        cache = KDSACache(model.config)
+        outputs[backend] = model.generate(prompt, cache=cache, **kwargs)
+        if backend == "npu":
+            assert {"npu_lightning_indexer", "npu_sparse_flash_attention"} <= set(fake_torch_npu.calls)
+            assert cache.layers[1].kpool_kernel is paged_kpool_indexer_topk_npu
+    assert torch.equal(outputs["npu"], outputs["cpu"])

@@ -243,11 +243,11 @@ class KDSAConfig(PreTrainedConfig):
         self._check_glm_fields()
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
-        # Device backends (docs/backends.md §2, §4): their indexers score one key per token.
-        if self.kernel_backend in ("npu", "triton") and self.index_kpool > 1:
+        # The Triton indexer scores one key per token (docs/backends.md §4).
+        if self.kernel_backend == "triton" and self.index_kpool > 1:
             raise ValueError(
-                f"kernel_backend={self.kernel_backend!r} does not support the k-pool indexer "
-                f"(index_kpool={self.index_kpool}); use kernel_backend 'cpu', 'compiled' or 'torch'"
+                f"kernel_backend='triton' does not support the k-pool indexer (index_kpool={self.index_kpool}); use "
+                "kernel_backend 'cpu', 'compiled', 'torch' or 'npu'"
             )
 
     def _check_group_routing(self):

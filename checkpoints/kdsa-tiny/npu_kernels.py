@@ -39,7 +39,14 @@ Our side of the contract (same signatures and results as dsa_paged_ops' `cpu` ke
 
 import torch
 
-from .dsa_paged_ops import _check_dense_inputs, _check_indexer_inputs, _check_sparse_inputs, page_geometry
+from .dsa_ops import kpool_expand, kpool_origin
+from .dsa_paged_ops import (
+    _check_dense_inputs,
+    _check_indexer_inputs,
+    _check_kpool_inputs,
+    _check_sparse_inputs,
+    page_geometry,
+)
 from .numeric_formats import QuantizedRows
 
 INDEXER_HEAD_DIM = 128  # npu_lightning_indexer: D of query and key
@@ -156,7 +163,7 @@ def _check_attention_shapes(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_pages
     _require_plain(kv_pages, "kv_cache")
     latent_width, rope_width, num_heads = q_latent.shape[-1], q_pe.shape[-1], q_latent.shape[2]
     _require(latent_width == LATENT_DIM, f"kv_lora_rank must be {LATENT_DIM}, got {latent_width}")
-    _require(rope_width == ROPE_DIM, f"qk_rope_head_dim must be {ROPE_DIM}, got {rope_width}")
+    _require(rope_width in (0, ROPE_DIM), f"qk_rope_head_dim must be {ROPE_DIM} or 0 (NoPE), got {rope_width}")
     _require(num_heads in ATTENTION_HEADS, f"num_attention_heads must be one of {ATTENTION_HEADS}, got {num_heads}")
     _require(q_latent.dtype in OP_DTYPES, f"attention runs in bf16 or fp16, got {q_latent.dtype}")
     _require(kv_pages.dtype == q_latent.dtype, f"kv pages {kv_pages.dtype} and queries {q_latent.dtype} must agree")
@@ -173,6 +180,9 @@ def _sparse_flash_attention(q_latent, q_pe, kv_pages, block_table, sparse_indice
     # The op takes the latent and RoPE pools as separate contiguous tensors (module doc: the copy per call).
     latent_pages = kv_pages[..., :latent_width].unsqueeze(2).contiguous()
     rope_pages = kv_pages[..., latent_width:].unsqueeze(2).contiguous()
+    if q_pe.shape[-1] == 0:  # NoPE: the op needs a 64-wide RoPE part; zeros add nothing to the scores
+        q_pe = q_pe.new_zeros(*q_pe.shape[:-1], ROPE_DIM)
+        rope_pages = kv_pages.new_zeros(*kv_pages.shape[:2], 1, ROPE_DIM)
     out, _, _ = torch_npu.npu_sparse_flash_attention(
         q_latent.contiguous(),
         latent_pages,
@@ -272,10 +282,79 @@ def paged_dense_mla_npu(
     )
 
 
+def paged_kpool_indexer_topk_npu(
+    q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
+    key_padding_mask=None, ape=None, select_tail=True,
+) -> torch.Tensor:  # fmt: skip
+    """k-pool indexer (docs/dsa.md §9) through `torch_npu.npu_lightning_indexer` over the stored pooled keys, same
+    signature and result as `dsa_paged_ops.paged_kpool_indexer_topk_fused` (pools as a set per row).
+
+    The pooled-key plane `[N, P / kp, DI]` is the op's PA_BSND pool with block size `P / kp` and our block table:
+    its logical slot `j` of sequence `b` holds the pool ending at token `j·kp + phase_b` (pools start at the first
+    real token, `phase_b = (origin_b + kp - 1) mod kp`), written once that pool is complete. A query at `q` sees the
+    slots `j <= (q - phase_b) / kp`, which do not follow the op's causal diagonal (one key per query step), so every
+    query is its own batch entry (`Lq = 1`, `Lk` = its visible slots, the block table repeated). Slots before the
+    first pool hold no pool: the op is asked for that many more and they are dropped, as the padded keys of
+    `paged_indexer_topk_npu`. Selected slots become pool ends, then tokens and the tail (`dsa_ops.kpool_expand`)."""
+    _check_kpool_inputs(
+        q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
+        key_padding_mask, ape,
+    )  # fmt: skip
+    _require_plain(pool_pages, "index_cache")
+    batch, num_queries, num_heads, head_dim = q_index.shape
+    kpool = ape.shape[0]
+    _require(head_dim == INDEXER_HEAD_DIM, f"index_head_dim must be {INDEXER_HEAD_DIM}, got {head_dim}")
+    _require(num_heads <= INDEXER_MAX_HEADS, f"index_n_heads must be <= {INDEXER_MAX_HEADS}, got {num_heads}")
+    _require(q_index.dtype in OP_DTYPES, f"the indexer runs in bf16 or fp16, got q_index {q_index.dtype}")
+    _check_page_size(page_geometry(pool_pages)[1])  # the pooled plane's block size P / kp
+    _require(
+        query_start + num_queries <= num_keys,
+        f"queries at {query_start}..{query_start + num_queries - 1} must lie inside the {num_keys} cached keys",
+    )
+    device = q_index.device
+    num_visible = query_start + num_queries
+    origin = kpool_origin(key_padding_mask, batch, num_visible, device)
+    num_selected = min(index_topk // kpool, num_visible // kpool)
+    if num_selected == 0:
+        empty = torch.empty(batch, num_queries, 0, dtype=torch.int64, device=device)
+        return kpool_expand(empty, kpool, query_start, origin, select_tail)
+    first_pool_end = origin + kpool - 1
+    phase = first_pool_end % kpool
+    first_slot = first_pool_end // kpool  # [B]: slots below it hold no pool
+    positions = torch.arange(query_start, query_start + num_queries, device=device)
+    visible_slots = (torch.div(positions[None, :] - phase[:, None], kpool, rounding_mode="floor") + 1).clamp(min=0)
+    torch_npu = torch_npu_module()
+    scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
+    rows = batch * num_queries
+    slots, _ = torch_npu.npu_lightning_indexer(
+        q_index.reshape(rows, 1, num_heads, head_dim).contiguous(),
+        pool_pages.unsqueeze(2),
+        scaled_weights.reshape(rows, 1, num_heads).contiguous(),
+        actual_seq_lengths_query=torch.ones(rows, dtype=torch.int32, device=device),
+        actual_seq_lengths_key=visible_slots.reshape(rows).to(torch.int32),
+        block_table=block_table.to(torch.int32).repeat_interleave(num_queries, dim=0).contiguous(),
+        layout_query="BSND",
+        layout_key="PA_BSND",
+        sparse_count=_sparse_count(num_selected + int(first_slot.max())),
+        sparse_mode=0,
+    )
+    slots = slots.view(batch, num_queries, -1).long()
+    slots = _valid_first(slots.masked_fill(slots < first_slot[:, None, None], -1))[..., :num_selected]
+    pool_ends = torch.where(slots >= 0, slots * kpool + phase[:, None, None], -1)
+    return kpool_expand(pool_ends, kpool, query_start, origin, select_tail)
+
+
 def npu_dsa_kernels():
     """`(indexer_topk, sparse_mla)` of the npu backend; ValueError unless torch_npu and an NPU are available."""
     torch_npu_module()
     return paged_indexer_topk_npu, paged_sparse_mla_npu
+
+
+def npu_kpool_indexer_kernel():
+    """k-pool indexer of the npu backend (`paged_kpool_indexer_topk_npu`); ValueError unless torch_npu and an NPU are
+    available."""
+    torch_npu_module()
+    return paged_kpool_indexer_topk_npu
 
 
 def npu_dense_mla_kernel():
@@ -289,6 +368,8 @@ __all__ = [
     "npu_dense_mla_kernel",
     "paged_dense_mla_npu",
     "paged_indexer_topk_npu",
+    "paged_kpool_indexer_topk_npu",
+    "npu_kpool_indexer_kernel",
     "paged_sparse_mla_npu",
     "torch_npu_module",
 ]
