@@ -7,7 +7,8 @@ What it runs (docs/backends.md §5), per backend (`npu` on an NPU, `triton` on C
 on the CPU and moved to the device, dims the fused Ascend ops accept (index head dim 128, latent 512, RoPE 64),
 bf16, batch 2 with a left-padded sequence, pages in shuffled order:
   1. indexer top-k recall against the `cpu` backend's selection, prefill (a 128-query block) and decode;
-  2. sparse attention and dense MLA outputs against the `cpu` backend (relative Frobenius error);
+  2. sparse attention and dense MLA outputs against the `cpu` backend (relative Frobenius error), and the k-pool
+     indexer's recall (GLM-5.3-Flash, docs/dsa.md §9) where the backend has one;
   3. generate equality: a tiny KDA + DSA + dense-MLA model, greedy, the backend against `torch` on the same device
      (only the DSA kernels differ) and against the `cpu` backend on the CPU (reported, not gated);
   4. a decode-step timing table (indexer + sparse attention, batch 1, DeepSeek-V3.2-like dims: 16 heads, 64
@@ -29,8 +30,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from modeling_kdsa import KDSAConfig, KDSAForCausalLM  # noqa: E402
-from modeling_kdsa.cache import KDSACache  # noqa: E402
-from modeling_kdsa.dsa_paged_ops import dense_mla_kernel, dsa_kernels  # noqa: E402
+from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer  # noqa: E402
+from modeling_kdsa.dsa_paged_ops import dense_mla_kernel, dsa_kernels, kpool_indexer_kernel  # noqa: E402
 
 DTYPE = torch.bfloat16
 PAGE_SIZE = 64
@@ -101,6 +102,38 @@ def run_kernels(backend: str, inputs: dict, index_topk: int):
     return indices, sparse_mla, dense_mla_kernel(backend)
 
 
+def check_kpool(backend: str, device: str, index_topk: int = 64, kpool: int = 4) -> list[dict]:
+    """The k-pool indexer (docs/dsa.md §9) of a backend against the `cpu` backend's, over a store built on the CPU
+    (left padding that shifts the pools, pools completed across appends), prefill block and decode."""
+    try:
+        kernel = kpool_indexer_kernel(backend)
+    except ValueError:
+        return []  # refused by name (triton)
+    generator = torch.Generator().manual_seed(5)
+    num_keys, pads = 300, (0, 5)
+    mask = torch.ones(2, num_keys, dtype=torch.bool)
+    for b, pad in enumerate(pads):
+        mask[b, :pad] = False
+    ape = torch.randn(kpool, INDEX_DIM, generator=generator).to(DTYPE)
+    store = KDSAPagedKPoolLayer(8, INDEX_DIM, "cpu", page_size=PAGE_SIZE, index_kpool=kpool)
+    rows = torch.randn(2, num_keys, 2 * INDEX_DIM, generator=generator).to(DTYPE)
+    for start, stop in ((0, 97), (97, num_keys)):
+        store.append(torch.zeros(2, stop - start, 8, dtype=DTYPE), rows[:, start:stop], mask[:, :stop], ape)
+    results = []
+    for kind, num_queries in (("prefill", 128), ("decode", 1)):
+        q_index = torch.randn(2, num_queries, 16, INDEX_DIM, generator=generator).to(DTYPE)
+        weights = torch.randn(2, num_queries, 16, generator=generator)
+        args = [q_index, weights, store.index_pages, store.pool_pages, store.block_table, num_keys, index_topk]
+        args += [num_keys - num_queries, mask, ape, True]
+        expected = kpool_indexer_kernel("cpu")(*args)
+        got = kernel(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+        row = {"backend": backend, "case": f"k-pool {kind} S={num_keys} T={num_queries}"}
+        row["indexer_recall"] = recall(got.cpu(), expected)
+        row["ok"] = row["indexer_recall"] >= MIN_RECALL
+        results.append(row)
+    return results
+
+
 def recall(selected: torch.Tensor, expected: torch.Tensor) -> float:
     hits = total = 0
     for got, want in zip(selected.flatten(0, 1).tolist(), expected.flatten(0, 1).tolist(), strict=True):
@@ -147,13 +180,15 @@ def check_kernels(backend: str, device: str, cases, index_topk: int) -> list[dic
 
 
 def tiny_model(backend: str, device: str) -> KDSAForCausalLM:
-    """KDA + DSA + dense MLA with the fused ops' dims (seeded: every call builds the same weights)."""
+    """KDA + DSA + dense MLA with the fused ops' dims (seeded: every call builds the same weights). 16 indexer heads:
+    with fewer, exact-zero scores tie at the top-k boundary and backends may keep different keys (docs/backends.md
+    §3)."""
     torch.manual_seed(0)
     config = KDSAConfig(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
         layer_types=["linear_attention", "indexed_attention", "full_attention"], linear_num_heads=2,
         linear_head_dim=16, q_lora_rank=32, kv_lora_rank=LATENT, qk_nope_head_dim=16, qk_rope_head_dim=ROPE,
-        v_head_dim=16, index_n_heads=4, index_head_dim=INDEX_DIM, index_topk=8, n_routed_experts=4,
+        v_head_dim=16, index_n_heads=16, index_head_dim=INDEX_DIM, index_topk=8, n_routed_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, attn_res_block_size=0, pad_token_id=0, bos_token_id=1,
         eos_token_id=2, kernel_backend=backend,
     )  # fmt: skip
@@ -260,10 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (2 if args.dry_run else 10)
     timing_dims = dict(heads=4, index_heads=8, topk=64) if args.dry_run else dict(heads=16, index_heads=64, topk=2048)
 
-    report = {"device": device, "dry_run": args.dry_run, "kernels": [], "generate": [], "decode_timing": []}
+    report = {"device": device, "dry_run": args.dry_run, "kernels": [], "kpool": [], "generate": []}
+    report["decode_timing"] = []
     report["kda"] = check_fla_kda(device) if device == "cuda" else []
     for backend in backends:
         report["kernels"] += check_kernels(backend, device, cases, index_topk=64)
+        report["kpool"] += check_kpool(backend, device)
         report["generate"].append(check_generate(backend, device, new_tokens=4 if args.dry_run else 8))
         report["decode_timing"] += time_decode(backend, device, contexts, repeats, **timing_dims)
 
@@ -274,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['backend']:8} {row['case']:22} {row['indexer_recall']:7.4f} {row['sparse_rel_error']:11.2e} "
             f"{row['dense_rel_error']:10.2e}  {'yes' if row['ok'] else 'NO'}"
         )
+    for row in report["kpool"]:
+        print(f"{row['backend']:8} {row['case']:30} recall {row['indexer_recall']:.4f}  {'yes' if row['ok'] else 'NO'}")
     for row in report["generate"]:
         print(
             f"generate {row['backend']}: == torch on {device}: {row['equal_to_torch_on_device']}, "
@@ -288,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in report["kda"]:
         verdict = "yes" if row["ok"] else "NO"
         print(f"fla {row['kernel']}: max abs error vs kda_ops {row['max_abs_error']:.2e}  {verdict}")
-    passed = all(row["ok"] for row in report["kernels"] + report["generate"] + report["kda"])
+    passed = all(row["ok"] for row in report["kernels"] + report["kpool"] + report["generate"] + report["kda"])
     print("PASS" if passed else "FAIL")
     return 0 if passed else 1
 

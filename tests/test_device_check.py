@@ -28,7 +28,8 @@ def test_dry_run_passes_and_writes_every_section(backend, tmp_path, monkeypatch)
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["dry_run"]
     assert [row["backend"] for row in report["kernels"]] == [backend, backend]
-    assert all(row["indexer_recall"] >= 0.98 for row in report["kernels"])
+    assert all(row["indexer_recall"] >= 0.98 for row in report["kernels"] + report["kpool"])
+    assert [row["case"].split()[1] for row in report["kpool"]] == ["prefill", "decode"]
     assert report["generate"][0]["equal_to_torch_on_device"]
     assert [row["context"] for row in report["decode_timing"]] == [512, 2048]
     if backend == "npu":
