@@ -33,7 +33,9 @@ Our side of the contract (same signatures and results as dsa_paged_ops' `cpu` ke
   our indices are already causal and the kernel's contract is "attend exactly these keys", so `actual_seq_lengths_kv`
   covers every mapped page of the sequence and no mask is added.
 - Dense MLA (`"full_attention"` layers) is the same op selecting every key (`paged_dense_mla_npu`), with
-  rightDownCausal masking; KDA runs the torch kernels (docs/backends.md §2).
+  rightDownCausal masking. NoPE models (`qk_rope_head_dim = 0`) pass zero RoPE columns (the op needs 64).
+- The k-pool indexer (GLM-5.3-Flash, docs/dsa.md §9) is the indexer op over the stored pooled keys, one batch entry
+  per query (`paged_kpool_indexer_topk_npu`). KDA runs the torch kernels (docs/backends.md §2).
 - Quantized stores (FP8 latent, MXFP8 indexer keys) are refused: the quantized ops read other packed layouts.
 """
 
