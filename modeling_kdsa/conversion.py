@@ -41,6 +41,8 @@ _TRAINING_ONLY_FIELDS = {"output_router_logits", "aux_loss_alpha", "seq_aux", "e
 # softmax mscale `mla_softmax_scale` reproduces (tests/test_foreign_checkpoints.py).
 _SUPPORTED_ROPE_TYPES = ("default", "yarn")
 _FP8_QUANT_METHOD = "fp8"
+# KDSAConfig fields no source config has; a caller may set them as from_pretrained keyword arguments.
+_KDSA_ONLY_FIELDS = ("kernel_backend",)
 
 
 @dataclass
@@ -194,7 +196,7 @@ def _layer_skips(model_type: str, num_layers: int, checkpoint_keys: list[str], p
 # --------------------------------------------------------------------------------------------------- DeepSeek-V3.2
 
 
-def _deepseek_v32(fields: _Fields, checkpoint_keys: list[str]) -> ForeignCheckpointPlan:
+def _deepseek_v32(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> ForeignCheckpointPlan:
     mapped = _common_fields(fields)
     _routing(fields)
     _rope(fields, mapped)
@@ -214,7 +216,7 @@ def _deepseek_v32(fields: _Fields, checkpoint_keys: list[str]) -> ForeignCheckpo
     fields.drop(["num_nextn_predict_layers"])  # MTP layers: skipped by tensor name below
     fields.drop(["rope_theta", "rope_scaling"])  # folded into rope_parameters by transformers
     fields.unhandled()
-    config = KDSAConfig(**mapped)
+    config = KDSAConfig(**mapped, **overrides)
     return ForeignCheckpointPlan(
         model_type="deepseek_v32",
         config=config,
@@ -262,15 +264,16 @@ def checkpoint_keys(folder: str) -> list[str]:
     return []
 
 
-def plan_foreign_load(raw_config: dict, keys: list[str]) -> ForeignCheckpointPlan:
-    """Translate a foreign config.json dict (model_type in FOREIGN_MODEL_TYPES) and build the weight mapping."""
+def plan_foreign_load(raw_config: dict, keys: list[str], overrides: dict | None = None) -> ForeignCheckpointPlan:
+    """Translate a foreign config.json dict (model_type in FOREIGN_MODEL_TYPES) and build the weight mapping.
+    `keys`: the checkpoint's tensor names; `overrides`: KDSA-only config fields (`_KDSA_ONLY_FIELDS`)."""
     model_type = raw_config.get("model_type")
     if model_type not in FOREIGN_MODEL_TYPES:
         raise ValueError(f"model_type={model_type!r} is not one KDSA converts; supported: {FOREIGN_MODEL_TYPES}")
     if model_type not in _TRANSLATORS:
         raise ValueError(f"loading {model_type!r} checkpoints into KDSA is not implemented yet")
     source = CONFIG_MAPPING[model_type].from_dict(dict(raw_config))
-    return _TRANSLATORS[model_type](_Fields(source, model_type), keys)
+    return _TRANSLATORS[model_type](_Fields(source, model_type), keys, overrides or {})
 
 
 _REGISTRATION_LOCK = threading.Lock()
@@ -286,8 +289,14 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
     if not os.path.isdir(path):
         raise ValueError(f"foreign checkpoints load from a local folder; {path!r} is not one")
     keys = checkpoint_keys(path)
-    plan = plan_foreign_load(raw_config, keys)
+    # KDSA-only settings (e.g. kernel_backend="cpu") given as keyword arguments apply to the translated config, as
+    # transformers applies them to a loaded one.
+    overrides = {name: kwargs.pop(name) for name in list(kwargs) if name in _KDSA_ONLY_FIELDS}
+    plan = plan_foreign_load(raw_config, keys, overrides)
     want_info = kwargs.pop("output_loading_info", False)
+    # Size mismatches come back in the loading info, so that the strict check below names them (transformers'
+    # own error does not say which tensor); they are never ignored.
+    kwargs["ignore_mismatched_sizes"] = True
     with _REGISTRATION_LOCK:
         ignored_before = cls._keys_to_ignore_on_load_unexpected
         register_checkpoint_conversion_mapping(cls.__name__, plan.conversions, overwrite=True)
@@ -306,7 +315,7 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
             register_checkpoint_conversion_mapping(cls.__name__, [], overwrite=True)
     model._keys_to_ignore_on_load_unexpected = set(ignored_before or [])
     model._weight_conversions = []
-    problems = {k: sorted(info[k]) for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
+    problems = {k: sorted(map(str, info[k])) for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
     if problems:
         raise ValueError(f"{plan.model_type} checkpoint {path!r} does not map onto KDSA exactly: {problems}")
     for pattern, what in plan.skipped.items():

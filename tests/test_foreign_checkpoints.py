@@ -1,23 +1,305 @@
-"""Published checkpoints of other model types are refused with a clear error, never loaded silently wrong.
+"""Published checkpoints of the family load into `KDSAForCausalLM` with transformers' logits, or are refused by name.
 
-transformers only warns when a config.json of another type reaches `KDSAConfig`, then keeps the fields whose names
-match; a DeepSeek-V3.2 folder used to load with random AttnRes and experts. Until conversion exists (issue #11),
-`KDSAConfig` raises and names the type."""
+Each family's tiny model is built by transformers' own class, every tensor it initialises to a constant (norm
+weights, biases, correction bias) is perturbed so that a wrong mapping cannot hide behind ones and zeros, and it is
+saved with `save_pretrained` in small shards (the hub layout: per-expert tensors, split convolutions). Indexer ties:
+the Lightning Indexer's score is a sum of ReLU'd dot products, so keys whose every head is negative tie at exactly
+zero and either implementation may pick any of them; with 16 indexer heads such a tie has probability 2^-16 per
+(query, key) pair, so the fixtures have none at the top-k boundary (docs/real-checkpoints.md §6).
+"""
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
-from transformers import DeepseekV32Config, Glm5NextConfig, KimiLinearConfig
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
+    Glm5NextConfig,
+    KimiLinearConfig,
+)
 
 from modeling_kdsa import KDSAConfig, KDSAForCausalLM
+from modeling_kdsa.conversion import plan_foreign_load
 
-FAMILIES = {"kimi_linear": KimiLinearConfig, "deepseek_v32": DeepseekV32Config, "glm5_next": Glm5NextConfig}
+VOCAB = 128
+INDEX_TOPK = 8
+SHORT, LONG = INDEX_TOPK - 2, 4 * INDEX_TOPK  # T < index_topk (dense) and T >= 3 * index_topk (really sparse)
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
-@pytest.mark.parametrize("loader", [KDSAConfig, KDSAForCausalLM], ids=["config", "model"])
-def test_foreign_config_is_refused_by_name(tmp_path, model_type, loader):
-    FAMILIES[model_type]().save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=f"describes a '{model_type}' model, not 'kdsa'"):
-        loader.from_pretrained(tmp_path)
+def perturb_constants(model: torch.nn.Module, seed: int = 0) -> None:
+    """Add noise to every floating tensor whose elements are all equal (ones, zeros, a constant bias)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, tensor in sorted(model.state_dict(keep_vars=True).items()):
+            if tensor.is_floating_point() and tensor.numel() > 0 and bool((tensor == tensor.flatten()[0]).all()):
+                tensor.add_(0.1 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype))
+
+
+def deepseek_v32_model() -> torch.nn.Module:
+    config = DeepseekV32Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, index_topk=INDEX_TOPK, index_head_dim=16, index_n_heads=16,
+        first_k_dense_replace=1, max_position_embeddings=512, routed_scaling_factor=2.5,
+        # YaRN with mscale_all_dim: frequencies, the cos/sin attention factor and the softmax mscale² all differ
+        # from plain RoPE.
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+            "mscale": 0.9, "mscale_all_dim": 1.1, "beta_fast": 32, "beta_slow": 1,
+        },
+    )  # fmt: skip
+    return DeepseekV32ForCausalLM(config)
+
+
+BUILDERS = {"deepseek_v32": deepseek_v32_model}
+FAMILIES = sorted(BUILDERS)
+
+
+class Family:
+    def __init__(self, name: str, folder):
+        torch.manual_seed(0)
+        self.name = name
+        self.reference = BUILDERS[name]().eval()
+        perturb_constants(self.reference)
+        self.folder = folder
+        self.reference.save_pretrained(folder, max_shard_size="40KB")
+        self.model = KDSAForCausalLM.from_pretrained(folder).eval()
+        self.ids = torch.randint(3, VOCAB, (2, LONG), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    return Family(request.param, tmp_path_factory.mktemp(request.param) / "hub")
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((ours - reference).abs().max() / reference.abs().max())
+
+
+def greedy(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    return model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+
+
+# ------------------------------------------------------------------------------------------- equal to transformers
+
+
+def test_checkpoint_is_sharded_hub_layout(family):
+    index = json.loads((family.folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 10
+    assert any(".experts.0." in key for key in index["weight_map"])  # per-expert tensors, stacked at load
+
+
+@pytest.mark.parametrize("seq_len", [SHORT, LONG], ids=["dense", "sparse"])
+def test_logits_match_transformers(family, seq_len):
+    ids = family.ids[:, :seq_len]
+    with torch.no_grad():
+        reference = family.reference(ids).logits
+        ours = family.model(ids).logits
+    assert relative_error(ours, reference) < 1e-5
+
+
+def test_greedy_32_tokens_match_transformers(family):
+    ids = family.ids[:1, :LONG]
+    assert torch.equal(greedy(family.model, ids, 32), greedy(family.reference, ids, 32))
+
+
+def test_cpu_backend_decode_64_tokens_matches_transformers(family):
+    """Decode through KDSACache on the fused `cpu` kernels, step logits and tokens against transformers'."""
+    model = KDSAForCausalLM.from_pretrained(family.folder, kernel_backend="cpu").eval()
+    assert model.config.kernel_backend == "cpu"
+    ids = family.ids[:1, :SHORT]
+    kwargs = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
+    ours = model.generate(ids, output_logits=True, return_dict_in_generate=True, **kwargs)
+    reference = family.reference.generate(ids, output_logits=True, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(ours.sequences, reference.sequences)
+    for ours_step, reference_step in zip(ours.logits, reference.logits, strict=True):
+        assert relative_error(ours_step, reference_step) < 1e-5
+
+
+def test_save_writes_native_kdsa_that_reloads_identically(family, tmp_path):
+    family.model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "kdsa" and "quantization_config" not in config
+    reloaded = KDSAForCausalLM.from_pretrained(tmp_path).eval()
+    assert set(reloaded.state_dict()) == set(family.model.state_dict())
+    for name, tensor in family.model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+    with torch.no_grad():
+        assert torch.equal(reloaded(family.ids).logits, family.model(family.ids).logits)
+    # A fresh model saved afterwards is native too: nothing of the conversion stays registered.
+    KDSAForCausalLM(reloaded.config).save_pretrained(tmp_path / "fresh")
+    assert set(load_file(tmp_path / "fresh" / "model.safetensors")) == set(family.model.state_dict())
+
+
+@pytest.mark.slow
+def test_saved_folder_reloads_by_remote_code(family, tmp_path):
+    family.model.save_pretrained(tmp_path / "ckpt")
+    torch.save(family.ids, tmp_path / "ids.pt")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["modeling_kdsa"] = None
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "ckpt")!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        with torch.no_grad():
+            torch.save(model(torch.load({str(tmp_path / "ids.pt")!r})).logits, {str(tmp_path / "logits.pt")!r})
+        """
+    )
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with torch.no_grad():
+        assert torch.equal(torch.load(tmp_path / "logits.pt"), family.model(family.ids).logits)
+
+
+def test_auto_class_keeps_transformers_own_class(family):
+    assert type(AutoModelForCausalLM.from_pretrained(family.folder)) is type(family.reference)
+
+
+# ------------------------------------------------------------------------------------------------ MTP and skips
+
+
+def add_tensors(folder, tensors: dict[str, torch.Tensor]) -> None:
+    """Append tensors to a sharded checkpoint as one more shard."""
+    save_file(tensors, folder / "extra.safetensors", metadata={"format": "pt"})
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"].update({name: "extra.safetensors" for name in tensors})
+    index_file.write_text(json.dumps(index))
+
+
+def remove_tensor(folder, name: str) -> None:
+    """Delete one tensor from its shard and from the index."""
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shard = folder / index["weight_map"].pop(name)
+    tensors = load_file(shard)
+    del tensors[name]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index_file.write_text(json.dumps(index))
+
+
+def edit_config(folder, **changes) -> None:
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(changes)
+    config_file.write_text(json.dumps(config))
+
+
+def copy_of(family, tmp_path):
+    folder = tmp_path / "copy"
+    shutil.copytree(family.folder, folder)
+    return folder
+
+
+def test_mtp_layer_is_skipped_with_one_info_line(family, tmp_path, caplog):
+    folder = copy_of(family, tmp_path)
+    n = family.model.config.num_hidden_layers
+    add_tensors(
+        folder,
+        {
+            f"model.layers.{n}.eh_proj.weight": torch.randn(64, 128),
+            f"model.layers.{n}.enorm.weight": torch.randn(64),
+            f"model.layers.{n}.self_attn.q_a_proj.weight": torch.randn(32, 64),
+        },
+    )
+    with caplog.at_level(logging.INFO, logger="modeling_kdsa.conversion"):
+        model = KDSAForCausalLM.from_pretrained(folder).eval()
+    lines = [r.getMessage() for r in caplog.records if r.name == "modeling_kdsa.conversion"]
+    assert lines == [f"skipped {family.name} layer {n} (multi-token-prediction block): 3 tensors"]
+    with torch.no_grad():
+        assert torch.equal(model(family.ids).logits, family.model(family.ids).logits)
+
+
+# ------------------------------------------------------------------------------------------------------ refusals
+
+
+def test_unknown_config_field_is_refused(family, tmp_path):
+    folder = copy_of(family, tmp_path)
+    edit_config(folder, sliding_window=64)
+    with pytest.raises(ValueError, match="sliding_window"):
+        KDSAForCausalLM.from_pretrained(folder)
+
+
+def test_missing_tensor_is_refused_by_name(family, tmp_path):
+    folder = copy_of(family, tmp_path)
+    remove_tensor(folder, "model.layers.1.self_attn.indexer.k_norm.bias")
+    with pytest.raises(ValueError, match=r"missing_keys.*indexer\.k_norm\.bias"):
+        KDSAForCausalLM.from_pretrained(folder)
+
+
+def test_unexpected_tensor_is_refused_by_name(family, tmp_path):
+    folder = copy_of(family, tmp_path)
+    add_tensors(folder, {"model.layers.0.self_attn.rotary_gate.weight": torch.randn(4, 64)})
+    with pytest.raises(ValueError, match=r"unexpected_keys.*rotary_gate"):
+        KDSAForCausalLM.from_pretrained(folder)
+
+
+def test_mismatched_tensor_is_refused_by_name(family, tmp_path):
+    folder = copy_of(family, tmp_path)
+    edit_config(folder, moe_intermediate_size=16)  # the checkpoint's experts are 32 wide
+    with pytest.raises(ValueError, match="mlp.experts"):
+        KDSAForCausalLM.from_pretrained(folder)
+
+
+def test_foreign_config_is_refused_by_config_class(family):
+    with pytest.raises(ValueError, match=f"describes a '{family.name}' model"):
+        KDSAConfig.from_pretrained(family.folder)
+
+
+def deepseek_raw(**changes) -> dict:
+    raw = deepseek_v32_model().config.to_dict()
+    raw.update(changes)
+    return raw
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+        ({"n_group": 2, "topk_group": 1}, "n_group"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads"),
+        ({"rms_norm_eps": 1e-5}, "rms_norm_eps"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"attention_dropout": 0.1}, "attention_dropout"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"topk_method": "greedy"}, "topk_method"),
+        ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}, "quant_method"),
+        ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}}, "fmt"),
+        ({"layer_types": ["indexed_attention", "full_attention", "indexed_attention"]}, "layer_types"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_deepseek_unsupported_values_are_refused_by_name(changes, field):
+    with pytest.raises(ValueError, match=field):
+        plan_foreign_load(deepseek_raw(**changes), [])
+
+
+def test_unknown_model_type_is_refused():
+    with pytest.raises(ValueError, match="qwen3"):
+        plan_foreign_load({"model_type": "qwen3"}, [])
+
+
+@pytest.mark.parametrize("model_type", ["kimi_linear", "glm5_next"])
+def test_families_not_yet_converted_are_refused(tmp_path, model_type):
+    config = {"kimi_linear": KimiLinearConfig, "glm5_next": Glm5NextConfig}[model_type]()
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=model_type):
+        KDSAForCausalLM.from_pretrained(tmp_path)
 
 
 def test_own_model_type_still_loads(tmp_path):
