@@ -1,6 +1,6 @@
 """Loading published checkpoints of the family (DeepSeek-V3.2, Kimi-Linear, GLM-5.3-Flash) into KDSA models.
 
-docs/real-checkpoints.md §1-§5. Two halves per family:
+docs/real-checkpoints.md §2. Two halves per family:
 
 - config translation: the raw config.json is parsed by transformers' own config class for its `model_type` (which
   resolves attribute_map aliases, Kimi's 1-based `linear_attn_config` layer lists, GLM's nested `text_config`), then
@@ -93,8 +93,10 @@ class _Fields:
             )
 
 
-def _common_fields(fields: _Fields) -> dict:
-    """Fields whose meaning is the same in every family and in KDSAConfig."""
+def _common_fields(fields: _Fields, source_names: dict[str, str] | None = None) -> dict:
+    """Fields whose meaning is the same in every family and in KDSAConfig; `source_names`: KDSA field -> the
+    source's name where they differ."""
+    source_names = source_names or {}
     fields.drop(_METADATA_FIELDS)
     fields.drop(_TRAINING_ONLY_FIELDS & fields.pending)
     fields.require("chunk_size_feed_forward", (0,), "no chunked feed-forward")
@@ -107,7 +109,7 @@ def _common_fields(fields: _Fields) -> dict:
         "attention_bias", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
         "routed_scaling_factor", "norm_topk_prob", "mlp_layer_types",
     ]  # fmt: skip
-    mapped = {name: fields.take(name) for name in names}
+    mapped = {name: fields.take(source_names.get(name, name)) for name in names}
     mapped["q_lora_rank"] = fields.take("q_lora_rank")
     # Derived by the source class from the dims above (head_dim = the rope slice, as in KDSAConfig).
     fields.drop(["qk_head_dim", "head_dim", "first_k_dense_replace"])
@@ -186,7 +188,8 @@ def _layer_skips(model_type: str, num_layers: int, checkpoint_keys: list[str], p
     """MTP (next-token-prediction) layers are stored after the trunk as `layers.{N..}`; KDSA skips them."""
     skipped = {}
     extra = sorted(
-        {int(m.group(1)) for k in checkpoint_keys if (m := re.match(prefix + r"layers\.(\d+)\.", k))} - set(range(num_layers))
+        {int(m.group(1)) for k in checkpoint_keys if (m := re.match(prefix + r"layers\.(\d+)\.", k))}
+        - set(range(num_layers))
     )
     for index in extra:
         skipped[rf"(^|\.)layers\.{index}\."] = f"{model_type} layer {index} (multi-token-prediction block)"
@@ -242,7 +245,69 @@ def _stacked_experts(gate: str, up: str, down: str) -> list:
     ]
 
 
-_TRANSLATORS = {"deepseek_v32": _deepseek_v32}
+# ---------------------------------------------------------------------------------------------------- Kimi-Linear
+
+_KIMI_LINEAR_ATTN_KEYS = {"kda_layers", "full_attn_layers", "num_heads", "head_dim", "short_conv_kernel_size"}
+
+
+def _kda_fields(fields: _Fields, mapped: dict) -> None:
+    for name in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"):
+        mapped[name] = fields.take(name)
+    if mapped["hidden_act"] != "silu":
+        # transformers applies hidden_act after the KDA short convolution too; KDSA's convolution is SiLU.
+        raise ValueError(
+            f"{fields.model_type} config field hidden_act={mapped['hidden_act']!r} is not supported with KDA layers "
+            "(their short convolution uses SiLU); only 'silu'"
+        )
+
+
+def _kda_key_mapping(layer_types: list[str]) -> dict[str, str]:
+    """The hub stores KDA mixers under `self_attn` like attention; KDSA names them `linear_attn` (so that a
+    tensor-parallel plan entry can never hit the wrong mixer): a rename that depends on the layer index."""
+    kda = [str(i) for i, t in enumerate(layer_types) if t == KDA_LAYER]
+    if not kda:
+        return {}
+    return {rf"\.layers\.({'|'.join(kda)})\.self_attn\.": r".layers.\1.linear_attn."}
+
+
+def _kimi_linear(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> ForeignCheckpointPlan:
+    mapped = _common_fields(fields, {"n_routed_experts": "num_local_experts"})
+    _routing(fields)
+    _kda_fields(fields, mapped)
+    linear_attn_config = fields.take("linear_attn_config") if "linear_attn_config" in fields.pending else {}
+    unknown = set(linear_attn_config or {}) - _KIMI_LINEAR_ATTN_KEYS
+    if unknown:
+        raise ValueError(f"kimi_linear config field linear_attn_config has keys KDSA does not implement: {unknown}")
+    # transformers resolved linear_attn_config's 1-based kda_layers / full_attn_layers into layer_types.
+    layer_types = fields.take("layer_types")
+    for i, layer_type in enumerate(layer_types):
+        if layer_type != KDA_LAYER:
+            raise ValueError(
+                f"kimi_linear config field layer_types[{i}]={layer_type!r} (dense MLA layer) is not supported by "
+                "KDSA yet; only all-KDA Kimi-Linear configs load"
+            )
+    mapped["layer_types"] = layer_types
+    fields.require("pretraining_tp", (1,), "no tensor-parallel-at-pretraining weight split")
+    fields.require("moe_router_activation_func", ("sigmoid",), "sigmoid router scores")
+    fields.require("moe_layer_freq", (1,), "every layer after first_k_dense_replace is MoE")
+    fields.require("mla_use_nope", (True,), "Kimi-Linear's MLA does not rotate")
+    fields.drop(["use_grouped_topk", "num_nextn_predict_layers", "rope_theta", "rope_scaling"])
+    _quantization(fields, mapped)
+    fields.unhandled()
+    config = KDSAConfig(**mapped, **overrides)
+    return ForeignCheckpointPlan(
+        model_type="kimi_linear",
+        config=config,
+        key_mapping=_kda_key_mapping(config.layer_types),
+        conversions=[
+            # MoE and dense MLPs are both `block_sparse_moe` in the hub layout.
+            WeightRenaming(r"\.block_sparse_moe\.", ".mlp."),
+            *_stacked_experts("w1", "w3", "w2"),
+        ],
+    )
+
+
+_TRANSLATORS = {"deepseek_v32": _deepseek_v32, "kimi_linear": _kimi_linear}
 
 
 # ------------------------------------------------------------------------------------------------------- loading
@@ -315,7 +380,9 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
             register_checkpoint_conversion_mapping(cls.__name__, [], overwrite=True)
     model._keys_to_ignore_on_load_unexpected = set(ignored_before or [])
     model._weight_conversions = []
-    problems = {k: sorted(map(str, info[k])) for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
+    problems = {
+        k: sorted(map(str, info[k])) for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)
+    }
     if problems:
         raise ValueError(f"{plan.model_type} checkpoint {path!r} does not map onto KDSA exactly: {problems}")
     for pattern, what in plan.skipped.items():

@@ -25,6 +25,7 @@ from transformers import (
     DeepseekV32ForCausalLM,
     Glm5NextConfig,
     KimiLinearConfig,
+    KimiLinearForCausalLM,
 )
 
 from modeling_kdsa import KDSAConfig, KDSAForCausalLM
@@ -61,14 +62,44 @@ def deepseek_v32_model() -> torch.nn.Module:
     return DeepseekV32ForCausalLM(config)
 
 
-BUILDERS = {"deepseek_v32": deepseek_v32_model}
+def kimi_linear_model() -> torch.nn.Module:
+    """All KDA layers: 1-based kda_layers as Moonshot's config.json writes them."""
+    config = KimiLinearConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_shared_experts=1, num_experts_per_token=2,
+        num_expert_group=1, topk_group=1, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        first_k_dense_replace=1, model_max_length=512, routed_scaling_factor=2.446, rms_norm_eps=1e-5,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        linear_attn_config={
+            "kda_layers": [1, 2, 3], "full_attn_layers": [], "num_heads": 2, "head_dim": 16,
+            "short_conv_kernel_size": 4,
+        },
+    )  # fmt: skip
+    return KimiLinearForCausalLM(config)
+
+
+BUILDERS = {"deepseek_v32": deepseek_v32_model, "kimi_linear": kimi_linear_model}
 FAMILIES = sorted(BUILDERS)
+# transformers' Kimi-Linear cache cannot serve a model without attention layers (`get_seq_length` raises), so its
+# reference runs without a cache: every generate step recomputes the whole prefix, which is transformers' prefill.
+REFERENCE_KWARGS = {"kimi_linear": {"use_cache": False}}
+# A tensor the strict check must miss by name when it is deleted from the checkpoint (hub name, KDSA name).
+VICTIMS = {
+    "deepseek_v32": (
+        "model.layers.1.self_attn.indexer.k_norm.bias",
+        r"model\.layers\.1\.self_attn\.indexer\.k_norm\.bias",
+    ),
+    "kimi_linear": ("model.layers.1.self_attn.A_log", r"model\.layers\.1\.linear_attn\.A_log"),
+}
+# Families whose checkpoints carry multi-token-prediction layers after the trunk: the key prefix of the layers.
+MTP_PREFIX = {"deepseek_v32": "model.layers."}
 
 
 class Family:
     def __init__(self, name: str, folder):
         torch.manual_seed(0)
         self.name = name
+        self.reference_kwargs = REFERENCE_KWARGS.get(name, {})
         self.reference = BUILDERS[name]().eval()
         perturb_constants(self.reference)
         self.folder = folder
@@ -86,8 +117,8 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return float((ours - reference).abs().max() / reference.abs().max())
 
 
-def greedy(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
-    return model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+def greedy(model, ids: torch.Tensor, steps: int, **kwargs) -> torch.Tensor:
+    return model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------- equal to transformers
@@ -103,14 +134,14 @@ def test_checkpoint_is_sharded_hub_layout(family):
 def test_logits_match_transformers(family, seq_len):
     ids = family.ids[:, :seq_len]
     with torch.no_grad():
-        reference = family.reference(ids).logits
+        reference = family.reference(ids, **family.reference_kwargs).logits
         ours = family.model(ids).logits
     assert relative_error(ours, reference) < 1e-5
 
 
 def test_greedy_32_tokens_match_transformers(family):
     ids = family.ids[:1, :LONG]
-    assert torch.equal(greedy(family.model, ids, 32), greedy(family.reference, ids, 32))
+    assert torch.equal(greedy(family.model, ids, 32), greedy(family.reference, ids, 32, **family.reference_kwargs))
 
 
 def test_cpu_backend_decode_64_tokens_matches_transformers(family):
@@ -120,7 +151,9 @@ def test_cpu_backend_decode_64_tokens_matches_transformers(family):
     ids = family.ids[:1, :SHORT]
     kwargs = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
     ours = model.generate(ids, output_logits=True, return_dict_in_generate=True, **kwargs)
-    reference = family.reference.generate(ids, output_logits=True, return_dict_in_generate=True, **kwargs)
+    reference = family.reference.generate(
+        ids, output_logits=True, return_dict_in_generate=True, **kwargs, **family.reference_kwargs
+    )
     assert torch.equal(ours.sequences, reference.sequences)
     for ours_step, reference_step in zip(ours.logits, reference.logits, strict=True):
         assert relative_error(ours_step, reference_step) < 1e-5
@@ -207,14 +240,17 @@ def copy_of(family, tmp_path):
 
 
 def test_mtp_layer_is_skipped_with_one_info_line(family, tmp_path, caplog):
+    if family.name not in MTP_PREFIX:
+        pytest.skip(f"{family.name} checkpoints have no multi-token-prediction layers")
     folder = copy_of(family, tmp_path)
     n = family.model.config.num_hidden_layers
+    prefix = MTP_PREFIX[family.name]
     add_tensors(
         folder,
         {
-            f"model.layers.{n}.eh_proj.weight": torch.randn(64, 128),
-            f"model.layers.{n}.enorm.weight": torch.randn(64),
-            f"model.layers.{n}.self_attn.q_a_proj.weight": torch.randn(32, 64),
+            f"{prefix}{n}.eh_proj.weight": torch.randn(64, 128),
+            f"{prefix}{n}.enorm.weight": torch.randn(64),
+            f"{prefix}{n}.self_attn.q_a_proj.weight": torch.randn(32, 64),
         },
     )
     with caplog.at_level(logging.INFO, logger="modeling_kdsa.conversion"):
@@ -237,8 +273,9 @@ def test_unknown_config_field_is_refused(family, tmp_path):
 
 def test_missing_tensor_is_refused_by_name(family, tmp_path):
     folder = copy_of(family, tmp_path)
-    remove_tensor(folder, "model.layers.1.self_attn.indexer.k_norm.bias")
-    with pytest.raises(ValueError, match=r"missing_keys.*indexer\.k_norm\.bias"):
+    hub_name, kdsa_name = VICTIMS[family.name]
+    remove_tensor(folder, hub_name)
+    with pytest.raises(ValueError, match=rf"missing_keys.*{kdsa_name}"):
         KDSAForCausalLM.from_pretrained(folder)
 
 
@@ -294,11 +331,46 @@ def test_unknown_model_type_is_refused():
         plan_foreign_load({"model_type": "qwen3"}, [])
 
 
-@pytest.mark.parametrize("model_type", ["kimi_linear", "glm5_next"])
-def test_families_not_yet_converted_are_refused(tmp_path, model_type):
-    config = {"kimi_linear": KimiLinearConfig, "glm5_next": Glm5NextConfig}[model_type]()
-    config.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=model_type):
+def test_kimi_dense_mla_layers_are_refused_by_name():
+    raw = kimi_linear_model().config.to_dict()
+    raw["layer_types"] = ["linear_attention", "linear_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"layer_types\[2\]='full_attention'"):
+        plan_foreign_load(raw, [])
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"num_expert_group": 2}, "n_group"),
+        ({"pretraining_tp": 2}, "pretraining_tp"),
+        ({"moe_router_activation_func": "softmax"}, "moe_router_activation_func"),
+        (
+            {"linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [], "gate_lower_bound": -5.0}},
+            "gate_lower_bound",
+        ),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_kimi_unsupported_values_are_refused_by_name(changes, field):
+    raw = kimi_linear_model().config.to_dict()
+    raw.update(changes)
+    with pytest.raises(ValueError, match=field):
+        plan_foreign_load(raw, [])
+
+
+def test_kimi_one_based_layer_lists_are_translated():
+    raw = kimi_linear_model().config.to_dict()
+    del raw["layer_types"]
+    raw["linear_attn_config"] = {"kda_layers": [1, 2, 3], "full_attn_layers": [], "num_heads": 2, "head_dim": 16}
+    plan = plan_foreign_load(raw, [])
+    assert plan.config.layer_types == ["linear_attention"] * 3
+    assert plan.key_mapping == {r"\.layers\.(0|1|2)\.self_attn\.": r".layers.\1.linear_attn."}
+
+
+def test_glm_is_refused_until_converted(tmp_path):
+    Glm5NextConfig().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="glm5_next"):
         KDSAForCausalLM.from_pretrained(tmp_path)
 
 

@@ -1,0 +1,394 @@
+"""Loading published checkpoints of the family (DeepSeek-V3.2, Kimi-Linear, GLM-5.3-Flash) into KDSA models.
+
+docs/real-checkpoints.md §2. Two halves per family:
+
+- config translation: the raw config.json is parsed by transformers' own config class for its `model_type` (which
+  resolves attribute_map aliases, Kimi's 1-based `linear_attn_config` layer lists, GLM's nested `text_config`), then
+  every field is either mapped into a `KDSAConfig`, checked to hold a value whose meaning KDSA reproduces, or
+  refused with a `ValueError` naming it. Nothing is dropped silently.
+- weight mapping: transformers' conversion machinery (`WeightRenaming` / `WeightConverter` with `MergeModulelist`,
+  `Concatenate`, ...) applied while the safetensors shards stream in, registered under the model class only for
+  the duration of one `from_pretrained` call (`load_foreign`), and a strict check of missing / unexpected tensors.
+"""
+
+import json
+import logging
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+
+from transformers import CONFIG_MAPPING
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
+
+from .configuration_kdsa import DSA_LAYER, KDA_LAYER, KDSAConfig
+
+logger = logging.getLogger(__name__)
+
+FOREIGN_MODEL_TYPES = ("deepseek_v32", "kimi_linear", "glm5_next")
+
+# PreTrainedConfig's own bookkeeping fields: they describe the file or the training run, not the network.
+_METADATA_FIELDS = {
+    "_name_or_path", "architectures", "transformers_version", "model_type", "output_attentions",
+    "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type", "auto_map",
+}  # fmt: skip
+# Fields that configure training only (auxiliary losses, router-logit outputs, dropout at 0) or deployment
+# (expert-parallel size): they do not change what a forward pass computes.
+_TRAINING_ONLY_FIELDS = {"output_router_logits", "aux_loss_alpha", "seq_aux", "ep_size", "router_aux_loss_coef"}
+# Rope types whose frequencies and YaRN attention factor come from transformers' own init functions and whose
+# softmax mscale `mla_softmax_scale` reproduces (tests/test_foreign_checkpoints.py).
+_SUPPORTED_ROPE_TYPES = ("default", "yarn")
+_FP8_QUANT_METHOD = "fp8"
+# KDSAConfig fields no source config has; a caller may set them as from_pretrained keyword arguments.
+_KDSA_ONLY_FIELDS = ("kernel_backend",)
+
+
+@dataclass
+class ForeignCheckpointPlan:
+    """What `KDSAForCausalLM.from_pretrained` needs to load one foreign folder."""
+
+    model_type: str
+    config: KDSAConfig
+    key_mapping: dict[str, str] = field(default_factory=dict)
+    conversions: list = field(default_factory=list)
+    # regex over the (renamed) checkpoint keys -> what is skipped, for the one info line logged per entry.
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+class _Fields:
+    """The translation's ledger: every field of the parsed source config must be consumed exactly once, so that a
+    field nobody handles becomes a `ValueError` (`unhandled`) instead of a silent default."""
+
+    def __init__(self, source: PreTrainedConfig, model_type: str):
+        self.source = source
+        self.model_type = model_type
+        self.pending = set(source.to_dict())
+
+    def take(self, name: str):
+        # to_dict() writes an aliased field under its stored name (Kimi: `num_experts_per_tok` is stored as
+        # `num_experts_per_token`); getattr resolves the alias through the attribute_map.
+        self.pending.discard(name)
+        self.pending.discard(self.source.attribute_map.get(name, name))
+        return getattr(self.source, name)
+
+    def require(self, name: str, allowed, why: str):
+        value = self.take(name) if name in self.pending else getattr(self.source, name, allowed[0])
+        if value not in allowed:
+            raise ValueError(
+                f"{self.model_type} config field {name}={value!r} is not supported by KDSA ({why}); supported: "
+                f"{', '.join(repr(a) for a in allowed)}"
+            )
+        return value
+
+    def drop(self, names) -> None:
+        self.pending.difference_update(names)
+
+    def unhandled(self) -> None:
+        if self.pending:
+            raise ValueError(
+                f"{self.model_type} config has fields KDSA does not implement or translate: {sorted(self.pending)}; "
+                "refusing to load a model that might silently compute something else"
+            )
+
+
+def _common_fields(fields: _Fields, source_names: dict[str, str] | None = None) -> dict:
+    """Fields whose meaning is the same in every family and in KDSAConfig; `source_names`: KDSA field -> the
+    source's name where they differ."""
+    source_names = source_names or {}
+    fields.drop(_METADATA_FIELDS)
+    fields.drop(_TRAINING_ONLY_FIELDS & fields.pending)
+    fields.require("chunk_size_feed_forward", (0,), "no chunked feed-forward")
+    fields.require("is_encoder_decoder", (False,), "decoder-only")
+    fields.require("attention_dropout", (0, 0.0), "KDSA has no attention dropout")
+    names = [
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "hidden_act",
+        "max_position_embeddings", "initializer_range", "rms_norm_eps", "use_cache", "pad_token_id", "bos_token_id",
+        "eos_token_id", "tie_word_embeddings", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "attention_bias", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
+        "routed_scaling_factor", "norm_topk_prob", "mlp_layer_types",
+    ]  # fmt: skip
+    mapped = {name: fields.take(source_names.get(name, name)) for name in names}
+    mapped["q_lora_rank"] = fields.take("q_lora_rank")
+    # Derived by the source class from the dims above (head_dim = the rope slice, as in KDSAConfig).
+    fields.drop(["qk_head_dim", "head_dim", "first_k_dense_replace"])
+    heads, kv_heads = mapped["num_attention_heads"], fields.take("num_key_value_heads")
+    if kv_heads != heads:
+        raise ValueError(
+            f"{fields.model_type} config field num_key_value_heads={kv_heads} != num_attention_heads={heads}: MLA "
+            "up-projects one latent per head, KDSA does not support grouped MLA heads"
+        )
+    dtype = fields.take("dtype")
+    if dtype is not None:
+        mapped["dtype"] = dtype
+    mapped["attn_res_block_size"] = 0  # these models use the plain pre-norm residual
+    return mapped
+
+
+def _routing(fields: _Fields) -> None:
+    """Group-limited routing (DeepSeek-V3 `n_group` / `topk_group`): KDSA's router has no groups yet."""
+    n_group = fields.take("n_group")
+    topk_group = fields.take("topk_group")
+    if n_group not in (None, 1):
+        raise ValueError(
+            f"{fields.model_type} config field n_group={n_group} (group-limited expert routing) is not supported by "
+            "KDSA yet; only n_group=1"
+        )
+    if topk_group not in (None, 1):
+        raise ValueError(f"{fields.model_type} config field topk_group={topk_group} requires n_group > 1")
+
+
+def _mla_norm_eps(fields: _Fields, mapped: dict, eps: float) -> None:
+    """KDSA's q_a / kv_a layernorms use rms_norm_eps; the source uses a fixed `eps`."""
+    if mapped["rms_norm_eps"] != eps:
+        raise ValueError(
+            f"{fields.model_type} MLA layernorms use eps={eps} but rms_norm_eps={mapped['rms_norm_eps']}: KDSA "
+            "uses rms_norm_eps for both (a separate MLA layernorm eps is not supported yet)"
+        )
+
+
+def _rope(fields: _Fields, mapped: dict) -> None:
+    rope = dict(fields.take("rope_parameters") or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"{fields.model_type} config field rope_parameters.rope_type={rope_type!r} is not supported by KDSA; "
+            f"supported: {_SUPPORTED_ROPE_TYPES}"
+        )
+    rope.pop("type", None)  # legacy alias of rope_type kept by transformers' standardisation
+    mapped["rope_parameters"] = rope
+
+
+def _quantization(fields: _Fields, mapped: dict) -> None:
+    """Only the DeepSeek / GLM fine-grained FP8 layout (E4M3 weights + block `weight_scale_inv`) is read: through
+    transformers' fine-grained FP8 quantizer, which dequantizes at load on CPU (docs/real-checkpoints.md §5)."""
+    quantization = getattr(fields.source, "quantization_config", None)
+    fields.pending.discard("quantization_config")
+    if quantization is None:
+        return
+    q = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    method = getattr(q.get("quant_method"), "value", q.get("quant_method"))
+    if method != _FP8_QUANT_METHOD:
+        raise ValueError(
+            f"{fields.model_type} config field quantization_config.quant_method={method!r} is not supported for "
+            f"conversion; KDSA reads {_FP8_QUANT_METHOD!r} (block-scaled E4M3 weights) only"
+        )
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config.fmt={fmt!r} is not supported; only 'e4m3'")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(
+            f"quantization_config.activation_scheme={q['activation_scheme']!r} is not supported; only 'dynamic'"
+        )
+    mapped["quantization_config"] = q
+
+
+def _layer_skips(model_type: str, num_layers: int, checkpoint_keys: list[str], prefix: str) -> dict[str, str]:
+    """MTP (next-token-prediction) layers are stored after the trunk as `layers.{N..}`; KDSA skips them."""
+    skipped = {}
+    extra = sorted(
+        {int(m.group(1)) for k in checkpoint_keys if (m := re.match(prefix + r"layers\.(\d+)\.", k))}
+        - set(range(num_layers))
+    )
+    for index in extra:
+        skipped[rf"(^|\.)layers\.{index}\."] = f"{model_type} layer {index} (multi-token-prediction block)"
+    return skipped
+
+
+# --------------------------------------------------------------------------------------------------- DeepSeek-V3.2
+
+
+def _deepseek_v32(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> ForeignCheckpointPlan:
+    mapped = _common_fields(fields)
+    _routing(fields)
+    _rope(fields, mapped)
+    _quantization(fields, mapped)
+    _mla_norm_eps(fields, mapped, eps=1e-6)  # DeepseekV32RMSNorm default for q_a / kv_a layernorms
+    layer_types = fields.take("layer_types")
+    if any(t != DSA_LAYER for t in layer_types):
+        raise ValueError(f"deepseek_v32 config field layer_types={layer_types} must be all {DSA_LAYER!r}")
+    mapped["layer_types"] = layer_types
+    for name in ("index_n_heads", "index_head_dim", "index_topk"):
+        mapped[name] = fields.take(name)
+    fields.require("mlp_bias", (False,), "MLPs without bias")
+    # Fields of DeepSeek's own config.json that transformers keeps as plain attributes.
+    fields.require("scoring_func", ("sigmoid",), "sigmoid router scores")
+    fields.require("topk_method", ("noaux_tc",), "top-k over bias-corrected scores")
+    fields.require("moe_layer_freq", (1,), "every layer after first_k_dense_replace is MoE")
+    fields.drop(["num_nextn_predict_layers"])  # MTP layers: skipped by tensor name below
+    fields.drop(["rope_theta", "rope_scaling"])  # folded into rope_parameters by transformers
+    fields.unhandled()
+    config = KDSAConfig(**mapped, **overrides)
+    return ForeignCheckpointPlan(
+        model_type="deepseek_v32",
+        config=config,
+        conversions=_stacked_experts("gate_proj", "up_proj", "down_proj"),
+        skipped=_layer_skips("deepseek_v32", config.num_hidden_layers, checkpoint_keys, r"model\."),
+    )
+
+
+def _stacked_experts(gate: str, up: str, down: str) -> list:
+    """Per-expert `mlp.experts.N.{gate,up,down}` → KDSAExperts' stacked `gate_up_proj [E, 2I, D]` (gate rows first)
+    and `down_proj [E, D, I]`, as transformers converts its own MoE checkpoints."""
+    return [
+        WeightConverter(
+            source_patterns=[f"mlp.experts.*.{gate}.weight", f"mlp.experts.*.{up}.weight"],
+            target_patterns="mlp.experts.gate_up_proj",
+            operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
+        ),
+        WeightConverter(
+            source_patterns=f"mlp.experts.*.{down}.weight",
+            target_patterns="mlp.experts.down_proj",
+            operations=[MergeModulelist(dim=0)],
+        ),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------- Kimi-Linear
+
+_KIMI_LINEAR_ATTN_KEYS = {"kda_layers", "full_attn_layers", "num_heads", "head_dim", "short_conv_kernel_size"}
+
+
+def _kda_fields(fields: _Fields, mapped: dict) -> None:
+    for name in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"):
+        mapped[name] = fields.take(name)
+    if mapped["hidden_act"] != "silu":
+        # transformers applies hidden_act after the KDA short convolution too; KDSA's convolution is SiLU.
+        raise ValueError(
+            f"{fields.model_type} config field hidden_act={mapped['hidden_act']!r} is not supported with KDA layers "
+            "(their short convolution uses SiLU); only 'silu'"
+        )
+
+
+def _kda_key_mapping(layer_types: list[str]) -> dict[str, str]:
+    """The hub stores KDA mixers under `self_attn` like attention; KDSA names them `linear_attn` (so that a
+    tensor-parallel plan entry can never hit the wrong mixer): a rename that depends on the layer index."""
+    kda = [str(i) for i, t in enumerate(layer_types) if t == KDA_LAYER]
+    if not kda:
+        return {}
+    return {rf"\.layers\.({'|'.join(kda)})\.self_attn\.": r".layers.\1.linear_attn."}
+
+
+def _kimi_linear(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> ForeignCheckpointPlan:
+    mapped = _common_fields(fields, {"n_routed_experts": "num_local_experts"})
+    _routing(fields)
+    _kda_fields(fields, mapped)
+    linear_attn_config = fields.take("linear_attn_config") if "linear_attn_config" in fields.pending else {}
+    unknown = set(linear_attn_config or {}) - _KIMI_LINEAR_ATTN_KEYS
+    if unknown:
+        raise ValueError(f"kimi_linear config field linear_attn_config has keys KDSA does not implement: {unknown}")
+    # transformers resolved linear_attn_config's 1-based kda_layers / full_attn_layers into layer_types.
+    layer_types = fields.take("layer_types")
+    for i, layer_type in enumerate(layer_types):
+        if layer_type != KDA_LAYER:
+            raise ValueError(
+                f"kimi_linear config field layer_types[{i}]={layer_type!r} (dense MLA layer) is not supported by "
+                "KDSA yet; only all-KDA Kimi-Linear configs load"
+            )
+    mapped["layer_types"] = layer_types
+    fields.require("pretraining_tp", (1,), "no tensor-parallel-at-pretraining weight split")
+    fields.require("moe_router_activation_func", ("sigmoid",), "sigmoid router scores")
+    fields.require("moe_layer_freq", (1,), "every layer after first_k_dense_replace is MoE")
+    fields.require("mla_use_nope", (True,), "Kimi-Linear's MLA does not rotate")
+    fields.drop(["use_grouped_topk", "num_nextn_predict_layers", "rope_theta", "rope_scaling"])
+    _quantization(fields, mapped)
+    fields.unhandled()
+    config = KDSAConfig(**mapped, **overrides)
+    return ForeignCheckpointPlan(
+        model_type="kimi_linear",
+        config=config,
+        key_mapping=_kda_key_mapping(config.layer_types),
+        conversions=[
+            # MoE and dense MLPs are both `block_sparse_moe` in the hub layout.
+            WeightRenaming(r"\.block_sparse_moe\.", ".mlp."),
+            *_stacked_experts("w1", "w3", "w2"),
+        ],
+    )
+
+
+_TRANSLATORS = {"deepseek_v32": _deepseek_v32, "kimi_linear": _kimi_linear}
+
+
+# ------------------------------------------------------------------------------------------------------- loading
+
+
+def checkpoint_keys(folder: str) -> list[str]:
+    """Tensor names of a local safetensors checkpoint (the shard index, or the single file's header); [] if the
+    folder has neither (transformers then raises its own error)."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return list(json.load(f)["weight_map"])
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return list(f.keys())
+    return []
+
+
+def plan_foreign_load(raw_config: dict, keys: list[str], overrides: dict | None = None) -> ForeignCheckpointPlan:
+    """Translate a foreign config.json dict (model_type in FOREIGN_MODEL_TYPES) and build the weight mapping.
+    `keys`: the checkpoint's tensor names; `overrides`: KDSA-only config fields (`_KDSA_ONLY_FIELDS`)."""
+    model_type = raw_config.get("model_type")
+    if model_type not in FOREIGN_MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r} is not one KDSA converts; supported: {FOREIGN_MODEL_TYPES}")
+    if model_type not in _TRANSLATORS:
+        raise ValueError(f"loading {model_type!r} checkpoints into KDSA is not implemented yet")
+    source = CONFIG_MAPPING[model_type].from_dict(dict(raw_config))
+    return _TRANSLATORS[model_type](_Fields(source, model_type), keys, overrides or {})
+
+
+_REGISTRATION_LOCK = threading.Lock()
+
+
+def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: dict):
+    """`cls.from_pretrained` for a foreign folder: translated config, conversions registered under `cls.__name__`
+    for this call only (a permanent registration would also rewrite native saves), strict missing / unexpected
+    check, and `_weight_conversions = []` so that `save_pretrained` writes the native KDSA layout."""
+    for name in ("config", "key_mapping"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name}= cannot be combined with a {raw_config.get('model_type')!r} checkpoint folder")
+    if not os.path.isdir(path):
+        raise ValueError(f"foreign checkpoints load from a local folder; {path!r} is not one")
+    keys = checkpoint_keys(path)
+    # KDSA-only settings (e.g. kernel_backend="cpu") given as keyword arguments apply to the translated config, as
+    # transformers applies them to a loaded one.
+    overrides = {name: kwargs.pop(name) for name in list(kwargs) if name in _KDSA_ONLY_FIELDS}
+    plan = plan_foreign_load(raw_config, keys, overrides)
+    want_info = kwargs.pop("output_loading_info", False)
+    # Size mismatches come back in the loading info, so that the strict check below names them (transformers'
+    # own error does not say which tensor); they are never ignored.
+    kwargs["ignore_mismatched_sizes"] = True
+    with _REGISTRATION_LOCK:
+        ignored_before = cls._keys_to_ignore_on_load_unexpected
+        register_checkpoint_conversion_mapping(cls.__name__, plan.conversions, overwrite=True)
+        cls._keys_to_ignore_on_load_unexpected = list(plan.skipped)
+        try:
+            model, info = super(cls, cls).from_pretrained(
+                path,
+                *model_args,
+                config=plan.config,
+                key_mapping=plan.key_mapping or None,
+                output_loading_info=True,
+                **kwargs,
+            )
+        finally:
+            cls._keys_to_ignore_on_load_unexpected = ignored_before
+            register_checkpoint_conversion_mapping(cls.__name__, [], overwrite=True)
+    model._keys_to_ignore_on_load_unexpected = set(ignored_before or [])
+    model._weight_conversions = []
+    problems = {
+        k: sorted(map(str, info[k])) for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)
+    }
+    if problems:
+        raise ValueError(f"{plan.model_type} checkpoint {path!r} does not map onto KDSA exactly: {problems}")
+    for pattern, what in plan.skipped.items():
+        count = sum(1 for k in keys if re.search(pattern, k))
+        logger.info("skipped %s: %d tensors", what, count)
+    return (model, info) if want_info else model
+
+
+__all__ = ["FOREIGN_MODEL_TYPES", "ForeignCheckpointPlan", "checkpoint_keys", "load_foreign", "plan_foreign_load"]
