@@ -1,6 +1,6 @@
 """Loading published checkpoints of the family (DeepSeek-V3.2, Kimi-Linear, GLM-5.3-Flash) into KDSA models.
 
-docs/real-checkpoints.md §2. Two halves per family:
+docs/checkpoint-conversion.md §2. Two halves per family:
 
 - config translation: the raw config.json is parsed by transformers' own config class for its `model_type` (which
   resolves attribute_map aliases, Kimi's 1-based `linear_attn_config` layer lists, GLM's nested `text_config`), then
@@ -162,7 +162,7 @@ def _rope(fields: _Fields, mapped: dict) -> None:
 
 def _quantization(fields: _Fields, mapped: dict) -> None:
     """Only the DeepSeek / GLM fine-grained FP8 layout (E4M3 weights + block `weight_scale_inv`) is read: through
-    transformers' fine-grained FP8 quantizer, which dequantizes at load on CPU (docs/real-checkpoints.md §5)."""
+    transformers' fine-grained FP8 quantizer, which dequantizes at load on CPU (docs/checkpoint-conversion.md §5)."""
     quantization = getattr(fields.source, "quantization_config", None)
     fields.pending.discard("quantization_config")
     if quantization is None:

@@ -119,7 +119,7 @@ class KDSAConfig(PreTrainedConfig):
             raise ValueError(
                 f"this config describes a {source_type!r} model, not {self.model_type!r}: KDSAConfig does not read "
                 "other model types' fields. KDSAForCausalLM.from_pretrained(local_folder) converts DeepSeek-V3.2 and "
-                "Kimi-Linear checkpoints (docs/real-checkpoints.md §1); AutoModelForCausalLM.from_pretrained(path) "
+                "Kimi-Linear checkpoints (docs/checkpoint-conversion.md §1); AutoModelForCausalLM.from_pretrained(path) "
                 "loads transformers' own class"
             )
         if self.layer_types is None:
