@@ -118,9 +118,9 @@ class KDSAConfig(PreTrainedConfig):
         if source_type != self.model_type:
             raise ValueError(
                 f"this config describes a {source_type!r} model, not {self.model_type!r}: KDSAConfig does not read "
-                "other model types' fields. KDSAForCausalLM.from_pretrained(local_folder) converts DeepSeek-V3.2 and "
-                "Kimi-Linear checkpoints (docs/checkpoint-conversion.md §1); AutoModelForCausalLM.from_pretrained(path) "
-                "loads transformers' own class"
+                "other model types' fields. KDSAForCausalLM.from_pretrained(local_folder) converts the family's "
+                "checkpoints (docs/checkpoint-conversion.md §1); AutoModelForCausalLM.from_pretrained(path) loads "
+                "transformers' own class"
             )
         if self.layer_types is None:
             self.layer_types = [DSA_LAYER if i % 4 == 3 else KDA_LAYER for i in range(self.num_hidden_layers)]

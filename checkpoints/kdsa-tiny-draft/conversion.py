@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from transformers import CONFIG_MAPPING
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
+from transformers.core_model_loading import (
+    Chunk,
+    Concatenate,
+    ConversionOps,
+    MergeModulelist,
+    WeightConverter,
+    WeightRenaming,
+)
 
 from .configuration_kdsa import DSA_LAYER, KDA_LAYER, KDSAConfig
 
@@ -93,14 +100,19 @@ class _Fields:
             )
 
 
-def _common_fields(fields: _Fields, source_names: dict[str, str] | None = None) -> dict:
-    """Fields whose meaning is the same in every family and in KDSAConfig; `source_names`: KDSA field -> the
-    source's name where they differ."""
-    source_names = source_names or {}
+def _metadata_fields(fields: _Fields) -> None:
+    """PreTrainedConfig's own fields, present in every (sub)config."""
     fields.drop(_METADATA_FIELDS)
     fields.drop(_TRAINING_ONLY_FIELDS & fields.pending)
     fields.require("chunk_size_feed_forward", (0,), "no chunked feed-forward")
     fields.require("is_encoder_decoder", (False,), "decoder-only")
+
+
+def _common_fields(fields: _Fields, source_names: dict[str, str] | None = None) -> dict:
+    """Fields whose meaning is the same in every family and in KDSAConfig; `source_names`: KDSA field -> the
+    source's name where they differ."""
+    source_names = source_names or {}
+    _metadata_fields(fields)
     fields.require("attention_dropout", (0, 0.0), "KDSA has no attention dropout")
     names = [
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "hidden_act",
@@ -307,7 +319,121 @@ def _kimi_linear(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -
     )
 
 
-_TRANSLATORS = {"deepseek_v32": _deepseek_v32, "kimi_linear": _kimi_linear}
+# --------------------------------------------------------------------------------------------------- GLM-5.3-Flash
+
+
+class DecayToHeadShape(ConversionOps):
+    """GLM stores the KDA decay `A_log` as `[H]`; KDSA (like Kimi-Linear) keeps `[1, 1, H, 1]`."""
+
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        tensor = next(iter(input_dict.values()))
+        tensor = tensor[0] if isinstance(tensor, list) else tensor
+        return {target_patterns[0]: tensor.reshape(1, 1, -1, 1)}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return DecayToFlat()
+
+
+class DecayToFlat(ConversionOps):
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        tensor = next(iter(input_dict.values()))
+        tensor = tensor[0] if isinstance(tensor, list) else tensor
+        return {target_patterns[0]: tensor.reshape(-1)}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return DecayToHeadShape()
+
+
+def _kda_runtime_layout() -> list:
+    """transformers' in-memory KDA layout (a folder saved with `save_original_format=False`): the forget gate as a
+    submodule and one fused depthwise conv `[3C, 1, W]` (q, k, v channels in that order, equal widths)."""
+    return [
+        WeightRenaming(r"linear_attn\.forget_gate\.", "linear_attn."),
+        WeightConverter(
+            source_patterns="linear_attn.conv1d.weight",
+            target_patterns=[
+                "linear_attn.q_conv1d.weight",
+                "linear_attn.k_conv1d.weight",
+                "linear_attn.v_conv1d.weight",
+            ],
+            operations=[Chunk(dim=0)],
+        ),
+    ]
+
+
+# Vision-only fields of the top-level config: the vision tower and its tokens are not part of KDSA.
+_GLM_VISION_FIELDS = (
+    "vision_config", "image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
+    "video_start_token_id", "video_end_token_id",
+)  # fmt: skip
+
+
+def _glm_components(text: _Fields, mapped: dict) -> None:
+    """GLM-5.3-Flash's own components, each refused until KDSA implements it."""
+    text.require("linear_lower_bound", (None,), "KDA forget-gate lower bound not implemented yet")
+    text.require("hc_mult", (1,), "mHC hyper-connections not implemented yet")
+    text.drop(["hc_eps", "hc_sinkhorn_iters"])  # only read with hc_mult > 1
+    text.require("index_kpool", (1,), "k-pool indexer not implemented yet")
+    text.drop(["index_kpool_always_select_tail"])  # only read with index_kpool > 1
+    indexer_types = text.take("indexer_types")
+    if indexer_types is not None and any(t != "full" for t in indexer_types):
+        raise ValueError(
+            f"glm5_next text_config indexer_types={indexer_types}: shared-indexer layers are not implemented yet"
+        )
+    # transformers' GLM always clamps (swiglu_limit is a float, never None): refused until the clamp lands.
+    text.require("swiglu_limit", (None,), "SwiGLU clamp not implemented yet")
+
+
+def _glm5_next(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> ForeignCheckpointPlan:
+    _metadata_fields(fields)
+    fields.drop(_GLM_VISION_FIELDS)
+    tie = fields.take("tie_word_embeddings")
+    dtype = fields.take("dtype")
+    quantization = {}
+    _quantization(fields, quantization)
+    fields.take("text_config")
+    fields.unhandled()
+
+    text = _Fields(fields.source.text_config, "glm5_next text_config")
+    mapped = _common_fields(text)
+    if mapped["tie_word_embeddings"] != tie:
+        raise ValueError(f"glm5_next tie_word_embeddings={tie} but text_config.tie_word_embeddings differs")
+    if dtype is not None:
+        mapped["dtype"] = dtype
+    mapped.update(quantization)
+    text.drop(["quantization_config"])
+    _routing(text)
+    _kda_fields(text, mapped)
+    for name in ("index_n_heads", "index_head_dim", "index_topk", "layer_types"):
+        mapped[name] = text.take(name)
+    if mapped["qk_rope_head_dim"] != 0:
+        raise ValueError(f"glm5_next text_config qk_rope_head_dim={mapped['qk_rope_head_dim']}: GLM's MLA is NoPE")
+    _glm_components(text, mapped)
+    text.unhandled()
+    config = KDSAConfig(**mapped, **overrides)
+    skipped = _layer_skips("glm5_next", config.num_hidden_layers, checkpoint_keys, r"model\.language_model\.")
+    skipped[r"^model\.visual\."] = "glm5_next vision tower model.visual.*"
+    return ForeignCheckpointPlan(
+        model_type="glm5_next",
+        config=config,
+        key_mapping=_kda_key_mapping(config.layer_types),
+        conversions=[
+            WeightRenaming(r"^model\.language_model\.", "model."),
+            *_kda_runtime_layout(),
+            WeightConverter(
+                source_patterns="linear_attn.A_log",
+                target_patterns="linear_attn.A_log",
+                operations=[DecayToHeadShape()],
+            ),
+            *_stacked_experts("gate_proj", "up_proj", "down_proj"),
+        ],
+        skipped=skipped,
+    )
+
+
+_TRANSLATORS = {"deepseek_v32": _deepseek_v32, "kimi_linear": _kimi_linear, "glm5_next": _glm5_next}
 
 
 # ------------------------------------------------------------------------------------------------------- loading
