@@ -18,6 +18,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 
+import torch
 from transformers import CONFIG_MAPPING
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
@@ -29,6 +30,7 @@ from transformers.core_model_loading import (
     WeightConverter,
     WeightRenaming,
 )
+from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 from .configuration_kdsa import DSA_LAYER, KDA_LAYER, KDSAConfig
 
@@ -172,9 +174,14 @@ def _rope(fields: _Fields, mapped: dict) -> None:
     mapped["rope_parameters"] = rope
 
 
+_FP8_CONFIG_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "scale_fmt", "dequantize",
+                    "modules_to_not_convert"}  # fmt: skip
+
+
 def _quantization(fields: _Fields, mapped: dict) -> None:
-    """Only the DeepSeek / GLM fine-grained FP8 layout (E4M3 weights + block `weight_scale_inv`) is read: through
-    transformers' fine-grained FP8 quantizer, which dequantizes at load on CPU (docs/checkpoint-conversion.md §5)."""
+    """Only the DeepSeek / GLM fine-grained FP8 layout (E4M3 weights, one `weight_scale_inv` per weight block) is
+    read, and dequantized while the shards stream in (`BlockFP8Dequantize`); the KDSA model holds the weights in its
+    load dtype and has no quantization_config (docs/checkpoint-conversion.md §5). Sets `mapped["_fp8_block"]`."""
     quantization = getattr(fields.source, "quantization_config", None)
     fields.pending.discard("quantization_config")
     if quantization is None:
@@ -186,14 +193,63 @@ def _quantization(fields: _Fields, mapped: dict) -> None:
             f"{fields.model_type} config field quantization_config.quant_method={method!r} is not supported for "
             f"conversion; KDSA reads {_FP8_QUANT_METHOD!r} (block-scaled E4M3 weights) only"
         )
-    fmt = q.get("fmt", "e4m3")
-    if fmt != "e4m3":
-        raise ValueError(f"quantization_config.fmt={fmt!r} is not supported; only 'e4m3'")
+    unknown = set(q) - _FP8_CONFIG_KEYS
+    if unknown:
+        raise ValueError(f"quantization_config has fields KDSA does not read: {sorted(unknown)}")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"quantization_config.fmt={q['fmt']!r} is not supported; only 'e4m3'")
     if q.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(
-            f"quantization_config.activation_scheme={q['activation_scheme']!r} is not supported; only 'dynamic'"
+            f"quantization_config.activation_scheme={q['activation_scheme']!r} is not supported; only 'dynamic' "
+            "(static activation scales would be needed at every matmul)"
         )
-    mapped["quantization_config"] = q
+    block = q.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"quantization_config.weight_block_size={block!r} must be two positive ints (rows, cols)")
+    mapped["_fp8_block"] = tuple(block)
+
+
+class BlockFP8Dequantize(Fp8Dequantize):
+    """transformers' FP8 dequantize op with the block size taken from the config instead of inferred from the scale
+    grid: DeepSeek's grids round up (`kv_a_proj_with_mqa` has 576 rows = 4.5 blocks of 128, scale grid 5 rows),
+    which the inferring op rejects. Output: the destination parameter's dtype (fp32 when unknown)."""
+
+    def __init__(self, block_size: tuple[int, int]):
+        super().__init__(hf_quantizer=None)
+        self.block_size = block_size
+
+    def _dequantize_one(self, quantized, scales, output_dtype=None):
+        # Without a quantizer the loader has already cast the E4M3 values to the load dtype; E4M3 -> fp32 / bf16 is
+        # exact, the scales are rounded to bf16 in a bf16 load (2^-9 relative, far below E4M3's 2^-4).
+        rows, cols = quantized.shape[-2:]
+        block_rows, block_cols = self.block_size
+        grid = (-(-rows // block_rows), -(-cols // block_cols))
+        if tuple(scales.shape[-2:]) != grid:
+            raise ValueError(
+                f"weight_scale_inv shape {tuple(scales.shape)} does not match weight {tuple(quantized.shape)} in "
+                f"blocks of {self.block_size} (expected grid {grid})"
+            )
+        scales = (scales.float() - 127.0).exp2() if scales.dtype == torch.uint8 else scales.float()  # E8M0 bytes
+        scales = scales.repeat_interleave(block_rows, -2)[..., :rows, :].repeat_interleave(block_cols, -1)
+        return (quantized.float() * scales[..., :cols]).to(output_dtype or torch.float32)
+
+
+def _dequantizing(conversions: list, block: tuple[int, int]) -> list:
+    """The plan's converters also collect each weight's `weight_scale_inv` and dequantize first (before an expert
+    merge), as transformers' quantizers extend a model's converters; one last converter dequantizes every other
+    weight."""
+    extended = []
+    for converter in conversions:
+        sources = getattr(converter, "_original_source_patterns", None)
+        if isinstance(converter, WeightConverter) and all(src.endswith(".weight") for src in sources):
+            with_scales = [name for src in sources for name in (src, src + "_scale_inv")]
+            converter = converter.copy(
+                with_scales,
+                converter._original_target_patterns,
+                operations=[BlockFP8Dequantize(block), *converter.operations],
+            )
+        extended.append(converter)
+    return [*extended, WeightConverter(["weight", "weight_scale_inv"], "weight", [BlockFP8Dequantize(block)])]
 
 
 def _layer_skips(model_type: str, num_layers: int, checkpoint_keys: list[str], prefix: str) -> dict[str, str]:
@@ -231,12 +287,12 @@ def _deepseek_v32(fields: _Fields, checkpoint_keys: list[str], overrides: dict) 
     fields.drop(["num_nextn_predict_layers"])  # MTP layers: skipped by tensor name below
     fields.drop(["rope_theta", "rope_scaling"])  # folded into rope_parameters by transformers
     fields.unhandled()
-    config = KDSAConfig(**mapped, **overrides)
-    return ForeignCheckpointPlan(
-        model_type="deepseek_v32",
-        config=config,
+    return _build(
+        "deepseek_v32",
+        mapped,
+        overrides,
         conversions=_stacked_experts("gate_proj", "up_proj", "down_proj"),
-        skipped=_layer_skips("deepseek_v32", config.num_hidden_layers, checkpoint_keys, r"model\."),
+        skipped=_layer_skips("deepseek_v32", mapped["num_hidden_layers"], checkpoint_keys, r"model\."),
     )
 
 
@@ -306,11 +362,11 @@ def _kimi_linear(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -
     fields.drop(["use_grouped_topk", "num_nextn_predict_layers", "rope_theta", "rope_scaling"])
     _quantization(fields, mapped)
     fields.unhandled()
-    config = KDSAConfig(**mapped, **overrides)
-    return ForeignCheckpointPlan(
-        model_type="kimi_linear",
-        config=config,
-        key_mapping=_kda_key_mapping(config.layer_types),
+    return _build(
+        "kimi_linear",
+        mapped,
+        overrides,
+        key_mapping=_kda_key_mapping(mapped["layer_types"]),
         conversions=[
             # MoE and dense MLPs are both `block_sparse_moe` in the hub layout.
             WeightRenaming(r"\.block_sparse_moe\.", ".mlp."),
@@ -392,7 +448,7 @@ def _glm5_next(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> 
     tie = fields.take("tie_word_embeddings")
     dtype = fields.take("dtype")
     quantization = {}
-    _quantization(fields, quantization)
+    _quantization(fields, quantization)  # top-level in GLM's config.json
     fields.take("text_config")
     fields.unhandled()
 
@@ -412,13 +468,13 @@ def _glm5_next(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> 
         raise ValueError(f"glm5_next text_config qk_rope_head_dim={mapped['qk_rope_head_dim']}: GLM's MLA is NoPE")
     _glm_components(text, mapped)
     text.unhandled()
-    config = KDSAConfig(**mapped, **overrides)
-    skipped = _layer_skips("glm5_next", config.num_hidden_layers, checkpoint_keys, r"model\.language_model\.")
+    skipped = _layer_skips("glm5_next", mapped["num_hidden_layers"], checkpoint_keys, r"model\.language_model\.")
     skipped[r"^model\.visual\."] = "glm5_next vision tower model.visual.*"
-    return ForeignCheckpointPlan(
-        model_type="glm5_next",
-        config=config,
-        key_mapping=_kda_key_mapping(config.layer_types),
+    return _build(
+        "glm5_next",
+        mapped,
+        overrides,
+        key_mapping=_kda_key_mapping(mapped["layer_types"]),
         conversions=[
             WeightRenaming(r"^model\.language_model\.", "model."),
             *_kda_runtime_layout(),
@@ -465,6 +521,16 @@ def plan_foreign_load(raw_config: dict, keys: list[str], overrides: dict | None 
         raise ValueError(f"loading {model_type!r} checkpoints into KDSA is not implemented yet")
     source = CONFIG_MAPPING[model_type].from_dict(dict(raw_config))
     return _TRANSLATORS[model_type](_Fields(source, model_type), keys, overrides or {})
+
+
+def _build(model_type: str, mapped: dict, overrides: dict, **plan) -> ForeignCheckpointPlan:
+    """The KDSAConfig and the plan; FP8 checkpoints get their converters extended to dequantize."""
+    fp8_block = mapped.pop("_fp8_block", None)
+    config = KDSAConfig(**mapped, **overrides)
+    conversions = plan.pop("conversions", [])
+    if fp8_block is not None:
+        conversions = _dequantizing(conversions, fp8_block)
+    return ForeignCheckpointPlan(model_type=model_type, config=config, conversions=conversions, **plan)
 
 
 _REGISTRATION_LOCK = threading.Lock()

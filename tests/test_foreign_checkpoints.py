@@ -478,3 +478,116 @@ def test_glm_weights_map_tensor_by_tensor(tmp_path, caplog, glm_components_allow
 def test_own_model_type_still_loads(tmp_path):
     KDSAConfig(num_hidden_layers=4).save_pretrained(tmp_path)
     assert KDSAConfig.from_pretrained(tmp_path).num_hidden_layers == 4
+
+
+# ---------------------------------------------------------------------------------------------------------- FP8
+
+
+def quantize_fp8(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's weight layout: E4M3 values and one fp32 `weight_scale_inv` per `block x block` tile (partial tiles at
+    the edges, grid rounded up), `weight ≈ e4m3 * scale_inv` with `scale_inv = amax / 448`."""
+    rows, cols = weight.shape
+    grid_rows, grid_cols = -(-rows // block), -(-cols // block)
+    padded = torch.zeros(grid_rows * block, grid_cols * block)
+    padded[:rows, :cols] = weight
+    tiles = padded.view(grid_rows, block, grid_cols, block)
+    scale_inv = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    quantized = (tiles / scale_inv[:, None, :, None]).view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
+    return quantized, scale_inv
+
+
+def dequantize_fp8(quantized: torch.Tensor, scale_inv: torch.Tensor, block: int) -> torch.Tensor:
+    rows, cols = quantized.shape
+    expanded = scale_inv.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    return quantized.float() * expanded
+
+
+def fp8_copy(folder, destination, block: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Quantize every linear weight of the decoder layers as DeepSeek-V3.2 / GLM publish them (the router and the
+    indexer's head weights stay high precision); returns {name: (e4m3, scale_inv)}."""
+    shutil.copytree(folder, destination)
+    index_file = destination / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    quantized = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(destination / shard)
+        for name in list(tensors):
+            keep = name.endswith("mlp.gate.weight") or "weights_proj" in name
+            if name.startswith("model.layers.") and name.endswith(".weight") and tensors[name].dim() == 2 and not keep:
+                values, scale_inv = quantize_fp8(tensors[name], block)
+                tensors[name] = values
+                tensors[name + "_scale_inv"] = scale_inv
+                index["weight_map"][name + "_scale_inv"] = shard
+                quantized[name] = (values, scale_inv)
+        save_file(tensors, destination / shard, metadata={"format": "pt"})
+    index_file.write_text(json.dumps(index))
+    edit_config(
+        destination,
+        quantization_config={
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [block, block],
+        },
+    )  # fmt: skip
+    return quantized
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    return Family("deepseek_v32", tmp_path_factory.mktemp("deepseek_fp8") / "hub")
+
+
+def test_fp8_checkpoint_matches_transformers_own_fp8_load(deepseek, tmp_path):
+    """Blocks of 8 divide every tiny dim, so transformers' own FP8 quantizer (which dequantizes on CPU) can load the
+    folder too: the same FP8 weights must give the same logits; the save is native and unquantized."""
+    fp8_copy(deepseek.folder, tmp_path / "fp8", block=8)
+    ours = KDSAForCausalLM.from_pretrained(tmp_path / "fp8").eval()
+    reference = DeepseekV32ForCausalLM.from_pretrained(tmp_path / "fp8").eval()
+    with torch.no_grad():
+        for seq_len in (SHORT, LONG):
+            ids = deepseek.ids[:, :seq_len]
+            assert relative_error(ours(ids).logits, reference(ids).logits) < 1e-5
+    ours.save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["model_type"] == "kdsa" and "quantization_config" not in config
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert not any(name.endswith("_scale_inv") for name in saved)
+    assert all(t.dtype == torch.float32 for t in saved.values())
+    with torch.no_grad():
+        reloaded = KDSAForCausalLM.from_pretrained(tmp_path / "saved").eval()
+        assert torch.equal(reloaded(deepseek.ids).logits, ours(deepseek.ids).logits)
+
+
+def test_fp8_partial_edge_blocks_dequantize_exactly(deepseek, tmp_path):
+    """Blocks of 16 leave partial tiles (kv_a_proj_with_mqa has 40 rows: grid 3), as DeepSeek's 576-row projection
+    does with blocks of 128; every weight equals e4m3 x scale_inv tile by tile, experts stacked after dequantizing,
+    and each is within E4M3's rounding error (2^-4 relative) of the unquantized weight."""
+    quantized = fp8_copy(deepseek.folder, tmp_path / "fp8", block=16)
+    assert any(values.shape[0] % 16 for values, _ in quantized.values())
+    state = KDSAForCausalLM.from_pretrained(tmp_path / "fp8").state_dict()
+    original = deepseek.model.state_dict()
+    for name, (values, scale_inv) in quantized.items():
+        expected = dequantize_fp8(values, scale_inv, 16)
+        match = re.search(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
+        if match:
+            layer, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+            stacked = state[f"{layer}.{'down' if proj == 'down' else 'gate_up'}_proj"][expert]
+            loaded = stacked if proj == "down" else stacked.chunk(2)[proj == "up"]
+            unquantized = original[f"{layer}.{'down' if proj == 'down' else 'gate_up'}_proj"][expert]
+            unquantized = unquantized if proj == "down" else unquantized.chunk(2)[proj == "up"]
+        else:
+            loaded, unquantized = state[name], original[name]
+        assert torch.equal(loaded, expected), name
+        assert (loaded - unquantized).abs().max() <= 2**-4 * unquantized.abs().max(), name
+
+
+@pytest.mark.parametrize(
+    "quantization, field",
+    [
+        ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static", "weight_block_size": [8, 8]}, "static"),
+        ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}, "weight_block_size"),
+        ({"quant_method": "fp8", "weight_block_size": [8, 8], "input_scale": 1.0}, "input_scale"),
+    ],
+    ids=["activation_scheme", "weight_block_size", "unknown"],
+)
+def test_fp8_unsupported_quantization_is_refused_by_name(quantization, field):
+    with pytest.raises(ValueError, match=field):
+        plan_foreign_load(deepseek_raw(quantization_config=quantization), [])
