@@ -533,7 +533,9 @@ def _build(model_type: str, mapped: dict, overrides: dict, **plan) -> ForeignChe
     return ForeignCheckpointPlan(model_type=model_type, config=config, conversions=conversions, **plan)
 
 
-_REGISTRATION_LOCK = threading.Lock()
+# Held while a foreign folder's conversions are registered under the class name, and by native loads of KDSA
+# models (KDSAForCausalLM.from_pretrained), which would otherwise see them.
+REGISTRATION_LOCK = threading.RLock()
 
 
 def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: dict):
@@ -554,7 +556,7 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
     # Size mismatches come back in the loading info, so that the strict check below names them (transformers'
     # own error does not say which tensor); they are never ignored.
     kwargs["ignore_mismatched_sizes"] = True
-    with _REGISTRATION_LOCK:
+    with REGISTRATION_LOCK:
         ignored_before = cls._keys_to_ignore_on_load_unexpected
         register_checkpoint_conversion_mapping(cls.__name__, plan.conversions, overwrite=True)
         cls._keys_to_ignore_on_load_unexpected = list(plan.skipped)
@@ -583,4 +585,11 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
     return (model, info) if want_info else model
 
 
-__all__ = ["FOREIGN_MODEL_TYPES", "ForeignCheckpointPlan", "checkpoint_keys", "load_foreign", "plan_foreign_load"]
+__all__ = [
+    "REGISTRATION_LOCK",
+    "FOREIGN_MODEL_TYPES",
+    "ForeignCheckpointPlan",
+    "checkpoint_keys",
+    "load_foreign",
+    "plan_foreign_load",
+]

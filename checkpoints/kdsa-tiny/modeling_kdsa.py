@@ -20,7 +20,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from .attn_res import BlockAttnResStream, KDSADepthAttention
 from .cache import ROLLBACK_TOKENS, KDSACache
 from .configuration_kdsa import DSA_LAYER, KDA_LAYER, KDSAConfig
-from .conversion import FOREIGN_MODEL_TYPES, load_foreign
+from .conversion import FOREIGN_MODEL_TYPES, REGISTRATION_LOCK, load_foreign
 from .dsa import KDSASparseAttention
 from .kda import KDSAKimiDeltaAttention
 from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter
@@ -254,7 +254,8 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
                 raw_config = json.load(f)
             if raw_config.get("model_type") in FOREIGN_MODEL_TYPES:
                 return load_foreign(cls, str(pretrained_model_name_or_path), raw_config, model_args, kwargs)
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        with REGISTRATION_LOCK:  # never while a foreign load has its conversions registered
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
         """generate() builds a `DynamicCache` by default; KDSA layers need the paged `KDSACache`. Only speculative
