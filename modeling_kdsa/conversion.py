@@ -359,7 +359,9 @@ def _kimi_linear(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -
     fields.require("moe_router_activation_func", ("sigmoid",), "sigmoid router scores")
     fields.require("moe_layer_freq", (1,), "every layer after first_k_dense_replace is MoE")
     fields.require("mla_use_nope", (True,), "Kimi-Linear's MLA does not rotate")
-    fields.drop(["use_grouped_topk", "num_nextn_predict_layers", "rope_theta", "rope_scaling"])
+    # Kimi-Linear has no rotary embedding anywhere (transformers' class builds none), so rope settings mean nothing;
+    # use_grouped_topk only selects the grouped code path, whose groups n_group gives.
+    fields.drop(["use_grouped_topk", "num_nextn_predict_layers", "rope_theta", "rope_scaling", "rope_parameters"])
     _quantization(fields, mapped)
     fields.unhandled()
     return _build(

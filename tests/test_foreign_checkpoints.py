@@ -201,6 +201,20 @@ def test_saved_folder_reloads_by_remote_code(family, tmp_path):
         assert torch.equal(torch.load(tmp_path / "logits.pt"), family.model(family.ids).logits)
 
 
+def test_bf16_load_keeps_router_and_decay_in_fp32(family):
+    model = KDSAForCausalLM.from_pretrained(family.folder, dtype=torch.bfloat16).eval()
+    params = dict(model.named_parameters())
+    assert params["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert params["model.layers.1.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
+    for name, param in params.items():
+        if name.endswith(("A_log", "dt_bias")):
+            assert param.dtype == torch.float32, name
+    with torch.no_grad():
+        # No numeric bound: the random tiny models' routing and indexer scores are near-tied, so bf16 rounding
+        # flips expert and key choices; parity is checked in fp32 above.
+        assert torch.isfinite(model(family.ids).logits).all()
+
+
 def test_auto_class_keeps_transformers_own_class(family):
     assert type(AutoModelForCausalLM.from_pretrained(family.folder)) is type(family.reference)
 
@@ -326,6 +340,75 @@ def deepseek_raw(**changes) -> dict:
 def test_deepseek_unsupported_values_are_refused_by_name(changes, field):
     with pytest.raises(ValueError, match=field):
         plan_foreign_load(deepseek_raw(**changes), [])
+
+
+# The published config.json files, as their authors wrote them (legacy rope_scaling / rope_theta, torch_dtype, extra
+# keys of the original remote code), shapes of the released models; only the translation runs.
+DEEPSEEK_V32_HUB_CONFIG = {
+    "architectures": ["DeepseekV32ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
+    "hidden_size": 7168, "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048, "initializer_range": 0.02,
+    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v32",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
+    "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+    "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096, "type": "yarn",
+    },
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "transformers_version": "4.44.2",
+    "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+KIMI_LINEAR_HUB_CONFIG = {
+    "architectures": ["KimiLinearForCausalLM"], "bos_token_id": 163584, "eos_token_id": 163585,
+    "first_k_dense_replace": 1, "head_dim": 72, "hidden_act": "silu", "hidden_size": 2304, "initializer_range": 0.02,
+    "intermediate_size": 9216, "kv_lora_rank": 512,
+    "linear_attn_config": {
+        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+        "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
+        "num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4,
+    },
+    "mla_use_nope": True, "model_max_length": 1048576, "model_type": "kimi_linear", "moe_intermediate_size": 1024,
+    "moe_layer_freq": 1, "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "num_attention_heads": 32,
+    "num_expert_group": 1, "num_experts": 256, "num_experts_per_token": 8, "num_hidden_layers": 27,
+    "num_key_value_heads": 32, "num_nextn_predict_layers": 0, "num_shared_experts": 1, "pad_token_id": 163839,
+    "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    "rope_theta": 10000.0, "routed_scaling_factor": 2.446, "tie_word_embeddings": False, "topk_group": 1,
+    "torch_dtype": "bfloat16", "transformers_version": "4.56.2", "use_cache": True, "use_grouped_topk": True,
+    "v_head_dim": 128, "vocab_size": 163840,
+}  # fmt: skip
+
+
+def test_deepseek_v32_hub_config_translates_but_for_grouped_routing():
+    with pytest.raises(ValueError, match="n_group=8"):
+        plan_foreign_load(DEEPSEEK_V32_HUB_CONFIG, [])
+    plan = plan_foreign_load(
+        {**DEEPSEEK_V32_HUB_CONFIG, "n_group": 1, "topk_group": 1}, ["model.layers.61.enorm.weight"]
+    )
+    config = plan.config
+    assert config.layer_types == ["indexed_attention"] * 61 and config.mlp_layer_types[2:4] == ["dense", "sparse"]
+    assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["factor"] == 40
+    assert config.attn_res_block_size == 0 and config.n_routed_experts == 256 and config.index_topk == 2048
+    assert not hasattr(config, "quantization_config") or config.quantization_config is None
+    assert list(plan.skipped.values()) == ["deepseek_v32 layer 61 (multi-token-prediction block)"]
+
+
+def test_kimi_linear_hub_config_translates_but_for_mla_layers():
+    with pytest.raises(ValueError, match=r"layer_types\[3\]='full_attention'"):
+        plan_foreign_load(KIMI_LINEAR_HUB_CONFIG, [])
+    all_kda = dict(KIMI_LINEAR_HUB_CONFIG, linear_attn_config=dict(KIMI_LINEAR_HUB_CONFIG["linear_attn_config"]))
+    all_kda["linear_attn_config"].update(kda_layers=list(range(1, 28)), full_attn_layers=[])
+    config = plan_foreign_load(all_kda, []).config
+    assert (config.n_routed_experts, config.num_experts_per_tok, config.n_shared_experts) == (256, 8, 1)
+    assert config.max_position_embeddings == 1048576 and config.norm_topk_prob is True
+    assert (config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim) == (32, 128, 4)
 
 
 def test_unknown_model_type_is_refused():
