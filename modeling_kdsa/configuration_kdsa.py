@@ -12,7 +12,8 @@ from .numeric_formats import CacheFormats
 # The built-in transformers layer-type names, so that `DynamicCache(config)` and masks work unchanged.
 KDA_LAYER = "linear_attention"
 DSA_LAYER = "indexed_attention"
-SUPPORTED_LAYER_TYPES = (KDA_LAYER, DSA_LAYER)
+MLA_LAYER = "full_attention"  # dense MLA, no indexer (Kimi-Linear's attention layers)
+SUPPORTED_LAYER_TYPES = (KDA_LAYER, DSA_LAYER, MLA_LAYER)
 KERNEL_BACKENDS = ("auto", "torch", "cpu", "compiled")
 
 
@@ -22,17 +23,35 @@ class KDSAConfig(PreTrainedConfig):
     Configuration of a KDSA model. Defaults describe a small but realistic model (hidden 1024, 8 layers at
     3 KDA : 1 DSA, 16 heads, MoE with 8 experts top-2).
 
-    layer_types (`list[str]`): per layer, `"linear_attention"` (KDA) or `"indexed_attention"` (DSA).
-        Default: every 4th layer is DSA, the rest KDA.
+    layer_types (`list[str]`): per layer, `"linear_attention"` (KDA), `"indexed_attention"` (DSA: MLA + Lightning
+        Indexer + top-k sparse attention) or `"full_attention"` (dense causal MLA, no indexer: Kimi-Linear's
+        attention layers, docs/dsa.md §8). Default: every 4th layer is DSA, the rest KDA.
     linear_num_heads, linear_head_dim, linear_conv_kernel_dim: KDA heads, head dim (K = V) and short-conv width.
     q_lora_rank (`int | None`): MLA query LoRA rank; `None` uses a direct query projection.
     kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: MLA dims; `qk_rope_head_dim=0` gives NoPE MLA.
+    mla_use_nope (`bool`): MLA keeps the `qk_rope_head_dim` slice of queries and keys but never rotates it
+        (Kimi-Linear); the Lightning Indexer of DSA layers still rotates its own rope channels. Default False.
+    mla_layernorm_eps (`float | None`): eps of `q_a_layernorm` and `kv_a_layernorm` in DSA and dense MLA layers;
+        None uses rms_norm_eps (Kimi-Linear builds them with 1e-6 while its rms_norm_eps is 1e-5).
     index_n_heads, index_head_dim, index_topk: Lightning Indexer heads, head dim and the number of selected keys.
     n_routed_experts, n_shared_experts, num_experts_per_tok, moe_intermediate_size, routed_scaling_factor,
     norm_topk_prob, first_k_dense_replace: MoE (DeepSeek-V3 style sigmoid router with correction bias).
+    n_group, topk_group (`int`): group-limited routing (DeepSeek-V3 / Kimi-Linear): the experts form `n_group`
+        equal groups, each scored by the sum of its two best bias-corrected scores; only the experts of the best
+        `topk_group` groups can be chosen. 1, 1 = plain top-k (docs/design.md §2).
     attn_res_block_size (`int`): sublayers (attention and FFN count one each) per Block-AttnRes block;
         0 = plain residual stream (Kimi-Linear / DeepSeek-style checkpoints).
     attn_res_final_aggregation (`bool`): with AttnRes, aggregate all blocks once more before the final norm.
+    linear_lower_bound (`float | None`): GLM-5.3-Flash's KDA forget gate. `None` = Kimi's
+        `g = -exp(A_log)·softplus(f + dt_bias)`; a value `lb < 0` = `g = lb·sigmoid(exp(A_log)·(f + dt_bias))`, every
+        log decay in `(lb, 0)` (docs/kda.md §2).
+    swiglu_limit (`float | None`): GLM-5.3-Flash's SwiGLU clamp in the dense MLP, shared and routed experts: the gate
+        is clamped to `<= swiglu_limit`, the up projection to `[-swiglu_limit, swiglu_limit]`. `None` = no clamp.
+    hc_mult (`int`): mHC hyper-connections (docs/hyper-connections.md): the residual stream is `hc_mult` streams
+        per token, mixed per sublayer and averaged before the final norm. 1 = no hyper-connections. Cannot be
+        combined with Block AttnRes (`attn_res_block_size` must be 0).
+    hc_eps (`float`): mHC epsilon added to the pre weights, the mixing matrix and the Sinkhorn denominators.
+    hc_sinkhorn_iters (`int`): Sinkhorn-Knopp normalisations of the mHC mixing matrix (>= 1).
     kernel_backend (`str`): which kernels read the paged DSA cache: `"torch"` (the readable reference),
         `"cpu"` (fused, memory-bounded), `"compiled"` (the fused kernels under torch.compile), or `"auto"`
         (`"cpu"` on CPU; the reference elsewhere until a device kernel has been verified on its hardware).
@@ -43,6 +62,7 @@ class KDSAConfig(PreTrainedConfig):
     # Heads and experts are sharded; KDA and DSA mixers have different attribute names (`linear_attn`,
     # `self_attn`) so that one plan entry can never hit the other mixer (docs/design.md §2).
     base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",  # MLA without q LoRA (Kimi-Linear)
         "layers.*.self_attn.q_b_proj": "colwise",
         "layers.*.self_attn.kv_b_proj": "colwise",
         "layers.*.self_attn.o_proj": "rowwise",
@@ -90,6 +110,9 @@ class KDSAConfig(PreTrainedConfig):
     qk_rope_head_dim: int = 32
     v_head_dim: int = 64
     attention_bias: bool = False
+    # MLA variants (Kimi-Linear): rope slice kept but not rotated; eps of the q / kv latent norms
+    mla_use_nope: bool = False
+    mla_layernorm_eps: float | None = None
     # Lightning Indexer
     index_n_heads: int = 8
     index_head_dim: int = 64
@@ -103,9 +126,18 @@ class KDSAConfig(PreTrainedConfig):
     norm_topk_prob: bool = True
     first_k_dense_replace: int = 1
     mlp_layer_types: list[str] | None = None
+    # Group-limited routing (DeepSeek-V3.2 / Kimi-Linear)
+    n_group: int = 1
+    topk_group: int = 1
     # Residual stream
     attn_res_block_size: int = 4
     attn_res_final_aggregation: bool = True
+    # GLM-5.3-Flash (glm5_next): KDA gate lower bound, SwiGLU clamp, mHC hyper-connections
+    linear_lower_bound: float | None = None
+    swiglu_limit: float | None = None
+    hc_mult: int = 1
+    hc_eps: float = 1e-6
+    hc_sinkhorn_iters: int = 20
     # Kernels
     kernel_backend: str = "auto"
 
@@ -150,7 +182,7 @@ class KDSAConfig(PreTrainedConfig):
             if layer_type not in SUPPORTED_LAYER_TYPES:
                 raise ValueError(
                     f"layer_types[{i}] = {layer_type!r} is not supported; use one of {SUPPORTED_LAYER_TYPES} "
-                    f"('{KDA_LAYER}' = KDA, '{DSA_LAYER}' = DSA)"
+                    f"('{KDA_LAYER}' = KDA, '{DSA_LAYER}' = DSA, '{MLA_LAYER}' = dense MLA)"
                 )
         if len(self.mlp_layer_types) != self.num_hidden_layers:
             raise ValueError(
@@ -185,12 +217,55 @@ class KDSAConfig(PreTrainedConfig):
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= n_routed_experts "
                 f"({self.n_routed_experts})"
             )
+        if self.mla_layernorm_eps is not None and not self.mla_layernorm_eps > 0:
+            raise ValueError(f"mla_layernorm_eps must be None (= rms_norm_eps) or > 0, got {self.mla_layernorm_eps}")
+        self._check_group_routing()
         if self.n_shared_experts < 0:
             raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
         if self.attn_res_block_size < 0:
             raise ValueError(f"attn_res_block_size must be >= 0 (0 = plain residual), got {self.attn_res_block_size}")
+        self._check_glm_fields()
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
+
+    def _check_group_routing(self):
+        if self.n_group <= 0 or self.n_routed_experts % self.n_group:
+            raise ValueError(
+                f"n_group ({self.n_group}) must be > 0 and divide n_routed_experts ({self.n_routed_experts})"
+            )
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group ({self.topk_group}) must be in [1, n_group={self.n_group}]")
+        experts_per_group = self.n_routed_experts // self.n_group
+        if self.n_group > 1 and experts_per_group < 2:
+            raise ValueError(
+                f"n_group={self.n_group} leaves {experts_per_group} expert per group; a group is scored by its two "
+                "best experts, so each group needs >= 2 (n_routed_experts / n_group)"
+            )
+        if self.num_experts_per_tok > self.topk_group * experts_per_group:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of topk_group={self.topk_group} "
+                f"groups ({self.topk_group} x {experts_per_group})"
+            )
+
+    def _check_glm_fields(self):
+        """GLM-5.3-Flash fields: KDA gate lower bound, SwiGLU clamp, mHC."""
+        if self.linear_lower_bound is not None and not self.linear_lower_bound < 0:
+            raise ValueError(
+                f"linear_lower_bound must be None or < 0 (the lowest KDA log decay), got {self.linear_lower_bound}"
+            )
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be None or > 0, got {self.swiglu_limit}")
+        if self.hc_mult < 1:
+            raise ValueError(f"hc_mult must be >= 1 (1 = no hyper-connections), got {self.hc_mult}")
+        if self.hc_eps < 0:
+            raise ValueError(f"hc_eps must be >= 0, got {self.hc_eps}")
+        if self.hc_sinkhorn_iters < 1:
+            raise ValueError(f"hc_sinkhorn_iters must be >= 1, got {self.hc_sinkhorn_iters}")
+        if self.hc_mult > 1 and self.attn_res_block_size > 0:
+            raise ValueError(
+                f"hc_mult={self.hc_mult} (mHC hyper-connections) and attn_res_block_size={self.attn_res_block_size} "
+                "(Block AttnRes) both replace the residual stream; set attn_res_block_size=0 to use mHC"
+            )
 
 
 __all__ = ["KDSAConfig"]

@@ -14,7 +14,10 @@ One forward, per rank, composed from the layers' public pieces (nothing in the m
   in sequence order into a paged store (the `KDSACache` layer when a cache is built); each segment's queries run the
   indexer top-k and the sparse attention with the causal limit of their own positions. Under tensor parallelism
   the tp ranks split those queries for the indexer and all-gather the selected indices;
-- MoE / MLP / AttnRes / norms are position-wise: they run on the local tokens as they are;
+- dense MLA layer (`"full_attention"`): the same with the latent rows only and no indexer: each segment's queries
+  attend densely to every gathered key up to their own position (docs/dsa.md §8);
+- MoE / MLP (SwiGLU clamp included) / AttnRes / mHC hyper-connections / norms are position-wise: they run on the
+  local tokens as they are (the model's own `residual_stream`);
 - final norm and head on the local tokens, logits gathered and put back in order (or only the last token's).
 
 Limits: batches of equal-length prompts without padding mask (prefill from an empty cache); no autograd.
@@ -26,11 +29,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from modeling_kdsa.attn_res import BlockAttnResStream
-from modeling_kdsa.cache import KDSACache, KDSAPagedLayer
-from modeling_kdsa.configuration_kdsa import KDA_LAYER
+from modeling_kdsa.cache import KDSACache, KDSAPagedLayer, KDSAPagedMLALayer
+from modeling_kdsa.configuration_kdsa import DSA_LAYER, KDA_LAYER
 from modeling_kdsa.kda_ops import causal_short_conv, kda_gate, l2norm
-from modeling_kdsa.modeling_kdsa import PlainResidualStream
 
 from .mesh import ParallelMesh, raise_on_all_ranks
 from .state_passing import fold_start_states, summarize_segment
@@ -174,7 +175,7 @@ def _kda_forward(attn, hidden: torch.Tensor, view: _RankView, cache: KDSACache |
     q = l2norm(q.reshape(heads_k).float())
     k = l2norm(k.reshape(heads_k).float())
     v = v.reshape(heads_v)
-    g = kda_gate(attn.f_b_proj(attn.f_a_proj(hidden)).reshape(heads_k), attn.A_log, attn.dt_bias)
+    g = kda_gate(attn.f_b_proj(attn.f_a_proj(hidden)).reshape(heads_k), attn.A_log, attn.dt_bias, attn.lower_bound)
     beta = attn.b_proj(hidden).float().sigmoid()
     g = g.masked_fill(~view.real[None, :, None, None], 0.0)
     beta = beta.masked_fill(~view.real[None, :, None], 0.0)
@@ -264,6 +265,30 @@ def _dsa_forward(attn, hidden, position_embeddings, view: _RankView, cache: KDSA
     return attn.o_proj(out.reshape(batch, local_len, -1))
 
 
+def _mla_forward(attn, hidden, position_embeddings, view: _RankView, cache: KDSACache | None) -> torch.Tensor:
+    """Dense MLA layer on the local tokens `[B, L, D]`: all-gathered latent rows, local queries that attend to every
+    key up to their own position (same math as `dsa.py`'s `KDSAMultiLatentAttention`)."""
+    batch, local_len, _ = hidden.shape
+    q_nope, q_pe, _ = attn.project_queries(hidden, position_embeddings)
+    latent, k_pe = attn.project_latent(hidden, position_embeddings)
+    gathered = torch.cat(view.mesh.all_gather(torch.cat([latent, k_pe], dim=-1), "cp", "cp.mla_latent"), dim=1)
+    store = cache.layers[attn.layer_idx] if cache is not None else KDSAPagedMLALayer.from_config(attn.config)
+    store.append(view.layout.unshard(gathered))  # [B, T, C + R], sequence order, padding dropped
+
+    w_uk, w_uv = attn.absorbed_weights()
+    out = hidden.new_zeros(batch, local_len, attn.num_heads, attn.v_head_dim)
+    for segment in view.segments:
+        for block_start in range(0, segment.num_real, attn.query_block_size):
+            count = min(attn.query_block_size, segment.num_real - block_start)
+            rows = slice(segment.local_offset + block_start, segment.local_offset + block_start + count)
+            q_latent = torch.einsum("bthd,hdc->bthc", q_nope[:, rows], w_uk)
+            out_latent = store.dense_attention(
+                q_latent, q_pe[:, rows].contiguous(), segment.start + block_start, attn.softmax_scale
+            )
+            out[:, rows] = torch.einsum("bthc,hvc->bthv", out_latent, w_uv)
+    return attn.o_proj(out.reshape(batch, local_len, -1))
+
+
 # ------------------------------------------------------------------------------------------------------- model
 
 
@@ -298,18 +323,16 @@ def context_parallel_prefill(
     if cache is not None:
         cache.begin_forward(seq_len)
 
-    if config.attn_res_block_size > 0:
-        depth_attentions = [m for layer in base.layers for m in (layer.attention_res, layer.mlp_res)]
-        stream = BlockAttnResStream(hidden, config.attn_res_block_size, depth_attentions, two_phase=True)
-    else:
-        stream = PlainResidualStream(hidden)
+    stream = base.residual_stream(hidden)
     for layer in base.layers:
         started = time.perf_counter()
         mixer_input = layer.input_layernorm(stream.input_for(2 * layer.layer_idx))
         if layer.layer_type == KDA_LAYER:
             mixed, kind = _kda_forward(layer.linear_attn, mixer_input, view, cache), "kda"
-        else:
+        elif layer.layer_type == DSA_LAYER:
             mixed, kind = _dsa_forward(layer.self_attn, mixer_input, position_embeddings, view, cache), "dsa"
+        else:
+            mixed, kind = _mla_forward(layer.self_attn, mixer_input, position_embeddings, view, cache), "mla"
         stream.add_output(2 * layer.layer_idx, mixed)
         view.stats.add_time(kind, time.perf_counter() - started)
         started = time.perf_counter()

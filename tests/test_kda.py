@@ -10,11 +10,14 @@ import torch
 import torch.nn.functional as F
 from fla_oracle import naive_chunk_kda, naive_recurrent_kda
 from transformers import DynamicCache
+from transformers.models.glm5_next import modeling_glm5_next
+from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 from transformers.models.kimi_linear import modeling_kimi_linear
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 
 from modeling_kdsa import KDSAConfig
 from modeling_kdsa import kda as kda_module
+from modeling_kdsa.cache import KDSACache
 from modeling_kdsa.kda import KDSAKimiDeltaAttention
 from modeling_kdsa.kda_ops import (
     causal_short_conv,
@@ -399,3 +402,135 @@ def test_gates_and_state_stay_fp32_in_bf16_layer(monkeypatch):
     assert cache.get_recurrent_state(0).dtype == torch.float32
     fp32 = torch.float32
     assert seen == [("chunk_kda", fp32, fp32, None), ("recurrent_kda", fp32, fp32, fp32)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 7. GLM-5.3-Flash's bounded forget gate (`linear_lower_bound`) vs transformers' Glm5NextTextLinearAttention
+
+LOWER_BOUND = -5.0
+
+
+def glm_pair(seed: int = 0):
+    """transformers' GLM-5.3-Flash KDA layer and ours (`linear_lower_bound=-5`), holding the same weights. The gate
+    parameters are drawn so that `exp(A_log)·(f + dt_bias)` spans the sigmoid's whole range (GLM initialises
+    A_log = 0, dt_bias ~ -5: nearly constant gates that would hide a wrong formula)."""
+    glm_config = Glm5NextTextConfig(
+        hidden_size=HIDDEN,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        mlp_layer_types=["dense"],
+        linear_num_heads=HEADS,
+        linear_head_dim=HEAD_DIM,
+        linear_conv_kernel_dim=CONV,
+        linear_lower_bound=LOWER_BOUND,
+        rms_norm_eps=1e-5,
+    )
+    theirs = modeling_glm5_next.Glm5NextTextLinearAttention(glm_config, layer_idx=0)
+    randomize_(theirs, seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        theirs.forget_gate.A_log.uniform_(-1.0, 1.0, generator=gen)
+        theirs.forget_gate.dt_bias.normal_(0.0, 1.0, generator=gen)
+    ours = KDSAKimiDeltaAttention(kdsa_config(linear_lower_bound=LOWER_BOUND), layer_idx=0)
+    # The converter's renames: the fused conv is split into q/k/v, `forget_gate.` is dropped, A_log [H] → [1,1,H,1].
+    state = theirs.state_dict()
+    q_conv, k_conv, v_conv = state.pop("conv1d.weight").split(HEADS * HEAD_DIM, dim=0)
+    state.update({"q_conv1d.weight": q_conv, "k_conv1d.weight": k_conv, "v_conv1d.weight": v_conv})
+    state = {name.removeprefix("forget_gate."): value for name, value in state.items()}
+    state["A_log"] = state["A_log"].reshape(1, 1, HEADS, 1)
+    ours.load_state_dict(state, strict=True)
+    return theirs.eval(), ours.eval(), glm_config
+
+
+def assert_close_rel(actual, expected, rel=1e-5):
+    """|actual - expected| <= rel · max|expected| elementwise."""
+    torch.testing.assert_close(actual, expected, atol=rel * expected.abs().max().item(), rtol=0)
+
+
+def test_bounded_gate_formula():
+    """`g = lb · sigmoid(exp(A_log) · (raw + dt_bias))`, written out; every value in (lb, 0)."""
+    gen = torch.Generator().manual_seed(0)
+    raw, A_log, dt_bias = torch.randn(2, 3, 2, 4, generator=gen), torch.randn(2, generator=gen), torch.randn(8)
+    expected = LOWER_BOUND * torch.sigmoid(A_log.exp()[:, None] * (raw + dt_bias.reshape(2, 4)))
+    g = kda_gate(raw, A_log, dt_bias, lower_bound=LOWER_BOUND)
+    torch.testing.assert_close(g, expected)
+    assert g.dtype == torch.float32 and bool(((g > LOWER_BOUND) & (g < 0)).all())
+
+
+@torch.no_grad()
+def test_layer_with_lower_bound_matches_transformers_glm5_next():
+    """Prefill (chunked kernel) and token-by-token decode (recurrent kernel) through a KDSACache, against GLM's
+    layer with its DynamicCache; fp32, 1e-5 relative to each output's scale (measured ~1e-7)."""
+    theirs, ours, glm_config = glm_pair()
+    x = torch.randn(2, 100, HIDDEN, generator=torch.Generator().manual_seed(1))
+    assert_close_rel(ours(x), theirs(x))
+
+    their_cache, our_cache = DynamicCache(config=glm_config), KDSACache(kdsa_config(linear_lower_bound=LOWER_BOUND))
+    assert_close_rel(ours(x[:, :70], cache=our_cache), theirs(x[:, :70], cache=their_cache))
+    for t in range(70, 76):
+        step = x[:, t : t + 1]
+        assert_close_rel(ours(step, cache=our_cache), theirs(step, cache=their_cache))
+    assert_close_rel(our_cache.get_recurrent_state(0), their_cache.get_recurrent_state(0))
+    # The Kimi gate on the same weights is far off: the comparison sees the gate.
+    unbounded = KDSAKimiDeltaAttention(kdsa_config(), layer_idx=0)
+    unbounded.load_state_dict(ours.state_dict())
+    assert (unbounded.eval()(x) - theirs(x)).abs().max() > 1e-2 * theirs(x).abs().max()
+
+
+@torch.no_grad()
+def test_lower_bound_rollback_replays_the_recorded_gate():
+    """Speculative rollback replays the recorded g: verify 6 draft tokens, crop to 3 accepted, continue; equals a
+    cache that only ever saw the accepted tokens."""
+    _, layer, _ = glm_pair(seed=2)
+    config = kdsa_config(linear_lower_bound=LOWER_BOUND)
+    x = torch.randn(2, 20, HIDDEN, generator=torch.Generator().manual_seed(2))
+
+    def run(tokens, cache):
+        cache.begin_forward(tokens.shape[1])  # what the model does before its layers run
+        return layer(tokens, cache=cache)
+
+    cache = KDSACache(config, rollback_tokens=16)
+    run(x[:, :10], cache)
+    cache.crop(0)
+    run(x[:, 10:16], cache)  # the draft
+    cache.crop(13)
+    reference = KDSACache(config)
+    run(x[:, :13], reference)
+    assert_close_rel(cache.get_recurrent_state(0), reference.get_recurrent_state(0))
+    assert_close_rel(run(x[:, 13:14], cache), run(x[:, 13:14], reference))
+
+
+def test_lower_bound_must_be_negative():
+    for bad in (0.0, 1.0):
+        with pytest.raises(ValueError, match="linear_lower_bound"):
+            kdsa_config(linear_lower_bound=bad)
+
+
+def test_short_conv_runs_in_the_weights_dtype():
+    """GLM-5.3-Flash keeps its conv weights in fp32 and convolves bf16 inputs in fp32: with fp32 weights our conv
+    (prefill and decode step) is the fp32 conv rounded once to bf16."""
+    gen = torch.Generator().manual_seed(7)
+    x, weight = torch.randn(2, 6, 9, generator=gen).bfloat16(), torch.randn(6, 1, CONV, generator=gen)
+    expected = causal_short_conv(x.float(), weight).bfloat16()
+    full = causal_short_conv(x, weight)
+    assert full.dtype == torch.bfloat16 and torch.equal(full, expected)
+    step = causal_short_conv_step(x[..., 8:], weight, x[..., :8])
+    assert step.dtype == torch.bfloat16
+    torch.testing.assert_close(step, expected[..., 8:], atol=0, rtol=8e-3)  # fp32 sum order: at most one bf16 ulp
+
+
+@torch.no_grad()
+def test_layer_with_lower_bound_matches_glm5_next_bf16_with_fp32_conv():
+    """bf16 weights with the conv (as GLM's `_keep_in_fp32_modules_strict` keeps it) and the gate parameters in fp32.
+    The kernels' bf16 roundings differ slightly (GLM's beta sigmoid runs in bf16), so: a few bf16 ulps of O(1)."""
+    theirs, ours, _ = glm_pair()
+    theirs, ours = theirs.bfloat16(), ours.bfloat16()
+    for module, names in ((theirs, ("conv1d",)), (ours, ("q_conv1d", "k_conv1d", "v_conv1d"))):
+        for name in names:
+            getattr(module, name).float()
+    for module in (theirs.forget_gate, ours):
+        module.A_log.data, module.dt_bias.data = module.A_log.data.float(), module.dt_bias.data.float()
+    x = torch.randn(2, 70, HIDDEN, generator=torch.Generator().manual_seed(1)).bfloat16()
+    ours_out, theirs_out = ours(x), theirs(x)
+    assert ours_out.dtype == torch.bfloat16
+    torch.testing.assert_close(ours_out, theirs_out, atol=3e-2 * theirs_out.abs().max().item(), rtol=2e-2)

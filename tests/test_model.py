@@ -28,7 +28,7 @@ def prompt(batch=1, length=PROMPT_LEN, seed=1):
     "overrides, field",
     [
         (
-            dict(layer_types=["linear_attention", "full_attention", "linear_attention", "indexed_attention"]),
+            dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "indexed_attention"]),
             "layer_types",
         ),
         (dict(layer_types=["linear_attention"] * 3), "layer_types"),

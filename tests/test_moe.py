@@ -6,9 +6,11 @@ import torch
 import torch.nn.functional as F
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextMLP, Glm5NextTextMoE, Glm5NextTextTopkRouter
 
 from modeling_kdsa.configuration_kdsa import KDSAConfig
-from modeling_kdsa.moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter
+from modeling_kdsa.moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter, clamp_swiglu_inputs
 
 HIDDEN = 32
 
@@ -227,3 +229,106 @@ def test_dense_mlp_is_a_gated_mlp():
     expected = mlp.down_proj.weight @ (F.silu(mlp.gate_proj.weight @ x[0, 0]) * (mlp.up_proj.weight @ x[0, 0]))
     with torch.no_grad():
         torch.testing.assert_close(mlp(x)[0, 0], expected, atol=1e-5, rtol=1e-5)
+
+
+# -------------------------------------------------------------------------------- GLM-5.3-Flash's SwiGLU clamp
+
+SWIGLU_LIMIT = 1.5
+
+
+def glm_config(**overrides):
+    """transformers' GLM-5.3-Flash text config with the shapes of `make_config`."""
+    fields = dict(
+        hidden_size=HIDDEN,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_shared_experts=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        swiglu_limit=SWIGLU_LIMIT,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        mlp_layer_types=["sparse"],
+    )
+    config = Glm5NextTextConfig(**(fields | overrides))
+    config._experts_implementation = "eager"
+    return config
+
+
+def large_hidden(seed: int) -> torch.Tensor:
+    """Inputs whose projections (std ~5 with the 0.3-scaled weights) reach far past the clamp on both sides."""
+    return 3.0 * torch.randn(3, 11, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_clamp_matters(ours_unclamped: torch.Tensor, expected: torch.Tensor) -> None:
+    """The same weights without the clamp give a clearly different output: the comparison exercised the clamp."""
+    assert (ours_unclamped - expected).abs().max() > 0.1 * expected.abs().max()
+
+
+def test_clamp_bounds_gate_above_and_up_on_both_sides():
+    gate, up = torch.tensor([-9.0, 0.5, 9.0]), torch.tensor([-9.0, 0.5, 9.0])
+    clamped_gate, clamped_up = clamp_swiglu_inputs(gate, up, SWIGLU_LIMIT)
+    assert clamped_gate.tolist() == [-9.0, 0.5, SWIGLU_LIMIT]
+    assert clamped_up.tolist() == [-SWIGLU_LIMIT, 0.5, SWIGLU_LIMIT]
+    assert clamp_swiglu_inputs(gate, up, None) == (gate, up)
+
+
+@torch.no_grad()
+def test_dense_mlp_with_clamp_matches_transformers_glm5_next():
+    """fp32, strict state-dict match (same names), 1e-6 of the output's scale."""
+    mlp = KDSAMLP(make_config(swiglu_limit=SWIGLU_LIMIT))
+    oracle = Glm5NextTextMLP(glm_config())
+    generator = torch.Generator().manual_seed(20)
+    for tensor in mlp.state_dict().values():
+        tensor.copy_(0.3 * torch.randn(tensor.shape, generator=generator))
+    oracle.load_state_dict(mlp.state_dict(), strict=True)
+    hidden = large_hidden(21)
+    expected = oracle(hidden)
+    assert_close_to_scale(mlp(hidden), expected, rel=1e-6)
+    unclamped = KDSAMLP(make_config())
+    unclamped.load_state_dict(mlp.state_dict())
+    assert_clamp_matters(unclamped(hidden), expected)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("n_shared_experts", [1, 2])
+def test_moe_with_clamp_matches_transformers_glm5_next(n_shared_experts):
+    """Router, clamped routed experts and clamped shared experts against Glm5NextTextMoE (n_group = topk_group = 1),
+    strict state-dict match; fp32, 2e-6 of the output's scale (summation order differs: GLM sums experts in its
+    own order, in the hidden dtype)."""
+    config = make_config(swiglu_limit=SWIGLU_LIMIT, n_shared_experts=n_shared_experts)
+    moe = make_moe(config, seed=22)
+    oracle = Glm5NextTextMoE(glm_config(n_shared_experts=n_shared_experts))
+    oracle.load_state_dict(moe.state_dict(), strict=True)
+    hidden = large_hidden(23)
+    expected = oracle(hidden)
+    assert_close_to_scale(moe(hidden), expected, rel=2e-6)
+    # The routed experts alone, on GLM's own routing: clamped like GLM's.
+    tokens = hidden.reshape(-1, HIDDEN)
+    _, weights, indices = oracle.gate(tokens)
+    routed = oracle.experts(tokens, indices, weights)
+    assert_close_to_scale(moe.experts(tokens, indices, weights), routed, rel=2e-6)
+    unclamped = make_moe(make_config(n_shared_experts=n_shared_experts), seed=22)
+    assert_clamp_matters(unclamped.experts(tokens, indices, weights), routed)
+    assert_clamp_matters(unclamped(hidden), expected)
+
+
+def test_router_matches_transformers_glm5_next():
+    """Same experts and weights as GLM's router (which sorts nothing: compare as sets per token)."""
+    moe = make_moe(make_config(), seed=24)
+    oracle = Glm5NextTextTopkRouter(glm_config())
+    oracle.load_state_dict(moe.gate.state_dict(), strict=True)
+    tokens = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(25))
+    indices, weights = moe.gate(tokens)
+    _, their_weights, their_indices = oracle(tokens)
+    order, their_order = indices.argsort(-1), their_indices.argsort(-1)
+    assert torch.equal(indices.gather(-1, order), their_indices.gather(-1, their_order))
+    torch.testing.assert_close(weights.gather(-1, order), their_weights.gather(-1, their_order), atol=1e-7, rtol=0)
+
+
+def test_swiglu_limit_must_be_positive():
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="swiglu_limit"):
+            make_config(swiglu_limit=bad)

@@ -95,6 +95,30 @@ def _scenario_two(rank: int, results: dict) -> None:
     out = context_parallel_prefill(sharded, ids, tp_mesh)  # the CP code path with cp = 1: indexer split over tp
     results["tp2_cp_path_error"] = (out.logits - reference).abs().max().item()
 
+    # Dense MLA layers (Kimi-Linear's "full_attention") with the unrotated rope slice and grouped routing.
+    kimi_fields = dict(
+        layer_types=["linear_attention", "indexed_attention", "full_attention", "full_attention"],
+        mla_use_nope=True,
+        n_routed_experts=8,
+        n_group=4,
+        topk_group=2,
+    )
+    kimi_model = tiny_model(**kimi_fields)
+    kimi_reference = kimi_model(ids).logits
+    out = context_parallel_prefill(kimi_model, ids, cp_mesh)
+    results["mla_cp2_error"] = (out.logits - kimi_reference).abs().max().item()
+    kimi_sharded = apply_tensor_parallel(tiny_model(**kimi_fields), tp_mesh)
+    results["mla_tp2_error"] = (kimi_sharded(ids).logits - kimi_reference).abs().max().item()
+
+    # GLM-5.3-Flash's features (bounded KDA gate, SwiGLU clamp, mHC ×4): under cp = 2 and under tp = 2.
+    glm_features = dict(attn_res_block_size=0, hc_mult=4, linear_lower_bound=-5.0, swiglu_limit=0.5)
+    glm_model = tiny_model(**glm_features)
+    glm_reference = glm_model(ids).logits
+    out = context_parallel_prefill(glm_model, ids, cp_mesh)
+    results["glm_cp2_error"] = (out.logits - glm_reference).abs().max().item()
+    glm_sharded = apply_tensor_parallel(tiny_model(**glm_features), tp_mesh)
+    results["glm_tp2_error"] = (glm_sharded(ids).logits - glm_reference).abs().max().item()
+
     # Error paths: each must raise a ValueError on every rank, and return (no rank left waiting).
     results["error_short_sequence"] = _expect_error(
         lambda: context_parallel_prefill(reference_model, ids[:, :3], cp_mesh)
@@ -192,6 +216,12 @@ def test_cp2_logits_match_single_process(two_ranks, layout):
         assert result[f"cp2_{layout}_error"] < LOGIT_TOLERANCE
 
 
+def test_dense_mla_under_cp2_and_tp2_matches_single_process(two_ranks):
+    for result in two_ranks:
+        assert result["mla_cp2_error"] < LOGIT_TOLERANCE
+        assert result["mla_tp2_error"] < LOGIT_TOLERANCE
+
+
 def test_cp2_prefill_then_single_process_decode(two_ranks):
     for result in two_ranks:
         assert result["cp2_last_logits_error"] < LOGIT_TOLERANCE
@@ -205,6 +235,15 @@ def test_tp2_model_forward_and_generate(two_ranks):
         assert result["tp2_error"] < LOGIT_TOLERANCE
         assert result["tp2_generate_equal"]
         assert result["tp2_cp_path_error"] < LOGIT_TOLERANCE
+
+
+def test_glm_features_under_cp2_and_tp2(two_ranks):
+    """The bounded KDA gate, SwiGLU clamp and mHC need nothing rank-specific: CP computes the gate with the layer's
+    bound and runs the model's own residual stream; TP shards the gate's A_log / dt_bias by head and the clamp is
+    elementwise on the intermediate slice."""
+    for result in two_ranks:
+        assert result["glm_cp2_error"] < LOGIT_TOLERANCE
+        assert result["glm_tp2_error"] < LOGIT_TOLERANCE
 
 
 @pytest.mark.parametrize(

@@ -163,3 +163,26 @@ def test_cp_path_rejects_short_prompt_and_used_cache():
     model(torch.tensor([[5, 6, 7]]), cache=cache)
     with pytest.raises(ValueError, match="empty KDSACache"):
         context_parallel_prefill(model, torch.tensor([[5, 6, 7]]), single_process_mesh(), cache=cache)
+
+
+@torch.no_grad()
+def test_cp_path_single_process_glm_features():
+    """GLM-5.3-Flash's features run under the CP path as in the model: the bounded KDA gate (CP computes the gate
+    itself), the SwiGLU clamp (inside the MLPs CP calls) and mHC ×4 (the model's own residual stream, position-wise).
+    fp32, same 1e-4 bound as above on O(1) logits."""
+    features = dict(attn_res_block_size=0, hc_mult=4, linear_lower_bound=-5.0, swiglu_limit=0.5)
+    model = tiny_model(**features)
+    with torch.no_grad():  # non-trivial mHC biases and gate parameters
+        generator = torch.Generator().manual_seed(1)
+        for name, param in model.named_parameters():
+            if name.endswith(("hc.base", "A_log", "dt_bias")):
+                param.normal_(0.0, 0.5, generator=generator)
+    ids = torch.randint(3, 128, (2, 29), generator=torch.Generator().manual_seed(0))
+    reference = model(ids).logits
+    out = context_parallel_prefill(model, ids, single_process_mesh(), cache=KDSACache(model.config))
+    assert (out.logits - reference).abs().max() < 1e-4
+    # Each feature changes the logits: the comparison above sees all three.
+    for field, off in (("hc_mult", 1), ("linear_lower_bound", None), ("swiglu_limit", None)):
+        other = tiny_model(**(features | {field: off}))
+        other.load_state_dict(model.state_dict(), strict=False)
+        assert (other(ids).logits - reference).abs().max() > 1e-3, field

@@ -9,6 +9,8 @@
   normalised MLA latent and the RoPE'd key `[c | k_pe]` (`kv_pages`) and the indexer key (`index_pages`). Pages are
   allocated as sequences grow; beams that share a prefix after `reorder_cache` share its pages (reference counts,
   copy-on-write for the page being filled).
+- Dense MLA layers (`"full_attention"`, no indexer) keep the same paged latent store without indexer keys
+  (`KDSAPagedMLALayer`, the DSA store's base class) and read it with the dense causal MLA kernel (docs/dsa.md §8).
 - The store, not the layer, calls the kernels that read it (`dsa_paged_ops`): the fused indexer/top-k and the sparse
   attention over the selected entries, chosen by `config.kernel_backend`.
 - Formats (docs/design.md §4, `numeric_formats.CacheFormats`, chosen from `config.quantization_config` when the cache is
@@ -26,8 +28,8 @@ from typing import NamedTuple
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-from .configuration_kdsa import DSA_LAYER
-from .dsa_paged_ops import dsa_kernels
+from .configuration_kdsa import DSA_LAYER, MLA_LAYER
+from .dsa_paged_ops import dense_mla_kernel, dsa_kernels
 from .kda_ops import chunk_kda, recurrent_kda
 from .numeric_formats import CacheFormats, QuantizedRows
 
@@ -58,22 +60,23 @@ def _map_planes(pages, function):
     return pages.map(function) if isinstance(pages, QuantizedRows) else function(pages)
 
 
-class KDSAPagedLayer(CacheLayerMixin):
-    """Paged latent + indexer-key store of one DSA layer.
+class KDSAPagedMLALayer(CacheLayerMixin):
+    """Paged latent store of one dense MLA layer (`"full_attention"`, docs/dsa.md §8); the base of the DSA store.
 
-    kv_pages: `[P, page_size, C + R]`, index_pages: `[P, page_size, DI]` — model-dtype tensors, or `QuantizedRows` of
-    that geometry when `formats` quantizes them (module doc); block_table: int64 `[B, pages per sequence]`
-    (-1 = unused), `num_tokens`: cached tokens per sequence. Physical pages come from a pool that doubles when it
-    runs out; `page_refcount[p]` counts the block-table entries pointing at page `p`. `latent_width` (C) is the part
-    of a kv row that `kv_cache="fp8"` quantizes; the rest (RoPE) stays in the model dtype.
+    kv_pages: `[P, page_size, C + R]` rows `[normalised latent c | k_pe]` — a model-dtype tensor, or `QuantizedRows` of
+    that geometry when `formats` quantizes it (module doc); block_table: int64 `[B, pages per sequence]` (-1 =
+    unused), `num_tokens`: cached tokens per sequence. Physical pages come from a pool that doubles when it runs out;
+    `page_refcount[p]` counts the block-table entries pointing at page `p`. `latent_width` (C) is the part of a kv
+    row that `kv_cache="fp8"` quantizes; the rest (RoPE slice) stays in the model dtype. Subclasses add planes of
+    per-token rows (`store_names`, `row_widths`, `_encode`) that share the pages and block table.
     """
 
     is_croppable = True  # `crop` truncates the block table: exact
+    store_names = ("kv_pages",)
 
     def __init__(
         self,
         kv_width: int,
-        index_width: int,
         kernel_backend: str,
         page_size: int = PAGE_SIZE,
         formats: CacheFormats | None = None,
@@ -81,7 +84,6 @@ class KDSAPagedLayer(CacheLayerMixin):
     ):
         super().__init__()
         self.kv_width = kv_width
-        self.index_width = index_width
         self.kernel_backend = kernel_backend
         self.page_size = page_size
         self.formats = CacheFormats() if formats is None else formats
@@ -92,18 +94,16 @@ class KDSAPagedLayer(CacheLayerMixin):
                 f"kv_cache_tile_size={self.formats.kv_cache_tile_size}"
             )
         self.kv_pages: torch.Tensor | None = None
-        self.index_pages: torch.Tensor | None = None
         self.block_table: torch.Tensor | None = None
         self.page_refcount: list[int] = []
         self.free_pages: list[int] = []
         self.num_tokens = 0
 
     @classmethod
-    def from_config(cls, config, page_size: int = PAGE_SIZE) -> "KDSAPagedLayer":
-        """The store of a DSA layer of `config`, in the formats `config.quantization_config` asks for."""
+    def from_config(cls, config, page_size: int = PAGE_SIZE) -> "KDSAPagedMLALayer":
+        """The store of a dense MLA layer of `config`, in the formats `config.quantization_config` asks for."""
         return cls(
             kv_width=config.kv_lora_rank + config.qk_rope_head_dim,
-            index_width=config.index_head_dim,
             kernel_backend=config.kernel_backend,
             page_size=page_size,
             formats=CacheFormats.from_config(config),
@@ -111,24 +111,41 @@ class KDSAPagedLayer(CacheLayerMixin):
         )
 
     # ---------------------------------------------------------------------------------------------- bookkeeping
-    def _encode(self, kv_rows: torch.Tensor, index_keys: torch.Tensor):
-        """Rows `[..., C + R]` and keys `[..., DI]` in the stored formats (tensors or `QuantizedRows`)."""
-        kv_rows, index_keys = kv_rows.to(self.dtype), index_keys.to(self.dtype)
-        return (
-            self.formats.encode_kv_rows(kv_rows, self.latent_width),
-            self.formats.encode_index_keys(index_keys),
-        )
+    @property
+    def row_widths(self) -> tuple[int, ...]:
+        """Width of one token's row in each of `store_names`."""
+        return (self.kv_width,)
 
-    def lazy_initialization(self, kv_rows: torch.Tensor, index_keys: torch.Tensor) -> None:
-        batch_size = kv_rows.shape[0]
-        self.dtype, self.device = kv_rows.dtype, kv_rows.device
+    def _stores(self) -> tuple:
+        return tuple(getattr(self, name) for name in self.store_names)
+
+    def _all_planes(self) -> tuple[torch.Tensor, ...]:
+        return tuple(plane for store in self._stores() for plane in _planes(store))
+
+    def _encode(self, kv_rows: torch.Tensor) -> tuple:
+        """Rows `[..., C + R]` in the stored format (a tensor or `QuantizedRows`), one entry per store."""
+        return (self.formats.encode_kv_rows(kv_rows.to(self.dtype), self.latent_width),)
+
+    def _bind_kernels(self, backend: str) -> None:
+        self.dense_kernel = dense_mla_kernel(backend)
+
+    def _check_widths(self, rows: tuple[torch.Tensor, ...]) -> None:
+        if tuple(row.shape[-1] for row in rows) != self.row_widths:
+            raise ValueError(
+                f"paged {type(self).__name__} expects rows of widths {self.row_widths} "
+                f"({', '.join(self.store_names)}), got shapes {[tuple(row.shape) for row in rows]}"
+            )
+
+    def lazy_initialization(self, *rows: torch.Tensor) -> None:
+        batch_size = rows[0].shape[0]
+        self.dtype, self.device = rows[0].dtype, rows[0].device
         # Empty pools in the stored formats: encoding zero rows gives every plane its dtype and width.
-        self.kv_pages, self.index_pages = self._encode(
-            kv_rows.new_zeros(0, self.page_size, self.kv_width),
-            index_keys.new_zeros(0, self.page_size, self.index_width),
-        )
+        widths = zip(rows, self.row_widths, strict=True)
+        empty = self._encode(*(row.new_zeros(0, self.page_size, width) for row, width in widths))
+        for name, store in zip(self.store_names, empty, strict=True):
+            setattr(self, name, store)
         self.block_table = torch.full((batch_size, 0), -1, dtype=torch.long, device=self.device)
-        self.kernels = dsa_kernels(resolve_kernel_backend(self.kernel_backend, self.device))
+        self._bind_kernels(resolve_kernel_backend(self.kernel_backend, self.device))
         self.is_initialized = True
 
     @property
@@ -148,8 +165,8 @@ class KDSAPagedLayer(CacheLayerMixin):
             _bytes_view(larger)[:old] = _bytes_view(plane)
             return larger
 
-        self.kv_pages = _map_planes(self.kv_pages, grown)
-        self.index_pages = _map_planes(self.index_pages, grown)
+        for name in self.store_names:
+            setattr(self, name, _map_planes(getattr(self, name), grown))
         self.page_refcount.extend([0] * (new - old))
         self.free_pages.extend(range(new - 1, old - 1, -1))  # pop() hands out low page ids first
 
@@ -184,7 +201,7 @@ class KDSAPagedLayer(CacheLayerMixin):
         for row in rows:
             if shared_partial and self.page_refcount[row[first_page]] > 1:
                 shared, private = row[first_page], self._take_page()
-                for plane in _planes(self.kv_pages) + _planes(self.index_pages):
+                for plane in self._all_planes():
                     _bytes_view(plane)[private] = _bytes_view(plane)[shared]
                 self._release(shared)
                 row[first_page] = private
@@ -194,17 +211,12 @@ class KDSAPagedLayer(CacheLayerMixin):
         self.block_table = torch.tensor(rows, dtype=torch.long, device=self.device)
 
     # ------------------------------------------------------------------------------------------------- writes
-    def append(self, kv_rows: torch.Tensor, index_keys: torch.Tensor) -> int:
-        """Store the current tokens: kv_rows `[B, T, C + R]`, index_keys `[B, T, DI]`. Returns the number of tokens
-        cached before them (the position of the first new token)."""
-        if kv_rows.shape[-1] != self.kv_width or index_keys.shape[-1] != self.index_width:
-            raise ValueError(
-                f"paged DSA store expects rows of width {self.kv_width} and indexer keys of width {self.index_width}, "
-                f"got {tuple(kv_rows.shape)} and {tuple(index_keys.shape)}"
-            )
+    def _write(self, *rows: torch.Tensor) -> int:
+        """Store the current tokens' rows `[B, T, width]`, one tensor per store. Returns the tokens cached before."""
+        self._check_widths(rows)
         if not self.is_initialized:
-            self.lazy_initialization(kv_rows, index_keys)
-        batch_size, new_tokens, _ = kv_rows.shape
+            self.lazy_initialization(*rows)
+        batch_size, new_tokens, _ = rows[0].shape
         if batch_size != self.batch_size:
             raise ValueError(f"cache holds {self.batch_size} sequences, got a batch of {batch_size}")
         past = self.num_tokens
@@ -213,12 +225,15 @@ class KDSAPagedLayer(CacheLayerMixin):
         self._prepare_pages(new_tokens)
         slots = self.physical_slots(torch.arange(past, past + new_tokens, device=self.device).expand(batch_size, -1))
         slots = slots.reshape(-1)
-        kv_rows, index_keys = self._encode(kv_rows, index_keys)
-        for pages, rows in ((self.kv_pages, kv_rows), (self.index_pages, index_keys)):
-            for plane, new in zip(_planes(pages), _planes(rows), strict=True):
+        for store, encoded in zip(self._stores(), self._encode(*rows), strict=True):
+            for plane, new in zip(_planes(store), _planes(encoded), strict=True):
                 _bytes_view(plane).flatten(0, 1)[slots] = _bytes_view(new).flatten(0, 1)
         self.num_tokens = past + new_tokens
         return past
+
+    def append(self, kv_rows: torch.Tensor) -> int:
+        """Store the current tokens' rows `[B, T, C + R]`. Returns the number of tokens cached before them."""
+        return self._write(kv_rows)
 
     def physical_slots(self, positions: torch.Tensor) -> torch.Tensor:
         """Logical token positions `[B, N]` → row indices into `kv_pages.view(-1, width)`."""
@@ -226,33 +241,24 @@ class KDSAPagedLayer(CacheLayerMixin):
         return pages * self.page_size + positions % self.page_size
 
     # -------------------------------------------------------------------------------------------------- reads
-    def indexer_topk(
+    def dense_attention(
         self,
-        q_index: torch.Tensor,
-        weights: torch.Tensor,
+        q_latent: torch.Tensor,
+        q_pe: torch.Tensor,
         query_start: int,
-        index_topk: int,
+        softmax_scale: float,
         key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Top-`index_topk` cached positions per query (fused indexer over the pages); see dsa_paged_ops. With MXFP8
-        keys, the queries `[B, T, HI, DI]` are MXFP8-rounded first (dynamic, per block of 32)."""
-        indexer, _ = self.kernels
-        q_index = self.formats.quantize_index_queries(q_index)
-        return indexer(
-            q_index, weights, self.index_pages, self.block_table, self.num_tokens, index_topk, query_start,
+        """Dense causal absorbed-form attention over every cached token (queries at `query_start + i`); see
+        dsa_paged_ops.paged_dense_mla_*."""
+        return self.dense_kernel(
+            q_latent, q_pe, self.kv_pages, self.block_table, self.num_tokens, query_start, softmax_scale,
             key_padding_mask,
         )  # fmt: skip
 
-    def sparse_attention(
-        self, q_latent: torch.Tensor, q_pe: torch.Tensor, indices: torch.Tensor, softmax_scale: float
-    ) -> torch.Tensor:
-        """Absorbed-form attention over exactly the selected cached entries; see dsa_paged_ops."""
-        _, attention = self.kernels
-        return attention(q_latent, q_pe, self.kv_pages, self.block_table, indices, softmax_scale)
-
     # -------------------------------------------------------------------------- transformers CacheLayerMixin API
     def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("KDSAPagedLayer is written through `append` by the KDSA sparse attention layer")
+        raise NotImplementedError(f"{type(self).__name__} is written through `append` by the KDSA attention layer")
 
     def get_seq_length(self) -> int:
         return self.num_tokens
@@ -282,7 +288,7 @@ class KDSAPagedLayer(CacheLayerMixin):
         released; the partly kept page stays and is overwritten (or copied, if shared) by the next append."""
         new_length = max_length if max_length >= 0 else self.num_tokens + max_length
         if not 0 <= new_length <= self.num_tokens:
-            raise ValueError(f"cannot crop a DSA layer holding {self.num_tokens} tokens to {new_length} tokens")
+            raise ValueError(f"cannot crop a paged layer holding {self.num_tokens} tokens to {new_length} tokens")
         if not self.is_initialized or new_length == self.num_tokens:
             return
         keep_pages = -(-new_length // self.page_size)
@@ -293,22 +299,101 @@ class KDSAPagedLayer(CacheLayerMixin):
         self.num_tokens = new_length
 
     def reset(self) -> None:
-        self.__init__(
-            self.kv_width, self.index_width, self.kernel_backend, self.page_size, self.formats, self.latent_width
-        )
+        self.__init__(self.kv_width, self.kernel_backend, self.page_size, self.formats, self.latent_width)
 
     def bytes_per_token(self) -> int:
         """Bytes one cached token takes in this store: its row in every plane (values, scales, RoPE part)."""
-        planes = _planes(self.kv_pages) + _planes(self.index_pages)
-        return sum(plane.shape[-1] * plane.element_size() for plane in planes)
+        return sum(plane.shape[-1] * plane.element_size() for plane in self._all_planes())
 
     def memory_bytes(self) -> dict[str, int]:
         """`allocated`: the page pool; `in_use`: pages some sequence points at (shared pages counted once)."""
         if not self.is_initialized:
             return {"allocated": 0, "in_use": 0}
         in_use = sum(1 for count in self.page_refcount if count > 0)
-        allocated = sum(plane.nbytes for plane in _planes(self.kv_pages) + _planes(self.index_pages))
+        allocated = sum(plane.nbytes for plane in self._all_planes())
         return {"allocated": allocated, "in_use": in_use * self.page_size * self.bytes_per_token()}
+
+
+class KDSAPagedLayer(KDSAPagedMLALayer):
+    """Paged latent + indexer-key store of one DSA layer: `KDSAPagedMLALayer`'s `kv_pages` plus `index_pages`
+    `[P, page_size, DI]` (model dtype, or MXFP8 `QuantizedRows` when `formats` asks for it), one row per token in the
+    same pages."""
+
+    store_names = ("kv_pages", "index_pages")
+
+    def __init__(
+        self,
+        kv_width: int,
+        index_width: int,
+        kernel_backend: str,
+        page_size: int = PAGE_SIZE,
+        formats: CacheFormats | None = None,
+        latent_width: int | None = None,
+    ):
+        super().__init__(kv_width, kernel_backend, page_size, formats, latent_width)
+        self.index_width = index_width
+        self.index_pages: torch.Tensor | None = None
+
+    @classmethod
+    def from_config(cls, config, page_size: int = PAGE_SIZE) -> "KDSAPagedLayer":
+        """The store of a DSA layer of `config`, in the formats `config.quantization_config` asks for."""
+        return cls(
+            kv_width=config.kv_lora_rank + config.qk_rope_head_dim,
+            index_width=config.index_head_dim,
+            kernel_backend=config.kernel_backend,
+            page_size=page_size,
+            formats=CacheFormats.from_config(config),
+            latent_width=config.kv_lora_rank,
+        )
+
+    @property
+    def row_widths(self) -> tuple[int, ...]:
+        return (self.kv_width, self.index_width)
+
+    def _encode(self, kv_rows: torch.Tensor, index_keys: torch.Tensor) -> tuple:
+        """Rows `[..., C + R]` and keys `[..., DI]` in the stored formats (tensors or `QuantizedRows`)."""
+        return (
+            self.formats.encode_kv_rows(kv_rows.to(self.dtype), self.latent_width),
+            self.formats.encode_index_keys(index_keys.to(self.dtype)),
+        )
+
+    def _bind_kernels(self, backend: str) -> None:
+        super()._bind_kernels(backend)
+        self.kernels = dsa_kernels(backend)
+
+    def append(self, kv_rows: torch.Tensor, index_keys: torch.Tensor) -> int:
+        """Store the current tokens: kv_rows `[B, T, C + R]`, index_keys `[B, T, DI]`. Returns the number of tokens
+        cached before them (the position of the first new token)."""
+        return self._write(kv_rows, index_keys)
+
+    def indexer_topk(
+        self,
+        q_index: torch.Tensor,
+        weights: torch.Tensor,
+        query_start: int,
+        index_topk: int,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Top-`index_topk` cached positions per query (fused indexer over the pages); see dsa_paged_ops. With MXFP8
+        keys, the queries `[B, T, HI, DI]` are MXFP8-rounded first (dynamic, per block of 32)."""
+        indexer, _ = self.kernels
+        q_index = self.formats.quantize_index_queries(q_index)
+        return indexer(
+            q_index, weights, self.index_pages, self.block_table, self.num_tokens, index_topk, query_start,
+            key_padding_mask,
+        )  # fmt: skip
+
+    def sparse_attention(
+        self, q_latent: torch.Tensor, q_pe: torch.Tensor, indices: torch.Tensor, softmax_scale: float
+    ) -> torch.Tensor:
+        """Absorbed-form attention over exactly the selected cached entries; see dsa_paged_ops."""
+        _, attention = self.kernels
+        return attention(q_latent, q_pe, self.kv_pages, self.block_table, indices, softmax_scale)
+
+    def reset(self) -> None:
+        self.__init__(
+            self.kv_width, self.index_width, self.kernel_backend, self.page_size, self.formats, self.latent_width
+        )
 
 
 # Default rollback window of a KDA layer (tokens since the checkpoint whose replay inputs are kept). transformers
@@ -540,7 +625,7 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
 
 class KDSACache(Cache):
     """The cache `generate()` uses for KDSA models: `KDAReplayLayer` for KDA layers, `KDSAPagedLayer` for DSA
-    layers.
+    layers, `KDSAPagedMLALayer` for dense MLA layers.
 
     `max_cache_tokens`: optional capacity per sequence; a forward that would exceed it raises a `ValueError`
     before anything is written, so the cache stays usable.
@@ -548,7 +633,8 @@ class KDSACache(Cache):
     The default 0 keeps no replay records (no cost; a KDA rollback raises), because most forwards never crop;
     `generate()` passes `ROLLBACK_TOKENS` itself for assisted generation / prompt lookup and for draft models.
     Pass it yourself to `crop` a cache you drive by hand.
-    DSA stores take their formats from `config.quantization_config` (`numeric_formats.CacheFormats.from_config`).
+    DSA and dense MLA stores take their formats from `config.quantization_config`
+    (`numeric_formats.CacheFormats.from_config`).
     """
 
     def __init__(
@@ -562,6 +648,8 @@ class KDSACache(Cache):
         for layer_type in config.layer_types:
             if layer_type == DSA_LAYER:
                 layers.append(KDSAPagedLayer.from_config(config, page_size))
+            elif layer_type == MLA_LAYER:
+                layers.append(KDSAPagedMLALayer.from_config(config, page_size))
             else:
                 layers.append(KDAReplayLayer(config.linear_conv_kernel_dim, rollback_tokens))
         super().__init__(layers=layers)
@@ -606,9 +694,9 @@ class KDSACache(Cache):
         self.reorder_cache(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        batch_size = next((layer.batch_size for layer in self.layers if isinstance(layer, KDSAPagedLayer)), None)
+        batch_size = next((layer.batch_size for layer in self.layers if isinstance(layer, KDSAPagedMLALayer)), None)
         if batch_size is None:
-            raise ValueError("batch_repeat_interleave needs a DSA layer that knows the batch size")
+            raise ValueError("batch_repeat_interleave needs a paged (DSA or dense MLA) layer that knows the batch size")
         self.reorder_cache(torch.arange(batch_size).repeat_interleave(repeats))
 
     @property
@@ -637,14 +725,15 @@ class KDSACache(Cache):
         self.num_tokens = 0
 
     def memory_bytes(self) -> dict[str, int | float]:
-        """Exact bytes held: `dsa_allocated` (page pools), `dsa_in_use` (referenced pages), `kda_states` (conv windows
-        + fp32 recurrent states), `kda_rollback` (KDA checkpoints + replay records), `total` (allocated + KDA),
-        `per_token`: the DSA bytes one cached token adds to one sequence (`Σ_DSA layers` of its row in every plane:
-        `(C + R + DI) · itemsize` unquantized; see `KDSAPagedLayer.bytes_per_token`),
+        """Exact bytes held: `dsa_allocated` (page pools of the DSA and dense MLA layers), `dsa_in_use` (referenced
+        pages), `kda_states` (conv windows + fp32 recurrent states), `kda_rollback` (KDA checkpoints + replay records),
+        `total` (allocated + KDA), `per_token`: the paged bytes one cached token adds to one sequence (`Σ` over paged
+        layers of its row in every plane: `(C + R + DI) · itemsize` per DSA layer and `(C + R) · itemsize` per dense
+        MLA layer unquantized; see `KDSAPagedMLALayer.bytes_per_token`),
         and `rollback_per_token`: the record bytes one pending token adds to one sequence (all KDA layers)."""
         dsa_allocated = dsa_in_use = kda_states = kda_rollback = per_token = rollback_per_token = 0
         for layer in self.layers:
-            if isinstance(layer, KDSAPagedLayer):
+            if isinstance(layer, KDSAPagedMLALayer):
                 usage = layer.memory_bytes()
                 dsa_allocated += usage["allocated"]
                 dsa_in_use += usage["in_use"]
@@ -669,6 +758,7 @@ class KDSACache(Cache):
 __all__ = [
     "KDSACache",
     "KDSAPagedLayer",
+    "KDSAPagedMLALayer",
     "KDAReplayLayer",
     "KDAReplayRecord",
     "PAGE_SIZE",

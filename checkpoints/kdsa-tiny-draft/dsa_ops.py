@@ -1,7 +1,7 @@
 """DSA kernels, torch reference: Lightning Indexer scores and top-k, sparse MLA attention in absorbed form.
 
 docs/dsa.md §1 (indexer formula and constant), §3 (absorbed / MQA mode, gather + softmax over the selected
-entries), §5 (short context == dense causal MLA), §6 (-1 sentinel, lonely rows give 0), §8.10 (bounded prefill
+entries), §5 (short context == dense causal MLA), §6 (-1 sentinel, lonely rows give 0), §7 (bounded prefill
 logits). Each function does one job, in the style of vLLM's indexer stages; the layer (dsa.py) chains them per
 block of queries so that a long prefill never holds a `[T, T]` tensor.
 
@@ -124,6 +124,33 @@ def sparse_mla_attention(
     return torch.matmul(probs, selected_latent).to(q_latent.dtype)
 
 
+def dense_mla_attention(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    softmax_scale: float,
+    query_start: int = 0,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense causal MLA in absorbed form over every visible latent entry (docs/dsa.md §8): the dense-MLA layer's
+    reference kernel.
+
+    q_latent: `[B, T, H, C]`; q_pe: `[B, T, H, R]`; latent: `[B, S, C]`; k_pe: `[B, S, R]`; queries sit at positions
+    `query_start + i`; key_padding_mask `[B, S]` or None. Returns `o_lat = Σ_s softmax_s((q_latent·c_s + q_pe·k_pe_s)
+    · scale) · c_s` over the keys `s <= query_start + i` that are not padding, `[B, T, H, C]` in `q_latent`'s dtype.
+    fp32 math; rows without a visible key give 0.
+    """
+    visible = visible_keys_mask(query_start, q_latent.shape[1], latent.shape[1], key_padding_mask, latent.device)
+    scores = torch.einsum("bthc,bsc->bths", q_latent.float(), latent.float())
+    scores = scores + torch.einsum("bthr,bsr->bths", q_pe.float(), k_pe.float())
+    scores = (scores * softmax_scale).masked_fill(~visible[:, :, None, :], float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
+    probs = torch.exp(scores - row_max)
+    probs = probs / probs.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.einsum("bths,bsc->bthc", probs, latent.float()).to(q_latent.dtype)
+
+
 def dense_mla_reference(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -161,5 +188,6 @@ __all__ = [
     "select_topk",
     "indexer_topk",
     "sparse_mla_attention",
+    "dense_mla_attention",
     "dense_mla_reference",
 ]

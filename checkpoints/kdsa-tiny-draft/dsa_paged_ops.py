@@ -1,11 +1,13 @@
-"""DSA kernels over a paged cache: Lightning Indexer top-k and sparse MLA that read `KDSACache` pages directly.
+"""DSA kernels over a paged cache: Lightning Indexer top-k and sparse MLA that read `KDSACache` pages directly, and
+the dense causal MLA of the indexer-less layers (docs/dsa.md §8).
 
 docs/dsa.md §4 (logical indices, physical slot `block_table[b, s // P] * P + s % P`; vLLM's pipeline: paged logits,
 then top-k), §3 (absorbed sparse MLA: gather the selected `[c | k_pe]` rows, softmax over them), §5 (prefill vs
 decode), §6 (-1 sentinel, rows without a valid key give 0), §7 (never materialise the `[T, S]` logits; an exact
 fused score + top-k was proposed in vLLM RFC #53563).
 
-Three implementations with the same signatures, picked by name through `dsa_kernels(backend)`:
+Three implementations with the same signatures, picked by name through `dsa_kernels(backend)` (and
+`dense_mla_kernel(backend)` for dense MLA):
 - `torch` (`paged_*_reference`): gather the pages into contiguous tensors, then run dsa_ops' reference kernels.
   Readable and exact: the oracle for the others.
 - `cpu` (`paged_*_fused`): the indexer scores, weights and selects in one pass over blocks of pages with a running
@@ -31,7 +33,7 @@ import os
 import torch
 import torch.fx.experimental._config
 
-from .dsa_ops import indexer_topk, sparse_mla_attention
+from .dsa_ops import dense_mla_attention, indexer_topk, sparse_mla_attention
 from .numeric_formats import QuantizedRows
 
 # Bound on what the indexer holds per key block and sequence, the gathered keys `[n, DI]` plus the products
@@ -45,6 +47,10 @@ KEY_BLOCK_ELEMENTS = 1 << 21
 # memory, this is 4x faster than one 128-query gather, because a fresh allocation above glibc's 32 MiB mmap
 # threshold page-faults in on every call while smaller ones are reused from the heap.
 ATTENTION_ROWS_ELEMENTS = 1 << 22
+
+# Bound on one dense-MLA key block: its scores `[T, H, n]` and its rows `[n, C + R]` each stay within 4M elements per
+# sequence (16 MiB in fp32), and the fp32 accumulator `[T, H, C]` of a chunk of queries too, whatever the context.
+DENSE_BLOCK_ELEMENTS = 1 << 22
 
 # Running top-k keys (see `_pack_scores`): the score's order-preserving int32 image in the high 32 bits, the
 # reversed key position in the low 32 bits. Keys below this bound carry the score -inf (masked key).
@@ -453,6 +459,161 @@ def paged_sparse_mla_fused(
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Dense causal MLA over the pages (the indexer-less "full_attention" layers, docs/dsa.md §8)
+
+
+def _check_dense_inputs(q_latent, q_pe, kv_pages, block_table, num_keys, query_start, key_padding_mask):
+    if q_latent.dim() != 4 or q_pe.dim() != 4 or q_pe.shape[:3] != q_latent.shape[:3]:
+        raise ValueError(
+            f"q_latent [B, T, H, C] and q_pe [B, T, H, R] must agree on B, T, H, got {tuple(q_latent.shape)} and "
+            f"{tuple(q_pe.shape)}"
+        )
+    width = q_latent.shape[-1] + q_pe.shape[-1]
+    if not _is_paged(kv_pages) or page_geometry(kv_pages)[-1] != width:
+        shape = page_geometry(kv_pages) if _is_paged(kv_pages) else tuple(kv_pages.shape)
+        raise ValueError(
+            f"kv_pages must be [num_pages, page_size, C + R = {width}] (kv_lora_rank + qk_rope_head_dim), got {shape}"
+        )
+    if query_start < 0:
+        raise ValueError(f"query_start must be >= 0, got {query_start}")
+    _check_block_table(kv_pages, block_table, num_keys, q_latent.shape[0], "kv_pages")
+    if key_padding_mask is not None and tuple(key_padding_mask.shape) != (q_latent.shape[0], num_keys):
+        raise ValueError(
+            f"key_padding_mask must have shape (batch, num_keys) = {(q_latent.shape[0], num_keys)}, "
+            f"got {tuple(key_padding_mask.shape)}"
+        )
+
+
+def paged_dense_mla_reference(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    num_keys: int,
+    query_start: int,
+    softmax_scale: float,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense causal absorbed MLA over paged `[c | k_pe]` rows: `gather_pages` then `dsa_ops.dense_mla_attention`.
+
+    q_latent: `[B, T, H, C]`; q_pe: `[B, T, H, R]`; kv_pages `[num_pages, P, C + R]`; block_table int `[B,
+    max_pages]`; the sequences hold `num_keys` tokens; query `i` sits at `query_start + i` and sees the keys
+    `s <= query_start + i` that `key_padding_mask` `[B, num_keys]` (or None) marks real. Returns `[B, T, H, C]` in
+    q_latent's dtype; rows without a visible key give 0.
+    """
+    _check_dense_inputs(q_latent, q_pe, kv_pages, block_table, num_keys, query_start, key_padding_mask)
+    num_visible = min(num_keys, query_start + q_latent.shape[1])
+    if num_visible == 0:
+        return q_latent.new_zeros(q_latent.shape)
+    rows = gather_pages(kv_pages, block_table, num_visible, q_latent.dtype)
+    latent, k_pe = rows.split([q_latent.shape[-1], q_pe.shape[-1]], dim=-1)
+    padding = None if key_padding_mask is None else key_padding_mask[:, :num_visible]
+    return dense_mla_attention(q_latent, q_pe, latent, k_pe, softmax_scale, query_start, padding)
+
+
+def _dense_block(
+    query: torch.Tensor,
+    rows: torch.Tensor,
+    visible: torch.Tensor,
+    softmax_scale: float,
+    running_max: torch.Tensor,
+    running_sum: torch.Tensor,
+    accumulator: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One key block of the online softmax (the part `torch.compile` compiles).
+
+    query: `[B, T, H, C + R]` (`[q_latent | q_pe]`); rows: `[B, n, C + R]`; visible: bool `[B or 1, T, n]`;
+    running_max / running_sum: fp32 `[B, T, H, 1]` (the max starts at the lowest finite fp32, so that a row that
+    has seen no visible key yet never computes `-inf - -inf`); accumulator: fp32 `[B, T, H, C]`, the unnormalised
+    output. Returns the three updated.
+    """
+    batch, num_queries, num_heads, width = query.shape
+    latent_width = accumulator.shape[-1]
+    # One GEMM for all queries and heads, in the input dtype; softmax statistics in fp32.
+    scores = torch.bmm(query.view(batch, num_queries * num_heads, width), rows.transpose(1, 2))
+    scores = scores.view(batch, num_queries, num_heads, -1).float() * softmax_scale
+    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+    new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
+    probs = torch.exp(scores - new_max)
+    correction = torch.exp(running_max - new_max)
+    running_sum = running_sum * correction + probs.sum(dim=-1, keepdim=True)
+    # Whole `[c | k_pe]` rows, then drop the k_pe columns (see `_attend`).
+    values = torch.bmm(probs.to(rows.dtype).view(batch, num_queries * num_heads, -1), rows)[..., :latent_width]
+    accumulator = accumulator * correction + values.view_as(accumulator).float()
+    return new_max, running_sum, accumulator
+
+
+def _blocked_dense_mla(
+    q_latent, q_pe, kv_pages, block_table, num_keys, query_start, softmax_scale, key_padding_mask, block_step
+) -> torch.Tensor:
+    """Dense MLA in chunks of queries, each an online softmax over blocks of whole pages (`block_step` is
+    `_dense_block` or its compiled version). Inputs already checked."""
+    batch, num_queries, num_heads, latent_width = q_latent.shape
+    _, page_size, width = page_geometry(kv_pages)
+    device = q_latent.device
+    # Chunks small enough that the accumulator and the scores against one page both fit the bound.
+    query_chunk = max(1, DENSE_BLOCK_ELEMENTS // (num_heads * max(width, page_size)))
+    outputs = []
+    for first in range(0, num_queries, query_chunk):
+        last = min(first + query_chunk, num_queries)
+        query = torch.cat([q_latent[:, first:last], q_pe[:, first:last]], dim=-1).contiguous()
+        # Keys after the chunk's last query are never visible: they are not read at all.
+        num_visible = min(num_keys, query_start + last)
+        query_positions = torch.arange(query_start + first, query_start + last, device=device)
+        last_visible_key = query_positions.clamp(max=num_visible - 1)
+        running_max = torch.full(
+            (batch, last - first, num_heads, 1), torch.finfo(torch.float32).min, dtype=torch.float32, device=device
+        )
+        running_sum = torch.zeros_like(running_max)
+        accumulator = torch.zeros(batch, last - first, num_heads, latent_width, dtype=torch.float32, device=device)
+        num_pages_read = _ceil_div(num_visible, page_size)
+        padding = None
+        if key_padding_mask is not None:
+            padding = torch.nn.functional.pad(
+                key_padding_mask[:, :num_visible].bool(), (0, num_pages_read * page_size - num_visible)
+            )
+        keys_per_block = min(DENSE_BLOCK_ELEMENTS // ((last - first) * num_heads), DENSE_BLOCK_ELEMENTS // width)
+        pages_per_block = max(1, keys_per_block // page_size)
+        for first_page in range(0, num_pages_read, pages_per_block):
+            last_page = min(first_page + pages_per_block, num_pages_read)
+            page_ids = block_table[:, first_page:last_page].reshape(-1)
+            rows = read_pages(kv_pages, page_ids, query.dtype).view(batch, -1, width)
+            key_positions = torch.arange(first_page * page_size, last_page * page_size, device=device)
+            visible = (key_positions[None, :] <= last_visible_key[:, None])[None]
+            if padding is not None:
+                visible = visible & padding[:, None, first_page * page_size : last_page * page_size]
+            running_max, running_sum, accumulator = block_step(
+                query, rows, visible, softmax_scale, running_max, running_sum, accumulator
+            )
+        outputs.append(accumulator / running_sum.clamp(min=torch.finfo(torch.float32).tiny))
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+    return out.to(q_latent.dtype)
+
+
+def paged_dense_mla_fused(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    num_keys: int,
+    query_start: int,
+    softmax_scale: float,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense causal absorbed MLA straight from the pages with an online (flash-style) softmax, same signature and
+    result as `paged_dense_mla_reference`.
+
+    Queries are processed in chunks and keys in blocks of whole pages, so the scores, the rows read and the fp32
+    accumulator each stay within DENSE_BLOCK_ELEMENTS per sequence whatever the context length: a `[T, S]` score
+    matrix is never built. Pages after a chunk's last query are not read.
+    """
+    _check_dense_inputs(q_latent, q_pe, kv_pages, block_table, num_keys, query_start, key_padding_mask)
+    return _blocked_dense_mla(
+        q_latent, q_pe, kv_pages, block_table, num_keys, query_start, softmax_scale, key_padding_mask, _dense_block
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Compiled ("graph mode") variants
 
 _compiled_functions: dict = {}
@@ -464,7 +625,7 @@ def compile_cache_dir() -> str:
 
 
 def _compiled(name: str):
-    """`torch.compile` of `_score_block` / `_attend`, created once per process.
+    """`torch.compile` of `_score_block` / `_attend` / `_dense_block`, created once per process.
 
     `dynamic=True`: every size is symbolic from the first compile, so a context that grows each decode step (the
     key block's length, the running top-k's width, K, the number of pages) reuses one graph; only 0/1-sized
@@ -477,7 +638,7 @@ def _compiled(name: str):
     if not _compiled_functions:
         # Inductor reads the variable when it first needs its cache; setdefault keeps a user's choice.
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
-        for key, function in (("score_block", _score_block), ("sparse_mla", _attend)):
+        for key, function in (("score_block", _score_block), ("sparse_mla", _attend), ("dense_mla", _dense_block)):
             _compiled_functions[key] = _without_duck_sizing(torch.compile(function, dynamic=True))
     return _compiled_functions[name]
 
@@ -531,8 +692,33 @@ def paged_sparse_mla_compiled(
     return _chunked_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale, _compiled("sparse_mla"))
 
 
+def paged_dense_mla_compiled(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    num_keys: int,
+    query_start: int,
+    softmax_scale: float,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_dense_mla_fused` with each key block's step compiled (the loops stay in Python). Same results."""
+    _check_dense_inputs(q_latent, q_pe, kv_pages, block_table, num_keys, query_start, key_padding_mask)
+    return _blocked_dense_mla(
+        q_latent,
+        q_pe,
+        kv_pages,
+        block_table,
+        num_keys,
+        query_start,
+        softmax_scale,
+        key_padding_mask,
+        _compiled("dense_mla"),
+    )
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# Backend registry: (indexer top-k, sparse MLA) per backend name
+# Backend registry: (indexer top-k, sparse MLA) per backend name, and the dense MLA kernel
 
 DSA_KERNELS = {
     "torch": (paged_indexer_topk_reference, paged_sparse_mla_reference),
@@ -548,9 +734,25 @@ def dsa_kernels(backend: str):
     return DSA_KERNELS[backend]
 
 
+DENSE_MLA_KERNELS = {
+    "torch": paged_dense_mla_reference,
+    "cpu": paged_dense_mla_fused,
+    "compiled": paged_dense_mla_compiled,
+}
+
+
+def dense_mla_kernel(backend: str):
+    """The dense causal MLA kernel of a backend name in DENSE_MLA_KERNELS; ValueError for an unknown name."""
+    if backend not in DENSE_MLA_KERNELS:
+        raise ValueError(f"unknown dense MLA kernel backend {backend!r}; choose one of {sorted(DENSE_MLA_KERNELS)}")
+    return DENSE_MLA_KERNELS[backend]
+
+
 __all__ = [
     "DSA_KERNELS",
     "dsa_kernels",
+    "DENSE_MLA_KERNELS",
+    "dense_mla_kernel",
     "compile_cache_dir",
     "gather_pages",
     "page_geometry",
@@ -562,4 +764,7 @@ __all__ = [
     "paged_sparse_mla_fused",
     "paged_indexer_topk_compiled",
     "paged_sparse_mla_compiled",
+    "paged_dense_mla_reference",
+    "paged_dense_mla_fused",
+    "paged_dense_mla_compiled",
 ]

@@ -64,7 +64,9 @@ class KDSAKimiDeltaAttention(nn.Module):
         self.q_conv1d = self._short_conv(key_dim)
         self.k_conv1d = self._short_conv(key_dim)
         self.v_conv1d = self._short_conv(value_dim)
-        # Decay gate: low rank (rank K) projection, then -exp(A_log)·softplus(· + dt_bias), both kept in fp32.
+        # Decay gate: low rank (rank K) projection, then -exp(A_log)·softplus(· + dt_bias), or with a lower bound
+        # lb·sigmoid(exp(A_log)·(· + dt_bias)) (kda_ops.kda_gate); A_log and dt_bias kept in fp32.
+        self.lower_bound = config.linear_lower_bound
         self.f_a_proj = nn.Linear(self.hidden_size, self.head_k_dim, bias=False)
         self.f_b_proj = nn.Linear(self.head_k_dim, key_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(key_dim, dtype=torch.float32))
@@ -136,7 +138,9 @@ class KDSAKimiDeltaAttention(nn.Module):
         k = l2norm(k.reshape(heads_k).float())
         v = v.reshape(heads_v)
 
-        g = kda_gate(self.f_b_proj(self.f_a_proj(hidden_states)).reshape(heads_k), self.A_log, self.dt_bias)
+        g = kda_gate(
+            self.f_b_proj(self.f_a_proj(hidden_states)).reshape(heads_k), self.A_log, self.dt_bias, self.lower_bound
+        )
         beta = self.b_proj(hidden_states).float().sigmoid()
         if mask is not None:
             g = g.masked_fill(~mask[:, :, None, None], 0.0)

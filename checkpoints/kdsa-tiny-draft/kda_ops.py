@@ -15,8 +15,12 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def kda_gate(raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
-    """Per-channel log decay `g = -exp(A_log[h]) · softplus(raw + dt_bias[h, :])`, in fp32 (docs/kda.md §2).
+def kda_gate(
+    raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None = None
+) -> torch.Tensor:
+    """Per-channel log decay in fp32 (docs/kda.md §2), with `a = exp(A_log[h])` and `x = raw + dt_bias[h, :]`:
+    `g = -a · softplus(x)` (Kimi-Linear), or with `lower_bound` `g = lower_bound · sigmoid(a · x)` (GLM-5.3-Flash's
+    bounded gate: every log decay lies in `(lower_bound, 0)`).
 
     raw: `[B, T, H, K]` (output of the low-rank gate projection); A_log: `H` values (e.g. `[1, 1, H, 1]`);
     dt_bias: `H·K` values. Returns fp32 `[B, T, H, K]`, all entries < 0.
@@ -31,7 +35,10 @@ def kda_gate(raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> t
             f"kda_gate: dt_bias must hold H·K={num_heads * head_dim} values, got shape {tuple(dt_bias.shape)}"
         )
     decay_rate = A_log.float().reshape(num_heads, 1).exp()
-    return -decay_rate * F.softplus(raw.float() + dt_bias.float().reshape(num_heads, head_dim))
+    x = raw.float() + dt_bias.float().reshape(num_heads, head_dim)
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(decay_rate * x)
+    return -decay_rate * F.softplus(x)
 
 
 def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, left_context: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,7 +46,7 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, left_context: torch
 
     x: `[B, C, T]`; weight: `[C, 1, W]` (an `nn.Conv1d(groups=C)` weight); left_context: `[B, C, L]`, the inputs
     that came before `x` (a cached conv state), or None for a sequence start. Missing context counts as zeros.
-    Returns `[B, C, T]`.
+    Computed in the weight's dtype; returns `[B, C, T]` in x's dtype.
     """
     batch_size, channels, _ = x.shape
     width = weight.shape[-1]
@@ -51,7 +58,8 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, left_context: torch
         context = left_context[..., max(left_context.shape[-1] - (width - 1), 0) :].to(x.dtype)
         context = F.pad(context, (width - 1 - context.shape[-1], 0))
     # The W-1 context columns make the un-padded conv output exactly T columns, one per input of x.
-    return F.silu(F.conv1d(torch.cat([context, x], dim=-1), weight, groups=channels))
+    # In the weight's dtype (fp32 weights give an fp32 conv, as GLM-5.3-Flash runs it), returned in x's dtype.
+    return F.silu(F.conv1d(torch.cat([context, x], dim=-1).to(weight.dtype), weight, groups=channels)).to(x.dtype)
 
 
 def causal_short_conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
@@ -64,7 +72,7 @@ def causal_short_conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: to
             f"{tuple(x.shape)} and {tuple(conv_state.shape)}"
         )
     window = torch.cat([conv_state[..., conv_state.shape[-1] - (width - 1) :].to(x.dtype), x], dim=-1)
-    return F.silu((window * weight[:, 0]).sum(dim=-1, keepdim=True))
+    return F.silu((window.to(weight.dtype) * weight[:, 0]).sum(dim=-1, keepdim=True)).to(x.dtype)
 
 
 def _check_kda_inputs(q, k, v, g, beta, initial_state) -> None:

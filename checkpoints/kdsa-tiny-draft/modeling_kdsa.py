@@ -1,8 +1,10 @@
-"""KDSA model: KDA and DSA token mixers interleaved per `config.layer_types`, MoE feed-forward, Block AttnRes.
+"""KDSA model: KDA, DSA and dense MLA token mixers interleaved per `config.layer_types`, MoE feed-forward, and one
+of three residual streams: plain, Block AttnRes or mHC hyper-connections.
 
 Reads top to bottom: residual streams → decoder layer → pretrained base (init, flags) → model → causal-LM head.
 The mixers live in `kda.py` (docs/kda.md) and `dsa.py` (docs/dsa.md), the feed-forward in `moe.py`, the
-depth attention in `attn_res.py` (docs/attn-res.md). docs/design.md §2.
+depth attention in `attn_res.py` (docs/attn-res.md), the hyper-connections in `hyper_connections.py`
+(docs/hyper-connections.md). docs/design.md §2.
 """
 
 import json
@@ -19,9 +21,10 @@ from transformers.utils.deprecation import deprecate_kwarg
 
 from .attn_res import BlockAttnResStream, KDSADepthAttention
 from .cache import ROLLBACK_TOKENS, KDSACache
-from .configuration_kdsa import DSA_LAYER, KDA_LAYER, KDSAConfig
+from .configuration_kdsa import DSA_LAYER, KDA_LAYER, MLA_LAYER, KDSAConfig
 from .conversion import FOREIGN_MODEL_TYPES, REGISTRATION_LOCK, load_foreign
-from .dsa import KDSASparseAttention
+from .dsa import KDSAMultiLatentAttention, KDSASparseAttention
+from .hyper_connections import HyperConnectionStream, KDSAHyperConnection
 from .kda import KDSAKimiDeltaAttention
 from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter
 from .norms import KDSARMSNorm
@@ -46,7 +49,7 @@ class PlainResidualStream:
 
 
 class KDSADecoderLayer(nn.Module):
-    """One layer = two sublayers: a token mixer (KDA or DSA) and a feed-forward (dense MLP or MoE)."""
+    """One layer = two sublayers: a token mixer (KDA, DSA or dense MLA) and a feed-forward (dense MLP or MoE)."""
 
     def __init__(self, config: KDSAConfig, layer_idx: int):
         super().__init__()
@@ -55,8 +58,10 @@ class KDSADecoderLayer(nn.Module):
         # Distinct attribute names per mixer so tensor-parallel plans never hit the wrong one.
         if self.layer_type == KDA_LAYER:
             self.linear_attn = KDSAKimiDeltaAttention(config, layer_idx)
-        else:
+        elif self.layer_type == DSA_LAYER:
             self.self_attn = KDSASparseAttention(config, layer_idx)
+        else:
+            self.self_attn = KDSAMultiLatentAttention(config, layer_idx)
         if config.mlp_layer_types[layer_idx] == "sparse":
             self.mlp = KDSAMoE(config)
         else:
@@ -66,10 +71,13 @@ class KDSADecoderLayer(nn.Module):
         if config.attn_res_block_size > 0:
             self.attention_res = KDSADepthAttention(config.hidden_size, eps=config.rms_norm_eps)
             self.mlp_res = KDSADepthAttention(config.hidden_size, eps=config.rms_norm_eps)
+        if config.hc_mult > 1:
+            self.attn_hc = KDSAHyperConnection(config)
+            self.ffn_hc = KDSAHyperConnection(config)
 
     def forward(
         self,
-        stream: PlainResidualStream | BlockAttnResStream,
+        stream: PlainResidualStream | BlockAttnResStream | HyperConnectionStream,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None,
         cache: KDSACache | None,
@@ -83,6 +91,9 @@ class KDSADecoderLayer(nn.Module):
             current_mask = None if attention_mask is None else attention_mask[:, -hidden_states.shape[1] :]
             mixed = self.linear_attn(hidden_states, attention_mask=current_mask, cache=cache)
         else:
+            # The model's RoPE table may exist for other layers (a DSA indexer) while this one rotates nothing.
+            if not self.self_attn.uses_position_embeddings:
+                position_embeddings = None
             mixed = self.self_attn(
                 hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache
             )
@@ -105,7 +116,8 @@ class KDSAPreTrainedModel(PreTrainedModel):
     # recurrent state. KDSACache's `crop` can: KDA layers replay their recorded steps from a checkpoint (cache.py).
     _is_stateful = False
     _can_compile_fullgraph = False
-    # Gates, decay parameters, indexer head weights, router and depth-attention queries stay fp32 under bf16 loads.
+    # Gates, decay parameters, indexer head weights, router, depth-attention queries and the mHC biases and gains
+    # stay fp32 under bf16 loads.
     _keep_in_fp32_modules_strict = [
         "A_log",
         "dt_bias",
@@ -115,6 +127,10 @@ class KDSAPreTrainedModel(PreTrainedModel):
         "attention_res",
         "mlp_res",
         "output_attn_res",
+        "attn_hc.base",
+        "attn_hc.scale",
+        "ffn_hc.base",
+        "ffn_hc.scale",
     ]
 
     @torch.no_grad()
@@ -127,12 +143,21 @@ class KDSAPreTrainedModel(PreTrainedModel):
             bound = 1.0 / math.sqrt(module.weight.shape[1] * module.weight.shape[2])
             init.uniform_(module.weight, -bound, bound)
         elif isinstance(module, KDSAKimiDeltaAttention):
-            # fla's KDA initialisation (docs/kda.md §2): A = U(1, 16), dt log-uniform in [1e-3, 1e-1].
-            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
+            # fla's KDA initialisation (docs/kda.md §2): A = U(1, 16), dt log-uniform in [1e-3, 1e-1]; with the
+            # bounded gate A = 1 (A_log = 0), as GLM-5.3-Flash initialises it.
+            if module.lower_bound is not None:
+                init.zeros_(module.A_log)
+            else:
+                init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
             dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
             init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         elif isinstance(module, KDSADepthAttention):
             init.zeros_(module.query)  # zero-init: uniform depth average at step 0 (docs/attn-res.md §1)
+        elif isinstance(module, KDSAHyperConnection):
+            # Zero biases and unit gains: uniform-ish pre/post weights and mixing at step 0, as mHC starts.
+            init.normal_(module.fn, mean=0.0, std=std)
+            init.zeros_(module.base)
+            init.ones_(module.scale)
         elif isinstance(module, KDSATopkRouter):
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.e_score_correction_bias)
@@ -149,7 +174,9 @@ class KDSAModel(KDSAPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([KDSADecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = KDSARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        uses_rope = DSA_LAYER in config.layer_types and config.qk_rope_head_dim > 0
+        # RoPE tables only when some layer rotates: the indexer of a DSA layer always does, MLA unless mla_use_nope.
+        rotated_types = {DSA_LAYER} if config.mla_use_nope else {DSA_LAYER, MLA_LAYER}
+        uses_rope = config.qk_rope_head_dim > 0 and not rotated_types.isdisjoint(config.layer_types)
         self.rotary_emb = KDSARotaryEmbedding(config) if uses_rope else None
         if config.attn_res_block_size > 0 and config.attn_res_final_aggregation:
             self.output_attn_res = KDSADepthAttention(config.hidden_size, eps=config.rms_norm_eps)
@@ -201,17 +228,25 @@ class KDSAModel(KDSAPreTrainedModel):
             position_ids = position_ids.unsqueeze(0).expand(batch_size, -1)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
 
-        if self.config.attn_res_block_size > 0:
-            depth_attentions = [m for layer in self.layers for m in (layer.attention_res, layer.mlp_res)]
-            stream = BlockAttnResStream(
-                inputs_embeds, block_size=self.config.attn_res_block_size, depth_attns=depth_attentions, two_phase=True
-            )
-        else:
-            stream = PlainResidualStream(inputs_embeds)
+        stream = self.residual_stream(inputs_embeds)
         for layer in self.layers:
             layer(stream, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache)
         hidden_states = self.norm(stream.final(getattr(self, "output_attn_res", None)))
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+
+    def residual_stream(
+        self, embeddings: torch.Tensor
+    ) -> PlainResidualStream | BlockAttnResStream | HyperConnectionStream:
+        """A fresh residual stream for one forward pass over `embeddings: [B, T, D]`, of the config's kind."""
+        if self.config.hc_mult > 1:
+            hyper_connections = [m for layer in self.layers for m in (layer.attn_hc, layer.ffn_hc)]
+            return HyperConnectionStream(embeddings, hyper_connections)
+        if self.config.attn_res_block_size > 0:
+            depth_attentions = [m for layer in self.layers for m in (layer.attention_res, layer.mlp_res)]
+            return BlockAttnResStream(
+                embeddings, block_size=self.config.attn_res_block_size, depth_attns=depth_attentions, two_phase=True
+            )
+        return PlainResidualStream(embeddings)
 
     @staticmethod
     def _padding_mask(attention_mask: torch.Tensor | None, batch_size: int, total_len: int) -> torch.Tensor | None:

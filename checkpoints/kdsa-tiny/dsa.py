@@ -1,8 +1,9 @@
-"""DSA layer: MLA with a Lightning Indexer and top-k sparse attention over the compressed latent cache.
+"""MLA layers: dense causal MLA (`KDSAMultiLatentAttention`, docs/dsa.md §8) and the DSA layer built on it, MLA with a
+Lightning Indexer and top-k sparse attention over the compressed latent cache (`KDSASparseAttention`).
 
 docs/dsa.md §1 (indexer: `[rope | nope]` vectors, NeoX RoPE, LayerNorm-with-bias `k_norm`, fp32 head
 weights), §2.1 (MLA projections, scale `qk_head_dim^-0.5 · mscale²`), §2.3 (absorbed form), §5 (one path for
-prefill and decode; context <= index_topk equals dense causal MLA), §8 (pitfalls). Weight names follow DeepSeek /
+prefill and decode; context <= index_topk equals dense causal MLA). Weight names follow DeepSeek /
 transformers' DeepseekV32 so checkpoints load by name. Kernels live in dsa_ops.py.
 
 Legend: `B` batch, `T` current tokens, `S` cached + current tokens, `D` hidden_size, `H` heads, `C` kv_lora_rank,
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KDSAPagedLayer
+from .cache import KDSAPagedLayer, KDSAPagedMLALayer
 from .dsa_ops import QUERY_BLOCK_SIZE
 from .norms import KDSARMSNorm
 from .rotary import apply_rotary_half, apply_rotary_interleaved
@@ -90,13 +91,19 @@ class KDSAIndexer(nn.Module):
         return q_index, weights, k_index
 
 
-class KDSASparseAttention(nn.Module):
-    """MLA whose queries attend only to the `index_topk` cached entries the indexer picks (one set for all heads).
+class KDSAMultiLatentAttention(nn.Module):
+    """Dense causal MLA (layer type `"full_attention"`, Kimi-Linear's attention layers; docs/dsa.md §8), and the base
+    of the DSA layer, which adds the Lightning Indexer (`KDSASparseAttention`).
 
-    Prefill and decode share one path: indexer top-k, then sparse attention in the absorbed (latent) form over the
-    selected `[c | k_pe]` entries, processed in blocks of `query_block_size` queries. The cache stores only the
-    normalised latent `c` `[C]`, the RoPE'd `k_pe` `[R]` and the indexer key `[DI]` per token.
+    Projections (docs/dsa.md §2): queries through the q LoRA (`q_a_proj`, `q_a_layernorm`, `q_b_proj`) or `q_proj`;
+    one shared latent `kv_a_proj_with_mqa(x) = [c | k_pe]`, `c` normalised by `kv_a_layernorm`; `kv_b_proj` holds the
+    per-head key/value up-projections, absorbed into queries and outputs (§3). The cache keeps only `[c | k_pe]`
+    per token. `mla_use_nope` keeps the rope slice of `q` and `k_pe` but never rotates it; `mla_layernorm_eps` is
+    the eps of the two latent norms (None = rms_norm_eps). Attention runs in the absorbed form over the pages,
+    `query_block_size` queries at a time, with the store's dense kernel (online softmax over blocks of pages).
     """
+
+    store_class = KDSAPagedMLALayer
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -109,36 +116,42 @@ class KDSASparseAttention(nn.Module):
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.qk_head_dim = config.qk_head_dim
         self.v_head_dim = config.v_head_dim
-        self.index_topk = config.index_topk
         self.kernel_backend = config.kernel_backend
+        # MLA rotates its rope slice unless the config keeps it unrotated (Kimi-Linear).
+        self.rotates = self.qk_rope_head_dim > 0 and not config.mla_use_nope
         # Read when a store is built (`_store`): `quantization_config` is attached after __init__ on load.
         self.config = config
         self.softmax_scale = mla_softmax_scale(config)
         # Bounds prefill memory (dsa_ops.QUERY_BLOCK_SIZE); results do not depend on it.
         self.query_block_size = QUERY_BLOCK_SIZE
+        norm_eps = config.rms_norm_eps if config.mla_layernorm_eps is None else config.mla_layernorm_eps
 
         if self.q_lora_rank is None:
             self.q_proj = nn.Linear(self.hidden_size, self.num_heads * self.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(self.hidden_size, self.q_lora_rank, bias=config.attention_bias)
-            self.q_a_layernorm = KDSARMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_a_layernorm = KDSARMSNorm(self.q_lora_rank, eps=norm_eps)
             self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(
             self.hidden_size, self.kv_lora_rank + self.qk_rope_head_dim, bias=config.attention_bias
         )
-        self.kv_a_layernorm = KDSARMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_a_layernorm = KDSARMSNorm(self.kv_lora_rank, eps=norm_eps)
         # No bias: absorbing W_UK / W_UV into the query / output needs a purely linear up-projection.
         self.kv_b_proj = nn.Linear(
             self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, self.hidden_size, bias=config.attention_bias)
-        self.indexer = KDSAIndexer(config, layer_idx)
+
+    @property
+    def uses_position_embeddings(self) -> bool:
+        """Whether forward needs `(cos, sin)`: only when something in the layer rotates."""
+        return self.rotates
 
     def project_queries(
         self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns `q_nope` `[B, T, H, Dn]`, RoPE'd `q_pe` `[B, T, H, R]` and the indexer's query input (the q
-        latent `[B, T, q_lora_rank]`, or `hidden_states` without q LoRA)."""
+        """Returns `q_nope` `[B, T, H, Dn]`, `q_pe` `[B, T, H, R]` (RoPE'd unless `mla_use_nope`) and the indexer's
+        query input (the q latent `[B, T, q_lora_rank]`, or `hidden_states` without q LoRA)."""
         batch, seq_len, _ = hidden_states.shape
         if self.q_lora_rank is None:
             query_input = hidden_states
@@ -148,7 +161,7 @@ class KDSASparseAttention(nn.Module):
             q = self.q_b_proj(query_input)
         q = q.view(batch, seq_len, self.num_heads, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        if position_embeddings is not None:
+        if self.rotates:
             cos, sin = position_embeddings
             q_pe = apply_rotary_interleaved(q_pe, cos[:, :, None], sin[:, :, None])
         return q_nope, q_pe, query_input
@@ -156,11 +169,11 @@ class KDSASparseAttention(nn.Module):
     def project_latent(
         self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns what the cache stores per token: the normalised latent `[B, T, C]` and RoPE'd `k_pe`
-        `[B, T, R]`."""
+        """Returns what the cache stores per token: the normalised latent `[B, T, C]` and `k_pe` `[B, T, R]`
+        (RoPE'd unless `mla_use_nope`)."""
         latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
         latent = self.kv_a_layernorm(latent)
-        if position_embeddings is not None:
+        if self.rotates:
             cos, sin = position_embeddings
             k_pe = apply_rotary_interleaved(k_pe, cos, sin)
         return latent, k_pe
@@ -171,19 +184,21 @@ class KDSASparseAttention(nn.Module):
         weight = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
         return weight[:, : self.qk_nope_head_dim].contiguous(), weight[:, self.qk_nope_head_dim :].contiguous()
 
-    def _store(self, cache) -> KDSAPagedLayer:
-        """This layer's paged latent + indexer-key store: the cache's, or a private one for a forward without
-        cache, so that prefill and decode always run the same kernels over the same layout and formats (a quantized
-        cache quantizes a cache-less forward too)."""
+    def _store(self, cache) -> KDSAPagedMLALayer:
+        """This layer's paged store: the cache's, or a private one for a forward without cache, so that prefill and
+        decode always run the same kernels over the same layout and formats (a quantized cache quantizes a
+        cache-less forward too)."""
         if cache is None:
-            return KDSAPagedLayer.from_config(self.config)
+            return self.store_class.from_config(self.config)
         layers = getattr(cache, "layers", [])
-        if self.layer_idx >= len(layers) or not isinstance(layers[self.layer_idx], KDSAPagedLayer):
+        store = layers[self.layer_idx] if self.layer_idx < len(layers) else None
+        # A DSA store is a dense-MLA store with an indexer plane more: the planes must be exactly the ones written here.
+        if not isinstance(store, self.store_class) or store.store_names != self.store_class.store_names:
             raise ValueError(
-                f"DSA layer {self.layer_idx} needs a KDSACache (paged DSA store); got {type(cache).__name__}. "
-                "Build it with `KDSACache(config)` or let generate() create it"
+                f"{type(self).__name__} layer {self.layer_idx} needs a KDSACache ({self.store_class.__name__} store); "
+                f"got {type(cache).__name__}. Build it with `KDSACache(config)` or let generate() create it"
             )
-        return layers[self.layer_idx]
+        return store
 
     def _check_inputs(
         self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
@@ -193,9 +208,12 @@ class KDSASparseAttention(nn.Module):
                 f"hidden_states must be [batch, seq_len, hidden_size={self.hidden_size}], "
                 f"got shape {tuple(hidden_states.shape)}"
             )
-        if self.qk_rope_head_dim == 0:
+        if not self.uses_position_embeddings:
             if position_embeddings is not None:
-                raise ValueError("position_embeddings must be None for a NoPE DSA layer (qk_rope_head_dim=0)")
+                raise ValueError(
+                    "position_embeddings must be None for a NoPE layer, which rotates nothing (qk_rope_head_dim=0, or "
+                    "mla_use_nope without an indexer)"
+                )
             return
         if position_embeddings is None:
             raise ValueError(
@@ -214,6 +232,61 @@ class KDSASparseAttention(nn.Module):
                 f"attention_mask must be a 2-D padding mask [batch={batch}, past + current tokens={num_keys}], "
                 f"got shape {tuple(attention_mask.shape)}"
             )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+    ) -> torch.Tensor:
+        """hidden_states `[B, T, D]`; position_embeddings `(cos, sin)` `[B, T, R]` for the current tokens, or None
+        when the layer rotates nothing; attention_mask `[B, S]` over past + current keys (1 = real, 0 = padding) or
+        None; cache: a `KDSACache` (its paged store for this layer runs the dense kernel), or None.
+        Query `i` sits at cache position `past_len + i` and attends to every visible key `<= past_len + i`.
+        Returns `[B, T, D]`."""
+        self._check_inputs(hidden_states, position_embeddings)
+        batch, seq_len, _ = hidden_states.shape
+        q_nope, q_pe, _ = self.project_queries(hidden_states, position_embeddings)
+        latent, k_pe = self.project_latent(hidden_states, position_embeddings)
+        # Validate everything before the cache is written, so that bad input never leaves it half-updated.
+        store = self._store(cache)
+        past_len = store.num_tokens
+        self._check_attention_mask(attention_mask, batch, past_len + seq_len)
+        store.append(torch.cat([latent, k_pe], dim=-1))
+
+        w_uk, w_uv = self.absorbed_weights()
+        outputs = []
+        for start in range(0, seq_len, self.query_block_size):
+            block = slice(start, min(start + self.query_block_size, seq_len))
+            q_latent = torch.einsum("bthd,hdc->bthc", q_nope[:, block], w_uk)
+            out_latent = store.dense_attention(
+                q_latent, q_pe[:, block].contiguous(), past_len + start, self.softmax_scale, attention_mask
+            )
+            outputs.append(torch.einsum("bthc,hvc->bthv", out_latent, w_uv))
+        attn_output = torch.cat(outputs, dim=1).reshape(batch, seq_len, self.num_heads * self.v_head_dim)
+        return self.o_proj(attn_output)
+
+
+class KDSASparseAttention(KDSAMultiLatentAttention):
+    """MLA whose queries attend only to the `index_topk` cached entries the indexer picks (one set for all heads).
+
+    Prefill and decode share one path: indexer top-k, then sparse attention in the absorbed (latent) form over the
+    selected `[c | k_pe]` entries, processed in blocks of `query_block_size` queries. The cache stores only the
+    normalised latent `c` `[C]`, `k_pe` `[R]` and the indexer key `[DI]` per token. The indexer rotates its rope
+    channels even under `mla_use_nope`.
+    """
+
+    store_class = KDSAPagedLayer
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.index_topk = config.index_topk
+        self.indexer = KDSAIndexer(config, layer_idx)
+
+    @property
+    def uses_position_embeddings(self) -> bool:
+        return self.qk_rope_head_dim > 0  # the indexer rotates whatever MLA does
 
     def forward(
         self,
@@ -251,4 +324,4 @@ class KDSASparseAttention(nn.Module):
         return self.o_proj(attn_output)
 
 
-__all__ = ["KDSAIndexer", "KDSASparseAttention", "mla_softmax_scale"]
+__all__ = ["KDSAIndexer", "KDSAMultiLatentAttention", "KDSASparseAttention", "mla_softmax_scale"]

@@ -1,7 +1,8 @@
 """Feed-forward layers: the dense GLU MLP and the DeepSeek-V3 / Kimi-Linear style mixture of experts.
 
 Router math: docs/design.md §2 (sigmoid scores in fp32, the score-correction bias only selects, renormalise,
-routed scaling). Parameter names and layouts follow transformers' `DeepseekV3MoE` so that
+routed scaling; group-limited routing as in DeepSeek-V3, arXiv:2412.19437, and its `noaux_tc` gate). Parameter
+names and layouts follow transformers' `DeepseekV3MoE` so that
 checkpoints map one to one and the config's tensor-parallel plan (`packed_colwise`, `rowwise`, `moe_tp_experts`)
 applies unchanged.
 """
@@ -12,8 +13,17 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 
+def clamp_swiglu_inputs(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-5.3-Flash's SwiGLU clamp: `gate <= limit`, `-limit <= up <= limit` (the gate is only bounded above: its
+    SiLU is already bounded below). `limit=None` returns both unchanged."""
+    if limit is None:
+        return gate, up
+    return gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+
+
 class KDSAMLP(nn.Module):
-    """Gated MLP `down(act(gate(x)) * up(x))`, `[..., D]` → `[..., D]`; also the MoE's shared experts."""
+    """Gated MLP `down(act(gate(x)) * up(x))`, `[..., D]` → `[..., D]`; also the MoE's shared experts. With
+    `config.swiglu_limit` the gate and up activations are clamped first (`clamp_swiglu_inputs`)."""
 
     def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
@@ -23,9 +33,11 @@ class KDSAMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.swiglu_limit = config.swiglu_limit
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
+        gate, up = clamp_swiglu_inputs(self.gate_proj(hidden_states), self.up_proj(hidden_states), self.swiglu_limit)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class KDSATopkRouter(nn.Module):
@@ -33,6 +45,9 @@ class KDSATopkRouter(nn.Module):
 
     `weight: [E, D]` fp32 parameter; `e_score_correction_bias: [E]` fp32 buffer (saved in checkpoints, not trained
     by the optimizer: load balancing adjusts it outside backprop), as in transformers' DeepseekV3TopkRouter.
+    With `n_group > 1` the choice is group-limited: the E experts form `n_group` consecutive groups, a group scores
+    the sum of its two best bias-corrected scores, and the top-k is taken among the experts of the best `topk_group`
+    groups only (the config checks the group sizes).
     """
 
     def __init__(self, config):
@@ -40,6 +55,8 @@ class KDSATopkRouter(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
+        self.n_group = config.n_group
+        self.topk_group = config.topk_group
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size, dtype=torch.float32))
         self.e_score_correction_bias = nn.Buffer(torch.zeros(config.n_routed_experts, dtype=torch.float32))
 
@@ -48,18 +65,30 @@ class KDSATopkRouter(nn.Module):
         router_logits = F.linear(hidden_states.float(), self.weight.float())  # [N, E]
         scores = router_logits.sigmoid()
         # The bias steers which experts are chosen (load balancing) but never how much they weigh.
-        topk_indices = torch.topk(scores + self.e_score_correction_bias, k=self.top_k, dim=-1).indices
+        scores_for_choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            scores_for_choice = self._keep_best_groups(scores_for_choice)
+        topk_indices = torch.topk(scores_for_choice, k=self.top_k, dim=-1).indices
         topk_weights = scores.gather(-1, topk_indices)
         if self.norm_topk_prob:
             topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
         return topk_indices, topk_weights * self.routed_scaling_factor
+
+    def _keep_best_groups(self, scores_for_choice: torch.Tensor) -> torch.Tensor:
+        """`[N, E]` biased scores with the experts outside the `topk_group` best groups set to -inf."""
+        grouped = scores_for_choice.view(scores_for_choice.shape[0], self.n_group, -1)  # [N, G, E / G]
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+        best_groups = group_scores.topk(self.topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(scores_for_choice)
 
 
 class KDSAExperts(nn.Module):
     """The routed experts as stacked weights (transformers 5.x layout).
 
     `gate_up_proj: [E, 2·I, D]` (gate rows first, then up rows), `down_proj: [E, D, I]`. Under tensor parallelism
-    each rank holds a slice of `I`, so the forward reads `I` from the weights, never from the config.
+    each rank holds a slice of `I`, so the forward reads `I` from the weights, never from the config. With
+    `config.swiglu_limit` each expert clamps its gate and up activations (`clamp_swiglu_inputs`).
     """
 
     def __init__(self, config):
@@ -69,6 +98,7 @@ class KDSAExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden_size, intermediate_size))
         self.act_fn = ACT2FN[config.hidden_act]
+        self.swiglu_limit = config.swiglu_limit
 
     def forward(
         self, hidden_states: torch.Tensor, topk_indices: torch.Tensor, topk_weights: torch.Tensor
@@ -94,6 +124,7 @@ class KDSAExperts(nn.Module):
                 continue
             inputs = grouped_inputs[start : start + count]
             gate, up = F.linear(inputs, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            gate, up = clamp_swiglu_inputs(gate, up, self.swiglu_limit)
             expert_outputs.append(F.linear(self.act_fn(gate) * up, self.down_proj[expert]))
             start += count
 
