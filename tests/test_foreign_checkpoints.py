@@ -50,8 +50,8 @@ def perturb_constants(model: torch.nn.Module, seed: int = 0) -> None:
 def deepseek_v32_model() -> torch.nn.Module:
     config = DeepseekV32Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
-        num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, n_shared_experts=1,
+        num_experts_per_tok=4, n_group=8, topk_group=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
         qk_nope_head_dim=16, v_head_dim=16, index_topk=INDEX_TOPK, index_head_dim=16, index_n_heads=16,
         first_k_dense_replace=1, max_position_embeddings=512, routed_scaling_factor=2.5,
         # YaRN with mscale_all_dim: frequencies, the cos/sin attention factor and the softmax mscale² all differ
@@ -65,15 +65,15 @@ def deepseek_v32_model() -> torch.nn.Module:
 
 
 def kimi_linear_model() -> torch.nn.Module:
-    """All KDA layers: 1-based kda_layers as Moonshot's config.json writes them."""
+    """KDA, KDA, KDA, dense MLA (1-based kda_layers / full_attn_layers as Moonshot's config.json writes them)."""
     config = KimiLinearConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_shared_experts=1, num_experts_per_token=2,
         num_expert_group=1, topk_group=1, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
         first_k_dense_replace=1, model_max_length=512, routed_scaling_factor=2.446, rms_norm_eps=1e-5,
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
         linear_attn_config={
-            "kda_layers": [1, 2, 3], "full_attn_layers": [], "num_heads": 2, "head_dim": 16,
+            "kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 2, "head_dim": 16,
             "short_conv_kernel_size": 4,
         },
     )  # fmt: skip
@@ -82,9 +82,7 @@ def kimi_linear_model() -> torch.nn.Module:
 
 BUILDERS = {"deepseek_v32": deepseek_v32_model, "kimi_linear": kimi_linear_model}
 FAMILIES = sorted(BUILDERS)
-# transformers' Kimi-Linear cache cannot serve a model without attention layers (`get_seq_length` raises), so its
-# reference runs without a cache: every generate step recomputes the whole prefix, which is transformers' prefill.
-REFERENCE_KWARGS = {"kimi_linear": {"use_cache": False}}
+REFERENCE_KWARGS = {}
 # A tensor the strict check must miss by name when it is deleted from the checkpoint (hub name, KDSA name).
 VICTIMS = {
     "deepseek_v32": (
@@ -169,8 +167,10 @@ def test_save_writes_native_kdsa_that_reloads_identically(family, tmp_path):
     assert set(reloaded.state_dict()) == set(family.model.state_dict())
     for name, tensor in family.model.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name
+    # Bit-identical tensors; the logits may still differ in the last fp32 bit because CPU BLAS kernels depend on the
+    # alignment of the (differently allocated) expert slices.
     with torch.no_grad():
-        assert torch.equal(reloaded(family.ids).logits, family.model(family.ids).logits)
+        assert relative_error(reloaded(family.ids).logits, family.model(family.ids).logits) < 1e-6
     # A fresh model saved afterwards is native too: nothing of the conversion stays registered.
     KDSAForCausalLM(reloaded.config).save_pretrained(tmp_path / "fresh")
     assert set(load_file(tmp_path / "fresh" / "model.safetensors")) == set(family.model.state_dict())
@@ -197,8 +197,8 @@ def test_saved_folder_reloads_by_remote_code(family, tmp_path):
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    with torch.no_grad():
-        assert torch.equal(torch.load(tmp_path / "logits.pt"), family.model(family.ids).logits)
+    with torch.no_grad():  # see test_save_writes_native_kdsa_that_reloads_identically on the last bit
+        assert relative_error(torch.load(tmp_path / "logits.pt"), family.model(family.ids).logits) < 1e-6
 
 
 def test_bf16_load_keeps_router_and_decay_in_fp32(family):
@@ -324,9 +324,8 @@ def deepseek_raw(**changes) -> dict:
     "changes, field",
     [
         ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
-        ({"n_group": 2, "topk_group": 1}, "n_group"),
+        ({"n_group": 3, "topk_group": 1}, "n_group"),
         ({"num_key_value_heads": 2}, "num_key_value_heads"),
-        ({"rms_norm_eps": 1e-5}, "rms_norm_eps"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"attention_dropout": 0.1}, "attention_dropout"),
         ({"scoring_func": "softmax"}, "scoring_func"),
@@ -386,29 +385,24 @@ KIMI_LINEAR_HUB_CONFIG = {
 }  # fmt: skip
 
 
-def test_deepseek_v32_hub_config_translates_but_for_grouped_routing():
-    with pytest.raises(ValueError, match="n_group=8"):
-        plan_foreign_load(DEEPSEEK_V32_HUB_CONFIG, [])
-    plan = plan_foreign_load(
-        {**DEEPSEEK_V32_HUB_CONFIG, "n_group": 1, "topk_group": 1}, ["model.layers.61.enorm.weight"]
-    )
+def test_deepseek_v32_hub_config_translates():
+    plan = plan_foreign_load(DEEPSEEK_V32_HUB_CONFIG, ["model.layers.61.enorm.weight"])
     config = plan.config
     assert config.layer_types == ["indexed_attention"] * 61 and config.mlp_layer_types[2:4] == ["dense", "sparse"]
     assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["factor"] == 40
+    assert (config.n_group, config.topk_group, config.mla_layernorm_eps) == (8, 4, 1e-6)
     assert config.attn_res_block_size == 0 and config.n_routed_experts == 256 and config.index_topk == 2048
     assert not hasattr(config, "quantization_config") or config.quantization_config is None
     assert list(plan.skipped.values()) == ["deepseek_v32 layer 61 (multi-token-prediction block)"]
 
 
-def test_kimi_linear_hub_config_translates_but_for_mla_layers():
-    with pytest.raises(ValueError, match=r"layer_types\[3\]='full_attention'"):
-        plan_foreign_load(KIMI_LINEAR_HUB_CONFIG, [])
-    all_kda = dict(KIMI_LINEAR_HUB_CONFIG, linear_attn_config=dict(KIMI_LINEAR_HUB_CONFIG["linear_attn_config"]))
-    all_kda["linear_attn_config"].update(kda_layers=list(range(1, 28)), full_attn_layers=[])
-    config = plan_foreign_load(all_kda, []).config
+def test_kimi_linear_hub_config_translates():
+    config = plan_foreign_load(KIMI_LINEAR_HUB_CONFIG, []).config
+    assert [i for i, t in enumerate(config.layer_types) if t == "full_attention"] == [3, 7, 11, 15, 19, 23, 26]
     assert (config.n_routed_experts, config.num_experts_per_tok, config.n_shared_experts) == (256, 8, 1)
     assert config.max_position_embeddings == 1048576 and config.norm_topk_prob is True
     assert (config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim) == (32, 128, 4)
+    assert config.mla_use_nope and config.mla_layernorm_eps == 1e-6 and config.q_lora_rank is None
 
 
 def test_unknown_model_type_is_refused():
@@ -416,18 +410,11 @@ def test_unknown_model_type_is_refused():
         plan_foreign_load({"model_type": "qwen3"}, [])
 
 
-def test_kimi_dense_mla_layers_are_refused_by_name():
-    raw = kimi_linear_model().config.to_dict()
-    raw["layer_types"] = ["linear_attention", "linear_attention", "full_attention"]
-    with pytest.raises(ValueError, match=r"layer_types\[2\]='full_attention'"):
-        plan_foreign_load(raw, [])
-
-
 @pytest.mark.parametrize(
     "changes, field",
     [
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"num_expert_group": 2}, "n_group"),
+        ({"num_expert_group": 3}, "n_group"),
         ({"pretraining_tp": 2}, "pretraining_tp"),
         ({"moe_router_activation_func": "softmax"}, "moe_router_activation_func"),
         (
@@ -447,10 +434,11 @@ def test_kimi_unsupported_values_are_refused_by_name(changes, field):
 def test_kimi_one_based_layer_lists_are_translated():
     raw = kimi_linear_model().config.to_dict()
     del raw["layer_types"]
-    raw["linear_attn_config"] = {"kda_layers": [1, 2, 3], "full_attn_layers": [], "num_heads": 2, "head_dim": 16}
+    raw["linear_attn_config"] = {"kda_layers": [1, 3, 4], "full_attn_layers": [2], "num_heads": 2, "head_dim": 16}
     plan = plan_foreign_load(raw, [])
-    assert plan.config.layer_types == ["linear_attention"] * 3
-    assert plan.key_mapping == {r"\.layers\.(0|1|2)\.self_attn\.": r".layers.\1.linear_attn."}
+    assert plan.config.layer_types == ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+    assert plan.key_mapping == {r"\.layers\.(0|2|3)\.self_attn\.": r".layers.\1.linear_attn."}
+    assert plan.config.mla_use_nope and plan.config.mla_layernorm_eps == 1e-6
 
 
 # ------------------------------------------------------------------------------------------------ GLM-5.3-Flash
@@ -472,9 +460,7 @@ def glm5_next_model() -> torch.nn.Module:
     return Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=text, vision_config=vision))
 
 
-@pytest.mark.parametrize(
-    "field", ["linear_lower_bound", "swiglu_limit", "hc_mult", "index_kpool", "indexer_types", "n_group"]
-)
+@pytest.mark.parametrize("field", ["linear_lower_bound", "swiglu_limit", "hc_mult", "index_kpool", "indexer_types"])
 def test_glm_components_not_yet_implemented_are_refused_by_name(field):
     raw = glm5_next_model().config.to_dict()
     # Switch off every GLM component but the one under test, so the error can only come from that one (transformers
@@ -482,7 +468,7 @@ def test_glm_components_not_yet_implemented_are_refused_by_name(field):
     off = {"linear_lower_bound": None, "hc_mult": 1, "index_kpool": 1}
     on = {
         "linear_lower_bound": -5.0, "swiglu_limit": 10.0, "hc_mult": 4, "index_kpool": 4,
-        "indexer_types": ["full", "full", "full", "shared"], "n_group": 2,
+        "indexer_types": ["full", "full", "full", "shared"],
     }  # fmt: skip
     raw["text_config"].update({k: v for k, v in off.items() if k != field} | {field: on[field]})
     with pytest.raises(ValueError, match=field):
@@ -636,7 +622,7 @@ def test_fp8_checkpoint_matches_transformers_own_fp8_load(deepseek, tmp_path):
     assert all(t.dtype == torch.float32 for t in saved.values())
     with torch.no_grad():
         reloaded = KDSAForCausalLM.from_pretrained(tmp_path / "saved").eval()
-        assert torch.equal(reloaded(deepseek.ids).logits, ours(deepseek.ids).logits)
+        assert relative_error(reloaded(deepseek.ids).logits, ours(deepseek.ids).logits) < 1e-6
 
 
 def test_fp8_partial_edge_blocks_dequantize_exactly(deepseek, tmp_path):

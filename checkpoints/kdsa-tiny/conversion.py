@@ -32,7 +32,7 @@ from transformers.core_model_loading import (
 )
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-from .configuration_kdsa import DSA_LAYER, KDA_LAYER, KDSAConfig
+from .configuration_kdsa import DSA_LAYER, KDA_LAYER, MLA_LAYER, KDSAConfig
 
 logger = logging.getLogger(__name__)
 
@@ -140,26 +140,11 @@ def _common_fields(fields: _Fields, source_names: dict[str, str] | None = None) 
     return mapped
 
 
-def _routing(fields: _Fields) -> None:
-    """Group-limited routing (DeepSeek-V3 `n_group` / `topk_group`): KDSA's router has no groups yet."""
-    n_group = fields.take("n_group")
-    topk_group = fields.take("topk_group")
-    if n_group not in (None, 1):
-        raise ValueError(
-            f"{fields.model_type} config field n_group={n_group} (group-limited expert routing) is not supported by "
-            "KDSA yet; only n_group=1"
-        )
-    if topk_group not in (None, 1):
-        raise ValueError(f"{fields.model_type} config field topk_group={topk_group} requires n_group > 1")
-
-
-def _mla_norm_eps(fields: _Fields, mapped: dict, eps: float) -> None:
-    """KDSA's q_a / kv_a layernorms use rms_norm_eps; the source uses a fixed `eps`."""
-    if mapped["rms_norm_eps"] != eps:
-        raise ValueError(
-            f"{fields.model_type} MLA layernorms use eps={eps} but rms_norm_eps={mapped['rms_norm_eps']}: KDSA "
-            "uses rms_norm_eps for both (a separate MLA layernorm eps is not supported yet)"
-        )
+def _routing(fields: _Fields, mapped: dict) -> None:
+    """Group-limited routing (DeepSeek-V3 `n_group` / `topk_group`, same semantics in all three families)."""
+    n_group, topk_group = fields.take("n_group"), fields.take("topk_group")
+    mapped["n_group"] = 1 if n_group is None else n_group
+    mapped["topk_group"] = 1 if topk_group is None else topk_group
 
 
 def _rope(fields: _Fields, mapped: dict) -> None:
@@ -269,10 +254,10 @@ def _layer_skips(model_type: str, num_layers: int, checkpoint_keys: list[str], p
 
 def _deepseek_v32(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> ForeignCheckpointPlan:
     mapped = _common_fields(fields)
-    _routing(fields)
+    _routing(fields, mapped)
     _rope(fields, mapped)
     _quantization(fields, mapped)
-    _mla_norm_eps(fields, mapped, eps=1e-6)  # DeepseekV32RMSNorm default for q_a / kv_a layernorms
+    mapped["mla_layernorm_eps"] = 1e-6  # transformers builds q_a / kv_a layernorms with the RMSNorm default
     layer_types = fields.take("layer_types")
     if any(t != DSA_LAYER for t in layer_types):
         raise ValueError(f"deepseek_v32 config field layer_types={layer_types} must be all {DSA_LAYER!r}")
@@ -340,21 +325,23 @@ def _kda_key_mapping(layer_types: list[str]) -> dict[str, str]:
 
 def _kimi_linear(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> ForeignCheckpointPlan:
     mapped = _common_fields(fields, {"n_routed_experts": "num_local_experts"})
-    _routing(fields)
+    _routing(fields, mapped)
     _kda_fields(fields, mapped)
     linear_attn_config = fields.take("linear_attn_config") if "linear_attn_config" in fields.pending else {}
     unknown = set(linear_attn_config or {}) - _KIMI_LINEAR_ATTN_KEYS
     if unknown:
         raise ValueError(f"kimi_linear config field linear_attn_config has keys KDSA does not implement: {unknown}")
-    # transformers resolved linear_attn_config's 1-based kda_layers / full_attn_layers into layer_types.
+    # transformers resolved linear_attn_config's 1-based kda_layers / full_attn_layers into layer_types; Kimi's
+    # "full_attention" is dense MLA, KDSA's layer type of the same name.
     layer_types = fields.take("layer_types")
     for i, layer_type in enumerate(layer_types):
-        if layer_type != KDA_LAYER:
-            raise ValueError(
-                f"kimi_linear config field layer_types[{i}]={layer_type!r} (dense MLA layer) is not supported by "
-                "KDSA yet; only all-KDA Kimi-Linear configs load"
-            )
+        if layer_type not in (KDA_LAYER, MLA_LAYER):
+            raise ValueError(f"kimi_linear config field layer_types[{i}]={layer_type!r} is not supported by KDSA")
     mapped["layer_types"] = layer_types
+    # Kimi-Linear's MLA keeps the rope slice but never rotates it, and builds its q_a / kv_a layernorms with the
+    # RMSNorm default eps 1e-6 whatever rms_norm_eps is.
+    mapped["mla_use_nope"] = True
+    mapped["mla_layernorm_eps"] = 1e-6
     fields.require("pretraining_tp", (1,), "no tensor-parallel-at-pretraining weight split")
     fields.require("moe_router_activation_func", ("sigmoid",), "sigmoid router scores")
     fields.require("moe_layer_freq", (1,), "every layer after first_k_dense_replace is MoE")
@@ -462,7 +449,7 @@ def _glm5_next(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> 
         mapped["dtype"] = dtype
     mapped.update(quantization)
     text.drop(["quantization_config"])
-    _routing(text)
+    _routing(text, mapped)
     _kda_fields(text, mapped)
     for name in ("index_n_heads", "index_head_dim", "index_topk", "layer_types"):
         mapped[name] = text.take(name)
