@@ -53,7 +53,7 @@ def deepseek_v32_model() -> torch.nn.Module:
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, n_shared_experts=1,
         num_experts_per_tok=4, n_group=8, topk_group=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
         qk_nope_head_dim=16, v_head_dim=16, index_topk=INDEX_TOPK, index_head_dim=16, index_n_heads=16,
-        first_k_dense_replace=1, max_position_embeddings=512, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, max_position_embeddings=512, routed_scaling_factor=2.5, rms_norm_eps=1e-5,
         # YaRN with mscale_all_dim: frequencies, the cos/sin attention factor and the softmax mscale² all differ
         # from plain RoPE.
         rope_parameters={
