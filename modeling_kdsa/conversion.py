@@ -416,10 +416,12 @@ _GLM_VISION_FIELDS = (
 
 
 def _glm_components(text: _Fields, mapped: dict) -> None:
-    """GLM-5.3-Flash's own components, each refused until KDSA implements it."""
-    text.require("linear_lower_bound", (None,), "KDA forget-gate lower bound not implemented yet")
-    text.require("hc_mult", (1,), "mHC hyper-connections not implemented yet")
-    text.drop(["hc_eps", "hc_sinkhorn_iters"])  # only read with hc_mult > 1
+    """GLM-5.3-Flash's own components: KDA forget-gate lower bound, SwiGLU clamp, mHC hyper-connections, the
+    k-pool / shared indexer (only its trivial form so far)."""
+    for name in ("linear_lower_bound", "swiglu_limit", "hc_mult", "hc_eps", "hc_sinkhorn_iters"):
+        mapped[name] = text.take(name)
+    # index_kpool = 1 pools single tokens: the pooling softmax weighs the one key by exactly 1, i.e. today's
+    # per-token indexer, and its compression tensors are inert (skipped at load).
     text.require("index_kpool", (1,), "k-pool indexer not implemented yet")
     text.drop(["index_kpool_always_select_tail"])  # only read with index_kpool > 1
     indexer_types = text.take("indexer_types")
@@ -427,8 +429,14 @@ def _glm_components(text: _Fields, mapped: dict) -> None:
         raise ValueError(
             f"glm5_next text_config indexer_types={indexer_types}: shared-indexer layers are not implemented yet"
         )
-    # transformers' GLM always clamps (swiglu_limit is a float, never None): refused until the clamp lands.
-    text.require("swiglu_limit", (None,), "SwiGLU clamp not implemented yet")
+
+
+# GLM's hub names of the per-layer mHC tensors (DeepSeek-V4 style) -> KDSAHyperConnection's.
+_GLM_HC_RENAMES = [
+    WeightRenaming(rf"\.hc_{sublayer}_{tensor}$", f".{sublayer}_hc.{tensor}")
+    for sublayer in ("attn", "ffn")
+    for tensor in ("fn", "base", "scale")
+]
 
 
 def _glm5_next(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> ForeignCheckpointPlan:
@@ -453,12 +461,16 @@ def _glm5_next(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> 
     _kda_fields(text, mapped)
     for name in ("index_n_heads", "index_head_dim", "index_topk", "layer_types"):
         mapped[name] = text.take(name)
+    for i, layer_type in enumerate(mapped["layer_types"]):
+        if layer_type not in (KDA_LAYER, DSA_LAYER):
+            raise ValueError(f"glm5_next text_config layer_types[{i}]={layer_type!r} is not supported by KDSA")
     if mapped["qk_rope_head_dim"] != 0:
         raise ValueError(f"glm5_next text_config qk_rope_head_dim={mapped['qk_rope_head_dim']}: GLM's MLA is NoPE")
     _glm_components(text, mapped)
     text.unhandled()
     skipped = _layer_skips("glm5_next", mapped["num_hidden_layers"], checkpoint_keys, r"model\.language_model\.")
     skipped[r"^model\.visual\."] = "glm5_next vision tower model.visual.*"
+    skipped[r"\.indexer\.index_kpool_compress_(ape|gate)$"] = "glm5_next k-pool compression of index_kpool=1 (identity)"
     return _build(
         "glm5_next",
         mapped,
@@ -466,6 +478,7 @@ def _glm5_next(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> 
         key_mapping=_kda_key_mapping(mapped["layer_types"]),
         conversions=[
             WeightRenaming(r"^model\.language_model\.", "model."),
+            *_GLM_HC_RENAMES,
             *_kda_runtime_layout(),
             WeightConverter(
                 source_patterns="linear_attn.A_log",

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     DeepseekV32Config,
     DeepseekV32ForCausalLM,
     Glm5NextConfig,
@@ -30,7 +31,7 @@ from transformers import (
     KimiLinearForCausalLM,
 )
 
-from modeling_kdsa import KDSAConfig, KDSAForCausalLM, conversion
+from modeling_kdsa import KDSAConfig, KDSAForCausalLM
 from modeling_kdsa.conversion import plan_foreign_load
 
 VOCAB = 128
@@ -80,7 +81,11 @@ def kimi_linear_model() -> torch.nn.Module:
     return KimiLinearForCausalLM(config)
 
 
-BUILDERS = {"deepseek_v32": deepseek_v32_model, "kimi_linear": kimi_linear_model}
+BUILDERS = {
+    "deepseek_v32": deepseek_v32_model,
+    "kimi_linear": kimi_linear_model,
+    "glm5_next": lambda: glm5_next_model(),
+}
 FAMILIES = sorted(BUILDERS)
 REFERENCE_KWARGS = {}
 # A tensor the strict check must miss by name when it is deleted from the checkpoint (hub name, KDSA name).
@@ -90,9 +95,10 @@ VICTIMS = {
         r"model\.layers\.1\.self_attn\.indexer\.k_norm\.bias",
     ),
     "kimi_linear": ("model.layers.1.self_attn.A_log", r"model\.layers\.1\.linear_attn\.A_log"),
+    "glm5_next": ("model.language_model.layers.2.self_attn.A_log", r"model\.layers\.2\.linear_attn\.A_log"),
 }
 # Families whose checkpoints carry multi-token-prediction layers after the trunk: the key prefix of the layers.
-MTP_PREFIX = {"deepseek_v32": "model.layers."}
+MTP_PREFIX = {"deepseek_v32": "model.layers.", "glm5_next": "model.language_model.layers."}
 
 
 class Family:
@@ -216,7 +222,8 @@ def test_bf16_load_keeps_router_and_decay_in_fp32(family):
 
 
 def test_auto_class_keeps_transformers_own_class(family):
-    assert type(AutoModelForCausalLM.from_pretrained(family.folder)) is type(family.reference)
+    auto = AutoModelForImageTextToText if family.name == "glm5_next" else AutoModelForCausalLM
+    assert type(auto.from_pretrained(family.folder)) is type(family.reference)
 
 
 # ------------------------------------------------------------------------------------------------ MTP and skips
@@ -242,10 +249,11 @@ def remove_tensor(folder, name: str) -> None:
     index_file.write_text(json.dumps(index))
 
 
-def edit_config(folder, **changes) -> None:
+def edit_config(folder, text_config: bool = False, **changes) -> None:
+    """Change config.json fields (of its `text_config` when asked)."""
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text())
-    config.update(changes)
+    (config["text_config"] if text_config else config).update(changes)
     config_file.write_text(json.dumps(config))
 
 
@@ -271,7 +279,9 @@ def test_mtp_layer_is_skipped_with_one_info_line(family, tmp_path, caplog):
     )
     with caplog.at_level(logging.INFO, logger="modeling_kdsa.conversion"):
         model = KDSAForCausalLM.from_pretrained(folder).eval()
-    lines = [r.getMessage() for r in caplog.records if r.name == "modeling_kdsa.conversion"]
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "modeling_kdsa.conversion" and "layer" in r.getMessage()
+    ]
     assert lines == [f"skipped {family.name} layer {n} (multi-token-prediction block): 3 tensors"]
     with torch.no_grad():
         assert torch.equal(model(family.ids).logits, family.model(family.ids).logits)
@@ -304,7 +314,8 @@ def test_unexpected_tensor_is_refused_by_name(family, tmp_path):
 
 def test_mismatched_tensor_is_refused_by_name(family, tmp_path):
     folder = copy_of(family, tmp_path)
-    edit_config(folder, moe_intermediate_size=16)  # the checkpoint's experts are 32 wide
+    # the checkpoint's experts are 32 wide
+    edit_config(folder, text_config=family.name == "glm5_next", moe_intermediate_size=16)
     with pytest.raises(ValueError, match="mlp.experts"):
         KDSAForCausalLM.from_pretrained(folder)
 
@@ -444,15 +455,20 @@ def test_kimi_one_based_layer_lists_are_translated():
 # ------------------------------------------------------------------------------------------------ GLM-5.3-Flash
 
 
-def glm5_next_model() -> torch.nn.Module:
+def glm5_next_model(**text_overrides) -> torch.nn.Module:
+    """KDA, DSA, KDA, DSA with GLM's components at their defaults (mHC with 4 streams, forget-gate lower bound -5),
+    the SwiGLU clamp at 0.1 so that it bites on these small activations (GLM's 10 would never be reached), and the
+    trivial k-pool of one token (the pooled indexer is not implemented yet); a one-block vision tower."""
     text = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
         kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16, index_topk=INDEX_TOPK,
-        index_head_dim=16, index_n_heads=16, index_kpool=4, linear_num_heads=2, linear_head_dim=16,
+        index_head_dim=16, index_n_heads=16, index_kpool=1, linear_num_heads=2, linear_head_dim=16,
         max_position_embeddings=512, pad_token_id=0, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
         layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+        swiglu_limit=0.1,
     )  # fmt: skip
+    text.update(text_overrides)
     vision = dict(
         depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64,
         projection_intermediate_size=32, patch_size=2, image_size=8, spatial_merge_size=1, temporal_patch_size=1,
@@ -460,41 +476,24 @@ def glm5_next_model() -> torch.nn.Module:
     return Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=text, vision_config=vision))
 
 
-@pytest.mark.parametrize("field", ["linear_lower_bound", "swiglu_limit", "hc_mult", "index_kpool", "indexer_types"])
-def test_glm_components_not_yet_implemented_are_refused_by_name(field):
+@pytest.mark.parametrize(
+    "changes", [{"index_kpool": 4}, {"indexer_types": ["full", "full", "full", "shared"]}], ids=lambda c: next(iter(c))
+)
+def test_glm_components_not_yet_implemented_are_refused_by_name(changes):
     raw = glm5_next_model().config.to_dict()
-    # Switch off every GLM component but the one under test, so the error can only come from that one (transformers
-    # has no off value for swiglu_limit; the translator checks it last).
-    off = {"linear_lower_bound": None, "hc_mult": 1, "index_kpool": 1}
-    on = {
-        "linear_lower_bound": -5.0, "swiglu_limit": 10.0, "hc_mult": 4, "index_kpool": 4,
-        "indexer_types": ["full", "full", "full", "shared"],
-    }  # fmt: skip
-    raw["text_config"].update({k: v for k, v in off.items() if k != field} | {field: on[field]})
-    with pytest.raises(ValueError, match=field):
+    raw["text_config"].update(changes)
+    with pytest.raises(ValueError, match=next(iter(changes))):
         plan_foreign_load(raw, [])
-
-
-@pytest.fixture
-def glm_components_allowed(monkeypatch):
-    """Weight-mapping tests only: accept GLM's own components (clamp, lower bound, mHC, k-pool) without
-    implementing them, so that the renames, reshapes and skips can be checked tensor by tensor before those land.
-    The model built this way does not compute GLM's function."""
-
-    def allow(text, mapped):
-        text.drop(["linear_lower_bound", "swiglu_limit", "hc_mult", "hc_eps", "hc_sinkhorn_iters", "index_kpool"])
-        text.drop(["index_kpool_always_select_tail", "indexer_types"])
-
-    monkeypatch.setattr(conversion, "_glm_components", allow)
 
 
 def kdsa_name(glm_name: str) -> str:
     name = glm_name.replace("model.language_model.", "model.")
+    name = re.sub(r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2", name)
     return re.sub(r"layers\.(0|2)\.self_attn\.(forget_gate\.)?", r"layers.\1.linear_attn.", name)
 
 
 @pytest.mark.parametrize("original_format", [True, False], ids=["hub-layout", "runtime-layout"])
-def test_glm_weights_map_tensor_by_tensor(tmp_path, caplog, glm_components_allowed, original_format):
+def test_glm_weights_map_tensor_by_tensor(tmp_path, caplog, original_format):
     """Hub layout: `model.language_model.` prefix, split q/k/v convs, `A_log [H]`, per-expert tensors. Runtime
     layout (`save_original_format=False`): fused `conv1d [3C, 1, W]`, `forget_gate.*`, stacked experts."""
     torch.manual_seed(0)
@@ -504,21 +503,22 @@ def test_glm_weights_map_tensor_by_tensor(tmp_path, caplog, glm_components_allow
     folder = tmp_path / "glm"
     tensors = load_file(folder / "model.safetensors")
     mtp = {"model.language_model.layers.4.eh_proj.weight": torch.randn(64, 128)}
-    # Drop what KDSA has no module for yet (mHC, k-pool); the mapping of everything else is under test.
-    tensors = {k: v for k, v in tensors.items() if not re.search(r"hc_|_hc\.|kpool", k)} | mtp
+    tensors = tensors | mtp
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with caplog.at_level(logging.INFO, logger="modeling_kdsa.conversion"):
         model = KDSAForCausalLM.from_pretrained(folder)
     lines = [r.getMessage() for r in caplog.records if r.name == "modeling_kdsa.conversion"]
     visual = sum(1 for k in tensors if k.startswith("model.visual."))
+    kpool = sum(1 for k in tensors if "index_kpool_compress" in k)
     assert lines == [
         "skipped glm5_next layer 4 (multi-token-prediction block): 1 tensors",
         f"skipped glm5_next vision tower model.visual.*: {visual} tensors",
+        f"skipped glm5_next k-pool compression of index_kpool=1 (identity): {kpool} tensors",
     ]
     ours = model.state_dict()
     checked = set()
     for name, tensor in tensors.items():
-        if name.startswith("model.visual.") or name in mtp:
+        if name.startswith("model.visual.") or name in mtp or "index_kpool_compress" in name:
             continue
         if ".experts." in name and not original_format:
             target = kdsa_name(name)
