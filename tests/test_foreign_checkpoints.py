@@ -582,7 +582,7 @@ def fp8_copy(folder, destination, block: int) -> dict[str, tuple[torch.Tensor, t
         tensors = load_file(destination / shard)
         for name in list(tensors):
             keep = name.endswith("mlp.gate.weight") or "weights_proj" in name
-            if name.startswith("model.layers.") and name.endswith(".weight") and tensors[name].dim() == 2 and not keep:
+            if re.search(r"layers\.\d+\..*\.weight$", name) and tensors[name].dim() == 2 and not keep:
                 values, scale_inv = quantize_fp8(tensors[name], block)
                 tensors[name] = values
                 tensors[name + "_scale_inv"] = scale_inv
@@ -599,17 +599,24 @@ def fp8_copy(folder, destination, block: int) -> dict[str, tuple[torch.Tensor, t
     return quantized
 
 
+@pytest.fixture(scope="module", params=["deepseek_v32", "glm5_next"])
+def fp8_family(request, tmp_path_factory):
+    """The two families published in FP8."""
+    return Family(request.param, tmp_path_factory.mktemp(f"{request.param}_fp8") / "hub")
+
+
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     return Family("deepseek_v32", tmp_path_factory.mktemp("deepseek_fp8") / "hub")
 
 
-def test_fp8_checkpoint_matches_transformers_own_fp8_load(deepseek, tmp_path):
+def test_fp8_checkpoint_matches_transformers_own_fp8_load(fp8_family, tmp_path):
     """Blocks of 8 divide every tiny dim, so transformers' own FP8 quantizer (which dequantizes on CPU) can load the
     folder too: the same FP8 weights must give the same logits; the save is native and unquantized."""
+    deepseek = fp8_family
     fp8_copy(deepseek.folder, tmp_path / "fp8", block=8)
     ours = KDSAForCausalLM.from_pretrained(tmp_path / "fp8").eval()
-    reference = DeepseekV32ForCausalLM.from_pretrained(tmp_path / "fp8").eval()
+    reference = type(deepseek.reference).from_pretrained(tmp_path / "fp8").eval()
     with torch.no_grad():
         for seq_len in (SHORT, LONG):
             ids = deepseek.ids[:, :seq_len]

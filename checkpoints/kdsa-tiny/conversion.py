@@ -226,7 +226,9 @@ def _dequantizing(conversions: list, block: tuple[int, int]) -> list:
     extended = []
     for converter in conversions:
         sources = getattr(converter, "_original_source_patterns", None)
-        if isinstance(converter, WeightConverter) and all(src.endswith(".weight") for src in sources):
+        # One-to-many converters (the fused KDA conv split) read convolution weights, which are never quantized.
+        one_target = isinstance(converter, WeightConverter) and len(converter._original_target_patterns) == 1
+        if one_target and all(src.endswith(".weight") for src in sources):
             with_scales = [name for src in sources for name in (src, src + "_scale_inv")]
             converter = converter.copy(
                 with_scales,
