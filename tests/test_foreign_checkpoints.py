@@ -5,7 +5,7 @@ weights, biases, correction bias) is perturbed so that a wrong mapping cannot hi
 saved with `save_pretrained` in small shards (the hub layout: per-expert tensors, split convolutions). Indexer ties:
 the Lightning Indexer's score is a sum of ReLU'd dot products, so keys whose every head is negative tie at exactly
 zero and either implementation may pick any of them; with 16 indexer heads such a tie has probability 2^-16 per
-(query, key) pair, so the fixtures have none at the top-k boundary (docs/checkpoint-conversion.md §6).
+(query, key) pair, so the fixtures have none at the top-k boundary (docs/checkpoint-conversion.md §7).
 """
 
 import json

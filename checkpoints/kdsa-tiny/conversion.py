@@ -1,6 +1,6 @@
 """Loading published checkpoints of the family (DeepSeek-V3.2, Kimi-Linear, GLM-5.3-Flash) into KDSA models.
 
-docs/checkpoint-conversion.md §2. Two halves per family:
+docs/checkpoint-conversion.md §2 (families §3-§5, FP8 §6). Two halves per family:
 
 - config translation: the raw config.json is parsed by transformers' own config class for its `model_type` (which
   resolves attribute_map aliases, Kimi's 1-based `linear_attn_config` layer lists, GLM's nested `text_config`), then
@@ -166,7 +166,7 @@ _FP8_CONFIG_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_si
 def _quantization(fields: _Fields, mapped: dict) -> None:
     """Only the DeepSeek / GLM fine-grained FP8 layout (E4M3 weights, one `weight_scale_inv` per weight block) is
     read, and dequantized while the shards stream in (`BlockFP8Dequantize`); the KDSA model holds the weights in its
-    load dtype and has no quantization_config (docs/checkpoint-conversion.md §5). Sets `mapped["_fp8_block"]`."""
+    load dtype and has no quantization_config (docs/checkpoint-conversion.md §6). Sets `mapped["_fp8_block"]`."""
     quantization = getattr(fields.source, "quantization_config", None)
     fields.pending.discard("quantization_config")
     if quantization is None:
