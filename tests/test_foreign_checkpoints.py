@@ -667,3 +667,13 @@ def test_fp8_partial_edge_blocks_dequantize_exactly(deepseek, tmp_path):
 def test_fp8_unsupported_quantization_is_refused_by_name(quantization, field):
     with pytest.raises(ValueError, match=field):
         plan_foreign_load(deepseek_raw(quantization_config=quantization), [])
+
+
+def test_fp8_scale_grid_that_does_not_fit_is_refused_by_name(deepseek, tmp_path):
+    fp8_copy(deepseek.folder, tmp_path / "fp8", block=8)
+    edit_config(
+        tmp_path / "fp8",
+        quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]},
+    )
+    with pytest.raises(ValueError, match=r"could not be converted.*kv_a_proj_with_mqa\.weight.*weight_scale_inv shape"):
+        KDSAForCausalLM.from_pretrained(tmp_path / "fp8")

@@ -542,6 +542,22 @@ def _build(model_type: str, mapped: dict, overrides: dict, **plan) -> ForeignChe
 REGISTRATION_LOCK = threading.RLock()
 
 
+class _ReportCapture(logging.Handler):
+    """Collects the `CONVERSION` rows (tensor name and error) of transformers' load report."""
+
+    def __init__(self):
+        super().__init__(level=logging.WARNING)
+        self.conversion_rows: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", record.getMessage())
+        for line in text.splitlines():
+            if "| CONVERSION |" in line:
+                self.conversion_rows.append(re.sub(r"\s+", " ", line).strip())
+            elif self.conversion_rows and "Error" in line and not self.conversion_rows[-1].endswith(line.strip()):
+                self.conversion_rows[-1] += " " + line.strip()
+
+
 def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: dict):
     """`cls.from_pretrained` for a foreign folder: translated config, conversions registered under `cls.__name__`
     for this call only (a permanent registration would also rewrite native saves), strict missing / unexpected
@@ -564,6 +580,9 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
         ignored_before = cls._keys_to_ignore_on_load_unexpected
         register_checkpoint_conversion_mapping(cls.__name__, plan.conversions, overwrite=True)
         cls._keys_to_ignore_on_load_unexpected = list(plan.skipped)
+        report = _ReportCapture()
+        report_logger = logging.getLogger("transformers")  # the load report comes from one of its child loggers
+        report_logger.addHandler(report)
         try:
             model, info = super(cls, cls).from_pretrained(
                 path,
@@ -573,7 +592,16 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
                 output_loading_info=True,
                 **kwargs,
             )
+        except RuntimeError as error:
+            # transformers raises a RuntimeError for a tensor its conversion ops rejected (e.g. an FP8 scale grid
+            # that does not fit its weight) and names the tensor only in the load report it logged.
+            if not report.conversion_rows:
+                raise
+            raise ValueError(
+                f"{plan.model_type} checkpoint {path!r}: tensors could not be converted: {report.conversion_rows}"
+            ) from error
         finally:
+            report_logger.removeHandler(report)
             cls._keys_to_ignore_on_load_unexpected = ignored_before
             register_checkpoint_conversion_mapping(cls.__name__, [], overwrite=True)
     model._keys_to_ignore_on_load_unexpected = set(ignored_before or [])
