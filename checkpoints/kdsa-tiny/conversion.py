@@ -613,7 +613,8 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
         raise ValueError(f"{plan.model_type} checkpoint {path!r} does not map onto KDSA exactly: {problems}")
     for pattern, what in plan.skipped.items():
         count = sum(1 for k in keys if re.search(pattern, k))
-        logger.info("skipped %s: %d tensors", what, count)
+        if count:
+            logger.info("skipped %s: %d tensors", what, count)
     return (model, info) if want_info else model
 
 
