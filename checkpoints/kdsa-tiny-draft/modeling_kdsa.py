@@ -17,18 +17,21 @@ from transformers import initialization as init
 from transformers.generation import GenerationMixin, GenerationMode
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
+from transformers.utils import can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .attn_res import BlockAttnResStream, KDSADepthAttention
 from .cache import ROLLBACK_TOKENS, KDSACache
 from .configuration_kdsa import DSA_LAYER, KDA_LAYER, MLA_LAYER, KDSAConfig
 from .conversion import FOREIGN_MODEL_TYPES, REGISTRATION_LOCK, load_foreign
-from .dsa import KDSAMultiLatentAttention, KDSASparseAttention
+from .dsa import KDSAIndexer, KDSAMultiLatentAttention, KDSASparseAttention
 from .hyper_connections import HyperConnectionStream, KDSAHyperConnection
 from .kda import KDSAKimiDeltaAttention
 from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter
 from .norms import KDSARMSNorm
 from .rotary import KDSARotaryEmbedding
+
+logger = logging.get_logger(__name__)
 
 
 class PlainResidualStream:
@@ -71,6 +74,11 @@ class KDSADecoderLayer(nn.Module):
         if config.attn_res_block_size > 0:
             self.attention_res = KDSADepthAttention(config.hidden_size, eps=config.rms_norm_eps)
             self.mlp_res = KDSADepthAttention(config.hidden_size, eps=config.rms_norm_eps)
+        # The next layer reuses this layer's top-k (indexer_types; the config allows it only after a full DSA layer).
+        next_idx = layer_idx + 1
+        self.hands_over_topk = next_idx < config.num_hidden_layers and (
+            config.layer_types[next_idx] == DSA_LAYER and config.indexer_types[next_idx] == "shared"
+        )
         if config.hc_mult > 1:
             self.attn_hc = KDSAHyperConnection(config)
             self.ffn_hc = KDSAHyperConnection(config)
@@ -81,11 +89,15 @@ class KDSADecoderLayer(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None,
         cache: KDSACache | None,
-    ) -> None:
+        topk_indices: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Advance `stream` by this layer's two sublayers. `attention_mask`: 2-D `[B, S]` padding mask over all keys
-        (past + current) or None when nothing is padded."""
+        (past + current) or None when nothing is padded. `topk_indices`: the previous layer's DSA selection, for a
+        shared-indexer layer. Returns the stream value this layer read (its token mixer's input before the norm: the
+        layer's entry in `output_hidden_states`) and this layer's selection when the next layer shares it, else None."""
         attn_idx, mlp_idx = 2 * self.layer_idx, 2 * self.layer_idx + 1
-        hidden_states = self.input_layernorm(stream.input_for(attn_idx))
+        layer_input = stream.input_for(attn_idx)
+        hidden_states = self.input_layernorm(layer_input)
         if self.layer_type == KDA_LAYER:
             # KDA only needs to know which of the current tokens are padding.
             current_mask = None if attention_mask is None else attention_mask[:, -hidden_states.shape[1] :]
@@ -94,12 +106,26 @@ class KDSADecoderLayer(nn.Module):
             # The model's RoPE table may exist for other layers (a DSA indexer) while this one rotates nothing.
             if not self.self_attn.uses_position_embeddings:
                 position_embeddings = None
+            selection = {}  # a DSA layer takes or hands over a top-k selection (docs/dsa.md §10)
+            if self.layer_type == DSA_LAYER:
+                selection = {
+                    "topk_indices": topk_indices if self.self_attn.shares_indexer else None,
+                    "return_topk_indices": self.hands_over_topk,
+                }
             mixed = self.self_attn(
-                hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache
+                hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                cache=cache,
+                **selection,
             )
+        handed_over = None
+        if self.hands_over_topk:
+            mixed, handed_over = mixed
         stream.add_output(attn_idx, mixed)
         hidden_states = self.post_attention_layernorm(stream.input_for(mlp_idx))
         stream.add_output(mlp_idx, self.mlp(hidden_states))
+        return layer_input, handed_over
 
 
 class KDSAPreTrainedModel(PreTrainedModel):
@@ -164,6 +190,10 @@ class KDSAPreTrainedModel(PreTrainedModel):
         elif isinstance(module, KDSAExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, KDSAIndexer) and module.index_kpool > 1:
+            # GLM-5.3-Flash's initialisation: no position bias, equal gate weights (pooling starts near a mean).
+            init.zeros_(module.index_kpool_compress_ape)
+            init.ones_(module.index_kpool_compress_gate)
 
 
 class KDSAModel(KDSAPreTrainedModel):
@@ -188,6 +218,7 @@ class KDSAModel(KDSAPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
+    @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
@@ -197,11 +228,30 @@ class KDSAModel(KDSAPreTrainedModel):
         cache: KDSACache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
+        """`output_hidden_states`: the embeddings, then each layer's input as it reads it from the residual stream
+        (with Block AttnRes: its depth-attended input), then the final normed output: `num_hidden_layers + 1`
+        tensors, transformers' convention. `output_attentions` is refused: KDA and DSA form no attention matrix."""
+        if output_attentions:
+            raise ValueError(
+                "output_attentions=True is not supported: KDA layers are linear attention (no attention matrix) and "
+                "DSA layers attend to index_topk selected keys per query without forming the [T, S] matrix"
+            )
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
+            # One host sync per forward (eager only: a compiled graph must not branch on data).
+            out_of_vocab = not torch.compiler.is_compiling() and bool(
+                ((input_ids < 0) | (input_ids >= self.config.vocab_size)).any()
+            )
+            if out_of_vocab:
+                raise ValueError(
+                    f"input_ids must lie in [0, vocab_size={self.config.vocab_size}); got ids from "
+                    f"{int(input_ids.min())} to {int(input_ids.max())}"
+                )
             inputs_embeds = self.embed_tokens(input_ids)
         if inputs_embeds.dim() != 3:
             raise ValueError(f"inputs_embeds must be [batch, seq, hidden], got shape {tuple(inputs_embeds.shape)}")
@@ -215,10 +265,23 @@ class KDSAModel(KDSAPreTrainedModel):
         if use_cache and cache is None:
             cache = KDSACache(self.config)
         past_len = cache.get_seq_length() if cache is not None else 0
-        if past_len + seq_len > self.config.max_position_embeddings:
+        if seq_len == 0:
             raise ValueError(
-                f"sequence length {past_len + seq_len} (cached {past_len} + new {seq_len}) exceeds "
-                f"max_position_embeddings={self.config.max_position_embeddings}"
+                "input has no tokens (sequence length 0)"
+                + (
+                    f"; the cache already holds {past_len} tokens: generate() feeds the model only the tokens after "
+                    "the cached ones, so a used KDSACache needs a prompt that extends them (or pass a fresh "
+                    "KDSACache, or call cache.reset())"
+                    if past_len
+                    else ""
+                )
+            )
+        if past_len + seq_len > self.config.max_position_embeddings:
+            # transformers' convention: the limit is the trained length, not a hard one (RoPE extends, and scaled
+            # RoPE configs exist for exactly this); warn once and go on.
+            logger.warning_once(
+                f"the sequence exceeds max_position_embeddings={self.config.max_position_embeddings}: positions "
+                "beyond the trained length may degrade the output"
             )
         attention_mask = self._padding_mask(attention_mask, batch_size, past_len + seq_len)
         if cache is not None:
@@ -229,10 +292,29 @@ class KDSAModel(KDSAPreTrainedModel):
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
 
         stream = self.residual_stream(inputs_embeds)
+        output_hidden_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
+        all_hidden_states = [] if output_hidden_states else None
+        topk_indices = None  # a DSA layer's selection, handed to the next layer when that one shares its indexer
         for layer in self.layers:
-            layer(stream, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache)
+            layer_input, topk_indices = layer(
+                stream,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                cache=cache,
+                topk_indices=topk_indices,
+            )
+            if output_hidden_states:
+                all_hidden_states.append(layer_input)
         hidden_states = self.norm(stream.final(getattr(self, "output_attn_res", None)))
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+        if output_hidden_states:
+            all_hidden_states.append(hidden_states)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            cache=cache if use_cache else None,
+            hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
+        )
 
     def residual_stream(
         self, embeddings: torch.Tensor
@@ -307,6 +389,32 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
             return
         super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
 
+    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
+        """transformers' positions (from the attention mask's cumsum), after checking that a 2-D mask covers the
+        sequence: one entry per token, or per cached + new token when only the new tokens are passed. generate would
+        otherwise use a longer mask silently and fail inside RoPE on a shorter one."""
+        ids = model_kwargs.get("input_ids")
+        length = ids.shape[1] if ids is not None and ids.shape[1] > 0 else inputs_tensor.shape[1]
+        cache = model_kwargs.get("cache")
+        past = cache.get_seq_length() if cache is not None else 0
+        mask = model_kwargs.get("attention_mask")
+        if past and length <= past and (mask is None or mask.shape[-1] == length):
+            # transformers would feed the last `length - past` (<= 0) tokens: nothing, or a wrong slice.
+            raise ValueError(
+                f"the cache already holds {past} tokens and the prompt has {length}: generate() continues a used "
+                "cache with the tokens after the cached ones. Pass a prompt that extends them (or only the new tokens "
+                "with the whole sequence's attention_mask), or a fresh KDSACache / cache.reset()"
+            )
+        if mask is not None and mask.dim() == 2:
+            if mask.shape[1] not in (length, past + length):
+                raise ValueError(
+                    f"attention_mask has {mask.shape[1]} positions but the input has {length} tokens"
+                    + (f" ({past} more in the cache)" if past else "")
+                    + ": pass the mask the tokenizer returned with the input (one entry per token)"
+                )
+        return super()._prepare_position_ids_for_generation(inputs_tensor, model_kwargs)
+
+    @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
@@ -318,6 +426,8 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         outputs = self.model(
@@ -327,6 +437,8 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -334,7 +446,9 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states
+        )
 
 
 __all__ = ["KDSAPreTrainedModel", "KDSAModel", "KDSAForCausalLM"]
