@@ -95,7 +95,7 @@ VICTIMS = {
         r"model\.layers\.1\.self_attn\.indexer\.k_norm\.bias",
     ),
     "kimi_linear": ("model.layers.1.self_attn.A_log", r"model\.layers\.1\.linear_attn\.A_log"),
-    "glm5_next": ("model.language_model.layers.2.self_attn.A_log", r"model\.layers\.2\.linear_attn\.A_log"),
+    "glm5_next": ("model.language_model.layers.3.self_attn.A_log", r"model\.layers\.3\.linear_attn\.A_log"),
 }
 # Families whose checkpoints carry multi-token-prediction layers after the trunk: the key prefix of the layers.
 MTP_PREFIX = {"deepseek_v32": "model.layers.", "glm5_next": "model.language_model.layers."}
@@ -456,16 +456,18 @@ def test_kimi_one_based_layer_lists_are_translated():
 
 
 def glm5_next_model(**text_overrides) -> torch.nn.Module:
-    """KDA, DSA, KDA, DSA with GLM's components at their defaults (mHC with 4 streams, forget-gate lower bound -5),
-    the SwiGLU clamp at 0.1 so that it bites on these small activations (GLM's 10 would never be reached), and the
-    trivial k-pool of one token (the pooled indexer is not implemented yet); a one-block vision tower."""
+    """KDA, DSA, DSA, KDA with GLM's components on: mHC with 4 streams and forget-gate lower bound -5 (defaults),
+    the k-pool indexer over pools of 4 tokens (GLM-5.3-Flash's value) with the incomplete tail always selected, the
+    second DSA layer sharing the first one's selection, the SwiGLU clamp at 0.1 so that it bites on these small
+    activations (GLM's 10 would never be reached); a one-block vision tower."""
     text = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
         kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16, index_topk=INDEX_TOPK,
-        index_head_dim=16, index_n_heads=16, index_kpool=1, linear_num_heads=2, linear_head_dim=16,
+        index_head_dim=16, index_n_heads=16, index_kpool=4, index_kpool_always_select_tail=True,
+        indexer_types=["full", "full", "shared", "full"], linear_num_heads=2, linear_head_dim=16,
         max_position_embeddings=512, pad_token_id=0, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
-        layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
         swiglu_limit=0.1,
     )  # fmt: skip
     text.update(text_overrides)
@@ -476,20 +478,28 @@ def glm5_next_model(**text_overrides) -> torch.nn.Module:
     return Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=text, vision_config=vision))
 
 
-@pytest.mark.parametrize(
-    "changes", [{"index_kpool": 4}, {"indexer_types": ["full", "full", "full", "shared"]}], ids=lambda c: next(iter(c))
-)
-def test_glm_components_not_yet_implemented_are_refused_by_name(changes):
+def test_glm_kpool_of_one_skips_its_inert_compression_tensors():
+    raw = glm5_next_model(index_kpool=1).config.to_dict()
+    keys = ["model.language_model.layers.1.self_attn.indexer.index_kpool_compress_ape"]
+    plan = plan_foreign_load(raw, keys)
+    assert plan.config.index_kpool == 1
+    assert [re.search(p, keys[0]) is not None for p in plan.skipped] == [False, True]  # (vision, k-pool)
+    assert not plan_foreign_load(glm5_next_model().config.to_dict(), keys).skipped.get(
+        r"\.indexer\.index_kpool_compress_(ape|gate)$"
+    )
+
+
+def test_glm_shared_indexer_without_a_full_layer_before_it_is_refused_by_name():
     raw = glm5_next_model().config.to_dict()
-    raw["text_config"].update(changes)
-    with pytest.raises(ValueError, match=next(iter(changes))):
+    raw["text_config"]["indexer_types"] = ["full", "shared", "full", "full"]  # layer 0 is KDA
+    with pytest.raises(ValueError, match="indexer_types"):
         plan_foreign_load(raw, [])
 
 
 def kdsa_name(glm_name: str) -> str:
     name = glm_name.replace("model.language_model.", "model.")
     name = re.sub(r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2", name)
-    return re.sub(r"layers\.(0|2)\.self_attn\.(forget_gate\.)?", r"layers.\1.linear_attn.", name)
+    return re.sub(r"layers\.(0|3)\.self_attn\.(forget_gate\.)?", r"layers.\1.linear_attn.", name)
 
 
 @pytest.mark.parametrize("original_format", [True, False], ids=["hub-layout", "runtime-layout"])
@@ -509,16 +519,14 @@ def test_glm_weights_map_tensor_by_tensor(tmp_path, caplog, original_format):
         model = KDSAForCausalLM.from_pretrained(folder)
     lines = [r.getMessage() for r in caplog.records if r.name == "modeling_kdsa.conversion"]
     visual = sum(1 for k in tensors if k.startswith("model.visual."))
-    kpool = sum(1 for k in tensors if "index_kpool_compress" in k)
     assert lines == [
         "skipped glm5_next layer 4 (multi-token-prediction block): 1 tensors",
         f"skipped glm5_next vision tower model.visual.*: {visual} tensors",
-        f"skipped glm5_next k-pool compression of index_kpool=1 (identity): {kpool} tensors",
     ]
     ours = model.state_dict()
     checked = set()
     for name, tensor in tensors.items():
-        if name.startswith("model.visual.") or name in mtp or "index_kpool_compress" in name:
+        if name.startswith("model.visual.") or name in mtp:
             continue
         if ".experts." in name and not original_format:
             target = kdsa_name(name)
