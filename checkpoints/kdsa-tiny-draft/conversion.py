@@ -418,19 +418,14 @@ _GLM_VISION_FIELDS = (
 
 
 def _glm_components(text: _Fields, mapped: dict) -> None:
-    """GLM-5.3-Flash's own components: KDA forget-gate lower bound, SwiGLU clamp, mHC hyper-connections, the
-    k-pool / shared indexer (only its trivial form so far)."""
-    for name in ("linear_lower_bound", "swiglu_limit", "hc_mult", "hc_eps", "hc_sinkhorn_iters"):
+    """GLM-5.3-Flash's own components: KDA forget-gate lower bound, SwiGLU clamp, mHC hyper-connections, the k-pool
+    indexer and shared-indexer layers (KDSAConfig validates their combinations and names the field)."""
+    names = (
+        "linear_lower_bound", "swiglu_limit", "hc_mult", "hc_eps", "hc_sinkhorn_iters", "index_kpool",
+        "index_kpool_always_select_tail", "indexer_types",
+    )  # fmt: skip
+    for name in names:
         mapped[name] = text.take(name)
-    # index_kpool = 1 pools single tokens: the pooling softmax weighs the one key by exactly 1, i.e. today's
-    # per-token indexer, and its compression tensors are inert (skipped at load).
-    text.require("index_kpool", (1,), "k-pool indexer not implemented yet")
-    text.drop(["index_kpool_always_select_tail"])  # only read with index_kpool > 1
-    indexer_types = text.take("indexer_types")
-    if indexer_types is not None and any(t != "full" for t in indexer_types):
-        raise ValueError(
-            f"glm5_next text_config indexer_types={indexer_types}: shared-indexer layers are not implemented yet"
-        )
 
 
 # GLM's hub names of the per-layer mHC tensors (DeepSeek-V4 style) -> KDSAHyperConnection's.
@@ -472,7 +467,10 @@ def _glm5_next(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> 
     text.unhandled()
     skipped = _layer_skips("glm5_next", mapped["num_hidden_layers"], checkpoint_keys, r"model\.language_model\.")
     skipped[r"^model\.visual\."] = "glm5_next vision tower model.visual.*"
-    skipped[r"\.indexer\.index_kpool_compress_(ape|gate)$"] = "glm5_next k-pool compression of index_kpool=1 (identity)"
+    if mapped["index_kpool"] == 1:
+        # Pools of one token: the pooling softmax weighs the single key by exactly 1, so transformers' compression
+        # tensors are inert, and KDSA's per-token indexer has none.
+        skipped[r"\.indexer\.index_kpool_compress_(ape|gate)$"] = "glm5_next k-pool compression of index_kpool=1"
     return _build(
         "glm5_next",
         mapped,
