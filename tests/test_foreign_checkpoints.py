@@ -685,3 +685,15 @@ def test_fp8_scale_grid_that_does_not_fit_is_refused_by_name(deepseek, tmp_path)
     )
     with pytest.raises(ValueError, match=r"could not be converted.*kv_a_proj_with_mqa\.weight.*weight_scale_inv shape"):
         KDSAForCausalLM.from_pretrained(tmp_path / "fp8")
+
+
+def test_fp8_checkpoint_loads_in_bf16(deepseek, tmp_path):
+    """`dtype=torch.bfloat16`: weights land in bf16 (router fp32) within bf16 rounding of the fp32 dequantization
+    (the loader casts values and scales to bf16 before the op; E4M3 values are exact in bf16)."""
+    quantized = fp8_copy(deepseek.folder, tmp_path / "fp8", block=16)
+    params = dict(KDSAForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16).named_parameters())
+    assert params["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    for name in ("model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "model.layers.2.self_attn.indexer.wq_b.weight"):
+        expected = dequantize_fp8(*quantized[name], 16)
+        assert params[name].dtype == torch.bfloat16
+        torch.testing.assert_close(params[name].float(), expected, rtol=2**-7, atol=0)
