@@ -43,8 +43,8 @@ _METADATA_FIELDS = {
     "_name_or_path", "architectures", "transformers_version", "model_type", "output_attentions",
     "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type", "auto_map",
 }  # fmt: skip
-# Fields that configure training only (auxiliary losses, router-logit outputs, dropout at 0) or deployment
-# (expert-parallel size): they do not change what a forward pass computes.
+# Fields that configure training only (auxiliary losses, router-logit outputs) or deployment (expert-parallel size):
+# they do not change what a forward pass computes.
 _TRAINING_ONLY_FIELDS = {"output_router_logits", "aux_loss_alpha", "seq_aux", "ep_size", "router_aux_loss_coef"}
 # Rope types whose frequencies and YaRN attention factor come from transformers' own init functions and whose
 # softmax mscale `mla_softmax_scale` reproduces (tests/test_foreign_checkpoints.py).
@@ -125,7 +125,8 @@ def _common_fields(fields: _Fields, source_names: dict[str, str] | None = None) 
     ]  # fmt: skip
     mapped = {name: fields.take(source_names.get(name, name)) for name in names}
     mapped["q_lora_rank"] = fields.take("q_lora_rank")
-    # Derived by the source class from the dims above (head_dim = the rope slice, as in KDSAConfig).
+    # Derived by the source class: qk_head_dim and head_dim (= the rope slice, as in KDSAConfig) from the dims above,
+    # mlp_layer_types from first_k_dense_replace.
     fields.drop(["qk_head_dim", "head_dim", "first_k_dense_replace"])
     heads, kv_heads = mapped["num_attention_heads"], fields.take("num_key_value_heads")
     if kv_heads != heads:
