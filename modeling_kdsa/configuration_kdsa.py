@@ -159,13 +159,15 @@ class KDSAConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         # transformers only warns when a config.json of another model type is loaded into this class, then keeps the
         # fields whose names match: a Kimi-Linear or DeepSeek-V3.2 folder would load with missing and unexpected
-        # tensors freshly initialised, i.e. silently wrong. Refuse instead.
+        # tensors freshly initialised, i.e. silently wrong. Refuse instead; conversion.py translates such configs
+        # field by field and passes the result in as a KDSAConfig.
         source_type = kwargs.get("model_type", self.model_type)
         if source_type != self.model_type:
             raise ValueError(
-                f"this config describes a {source_type!r} model, not {self.model_type!r}: KDSA does not convert other "
-                "model types' checkpoints (Kimi-Linear, DeepSeek-V3.2, GLM-5.3-Flash) yet; load it with transformers' "
-                "own class, e.g. AutoModelForCausalLM.from_pretrained(path)"
+                f"this config describes a {source_type!r} model, not {self.model_type!r}: KDSAConfig does not read "
+                "other model types' fields. KDSAForCausalLM.from_pretrained(local_folder) converts the family's "
+                "checkpoints (docs/checkpoint-conversion.md §1); AutoModelForCausalLM.from_pretrained(path) loads "
+                "transformers' own class"
             )
         if self.layer_types is None:
             self.layer_types = [DSA_LAYER if i % 4 == 3 else KDA_LAYER for i in range(self.num_hidden_layers)]
