@@ -14,7 +14,7 @@ KDA_LAYER = "linear_attention"
 DSA_LAYER = "indexed_attention"
 MLA_LAYER = "full_attention"  # dense MLA, no indexer (Kimi-Linear's attention layers)
 SUPPORTED_LAYER_TYPES = (KDA_LAYER, DSA_LAYER, MLA_LAYER)
-KERNEL_BACKENDS = ("auto", "torch", "cpu", "compiled")
+KERNEL_BACKENDS = ("auto", "torch", "cpu", "compiled", "npu", "triton")
 
 
 @strict
@@ -61,8 +61,11 @@ class KDSAConfig(PreTrainedConfig):
     hc_eps (`float`): mHC epsilon added to the pre weights, the mixing matrix and the Sinkhorn denominators.
     hc_sinkhorn_iters (`int`): Sinkhorn-Knopp normalisations of the mHC mixing matrix (>= 1).
     kernel_backend (`str`): which kernels read the paged DSA cache: `"torch"` (the readable reference),
-        `"cpu"` (fused, memory-bounded), `"compiled"` (the fused kernels under torch.compile), or `"auto"`
-        (`"cpu"` on CPU; the reference elsewhere until a device kernel has been verified on its hardware).
+        `"cpu"` (fused, memory-bounded), `"compiled"` (the fused kernels under torch.compile), `"npu"` (torch_npu's
+        fused Lightning Indexer and Sparse Flash Attention; contract-tested on CPU, not run on Ascend hardware,
+        docs/backends.md §2), `"triton"` (Triton kernels reading the pages; tested under Triton's interpreter, not
+        run on a GPU, docs/backends.md §4; opt-in), or `"auto"` (`"cpu"` on CPU, `"npu"` on an NPU, the reference
+        elsewhere).
     """
 
     model_type = "kdsa"
@@ -242,6 +245,12 @@ class KDSAConfig(PreTrainedConfig):
         self._check_glm_fields()
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
+        # The Triton indexer scores one key per token (docs/backends.md §4).
+        if self.kernel_backend == "triton" and self.index_kpool > 1:
+            raise ValueError(
+                f"kernel_backend='triton' does not support the k-pool indexer (index_kpool={self.index_kpool}); use "
+                "kernel_backend 'cpu', 'compiled', 'torch' or 'npu'"
+            )
 
     def _check_group_routing(self):
         if self.n_group <= 0 or self.n_routed_experts % self.n_group:
