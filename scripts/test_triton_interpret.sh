@@ -9,7 +9,7 @@ VENV=${TRITON_VENV:-/tmp/kdsa-triton-venv}
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q torch==2.13.0
-  "$VENV/bin/pip" install -q triton "transformers>=5.24,<5.25" safetensors accelerate tqdm pytest einops \
+  "$VENV/bin/pip" install -q triton==3.9.0 "transformers>=5.24,<5.25" safetensors accelerate tqdm pytest einops \
     flash-linear-attention==0.6.0 fla-core==0.6.0
 fi
 # This checkout's package (quantization/, parallel/, eval/ map into modeling_kdsa.* only when installed).
