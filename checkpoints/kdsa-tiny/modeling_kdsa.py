@@ -29,6 +29,7 @@ from .hyper_connections import HyperConnectionStream, KDSAHyperConnection
 from .kda import KDSAKimiDeltaAttention
 from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter
 from .norms import KDSARMSNorm
+from .numeric_formats import mxfp4_quantize
 from .rotary import KDSARotaryEmbedding
 
 logger = logging.get_logger(__name__)
@@ -187,6 +188,14 @@ class KDSAPreTrainedModel(PreTrainedModel):
         elif isinstance(module, KDSATopkRouter):
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, KDSAExperts) and module.mxfp4:
+            # Fresh MXFP4 experts: normal(0, std) weights in the spec's MXFP4 (loaded ones are never re-quantized).
+            for name in ("gate_up_proj", "down_proj"):
+                packed = getattr(module, f"{name}_packed")
+                weights = torch.randn(*packed.shape[:-1], 2 * packed.shape[-1], device=packed.device) * std
+                codes, scales = mxfp4_quantize(weights)
+                init.copy_(packed, codes)
+                init.copy_(getattr(module, f"{name}_scale"), scales)
         elif isinstance(module, KDSAExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
