@@ -260,6 +260,8 @@ def test_kimi_k3_folder_loads_generates_saves_and_reloads(k3_folder, tmp_path, c
     saved = json.loads((tmp_path / "native" / "config.json").read_text())
     assert saved["model_type"] == "kdsa" and "quantization_config" not in saved
     reloaded = KDSAForCausalLM.from_pretrained(tmp_path / "native").eval()
+    reloaded_state = reloaded.state_dict()
+    assert all(torch.equal(tensor, reloaded_state[name]) for name, tensor in model.state_dict().items())
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, logits)
 

@@ -1,6 +1,7 @@
-"""Loading published checkpoints of the family (DeepSeek-V3.2, Kimi-Linear, GLM-5.3-Flash) into KDSA models.
+"""Loading published checkpoints of the family (DeepSeek-V3.2, Kimi-Linear, GLM-5.3-Flash, Kimi K3) into KDSA models.
 
-docs/checkpoint-conversion.md §2 (families §3-§5, FP8 §6). Two halves per family:
+docs/checkpoint-conversion.md §2 (families §3-§5 and §8, FP8 §6; Kimi K3: docs/kimi-k3.md §1, §4). Two halves per
+family:
 
 - config translation: the raw config.json is parsed by transformers' own config class for its `model_type` (which
   resolves attribute_map aliases, Kimi's 1-based `linear_attn_config` layer lists, GLM's nested `text_config`), then

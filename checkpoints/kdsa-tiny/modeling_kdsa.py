@@ -372,7 +372,7 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """Also loads a local folder of a published family checkpoint (config.json `model_type` `deepseek_v32`,
-        `kimi_linear` or `glm5_next`), converting config and weights at load (conversion.py,
+        `kimi_linear`, `glm5_next` or `kimi_k3`), converting config and weights at load (conversion.py,
         docs/checkpoint-conversion.md §1); any field or tensor KDSA cannot reproduce is a ValueError."""
         config_file = os.path.join(str(pretrained_model_name_or_path), "config.json")
         if kwargs.get("config") is None and os.path.isfile(config_file):
