@@ -601,3 +601,18 @@ def test_kimi_k3_tensor_parallel_refuses_latent_moe_and_packed_experts_by_name()
         k3_config(routed_expert_hidden_size=None, latent_moe_use_norm=False), 2
     )
     assert tensor_parallel_errors(k3_config(), 1) is None
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_kimi_k3_context_parallel_path_matches_model(layout):
+    """The CP prefill re-implements the KDA and MLA forwards; with K3's gates it calls the layers' own `output_gate` /
+    `output`. cp = tp = 1 still runs its segment and state-passing code (tolerance as tests/test_parallel_math.py)."""
+    from modeling_kdsa.cache import KDSACache
+    from modeling_kdsa.parallel import context_parallel_prefill, single_process_mesh
+
+    model = perturbed_model(k3_config())
+    ids = torch.randint(0, 256, (2, 29), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(ids, cache=KDSACache(model.config)).logits
+        out = context_parallel_prefill(model, ids, single_process_mesh(), layout=layout, cache=KDSACache(model.config))
+    assert (out.logits - reference).abs().max() < 1e-4
