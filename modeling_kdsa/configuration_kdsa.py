@@ -89,6 +89,7 @@ class KDSAConfig(PreTrainedConfig):
         "layers.*.self_attn.q_proj": "colwise",  # MLA without q LoRA (Kimi-Linear)
         "layers.*.self_attn.q_b_proj": "colwise",
         "layers.*.self_attn.kv_b_proj": "colwise",
+        "layers.*.self_attn.g_proj": "colwise",  # Kimi K3's MLA output gate, per head like the output it gates
         "layers.*.self_attn.o_proj": "rowwise",
         "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
         "layers.*.mlp.experts.down_proj": "rowwise",

@@ -134,16 +134,14 @@ class KDSAExperts(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.num_experts = config.n_routed_experts
-        hidden_size = (
-            config.hidden_size if config.routed_expert_hidden_size is None else config.routed_expert_hidden_size
-        )
+        width = config.hidden_size if config.routed_expert_hidden_size is None else config.routed_expert_hidden_size
         intermediate_size = config.moe_intermediate_size
         self.mxfp4 = config.routed_expert_weight_format == "mxfp4"
         if self.mxfp4:
             # Buffers: they are not trained, and transformers never casts integer tensors to the load dtype.
             shapes = {
-                "gate_up_proj": (2 * intermediate_size, hidden_size),
-                "down_proj": (hidden_size, intermediate_size),
+                "gate_up_proj": (2 * intermediate_size, width),
+                "down_proj": (width, intermediate_size),
             }
             for name, (rows, cols) in shapes.items():
                 self.register_buffer(
@@ -153,8 +151,8 @@ class KDSAExperts(nn.Module):
                     f"{name}_scale", torch.zeros(self.num_experts, rows, cols // 32, dtype=torch.uint8)
                 )
         else:
-            self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * intermediate_size, hidden_size))
-            self.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden_size, intermediate_size))
+            self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * intermediate_size, width))
+            self.down_proj = nn.Parameter(torch.empty(self.num_experts, width, intermediate_size))
         self.activation = GatedActivation(config)
 
     def expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
