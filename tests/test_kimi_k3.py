@@ -8,6 +8,10 @@ engines implement (vLLM `vllm/models/kimi_k3/nvidia/{kda,mla,model}.py`, `nvidia
 import json
 import logging
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -264,6 +268,36 @@ def test_kimi_k3_folder_loads_generates_saves_and_reloads(k3_folder, tmp_path, c
     assert all(torch.equal(tensor, reloaded_state[name]) for name, tensor in model.state_dict().items())
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, logits)
+
+
+def test_kimi_k3_native_save_reloads_by_remote_code(k3_folder, tmp_path):
+    """The saved native folder runs from its own copy of the model files (transformers' remote code), packed experts
+    included, without this package importable."""
+    folder, source = k3_folder
+    if source.config.routed_expert_weight_format != "mxfp4":
+        pytest.skip("one layout is enough: the remote-code files are the same")
+    KDSAForCausalLM.from_pretrained(folder).save_pretrained(tmp_path / "native")
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0))
+    torch.save(ids, tmp_path / "ids.pt")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["modeling_kdsa"] = None
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "native")!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        with torch.no_grad():
+            torch.save(model(torch.load({str(tmp_path / "ids.pt")!r})).logits, {str(tmp_path / "logits.pt")!r})
+        """
+    )
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), source(ids).logits, rtol=1e-6, atol=1e-6)
 
 
 def test_kimi_k3_mxfp4_experts_stay_packed_in_memory(k3_folder):
@@ -612,8 +646,9 @@ def test_kimi_k3_tensor_parallel_refuses_latent_moe_and_packed_experts_by_name()
 def test_kimi_k3_context_parallel_path_matches_model(layout):
     """The CP prefill re-implements the KDA and MLA forwards; with K3's gates it calls the layers' own `output_gate` /
     `output`. cp = tp = 1 still runs its segment and state-passing code (tolerance as tests/test_parallel_math.py)."""
-    from modeling_kdsa.cache import KDSACache
     from modeling_kdsa.parallel import context_parallel_prefill, single_process_mesh
+
+    from modeling_kdsa.cache import KDSACache
 
     model = perturbed_model(k3_config())
     ids = torch.randint(0, 256, (2, 29), generator=torch.Generator().manual_seed(0))
