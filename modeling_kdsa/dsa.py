@@ -112,8 +112,9 @@ class KDSAMultiLatentAttention(nn.Module):
     one shared latent `kv_a_proj_with_mqa(x) = [c | k_pe]`, `c` normalised by `kv_a_layernorm`; `kv_b_proj` holds the
     per-head key/value up-projections, absorbed into queries and outputs (§3). The cache keeps only `[c | k_pe]`
     per token. `mla_use_nope` keeps the rope slice of `q` and `k_pe` but never rotates it; `mla_layernorm_eps` is
-    the eps of the two latent norms (None = rms_norm_eps). Attention runs in the absorbed form over the pages,
-    `query_block_size` queries at a time, with the store's dense kernel (online softmax over blocks of pages).
+    the eps of the two latent norms (None = rms_norm_eps); `mla_use_output_gate` gates the output (`output`).
+    Attention runs in the absorbed form over the pages, `query_block_size` queries at a time, with the store's dense
+    kernel (online softmax over blocks of pages).
     """
 
     store_class = KDSAPagedMLALayer
@@ -154,6 +155,19 @@ class KDSAMultiLatentAttention(nn.Module):
             self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, self.hidden_size, bias=config.attention_bias)
+        # Kimi K3's gated MLA (docs/kimi-k3.md §2): the attention output times sigmoid(g_proj(x)) before o_proj.
+        self.g_proj = (
+            nn.Linear(self.hidden_size, self.num_heads * self.v_head_dim, bias=False)
+            if config.mla_use_output_gate
+            else None
+        )
+
+    def output(self, attn_output: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`o_proj` of the attention output `[B, T, H·Dv]`, gated by `sigmoid(g_proj(hidden_states))` when the
+        config has `mla_use_output_gate`. Returns `[B, T, D]`."""
+        if self.g_proj is not None:
+            attn_output = attn_output * torch.sigmoid(self.g_proj(hidden_states))
+        return self.o_proj(attn_output)
 
     @property
     def uses_position_embeddings(self) -> bool:
@@ -279,7 +293,7 @@ class KDSAMultiLatentAttention(nn.Module):
             )
             outputs.append(torch.einsum("bthc,hvc->bthv", out_latent, w_uv))
         attn_output = torch.cat(outputs, dim=1).reshape(batch, seq_len, self.num_heads * self.v_head_dim)
-        return self.o_proj(attn_output)
+        return self.output(attn_output, hidden_states)
 
 
 class KDSASparseAttention(KDSAMultiLatentAttention):
@@ -374,7 +388,7 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
             if return_topk_indices:
                 selections.append(indices)
         attn_output = torch.cat(outputs, dim=1).reshape(batch, seq_len, self.num_heads * self.v_head_dim)
-        attn_output = self.o_proj(attn_output)
+        attn_output = self.output(attn_output, hidden_states)
         if not return_topk_indices:
             return attn_output
         # Blocks select up to different widths (early blocks see fewer keys): pad with -1 (no key).

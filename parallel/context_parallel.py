@@ -210,8 +210,7 @@ def _kda_forward(attn, hidden: torch.Tensor, view: _RankView, cache: KDSACache |
         # No replay inputs are recorded here: the prefilled tokens are committed (a later crop reaches back to them).
         cache.layers[attn.layer_idx].commit_unrecorded(layout.seq_len)
 
-    gate = attn.g_b_proj(attn.g_a_proj(hidden)).reshape(heads_v)
-    o = attn.o_norm(o.to(v.dtype), gate).reshape(batch, local_len, -1)
+    o = attn.o_norm(o.to(v.dtype), attn.output_gate(hidden).reshape(heads_v)).reshape(batch, local_len, -1)
     return attn.o_proj(o)
 
 
@@ -272,7 +271,7 @@ def _dsa_forward(attn, hidden, position_embeddings, view: _RankView, cache: KDSA
             q_latent = torch.einsum("bthd,hdc->bthc", q_nope[:, rows], w_uk)
             out_latent = store.sparse_attention(q_latent, q_pe[:, rows], indices, attn.softmax_scale)
             out[:, rows] = torch.einsum("bthc,hvc->bthv", out_latent, w_uv)
-    return attn.o_proj(out.reshape(batch, local_len, -1))
+    return attn.output(out.reshape(batch, local_len, -1), hidden)
 
 
 def _mla_forward(attn, hidden, position_embeddings, view: _RankView, cache: KDSACache | None) -> torch.Tensor:
@@ -296,7 +295,7 @@ def _mla_forward(attn, hidden, position_embeddings, view: _RankView, cache: KDSA
                 q_latent, q_pe[:, rows].contiguous(), segment.start + block_start, attn.softmax_scale
             )
             out[:, rows] = torch.einsum("bthc,hvc->bthv", out_latent, w_uv)
-    return attn.o_proj(out.reshape(batch, local_len, -1))
+    return attn.output(out.reshape(batch, local_len, -1), hidden)
 
 
 # ------------------------------------------------------------------------------------------------------- model

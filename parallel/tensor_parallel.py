@@ -10,9 +10,9 @@ DTensor parameters it creates would also have to pass through our kernels. The p
 
 | module | split | after it |
 |---|---|---|
-| KDA `q/k/v_proj`, `q/k/v_conv1d`, `f_b_proj`, `dt_bias`, `A_log`, `b_proj`, `g_b_proj` | by KDA head | – |
+| KDA `q/k/v_proj`, `q/k/v_conv1d`, `f_b_proj`, `dt_bias`, `A_log`, `b_proj`, `g_b_proj` or `g_proj` | by KDA head | – |
 | KDA `o_proj` | input columns by head | all-reduce |
-| MLA `q_b_proj` (`q_proj`), `kv_b_proj` | by attention head | – |
+| MLA `q_b_proj` (`q_proj`), `kv_b_proj`, output gate `g_proj` | by attention head | – |
 | MLA `o_proj` | input columns by head | all-reduce |
 | MoE experts `gate_up_proj` / `down_proj`, shared experts, dense MLP | intermediate dim | one all-reduce per MLP |
 | embeddings, norms, router, `q_a_proj`, `kv_a_proj_with_mqa`, `f_a_proj`, `g_a_proj`, `lm_head` | replicated | – |
@@ -44,6 +44,15 @@ def tensor_parallel_errors(config, tp_size: int) -> str | None:
     bad = [f"{name}={value}" for name, value in sizes.items() if value % tp_size]
     if bad:
         return f"tp={tp_size} must divide the sharded sizes; not divisible: {', '.join(bad)}"
+    if tp_size > 1 and config.routed_expert_hidden_size is not None:
+        # The latent norm must see the sum over all ranks' expert partials, which the per-MLP all-reduce comes after.
+        latent = config.routed_expert_hidden_size
+        return f"tensor parallelism does not support LatentMoE (routed_expert_hidden_size={latent})"
+    if tp_size > 1 and config.routed_expert_weight_format != "dense":
+        return (
+            "tensor parallelism does not support packed routed experts "
+            f"(routed_expert_weight_format={config.routed_expert_weight_format!r})"
+        )
     return None
 
 
@@ -81,7 +90,8 @@ def _shard_kda(attn: KDSAKimiDeltaAttention, rank: int, size: int) -> None:
     v0, v1 = h0 * attn.head_v_dim, h1 * attn.head_v_dim
     for linear, (start, end) in (
         (attn.q_proj, (k0, k1)), (attn.k_proj, (k0, k1)), (attn.v_proj, (v0, v1)),
-        (attn.f_b_proj, (k0, k1)), (attn.b_proj, (h0, h1)), (attn.g_b_proj, (v0, v1)),
+        (attn.f_b_proj, (k0, k1)), (attn.b_proj, (h0, h1)),
+        (attn.g_proj if attn.full_rank_gate else attn.g_b_proj, (v0, v1)),
     ):  # fmt: skip
         _column_parallel(linear, start, end)
     for conv, (start, end) in ((attn.q_conv1d, (k0, k1)), (attn.k_conv1d, (k0, k1)), (attn.v_conv1d, (v0, v1))):
@@ -100,6 +110,8 @@ def _shard_mla(attn, rank: int, size: int) -> None:
     _column_parallel(query_proj, h0 * attn.qk_head_dim, h1 * attn.qk_head_dim)
     per_head = attn.qk_nope_head_dim + attn.v_head_dim
     _column_parallel(attn.kv_b_proj, h0 * per_head, h1 * per_head)
+    if attn.g_proj is not None:  # the output gate is per head like the attention output it multiplies
+        _column_parallel(attn.g_proj, h0 * attn.v_head_dim, h1 * attn.v_head_dim)
     _row_parallel(attn.o_proj, h0 * attn.v_head_dim, h1 * attn.v_head_dim, keeps_bias=rank == 0)
     attn.num_heads = heads
 

@@ -58,7 +58,7 @@ def naive_moe_forward(moe: KDSAMoE, hidden_states: torch.Tensor) -> torch.Tensor
         y = torch.zeros(x.shape, dtype=torch.float32)
         for expert, weight in zip(chosen.tolist(), weights, strict=True):
             gate, up = (experts.gate_up_proj[expert] @ x).chunk(2)
-            y = y + weight * (experts.down_proj[expert] @ (experts.act_fn(gate) * up)).float()
+            y = y + weight * (experts.down_proj[expert] @ (F.silu(gate) * up)).float()
         if moe.shared_experts is not None:
             y = y + moe.shared_experts(x).float()
         outputs.append(y.to(hidden_states.dtype))

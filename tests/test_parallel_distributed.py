@@ -119,6 +119,27 @@ def _scenario_two(rank: int, results: dict) -> None:
     glm_sharded = apply_tensor_parallel(tiny_model(**glm_features), tp_mesh)
     results["glm_tp2_error"] = (glm_sharded(ids).logits - glm_reference).abs().max().item()
 
+    # Kimi K3's features: gated NoPE MLA, full-rank KDA gate with the lower bound, SiTU; under cp = 2 and tp = 2.
+    # LatentMoE with MXFP4 experts under cp = 2 only (tensor parallelism refuses both by name).
+    k3_features = dict(
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        mla_use_nope=True,
+        mla_use_output_gate=True,
+        linear_use_full_rank_gate=True,
+        linear_lower_bound=-5.0,
+        hidden_act="situ",
+    )
+    k3_model = tiny_model(**k3_features)
+    k3_reference = k3_model(ids).logits
+    out = context_parallel_prefill(k3_model, ids, cp_mesh)
+    results["k3_cp2_error"] = (out.logits - k3_reference).abs().max().item()
+    k3_sharded = apply_tensor_parallel(tiny_model(**k3_features), tp_mesh)
+    results["k3_tp2_error"] = (k3_sharded(ids).logits - k3_reference).abs().max().item()
+    latent = dict(routed_expert_hidden_size=32, latent_moe_use_norm=True, routed_expert_weight_format="mxfp4")
+    k3_latent_model = tiny_model(**k3_features, **latent)
+    out = context_parallel_prefill(k3_latent_model, ids, cp_mesh)
+    results["k3_latent_cp2_error"] = (out.logits - k3_latent_model(ids).logits).abs().max().item()
+
     # Error paths: each must raise a ValueError on every rank, and return (no rank left waiting).
     results["error_short_sequence"] = _expect_error(
         lambda: context_parallel_prefill(reference_model, ids[:, :3], cp_mesh)
@@ -244,6 +265,15 @@ def test_glm_features_under_cp2_and_tp2(two_ranks):
     for result in two_ranks:
         assert result["glm_cp2_error"] < LOGIT_TOLERANCE
         assert result["glm_tp2_error"] < LOGIT_TOLERANCE
+
+
+def test_kimi_k3_features_under_cp2_and_tp2(two_ranks):
+    """K3's gates are per head like the attention output they multiply: TP shards `g_proj` by head; CP calls the
+    layers' own gate code. LatentMoE / MXFP4 experts run position-wise under CP (tensor parallelism refuses them)."""
+    for result in two_ranks:
+        assert result["k3_cp2_error"] < LOGIT_TOLERANCE
+        assert result["k3_tp2_error"] < LOGIT_TOLERANCE
+        assert result["k3_latent_cp2_error"] < LOGIT_TOLERANCE
 
 
 @pytest.mark.parametrize(

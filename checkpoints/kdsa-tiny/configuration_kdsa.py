@@ -15,6 +15,7 @@ DSA_LAYER = "indexed_attention"
 MLA_LAYER = "full_attention"  # dense MLA, no indexer (Kimi-Linear's attention layers)
 SUPPORTED_LAYER_TYPES = (KDA_LAYER, DSA_LAYER, MLA_LAYER)
 KERNEL_BACKENDS = ("auto", "torch", "cpu", "compiled", "npu", "triton")
+ROUTED_EXPERT_WEIGHT_FORMATS = ("dense", "mxfp4")
 
 
 @strict
@@ -60,6 +61,21 @@ class KDSAConfig(PreTrainedConfig):
         combined with Block AttnRes (`attn_res_block_size` must be 0).
     hc_eps (`float`): mHC epsilon added to the pre weights, the mixing matrix and the Sinkhorn denominators.
     hc_sinkhorn_iters (`int`): Sinkhorn-Knopp normalisations of the mHC mixing matrix (>= 1).
+    mla_use_output_gate (`bool`): Kimi K3's gated MLA: the attention output (per head, before `o_proj`) is multiplied
+        by `sigmoid(g_proj(x))`, `g_proj: D -> H·v_head_dim` (docs/kimi-k3.md §2). Default False.
+    linear_use_full_rank_gate (`bool`): Kimi K3's KDA output gate: one full-rank `g_proj: D -> H·V` instead of the
+        low-rank `g_a_proj`, `g_b_proj` pair (docs/kimi-k3.md §2). Default False.
+    routed_expert_hidden_size (`int | None`): Kimi K3's LatentMoE: the routed experts run in this latent width, between
+        one shared `routed_expert_down_proj` (D -> latent) and `routed_expert_up_proj` (latent -> D); router and shared
+        experts stay in the full width (docs/kimi-k3.md §3). None = experts in the hidden width.
+    latent_moe_use_norm (`bool`): with LatentMoE, RMSNorm (`routed_expert_norm`) the combined expert output in the
+        latent width before the up projection.
+    activation_situ_beta, activation_situ_linear_beta (`float`): the two soft caps of `hidden_act="situ"` (Kimi K3's
+        gated activation `β·tanh(gate/β)·σ(gate) · β_lin·tanh(up/β_lin)` in fp32, docs/kimi-k3.md §3), used by the
+        dense MLP, the shared and the routed experts. Ignored by other activations.
+    routed_expert_weight_format (`str`): `"dense"` (weights in the model dtype) or `"mxfp4"` (OCP MX FP4: E2M1 codes
+        two per byte, one E8M0 scale per 32 input columns, kept packed and dequantized per expert at use,
+        docs/kimi-k3.md §4).
     kernel_backend (`str`): which kernels read the paged DSA cache: `"torch"` (the readable reference),
         `"cpu"` (fused, memory-bounded), `"compiled"` (the fused kernels under torch.compile), `"npu"` (torch_npu's
         fused Lightning Indexer and Sparse Flash Attention; contract-tested on CPU, not run on Ascend hardware,
@@ -76,6 +92,7 @@ class KDSAConfig(PreTrainedConfig):
         "layers.*.self_attn.q_proj": "colwise",  # MLA without q LoRA (Kimi-Linear)
         "layers.*.self_attn.q_b_proj": "colwise",
         "layers.*.self_attn.kv_b_proj": "colwise",
+        "layers.*.self_attn.g_proj": "colwise",  # Kimi K3's MLA output gate, per head like the output it gates
         "layers.*.self_attn.o_proj": "rowwise",
         "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
         "layers.*.mlp.experts.down_proj": "rowwise",
@@ -153,6 +170,14 @@ class KDSAConfig(PreTrainedConfig):
     hc_mult: int = 1
     hc_eps: float = 1e-6
     hc_sinkhorn_iters: int = 20
+    # Kimi K3 (kimi_k3 / kimi_linear text config): gated MLA, full-rank KDA output gate, LatentMoE, SiTU, MXFP4 experts
+    mla_use_output_gate: bool = False
+    linear_use_full_rank_gate: bool = False
+    routed_expert_hidden_size: int | None = None
+    latent_moe_use_norm: bool = False
+    activation_situ_beta: float = 4.0
+    activation_situ_linear_beta: float = 25.0
+    routed_expert_weight_format: str = "dense"
     # Kernels
     kernel_backend: str = "auto"
 
@@ -243,6 +268,7 @@ class KDSAConfig(PreTrainedConfig):
             raise ValueError(f"attn_res_block_size must be >= 0 (0 = plain residual), got {self.attn_res_block_size}")
         self._check_indexer_variants()
         self._check_glm_fields()
+        self._check_k3_fields()
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         # The Triton indexer scores one key per token (docs/backends.md §4).
@@ -290,6 +316,39 @@ class KDSAConfig(PreTrainedConfig):
                 f"hc_mult={self.hc_mult} (mHC hyper-connections) and attn_res_block_size={self.attn_res_block_size} "
                 "(Block AttnRes) both replace the residual stream; set attn_res_block_size=0 to use mHC"
             )
+
+    def _check_k3_fields(self):
+        """Kimi K3 fields: LatentMoE, SiTU, MXFP4 routed experts (docs/kimi-k3.md)."""
+        latent = self.routed_expert_hidden_size
+        if latent is not None and latent <= 0:
+            raise ValueError(f"routed_expert_hidden_size must be None (no LatentMoE) or > 0, got {latent}")
+        if self.latent_moe_use_norm and latent is None:
+            raise ValueError(
+                "latent_moe_use_norm=True needs routed_expert_hidden_size (the latent width it normalises)"
+            )
+        for name in ("activation_situ_beta", "activation_situ_linear_beta"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.hidden_act == "situ" and self.swiglu_limit is not None:
+            raise ValueError(
+                f"swiglu_limit={self.swiglu_limit} clamps SwiGLU; it cannot be combined with hidden_act='situ'"
+            )
+        if self.routed_expert_weight_format not in ROUTED_EXPERT_WEIGHT_FORMATS:
+            raise ValueError(
+                f"routed_expert_weight_format must be one of {ROUTED_EXPERT_WEIGHT_FORMATS}, got "
+                f"{self.routed_expert_weight_format!r}"
+            )
+        if self.routed_expert_weight_format == "mxfp4":
+            expert_width = self.hidden_size if latent is None else latent
+            for name, width in (
+                ("moe_intermediate_size", self.moe_intermediate_size),
+                ("expert input width", expert_width),
+            ):
+                if width % 32:
+                    raise ValueError(
+                        f"routed_expert_weight_format='mxfp4' scales groups of 32 input columns: {name} ({width}) must "
+                        "be a multiple of 32"
+                    )
 
     def _check_indexer_variants(self):
         """GLM-5.3-Flash indexer fields (docs/dsa.md §9, §10)."""

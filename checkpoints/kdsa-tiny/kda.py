@@ -72,9 +72,14 @@ class KDSAKimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(key_dim, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(1, 1, self.num_heads, 1, dtype=torch.float32))
         self.b_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
-        # Output gate: low rank (rank V) projection into the sigmoid of the gated norm.
-        self.g_a_proj = nn.Linear(self.hidden_size, self.head_v_dim, bias=False)
-        self.g_b_proj = nn.Linear(self.head_v_dim, value_dim, bias=False)
+        # Output gate into the sigmoid of the gated norm: low rank (rank V, Kimi-Linear), or one full-rank projection
+        # (Kimi K3's `use_full_rank_gate`, docs/kimi-k3.md §2).
+        self.full_rank_gate = config.linear_use_full_rank_gate
+        if self.full_rank_gate:
+            self.g_proj = nn.Linear(self.hidden_size, value_dim, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(self.hidden_size, self.head_v_dim, bias=False)
+            self.g_b_proj = nn.Linear(self.head_v_dim, value_dim, bias=False)
         self.o_norm = KDSAGatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(value_dim, self.hidden_size, bias=False)
 
@@ -157,9 +162,14 @@ class KDSAKimiDeltaAttention(nn.Module):
             cache.update_conv_state(qkv, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
             cache.update_recurrent_state(final_state, self.layer_idx)
 
-        gate = self.g_b_proj(self.g_a_proj(hidden_states)).reshape(heads_v)
-        o = self.o_norm(o, gate).reshape(batch_size, seq_len, -1)
+        o = self.o_norm(o, self.output_gate(hidden_states).reshape(heads_v)).reshape(batch_size, seq_len, -1)
         return self.o_proj(o)
+
+    def output_gate(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Pre-sigmoid output gate `[B, T, H·V]` of `hidden_states: [B, T, D]` (full-rank or low-rank)."""
+        if self.full_rank_gate:
+            return self.g_proj(hidden_states)
+        return self.g_b_proj(self.g_a_proj(hidden_states))
 
 
 __all__ = ["KDSAKimiDeltaAttention", "KDSAGatedRMSNorm"]

@@ -29,6 +29,7 @@ from .hyper_connections import HyperConnectionStream, KDSAHyperConnection
 from .kda import KDSAKimiDeltaAttention
 from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter
 from .norms import KDSARMSNorm
+from .numeric_formats import mxfp4_quantize
 from .rotary import KDSARotaryEmbedding
 
 logger = logging.get_logger(__name__)
@@ -187,6 +188,14 @@ class KDSAPreTrainedModel(PreTrainedModel):
         elif isinstance(module, KDSATopkRouter):
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, KDSAExperts) and module.mxfp4:
+            # Fresh MXFP4 experts: normal(0, std) weights in the spec's MXFP4 (loaded ones are never re-quantized).
+            for name in ("gate_up_proj", "down_proj"):
+                packed = getattr(module, f"{name}_packed")
+                weights = torch.randn(*packed.shape[:-1], 2 * packed.shape[-1], device=packed.device) * std
+                codes, scales = mxfp4_quantize(weights)
+                init.copy_(packed, codes)
+                init.copy_(getattr(module, f"{name}_scale"), scales)
         elif isinstance(module, KDSAExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
@@ -363,7 +372,7 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """Also loads a local folder of a published family checkpoint (config.json `model_type` `deepseek_v32`,
-        `kimi_linear` or `glm5_next`), converting config and weights at load (conversion.py,
+        `kimi_linear`, `glm5_next` or `kimi_k3`), converting config and weights at load (conversion.py,
         docs/checkpoint-conversion.md §1); any field or tensor KDSA cannot reproduce is a ValueError."""
         config_file = os.path.join(str(pretrained_model_name_or_path), "config.json")
         if kwargs.get("config") is None and os.path.isfile(config_file):

@@ -1,7 +1,8 @@
-"""Feed-forward layers: the dense GLU MLP and the DeepSeek-V3 / Kimi-Linear style mixture of experts.
+"""Feed-forward layers: the dense GLU MLP and the DeepSeek-V3 / Kimi-Linear / Kimi K3 style mixture of experts.
 
 Router math: docs/design.md §2 (sigmoid scores in fp32, the score-correction bias only selects, renormalise,
-routed scaling; group-limited routing as in DeepSeek-V3, arXiv:2412.19437, and its `noaux_tc` gate). Parameter
+routed scaling; group-limited routing as in DeepSeek-V3, arXiv:2412.19437, and its `noaux_tc` gate). Kimi K3's
+LatentMoE, SiTU activation and MXFP4 routed experts: docs/kimi-k3.md §3-§4. Parameter
 names and layouts follow transformers' `DeepseekV3MoE` so that
 checkpoints map one to one and the config's tensor-parallel plan (`packed_colwise`, `rowwise`, `moe_tp_experts`)
 applies unchanged.
@@ -12,6 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from .norms import KDSARMSNorm
+from .numeric_formats import mxfp4_dequantize
+
 
 def clamp_swiglu_inputs(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """GLM-5.3-Flash's SwiGLU clamp: `gate <= limit`, `-limit <= up <= limit` (the gate is only bounded above: its
@@ -21,9 +25,42 @@ def clamp_swiglu_inputs(gate: torch.Tensor, up: torch.Tensor, limit: float | Non
     return gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
 
 
+def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """Kimi K3's SiTU GLU (docs/kimi-k3.md §3): `β·tanh(gate/β)·σ(gate) · β_lin·tanh(up/β_lin)` in fp32, returned in
+    the input dtype. A SwiGLU whose gate (|·| < β) and linear branch (|·| < β_lin) are smoothly soft-capped."""
+    gate32, up32 = gate.float(), up.float()
+    capped_gate = beta * torch.tanh(gate32 / beta) * torch.sigmoid(gate32)
+    return (capped_gate * (linear_beta * torch.tanh(up32 / linear_beta))).to(gate.dtype)
+
+
+class GatedActivation(nn.Module):
+    """`act(gate) * up` for `config.hidden_act` (after the GLM SwiGLU clamp when `swiglu_limit` is set), or Kimi
+    K3's SiTU for `hidden_act="situ"` with the config's two betas."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.situ = config.hidden_act == "situ"
+        if self.situ:
+            self.beta, self.linear_beta = config.activation_situ_beta, config.activation_situ_linear_beta
+        elif config.hidden_act not in ACT2FN:
+            raise ValueError(
+                f"hidden_act={config.hidden_act!r} is not supported; use 'situ' or one of transformers' ACT2FN"
+            )
+        else:
+            self.act_fn = ACT2FN[config.hidden_act]
+        self.swiglu_limit = config.swiglu_limit
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.situ:
+            return situ_and_mul(gate, up, self.beta, self.linear_beta)
+        gate, up = clamp_swiglu_inputs(gate, up, self.swiglu_limit)
+        return self.act_fn(gate) * up
+
+
 class KDSAMLP(nn.Module):
     """Gated MLP `down(act(gate(x)) * up(x))`, `[..., D]` → `[..., D]`; also the MoE's shared experts. With
-    `config.swiglu_limit` the gate and up activations are clamped first (`clamp_swiglu_inputs`)."""
+    `config.swiglu_limit` the gate and up activations are clamped first (`clamp_swiglu_inputs`); `hidden_act="situ"`
+    is Kimi K3's SiTU (`GatedActivation`)."""
 
     def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
@@ -32,12 +69,10 @@ class KDSAMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.act_fn = ACT2FN[config.hidden_act]
-        self.swiglu_limit = config.swiglu_limit
+        self.activation = GatedActivation(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        gate, up = clamp_swiglu_inputs(self.gate_proj(hidden_states), self.up_proj(hidden_states), self.swiglu_limit)
-        return self.down_proj(self.act_fn(gate) * up)
+        return self.down_proj(self.activation(self.gate_proj(hidden_states), self.up_proj(hidden_states)))
 
 
 class KDSATopkRouter(nn.Module):
@@ -86,19 +121,47 @@ class KDSATopkRouter(nn.Module):
 class KDSAExperts(nn.Module):
     """The routed experts as stacked weights (transformers 5.x layout).
 
-    `gate_up_proj: [E, 2·I, D]` (gate rows first, then up rows), `down_proj: [E, D, I]`. Under tensor parallelism
-    each rank holds a slice of `I`, so the forward reads `I` from the weights, never from the config. With
-    `config.swiglu_limit` each expert clamps its gate and up activations (`clamp_swiglu_inputs`).
+    `gate_up_proj: [E, 2·I, D]` (gate rows first, then up rows), `down_proj: [E, D, I]`, with `D` the expert width
+    (`routed_expert_hidden_size` under LatentMoE, else hidden_size). Under tensor parallelism each rank holds a slice
+    of `I`, so the forward reads `I` from the weights, never from the config. With `config.swiglu_limit` each expert
+    clamps its gate and up activations (`clamp_swiglu_inputs`).
+
+    `routed_expert_weight_format="mxfp4"` (docs/kimi-k3.md §4): the same matrices stay packed as stored, uint8
+    buffers `gate_up_proj_packed [E, 2·I, D/2]`, `gate_up_proj_scale [E, 2·I, D/32]`, `down_proj_packed [E, D, I/2]`,
+    `down_proj_scale [E, D, I/32]`; each expert's two matrices are dequantized to the activation dtype when it runs.
     """
 
     def __init__(self, config):
         super().__init__()
         self.num_experts = config.n_routed_experts
-        hidden_size, intermediate_size = config.hidden_size, config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden_size, intermediate_size))
-        self.act_fn = ACT2FN[config.hidden_act]
-        self.swiglu_limit = config.swiglu_limit
+        width = config.hidden_size if config.routed_expert_hidden_size is None else config.routed_expert_hidden_size
+        intermediate_size = config.moe_intermediate_size
+        self.mxfp4 = config.routed_expert_weight_format == "mxfp4"
+        if self.mxfp4:
+            # Buffers: they are not trained, and transformers never casts integer tensors to the load dtype.
+            shapes = {
+                "gate_up_proj": (2 * intermediate_size, width),
+                "down_proj": (width, intermediate_size),
+            }
+            for name, (rows, cols) in shapes.items():
+                self.register_buffer(
+                    f"{name}_packed", torch.zeros(self.num_experts, rows, cols // 2, dtype=torch.uint8)
+                )
+                self.register_buffer(
+                    f"{name}_scale", torch.zeros(self.num_experts, rows, cols // 32, dtype=torch.uint8)
+                )
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * intermediate_size, width))
+            self.down_proj = nn.Parameter(torch.empty(self.num_experts, width, intermediate_size))
+        self.activation = GatedActivation(config)
+
+    def expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert `expert`'s `gate_up [2I, D]` and `down [D, I]` in `dtype` (MXFP4: dequantized now, exactly)."""
+        if not self.mxfp4:
+            return self.gate_up_proj[expert], self.down_proj[expert]
+        gate_up = mxfp4_dequantize(self.gate_up_proj_packed[expert], self.gate_up_proj_scale[expert], dtype)
+        down = mxfp4_dequantize(self.down_proj_packed[expert], self.down_proj_scale[expert], dtype)
+        return gate_up, down
 
     def forward(
         self, hidden_states: torch.Tensor, topk_indices: torch.Tensor, topk_weights: torch.Tensor
@@ -123,9 +186,9 @@ class KDSAExperts(nn.Module):
             if count == 0:
                 continue
             inputs = grouped_inputs[start : start + count]
-            gate, up = F.linear(inputs, self.gate_up_proj[expert]).chunk(2, dim=-1)
-            gate, up = clamp_swiglu_inputs(gate, up, self.swiglu_limit)
-            expert_outputs.append(F.linear(self.act_fn(gate) * up, self.down_proj[expert]))
+            gate_up_weight, down_weight = self.expert_weights(expert, inputs.dtype)
+            gate, up = F.linear(inputs, gate_up_weight).chunk(2, dim=-1)
+            expert_outputs.append(F.linear(self.activation(gate, up), down_weight))
             start += count
 
         weighted = torch.cat(expert_outputs).float() * weight_of_pair.unsqueeze(-1)  # [N·k, D] fp32
@@ -139,6 +202,11 @@ class KDSAMoE(nn.Module):
 
     `shared_experts` is one `KDSAMLP` of width `moe_intermediate_size · n_shared_experts` (the shared experts
     fused, as DeepSeek-V3 stores them); it is absent (`None`) when `n_shared_experts == 0`.
+
+    LatentMoE (`routed_expert_hidden_size`, Kimi K3, docs/kimi-k3.md §3): the router reads the full-width token; the
+    routed experts read `routed_expert_down_proj(x)` (one projection per token, shared by its experts), their weighted
+    sum is RMS-normalised by `routed_expert_norm` (`latent_moe_use_norm`) and brought back by `routed_expert_up_proj`;
+    the shared experts read the full-width token.
     """
 
     def __init__(self, config):
@@ -150,14 +218,28 @@ class KDSAMoE(nn.Module):
             if config.n_shared_experts > 0
             else None
         )
+        latent = config.routed_expert_hidden_size
+        self.latent = latent is not None
+        if self.latent:
+            self.routed_expert_down_proj = nn.Linear(config.hidden_size, latent, bias=False)
+            self.routed_expert_up_proj = nn.Linear(latent, config.hidden_size, bias=False)
+            self.routed_expert_norm = (
+                KDSARMSNorm(latent, eps=config.rms_norm_eps) if config.latent_moe_use_norm else None
+            )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])  # [N, D]
         topk_indices, topk_weights = self.gate(tokens)
-        output = self.experts(tokens, topk_indices, topk_weights).reshape(hidden_states.shape)
+        if self.latent:
+            routed = self.experts(self.routed_expert_down_proj(tokens), topk_indices, topk_weights)
+            if self.routed_expert_norm is not None:
+                routed = self.routed_expert_norm(routed)
+            output = self.routed_expert_up_proj(routed).reshape(hidden_states.shape)
+        else:
+            output = self.experts(tokens, topk_indices, topk_weights).reshape(hidden_states.shape)
         if self.shared_experts is not None:
             output = output + self.shared_experts(hidden_states)
         return output
 
 
-__all__ = ["KDSAMLP", "KDSATopkRouter", "KDSAExperts", "KDSAMoE"]
+__all__ = ["GatedActivation", "KDSAMLP", "KDSATopkRouter", "KDSAExperts", "KDSAMoE", "situ_and_mul"]

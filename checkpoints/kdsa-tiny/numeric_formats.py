@@ -130,6 +130,60 @@ def mxfp8_dequantize(elements: torch.Tensor, scales: torch.Tensor, dtype: torch.
     return dequantize_blocks(elements, e8m0_to_float(scales), dtype)
 
 
+# ------------------------------------------------------------------------------------------------------ MXFP4
+
+# OCP MX FP4 (E2M1) magnitudes of codes 0-7; bit 3 of a code is the sign (docs/kimi-k3.md §4).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_EMAX = 2  # exponent of 6 = 1.5 · 2^2: the spec's emax_elem
+
+
+def mxfp4_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes two per byte (`uint8 [..., K/2]`, the low nibble holds the even column) → fp32 values `[..., K]`
+    (exact; code 8 is -0.0)."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 packed codes must be uint8, got {packed.dtype}")
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    magnitude = table[(codes & 0x07).long()]
+    return torch.where((codes & 0x08).bool(), -magnitude, magnitude)
+
+
+def mxfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """MXFP4 (compressed-tensors `mxfp4-pack-quantized`): packed codes `uint8 [..., K/2]`, E8M0 scale bytes `uint8
+    [..., K/32]` → values `[..., K]` in `dtype`: the fp32 product `E2M1 · 2^(byte - 127)` (exact), then one cast.
+    Scale byte 0xFF is NaN (the spec's), so its whole group is NaN."""
+    if scales.dtype != torch.uint8 or scales.shape[-1] * MX_BLOCK_SIZE != 2 * packed.shape[-1]:
+        raise ValueError(
+            f"MXFP4 scales must be uint8 [..., K/{MX_BLOCK_SIZE}] for packed codes [..., K/2]; got {scales.dtype} "
+            f"{tuple(scales.shape)} for {tuple(packed.shape)}"
+        )
+    return dequantize_blocks(mxfp4_unpack(packed), e8m0_to_float(scales), dtype)
+
+
+def mxfp4_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec's MXFP4 quantization (OCP MX v1.0 §6.3) of `x [..., K]`: per 32 elements `e = floor(log2(amax)) - 2`,
+    elements `saturate_RNE(x / 2^e)` on the E2M1 grid. Returns packed codes `uint8 [..., K/2]` and scale bytes `uint8
+    [..., K/32]`. KDSA never calls it on loaded weights (they stay as stored); it initialises fresh MXFP4 experts and
+    builds test checkpoints."""
+    _check_blocks(x, MX_BLOCK_SIZE, "MXFP4")
+    amax = _block_amax(x, MX_BLOCK_SIZE)
+    finite = torch.isfinite(amax)
+    exponent = (_floor_log2(torch.where(finite, amax, 0.0)) - E2M1_EMAX).clamp(-E8M0_BIAS, E8M0_BIAS)
+    scaled = x.float().reshape(amax.shape[:-1] + (MX_BLOCK_SIZE,)) * _power_of_two(-exponent)
+    scaled = torch.where(finite, scaled, 0.0).reshape(x.shape)
+    table = torch.tensor(E2M1_VALUES, device=x.device)
+    midpoints = (table[1:] + table[:-1]) / 2
+    magnitude = scaled.abs().clamp(max=E2M1_VALUES[-1])
+    code = torch.bucketize(magnitude, midpoints)  # a tie goes to the lower code ...
+    tie_up = (code < len(midpoints)) & (magnitude == midpoints[code.clamp(max=len(midpoints) - 1)]) & (code % 2 == 1)
+    code = code + tie_up.long()  # ... unless that code is odd: round half to even
+    code = code | ((scaled < 0).long() << 3)
+    pairs = code.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+    biased = torch.where(finite, exponent + E8M0_BIAS, E8M0_NAN).squeeze(-1).to(torch.uint8)
+    return packed, biased
+
+
 # ---------------------------------------------------------------------------------------------- FP8 tile-128
 
 
@@ -308,6 +362,7 @@ class CacheFormats:
 
 __all__ = [
     "CacheFormats",
+    "E2M1_VALUES",
     "E4M3_MAX",
     "FP8_AMAX_FLOOR",
     "FP8_TILE_SIZE",
@@ -321,6 +376,9 @@ __all__ = [
     "e8m0_to_float",
     "fp8_tile_dequantize",
     "fp8_tile_quantize",
+    "mxfp4_dequantize",
+    "mxfp4_quantize",
+    "mxfp4_unpack",
     "mxfp8_dequantize",
     "mxfp8_quantize",
 ]
