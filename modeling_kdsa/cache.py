@@ -235,6 +235,11 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         """Store the current tokens' rows `[B, T, C + R]`. Returns the number of tokens cached before them."""
         return self._write(kv_rows)
 
+    def mask_width(self, new_tokens: int) -> int:
+        """Width of the 2-D padding mask a forward of `new_tokens` tokens passes: past + new tokens (a fixed-capacity
+        store takes its capacity instead, static_cache.py)."""
+        return self.num_tokens + new_tokens
+
     def physical_slots(self, positions: torch.Tensor) -> torch.Tensor:
         """Logical token positions `[B, N]` → row indices into `kv_pages.view(-1, width)`."""
         pages = self.block_table.gather(1, positions // self.page_size)
