@@ -234,7 +234,9 @@ class KDSAModel(KDSAPreTrainedModel):
                 )
             attention_mask = self._padding_mask(attention_mask, batch_size, past_len + seq_len)
             if cache is not None:
-                cache.begin_forward(seq_len)  # capacity check: raises before any layer writes
+                # Capacity check (raises before any layer writes), and the pages of every paged layer prepared here,
+                # outside the layer loop: the page allocator is host code (docs/graph-mode.md §1).
+                cache.begin_forward(seq_len, like=inputs_embeds)
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=inputs_embeds.device) + past_len
             position_ids = position_ids.unsqueeze(0).expand(batch_size, -1)
