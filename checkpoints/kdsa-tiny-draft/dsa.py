@@ -251,9 +251,8 @@ class KDSAMultiLatentAttention(nn.Module):
         latent, k_pe = self.project_latent(hidden_states, position_embeddings)
         # Validate everything before the cache is written, so that bad input never leaves it half-updated.
         store = self._store(cache)
-        past_len = store.num_tokens
-        self._check_attention_mask(attention_mask, batch, past_len + seq_len)
-        store.append(torch.cat([latent, k_pe], dim=-1))
+        self._check_attention_mask(attention_mask, batch, store.mask_width(seq_len))
+        past_len = store.append(torch.cat([latent, k_pe], dim=-1))  # int, or a 0-d tensor in a static cache
 
         w_uk, w_uv = self.absorbed_weights()
         outputs = []
@@ -306,9 +305,8 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
         q_index, index_weights, k_index = self.indexer(hidden_states, query_input, position_embeddings)
         # Validate everything before the cache is written, so that bad input never leaves it half-updated.
         store = self._store(cache)
-        past_len = store.num_tokens
-        self._check_attention_mask(attention_mask, batch, past_len + seq_len)
-        store.append(torch.cat([latent, k_pe], dim=-1), k_index)
+        self._check_attention_mask(attention_mask, batch, store.mask_width(seq_len))
+        past_len = store.append(torch.cat([latent, k_pe], dim=-1), k_index)  # int, or 0-d tensor (static cache)
 
         w_uk, w_uv = self.absorbed_weights()
         outputs = []

@@ -26,6 +26,7 @@ from .kda import KDSAKimiDeltaAttention
 from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter
 from .norms import KDSARMSNorm
 from .rotary import KDSARotaryEmbedding
+from .static_cache import KDSAStaticCache
 
 
 class PlainResidualStream:
@@ -78,14 +79,18 @@ class KDSADecoderLayer(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None,
         cache: KDSACache | None,
+        token_mask: torch.Tensor | None = None,
     ) -> None:
         """Advance `stream` by this layer's two sublayers. `attention_mask`: 2-D `[B, S]` padding mask over all keys
-        (past + current) or None when nothing is padded."""
+        (past + current; with a `KDSAStaticCache`, `[B, capacity]`) or None when nothing is padded. `token_mask`:
+        `[B, T]`, the mask of the current tokens (default: the last T columns of `attention_mask`)."""
         attn_idx, mlp_idx = 2 * self.layer_idx, 2 * self.layer_idx + 1
         hidden_states = self.input_layernorm(stream.input_for(attn_idx))
         if self.layer_type == KDA_LAYER:
             # KDA only needs to know which of the current tokens are padding.
-            current_mask = None if attention_mask is None else attention_mask[:, -hidden_states.shape[1] :]
+            current_mask = token_mask
+            if current_mask is None and attention_mask is not None:
+                current_mask = attention_mask[:, -hidden_states.shape[1] :]
             mixed = self.linear_attn(hidden_states, attention_mask=current_mask, cache=cache)
         else:
             # The model's RoPE table may exist for other layers (a DSA indexer) while this one rotates nothing.
@@ -211,23 +216,41 @@ class KDSAModel(KDSAPreTrainedModel):
             )
         if use_cache and cache is None:
             cache = KDSACache(self.config)
-        past_len = cache.get_seq_length() if cache is not None else 0
-        if past_len + seq_len > self.config.max_position_embeddings:
-            raise ValueError(
-                f"sequence length {past_len + seq_len} (cached {past_len} + new {seq_len}) exceeds "
-                f"max_position_embeddings={self.config.max_position_embeddings}"
-            )
-        attention_mask = self._padding_mask(attention_mask, batch_size, past_len + seq_len)
-        if cache is not None:
-            cache.begin_forward(seq_len)  # capacity check: raises before any layer writes
+        token_mask = None
+        if isinstance(cache, KDSAStaticCache):
+            # Fixed shapes, no host sync (docs/graph-mode.md §2): the mask is padded to the capacity and the token
+            # count is a 0-d tensor; the capacity check runs only eagerly.
+            attention_mask = self._static_padding_mask(attention_mask, batch_size, cache.capacity)
+            past_len = cache.begin_forward(seq_len, device=inputs_embeds.device)
+            if attention_mask is not None:
+                current = past_len + torch.arange(seq_len, device=inputs_embeds.device)
+                token_mask = attention_mask.gather(1, current.expand(batch_size, -1))
+        else:
+            past_len = cache.get_seq_length() if cache is not None else 0
+            if past_len + seq_len > self.config.max_position_embeddings:
+                raise ValueError(
+                    f"sequence length {past_len + seq_len} (cached {past_len} + new {seq_len}) exceeds "
+                    f"max_position_embeddings={self.config.max_position_embeddings}"
+                )
+            attention_mask = self._padding_mask(attention_mask, batch_size, past_len + seq_len)
+            if cache is not None:
+                # Capacity check (raises before any layer writes), and the pages of every paged layer prepared here,
+                # outside the layer loop: the page allocator is host code (docs/graph-mode.md §1).
+                cache.begin_forward(seq_len, like=inputs_embeds)
         if position_ids is None:
-            position_ids = torch.arange(past_len, past_len + seq_len, device=inputs_embeds.device)
+            position_ids = torch.arange(seq_len, device=inputs_embeds.device) + past_len
             position_ids = position_ids.unsqueeze(0).expand(batch_size, -1)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
 
         stream = self.residual_stream(inputs_embeds)
         for layer in self.layers:
-            layer(stream, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache)
+            layer(
+                stream,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                cache=cache,
+                token_mask=token_mask,
+            )
         hidden_states = self.norm(stream.final(getattr(self, "output_attn_res", None)))
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
 
@@ -260,7 +283,26 @@ class KDSAModel(KDSAPreTrainedModel):
                 f"past + new tokens={total_len}]"
             )
         attention_mask = attention_mask.bool()
+        if torch.compiler.is_compiling():
+            # `all()` would be a host sync and a data-dependent branch: a compiled forward keeps the mask (an all-True
+            # mask changes no value; docs/graph-mode.md §1).
+            return attention_mask
         return None if bool(attention_mask.all()) else attention_mask
+
+    @staticmethod
+    def _static_padding_mask(
+        attention_mask: torch.Tensor | None, batch_size: int, capacity: int
+    ) -> torch.Tensor | None:
+        """The 2-D padding mask for a `KDSAStaticCache`: `[B, S]` with `S <= capacity` (past + new tokens, or
+        already padded by `create_masks_for_generate`), returned as bool `[B, capacity]`, False past `S`."""
+        if attention_mask is None:
+            return None
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] > capacity:
+            raise ValueError(
+                f"KDSAStaticCache takes a 2-D padding mask [batch={batch_size}, <= capacity={capacity}]; got shape "
+                f"{tuple(attention_mask.shape)}"
+            )
+        return torch.nn.functional.pad(attention_mask.bool(), (0, capacity - attention_mask.shape[1]))
 
 
 class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
@@ -275,20 +317,54 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
+    ):
         """generate() builds a `DynamicCache` by default; KDSA layers need the paged `KDSACache`. Only speculative
         decoding crops — the verifying model (assisted mode) and the draft model (`is_assistant`) — so only there
-        do the KDA layers keep rollback records; every other mode runs without their cost."""
+        do the KDA layers keep rollback records; every other mode runs without their cost.
+
+        `cache_implementation="static"` builds a `KDSAStaticCache` (fixed capacity, compileable: generate then
+        compiles the decode step with `generation_config.compile_config`; docs/graph-mode.md §2) of capacity
+        `max(max_length, generation_config.max_cache_len, the previous static capacity)`, the last term so that
+        repeated calls keep one compiled graph, as transformers' static caches do."""
         if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
-            if generation_config.cache_implementation not in (None, "dynamic"):
-                raise ValueError(
-                    f"cache_implementation={generation_config.cache_implementation!r} is not supported: KDSA models "
-                    "generate with their own paged KDSACache (pass `past_key_values=KDSACache(config, ...)` to size it)"
-                )
+            implementation = generation_config.cache_implementation
             crops = generation_mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant
+            if implementation == "static":
+                if crops:
+                    raise ValueError(
+                        "cache_implementation='static' does not support speculative decoding (assisted generation, "
+                        "prompt lookup, draft models): KDSAStaticCache cannot crop; use cache_implementation=None"
+                    )
+                if generation_config.num_beams > 1:
+                    raise ValueError(
+                        "cache_implementation='static' does not support beam search (num_beams > 1): KDSAStaticCache "
+                        "cannot reorder; use cache_implementation=None"
+                    )
+                capacity = max(max_cache_length, generation_config.max_cache_len or 0)
+                capacity = max(capacity, getattr(self, "_previous_max_cache_length", 0))
+                model_kwargs["cache"] = KDSAStaticCache(self.config, max_cache_len=capacity)
+                self._previous_max_cache_length = capacity
+                return
+            if implementation not in (None, "dynamic"):
+                raise ValueError(
+                    f"cache_implementation={implementation!r} is not supported: KDSA models generate with their own "
+                    "paged KDSACache (default) or the fixed-capacity KDSAStaticCache ('static')"
+                )
             model_kwargs["cache"] = KDSACache(self.config, rollback_tokens=ROLLBACK_TOKENS if crops else 0)
             return
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
+        super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
+        )
+
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache, **kwargs):
+        """What generate() passes a compileable cache as the mask (instead of transformers' per-layer-type 4-D masks):
+        KDSA takes the 2-D padding mask, padded to the static capacity so that its shape never changes between decode
+        steps (docs/graph-mode.md §2). None stays None (nothing padded)."""
+        if attention_mask is None or not isinstance(cache, KDSAStaticCache):
+            return attention_mask
+        return self.model._static_padding_mask(attention_mask, attention_mask.shape[0], cache.capacity)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
