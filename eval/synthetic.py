@@ -40,9 +40,13 @@ def build_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     # Word pieces decode as space-joined words (WordPiece's decoder with a prefix no token has).
     backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK, model_max_length=1024
     )
+    # Left padding, saved into tokenizer_config.json: a decoder-only batch must end in its real tokens for generate()
+    # to continue each row. (The constructor's `padding_side=` is neither applied nor saved with tokenizer_object.)
+    tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "left"
+    return tokenizer
 
 
 def successor(value: int) -> int:

@@ -9,6 +9,7 @@ installed.
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from .cache import KDSACache
 from .configuration_kdsa import KDSAConfig
 from .modeling_kdsa import KDSAForCausalLM, KDSAModel, KDSAPreTrainedModel
 
@@ -27,4 +28,11 @@ from .quantization import KDSAQuantizationConfig, register  # noqa: E402
 
 register()
 
-__all__ = ["KDSAConfig", "KDSAModel", "KDSAForCausalLM", "KDSAPreTrainedModel", "KDSAQuantizationConfig"]
+__all__ = [
+    "KDSACache",
+    "KDSAConfig",
+    "KDSAModel",
+    "KDSAForCausalLM",
+    "KDSAPreTrainedModel",
+    "KDSAQuantizationConfig",
+]

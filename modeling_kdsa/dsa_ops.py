@@ -34,6 +34,30 @@ def visible_keys_mask(
     return visible
 
 
+class ScoredPairs:
+    """Counts the indexer's (query, key) scores that the kernels compute while it is active, summed over the batch:
+    `with ScoredPairs() as scored: ...` then `scored.pairs`. Every indexer kernel reports the size of each block of
+    scores it computes (masked pairs included: they cost the same), so this is the work done, not a formula."""
+
+    _active: list["ScoredPairs"] = []
+
+    def __init__(self):
+        self.pairs = 0
+
+    def __enter__(self) -> "ScoredPairs":
+        ScoredPairs._active.append(self)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        ScoredPairs._active.remove(self)
+
+    @classmethod
+    def add(cls, scores: torch.Tensor) -> None:
+        """Called by the kernels with every block of scores `[B, T, n]` they compute."""
+        for counter in cls._active:
+            counter.pairs += scores.numel()
+
+
 def indexer_scores(
     q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Tensor, visible: torch.Tensor
 ) -> torch.Tensor:
@@ -50,6 +74,7 @@ def indexer_scores(
     for head in range(num_heads):
         head_logits = torch.relu(torch.bmm(q_index[:, :, head].float(), keys_t)) * weights[:, :, head, None]
         scores = head_logits if scores is None else scores + head_logits
+    ScoredPairs.add(scores)
     return scores.masked_fill(~visible, float("-inf"))
 
 
@@ -183,6 +208,7 @@ def dense_mla_reference(
 
 __all__ = [
     "QUERY_BLOCK_SIZE",
+    "ScoredPairs",
     "visible_keys_mask",
     "indexer_scores",
     "select_topk",

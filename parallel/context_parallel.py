@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from modeling_kdsa.cache import KDSACache, KDSAPagedLayer, KDSAPagedMLALayer
 from modeling_kdsa.configuration_kdsa import DSA_LAYER, KDA_LAYER
+from modeling_kdsa.dsa_ops import ScoredPairs
 from modeling_kdsa.kda_ops import causal_short_conv, kda_gate, l2norm
 from modeling_kdsa.static_cache import KDSAStaticCache
 
@@ -42,8 +43,8 @@ from .zigzag import LAYOUTS, SequenceLayout
 
 @dataclass
 class PrefillStats:
-    """What one rank did: `indexer_pairs` (query, key) pairs the indexer scored on this rank (summed over the
-    batch), `indexer_seconds`,
+    """What one rank did: `indexer_pairs` (query, key) pairs the indexer kernels scored on this rank (summed over the
+    batch; counted by the kernels, `dsa_ops.ScoredPairs`: the fused CPU kernel scores whole pages), `indexer_seconds`,
     seconds per layer kind, and the mesh's `CommLog` bytes by tag."""
 
     indexer_pairs: int = 0
@@ -206,6 +207,8 @@ def _kda_forward(attn, hidden: torch.Tensor, view: _RankView, cache: KDSACache |
     if cache is not None:
         cache.update_conv_state(context[..., -width:], attn.layer_idx, conv_kernel_size=width)
         cache.update_recurrent_state(start_states[-1], attn.layer_idx)
+        # No replay inputs are recorded here: the prefilled tokens are committed (a later crop reaches back to them).
+        cache.layers[attn.layer_idx].commit_unrecorded(layout.seq_len)
 
     gate = attn.g_b_proj(attn.g_a_proj(hidden)).reshape(heads_v)
     o = attn.o_norm(o.to(v.dtype), gate).reshape(batch, local_len, -1)
@@ -225,10 +228,11 @@ def _indexer_topk(attn, store: KDSAPagedLayer, q_index, weights, query_start: in
     started = time.perf_counter()
     selected = None
     if last > first:
-        selected = store.indexer_topk(
-            q_index[:, first:last], weights[:, first:last], query_start + first, attn.index_topk
-        )
-        view.stats.indexer_pairs += q_index.shape[0] * (last - first) * min(store.num_tokens, query_start + last)
+        with ScoredPairs() as scored:
+            selected = store.indexer_topk(
+                q_index[:, first:last], weights[:, first:last], query_start + first, attn.index_topk
+            )
+        view.stats.indexer_pairs += scored.pairs
     view.stats.indexer_seconds += time.perf_counter() - started
     if mesh.tp_size == 1:
         return selected
@@ -253,7 +257,7 @@ def _dsa_forward(attn, hidden, position_embeddings, view: _RankView, cache: KDSA
     if cache is not None:
         store = cache.layers[attn.layer_idx]
     else:
-        store = KDSAPagedLayer(kv_width, attn.indexer.head_dim, attn.kernel_backend)
+        store = KDSAPagedLayer.from_config(attn.config)  # the config's formats, as the layer's private store
     store.append(keys[..., :kv_width], keys[..., kv_width:].to(k_index.dtype))
 
     w_uk, w_uv = attn.absorbed_weights()

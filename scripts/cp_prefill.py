@@ -64,7 +64,10 @@ def measure(args) -> dict:
     launched = "WORLD_SIZE" in os.environ
     mesh = init_parallel_mesh(args.cp, args.tp) if launched else single_process_mesh()
     if not launched and (args.cp, args.tp) != (1, 1):
-        raise SystemExit("cp·tp > 1 needs a launcher: torchrun --nproc_per_node N (or accelerate launch)")
+        raise SystemExit(
+            "cp·tp > 1 needs cp·tp processes: torchrun --nproc_per_node N, or accelerate launch --multi_gpu "
+            "--num_processes N (without --multi_gpu accelerate starts a single process, also on CPU)"
+        )
     torch.manual_seed(0)
     config = bench_config(args.layers, args.index_topk)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]

@@ -56,11 +56,6 @@ def test_config_round_trip(tmp_path):
     assert {**loaded.to_dict(), "_name_or_path": ""} == {**config.to_dict(), "_name_or_path": ""}
 
 
-def test_prompt_longer_than_max_positions_raises(model):
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        model(prompt(length=model.config.max_position_embeddings + 1))
-
-
 def test_bad_attention_mask_raises(model):
     ids = prompt()
     with pytest.raises(ValueError, match="2-D padding mask"):

@@ -279,20 +279,25 @@ def test_cp4_logits_match_single_process(four_ranks, layout):
 
 
 def test_cp4_measured_indexer_balance(four_ranks):
-    """The (query, key) pairs each rank's indexer actually scored: a block of n queries starting at position s scores
-    the n·(s + n) keys up to its last query (segments here are < 128 queries, one block each). Measured == that count
-    from the layout, exactly; zigzag within 5% of perfect balance, contiguous far from it."""
+    """The (query, key) pairs each rank's indexer kernels scored (`ScoredPairs`, counted in the kernels): the fused CPU
+    kernel scores a block of n queries starting at position s against the keys up to its last query, rounded up to
+    whole pages of 64 (segments here are < 128 queries, one block each). Measured == that count from the layout,
+    exactly. At 130 tokens page rounding dominates (zigzag 1.150, contiguous 1.416); zigzag still balances better."""
     from conftest import tiny_config
     from modeling_kdsa.parallel import SequenceLayout
 
+    from modeling_kdsa.cache import PAGE_SIZE
+
     dsa_layers = tiny_config().layer_types.count("indexed_attention")
-    for layout, (low, high) in (("zigzag", (1.0, 1.05)), ("contiguous", (1.5, 2.0))):
+    ratios = {}
+    for layout in ("zigzag", "contiguous"):
         sequence = SequenceLayout(LONG_PROMPT_LEN, 4, layout)
         work = [result[f"cp4_{layout}_indexer_pairs"] for result in four_ranks]
         expected = [
-            dsa_layers * sum(s.num_real * (s.start + s.num_real) for s in sequence.segments_of(rank))
+            dsa_layers
+            * sum(s.num_real * -(-(s.start + s.num_real) // PAGE_SIZE) * PAGE_SIZE for s in sequence.segments_of(rank))
             for rank in range(4)
         ]
         assert work == expected
-        ratio = max(work) / (sum(work) / len(work))
-        assert low <= ratio <= high, (layout, work)
+        ratios[layout] = max(work) / (sum(work) / len(work))
+    assert 1.0 <= ratios["zigzag"] < 1.2 < 1.4 < ratios["contiguous"], ratios

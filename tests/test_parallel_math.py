@@ -190,3 +190,67 @@ def test_cp_path_single_process_glm_features():
         other = tiny_model(**(features | {field: off}))
         other.load_state_dict(model.state_dict(), strict=False)
         assert (other(ids).logits - reference).abs().max() > 1e-3, field
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_cp_indexer_pairs_are_counted_by_the_kernels(backend):
+    """`stats.indexer_pairs` is the work the indexer kernels report (`ScoredPairs`), not a formula: the reference
+    scores `[B, n, s + n]` per block of n queries at position s, the fused CPU kernel whole pages of 64 keys."""
+    from modeling_kdsa.cache import PAGE_SIZE
+    from modeling_kdsa.dsa_ops import ScoredPairs
+
+    model = tiny_model(kernel_backend=backend)
+    batch, length = 2, 29
+    ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(0))
+    with ScoredPairs() as scored:
+        out = context_parallel_prefill(model, ids, single_process_mesh(), layout="zigzag")
+    segments = SequenceLayout(length, 1, "zigzag").segments_of(0)
+    keys = [s.start + s.num_real for s in segments]
+    if backend == "cpu":
+        keys = [-(-k // PAGE_SIZE) * PAGE_SIZE for k in keys]
+    dsa_layers = model.config.layer_types.count("indexed_attention")
+    expected = dsa_layers * batch * sum(s.num_real * k for s, k in zip(segments, keys, strict=True))
+    assert out.stats.indexer_pairs == scored.pairs == expected
+
+
+@torch.no_grad()
+def test_cp_path_uses_the_configured_cache_formats_without_a_cache():
+    """A quantized config quantizes a cache-less CP prefill as it does the model's cache-less forward (the private
+    store is built from the config, not with default BF16 formats)."""
+    from modeling_kdsa import KDSAQuantizationConfig
+
+    model = tiny_model(index_head_dim=32, kv_lora_rank=64)
+    model.config.quantization_config = KDSAQuantizationConfig(kv_cache_tile_size=64)
+    ids = torch.randint(3, 128, (2, 29), generator=torch.Generator().manual_seed(0))
+    reference = model(ids, use_cache=False).logits
+    for layout in ("zigzag", "contiguous"):
+        out = context_parallel_prefill(model, ids, single_process_mesh(), layout=layout)
+        assert (out.logits - reference).abs().max() < 1e-4, layout
+        cache = KDSACache(model.config)  # and with a quantized cache
+        out = context_parallel_prefill(model, ids, single_process_mesh(), layout=layout, cache=cache)
+        assert (out.logits - reference).abs().max() < 1e-4, layout
+        assert cache.layers[1].kv_pages.elements.dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@torch.no_grad()
+def test_cp_prefill_then_decode_then_crop_with_a_rollback_cache(layout):
+    """A rollback cache filled by a CP prefill: decode steps after it can be cropped exactly (the prefill is the KDA
+    checkpoint), and cropping behind the last commit is refused with a clear error, the cache unchanged."""
+    model = tiny_model()
+    ids = torch.randint(3, 128, (1, 33), generator=torch.Generator().manual_seed(0))
+    cache = KDSACache(model.config, rollback_tokens=16)
+    context_parallel_prefill(model, ids[:, :30], single_process_mesh(), layout=layout, cache=cache)
+    for t in range(30, 33):
+        model(ids[:, t : t + 1], cache=cache)
+    cache.crop(-2)
+    assert cache.get_seq_length() == 31
+    reference_cache = KDSACache(model.config)
+    model(ids[:, :31], cache=reference_cache)
+    next_token = torch.tensor([[7]])
+    torch.testing.assert_close(
+        model(next_token, cache=cache).logits, model(next_token, cache=reference_cache).logits, rtol=0, atol=1e-4
+    )
+    with pytest.raises(ValueError, match="checkpoint is at 31 tokens"):  # the crop committed 31
+        cache.crop(20)
+    assert cache.get_seq_length() == 32

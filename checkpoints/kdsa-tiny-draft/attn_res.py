@@ -24,8 +24,9 @@ class KDSADepthAttention(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
-        self.query = nn.Parameter(torch.zeros(hidden_size))
-        self.key_norm = KDSARMSNorm(hidden_size, eps=eps)
+        # fp32 whatever the default dtype (`_keep_in_fp32_modules_strict` only applies when loading weights).
+        self.query = nn.Parameter(torch.zeros(hidden_size, dtype=torch.float32))
+        self.key_norm = KDSARMSNorm(hidden_size, eps=eps).float()
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
         """Direct formula. `sources`: n tensors `[B, T, D]` → `[B, T, D]` in the sources' dtype."""

@@ -575,6 +575,12 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
         self.records.append(KDAReplayRecord(conv_inputs, k, v, g, beta).tokens(folded))
         self.num_tokens += new_tokens
 
+    def commit_unrecorded(self, new_tokens: int) -> None:
+        """`new_tokens` were written into the live state without replay inputs (context-parallel prefill): they can
+        never be rolled back, so the live state after them becomes the checkpoint."""
+        self.num_tokens += new_tokens
+        self._commit()
+
     def _commit(self) -> None:
         """The live state becomes the checkpoint (it is exact already): drop the records."""
         self.records.clear()

@@ -33,7 +33,7 @@ import os
 import torch
 import torch.fx.experimental._config
 
-from .dsa_ops import dense_mla_attention, indexer_topk, sparse_mla_attention
+from .dsa_ops import ScoredPairs, dense_mla_attention, indexer_topk, sparse_mla_attention
 from .numeric_formats import QuantizedRows
 
 # Bound on what the indexer holds per key block and sequence, the gathered keys `[n, DI]` plus the products
@@ -349,6 +349,7 @@ def _blocked_indexer_topk(
         # Contiguous, so that every block has the same strides (a compiled block step never recompiles for them).
         key_padding = None if key_padding_mask is None else key_padding_mask[:, block].contiguous()
         packed = score_block(q_index, scaled_weights, keys, key_positions, last_visible_key, key_padding)
+        ScoredPairs.add(packed)
         if best is not None:
             packed = torch.cat([best, packed], dim=-1)
         best = packed.topk(min(num_selected, packed.shape[-1]), dim=-1).values

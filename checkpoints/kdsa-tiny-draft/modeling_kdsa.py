@@ -15,6 +15,7 @@ from transformers import initialization as init
 from transformers.generation import GenerationMixin, GenerationMode
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
+from transformers.utils import can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .attn_res import BlockAttnResStream, KDSADepthAttention
@@ -27,6 +28,8 @@ from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter
 from .norms import KDSARMSNorm
 from .rotary import KDSARotaryEmbedding
 from .static_cache import KDSAStaticCache
+
+logger = logging.get_logger(__name__)
 
 
 class PlainResidualStream:
@@ -80,12 +83,14 @@ class KDSADecoderLayer(nn.Module):
         attention_mask: torch.Tensor | None,
         cache: KDSACache | None,
         token_mask: torch.Tensor | None = None,
-    ) -> None:
+    ) -> torch.Tensor:
         """Advance `stream` by this layer's two sublayers. `attention_mask`: 2-D `[B, S]` padding mask over all keys
         (past + current; with a `KDSAStaticCache`, `[B, capacity]`) or None when nothing is padded. `token_mask`:
-        `[B, T]`, the mask of the current tokens (default: the last T columns of `attention_mask`)."""
+        `[B, T]`, the mask of the current tokens (default: the last T columns of `attention_mask`). Returns the stream
+        value this layer read (its token mixer's input before the norm): the layer's entry in `output_hidden_states`."""
         attn_idx, mlp_idx = 2 * self.layer_idx, 2 * self.layer_idx + 1
-        hidden_states = self.input_layernorm(stream.input_for(attn_idx))
+        layer_input = stream.input_for(attn_idx)
+        hidden_states = self.input_layernorm(layer_input)
         if self.layer_type == KDA_LAYER:
             # KDA only needs to know which of the current tokens are padding.
             current_mask = token_mask
@@ -102,6 +107,7 @@ class KDSADecoderLayer(nn.Module):
         stream.add_output(attn_idx, mixed)
         hidden_states = self.post_attention_layernorm(stream.input_for(mlp_idx))
         stream.add_output(mlp_idx, self.mlp(hidden_states))
+        return layer_input
 
 
 class KDSAPreTrainedModel(PreTrainedModel):
@@ -190,6 +196,7 @@ class KDSAModel(KDSAPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
+    @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
@@ -199,11 +206,30 @@ class KDSAModel(KDSAPreTrainedModel):
         cache: KDSACache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
+        """`output_hidden_states`: the embeddings, then each layer's input as it reads it from the residual stream
+        (with Block AttnRes: its depth-attended input), then the final normed output: `num_hidden_layers + 1`
+        tensors, transformers' convention. `output_attentions` is refused: KDA and DSA form no attention matrix."""
+        if output_attentions:
+            raise ValueError(
+                "output_attentions=True is not supported: KDA layers are linear attention (no attention matrix) and "
+                "DSA layers attend to index_topk selected keys per query without forming the [T, S] matrix"
+            )
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
+            # One host sync per forward (eager only: a compiled graph must not branch on data).
+            out_of_vocab = not torch.compiler.is_compiling() and bool(
+                ((input_ids < 0) | (input_ids >= self.config.vocab_size)).any()
+            )
+            if out_of_vocab:
+                raise ValueError(
+                    f"input_ids must lie in [0, vocab_size={self.config.vocab_size}); got ids from "
+                    f"{int(input_ids.min())} to {int(input_ids.max())}"
+                )
             inputs_embeds = self.embed_tokens(input_ids)
         if inputs_embeds.dim() != 3:
             raise ValueError(f"inputs_embeds must be [batch, seq, hidden], got shape {tuple(inputs_embeds.shape)}")
@@ -216,6 +242,18 @@ class KDSAModel(KDSAPreTrainedModel):
             )
         if use_cache and cache is None:
             cache = KDSACache(self.config)
+        if seq_len == 0:
+            past_tokens = int(cache.get_seq_length()) if cache is not None else 0
+            raise ValueError(
+                "input has no tokens (sequence length 0)"
+                + (
+                    f"; the cache already holds {past_tokens} tokens: generate() feeds the model only the tokens after "
+                    "the cached ones, so a used KDSACache needs a prompt that extends them (or pass a fresh "
+                    "KDSACache, or call cache.reset())"
+                    if past_tokens
+                    else ""
+                )
+            )
         token_mask = None
         if isinstance(cache, KDSAStaticCache):
             # Fixed shapes, no host sync (docs/graph-mode.md §2): the mask is padded to the capacity and the token
@@ -228,9 +266,11 @@ class KDSAModel(KDSAPreTrainedModel):
         else:
             past_len = cache.get_seq_length() if cache is not None else 0
             if past_len + seq_len > self.config.max_position_embeddings:
-                raise ValueError(
-                    f"sequence length {past_len + seq_len} (cached {past_len} + new {seq_len}) exceeds "
-                    f"max_position_embeddings={self.config.max_position_embeddings}"
+                # transformers' convention: the limit is the trained length, not a hard one (RoPE extends, and scaled
+                # RoPE configs exist for exactly this); warn once and go on.
+                logger.warning_once(
+                    f"the sequence exceeds max_position_embeddings={self.config.max_position_embeddings}: positions "
+                    "beyond the trained length may degrade the output"
                 )
             attention_mask = self._padding_mask(attention_mask, batch_size, past_len + seq_len)
             if cache is not None:
@@ -243,16 +283,28 @@ class KDSAModel(KDSAPreTrainedModel):
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
 
         stream = self.residual_stream(inputs_embeds)
+        output_hidden_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
+        all_hidden_states = [] if output_hidden_states else None
         for layer in self.layers:
-            layer(
+            layer_input = layer(
                 stream,
                 position_embeddings=position_embeddings,
                 attention_mask=attention_mask,
                 cache=cache,
                 token_mask=token_mask,
             )
+            if output_hidden_states:
+                all_hidden_states.append(layer_input)
         hidden_states = self.norm(stream.final(getattr(self, "output_attn_res", None)))
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+        if output_hidden_states:
+            all_hidden_states.append(hidden_states)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            cache=cache if use_cache else None,
+            hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
+        )
 
     def residual_stream(
         self, embeddings: torch.Tensor
@@ -366,6 +418,32 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
             return attention_mask
         return self.model._static_padding_mask(attention_mask, attention_mask.shape[0], cache.capacity)
 
+    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
+        """transformers' positions (from the attention mask's cumsum), after checking that a 2-D mask covers the
+        sequence: one entry per token, or per cached + new token when only the new tokens are passed. generate would
+        otherwise use a longer mask silently and fail inside RoPE on a shorter one."""
+        ids = model_kwargs.get("input_ids")
+        length = ids.shape[1] if ids is not None and ids.shape[1] > 0 else inputs_tensor.shape[1]
+        cache = model_kwargs.get("cache")
+        past = cache.get_seq_length() if cache is not None else 0
+        mask = model_kwargs.get("attention_mask")
+        if past and length <= past and (mask is None or mask.shape[-1] == length):
+            # transformers would feed the last `length - past` (<= 0) tokens: nothing, or a wrong slice.
+            raise ValueError(
+                f"the cache already holds {past} tokens and the prompt has {length}: generate() continues a used "
+                "cache with the tokens after the cached ones. Pass a prompt that extends them (or only the new tokens "
+                "with the whole sequence's attention_mask), or a fresh KDSACache / cache.reset()"
+            )
+        if mask is not None and mask.dim() == 2:
+            if mask.shape[1] not in (length, past + length):
+                raise ValueError(
+                    f"attention_mask has {mask.shape[1]} positions but the input has {length} tokens"
+                    + (f" ({past} more in the cache)" if past else "")
+                    + ": pass the mask the tokenizer returned with the input (one entry per token)"
+                )
+        return super()._prepare_position_ids_for_generation(inputs_tensor, model_kwargs)
+
+    @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
@@ -377,6 +455,8 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         outputs = self.model(
@@ -386,6 +466,8 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -393,7 +475,9 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states
+        )
 
 
 __all__ = ["KDSAPreTrainedModel", "KDSAModel", "KDSAForCausalLM"]

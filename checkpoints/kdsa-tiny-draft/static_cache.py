@@ -361,10 +361,6 @@ class KDSAStaticCache(KDSACache):
     def __init__(self, config, max_cache_len: int, page_size: int = PAGE_SIZE):
         if max_cache_len <= 0:
             raise ValueError(f"max_cache_len must be > 0, got {max_cache_len}")
-        if max_cache_len > config.max_position_embeddings:
-            raise ValueError(
-                f"max_cache_len={max_cache_len} exceeds max_position_embeddings={config.max_position_embeddings}"
-            )
         layers = []
         for layer_type in config.layer_types:
             if layer_type == DSA_LAYER:

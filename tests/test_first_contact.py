@@ -1,0 +1,189 @@
+"""What a new user meets first: clear errors for bad input (a ValueError naming the argument and the limit, raised
+before any state changes) and transformers' conventions where a user expects them (positions beyond
+max_position_embeddings, hidden states, return_dict, left-padding tokenizer, the README's quantization example)."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from modeling_kdsa import KDSACache, KDSAForCausalLM
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKPOINT = ROOT / "checkpoints" / "kdsa-tiny"
+
+
+def ids(batch=1, length=12, seed=0):
+    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+
+
+def test_empty_input_is_a_clear_error(model):
+    with pytest.raises(ValueError, match="no tokens"):
+        model(torch.zeros(1, 0, dtype=torch.long))
+
+
+def test_used_cache_with_a_new_prompt_is_a_clear_error(model):
+    """generate() feeds only the tokens after the cached ones: a prompt no longer than the cache leaves none. The
+    error names the cache, and the cache is unchanged."""
+    cache = KDSACache(model.config)
+    model(ids(length=12), cache=cache)
+    with pytest.raises(ValueError, match="cache already holds 12 tokens and the prompt has 8"):
+        model.generate(ids(length=8, seed=1), cache=cache, max_new_tokens=2, do_sample=False)
+    assert cache.get_seq_length() == 12
+
+
+@pytest.mark.parametrize("bad", [128, 10_000, -1])
+def test_out_of_vocabulary_ids_name_vocab_size(model, bad):
+    tokens = ids()
+    tokens[0, 5] = bad
+    cache = KDSACache(model.config)
+    with pytest.raises(ValueError, match=r"vocab_size=128"):
+        model(tokens, cache=cache)
+    assert cache.get_seq_length() == 0
+
+
+@pytest.mark.parametrize("mask_length", [10, 14])
+def test_generate_with_a_mask_of_the_wrong_length_is_a_clear_error(model, mask_length):
+    with pytest.raises(ValueError, match=f"attention_mask has {mask_length} positions but the input has 12 tokens"):
+        model.generate(ids(), attention_mask=torch.ones(1, mask_length, dtype=torch.long), max_new_tokens=2)
+
+
+def test_generate_with_new_tokens_only_and_the_full_mask(model):
+    """transformers' convention for a used cache: pass only the new tokens with the mask of the whole sequence."""
+    prompt = ids(length=12)
+    expected = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    cache = KDSACache(model.config)
+    model(prompt[:, :9], cache=cache)
+    out = model.generate(
+        prompt[:, 9:], attention_mask=torch.ones(1, 12, dtype=torch.long), cache=cache, max_new_tokens=4,
+        do_sample=False,
+    )  # fmt: skip
+    assert torch.equal(out[:, -4:], expected[:, -4:])
+
+
+def test_output_attentions_is_refused(model):
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(ids(), output_attentions=True)
+
+
+# ------------------------------------------------------------------------------------ transformers conventions
+
+
+def test_generation_beyond_max_position_embeddings_warns_and_keeps_every_token():
+    """As in transformers (MaxLengthCriteria only warns), the limit is the trained length, not a hard one: RoPE
+    extends. A model with max_position_embeddings=16 generates past it exactly as the same weights with 512 do."""
+    short = tiny_model(max_position_embeddings=16)
+    long = tiny_model(max_position_embeddings=512)
+    long.load_state_dict(short.state_dict())
+    prompt = ids(length=12)
+    out = short.generate(prompt, max_new_tokens=10, do_sample=False)
+    assert out.shape == (1, 22)
+    assert torch.equal(out, long.generate(prompt, max_new_tokens=10, do_sample=False))
+    assert torch.equal(short(ids(length=40)).logits, long(ids(length=40)).logits)
+
+
+@pytest.mark.parametrize("attn_res_block_size", [0, 2])
+def test_hidden_states_follow_transformers(attn_res_block_size):
+    """num_hidden_layers + 1 tensors: the embeddings, each later layer's input, the final normed output."""
+    model = tiny_model(attn_res_block_size=attn_res_block_size)
+    tokens = ids()
+    out = model(tokens, output_hidden_states=True)
+    hidden = out.hidden_states
+    assert len(hidden) == model.config.num_hidden_layers + 1
+    assert torch.equal(hidden[0], model.model.embed_tokens(tokens))
+    assert torch.equal(hidden[-1], model.model(tokens).last_hidden_state)
+    assert torch.equal(out.logits, model.lm_head(hidden[-1]))
+    assert all(h.shape == (1, 12, model.config.hidden_size) for h in hidden)
+    assert model(tokens).hidden_states is None
+
+
+def test_generate_returns_hidden_states_and_return_dict_false_gives_a_tuple(model):
+    result = model.generate(
+        ids(), max_new_tokens=3, do_sample=False, output_hidden_states=True, return_dict_in_generate=True
+    )
+    assert len(result.hidden_states) == 3 and len(result.hidden_states[0]) == model.config.num_hidden_layers + 1
+    as_tuple = model(ids(), return_dict=False)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], model(ids()).logits)
+
+
+def test_package_exports_the_cache():
+    import modeling_kdsa
+
+    assert modeling_kdsa.KDSACache is KDSACache and "KDSACache" in modeling_kdsa.__all__
+
+
+# ------------------------------------------------------------------------------------------ shipped checkpoint
+
+
+def shipped():
+    if not (CHECKPOINT / "config.json").exists():
+        pytest.skip("checkpoints/kdsa-tiny is not in this checkout")
+    from transformers import AutoTokenizer
+
+    return KDSAForCausalLM.from_pretrained(CHECKPOINT).eval(), AutoTokenizer.from_pretrained(CHECKPOINT)
+
+
+def test_shipped_tokenizer_pads_left_and_batched_generate_equals_each_prompt_alone():
+    model, tokenizer = shipped()
+    assert tokenizer.padding_side == "left"
+    prompts = ["pairs k5 v12 k90 v3 k7 v9 ? k90", "pairs k1 v5 ? k1"]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    together = model.generate(**batch, max_new_tokens=3, do_sample=False)
+    for row, text in enumerate(prompts):
+        alone = model.generate(**tokenizer(text, return_tensors="pt"), max_new_tokens=3, do_sample=False)
+        assert torch.equal(together[row, -3:], alone[0, -3:])
+
+
+def test_readme_quantization_example_runs_on_the_shipped_checkpoint(tmp_path):
+    """The README's quantization block, executed as written with `path` = the shipped checkpoint."""
+    shipped()
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Quantization") :]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    from transformers import AutoModelForCausalLM
+
+    namespace = {"AutoModelForCausalLM": AutoModelForCausalLM, "path": CHECKPOINT, "out": tmp_path / "quantized"}
+    exec(code, namespace)
+    config = namespace["model"].config.quantization_config
+    assert config.kv_cache == "fp8" and config.indexer == "mxfp8"
+    assert (tmp_path / "quantized" / "config.json").exists()
+
+
+def test_fp32_strict_modules_are_fp32_under_a_half_default_dtype():
+    """`_keep_in_fp32_modules_strict` is applied by from_pretrained; a model built under a bf16 default dtype (as
+    transformers' own tests and `from_config(dtype=...)` do) must create those parameters in fp32 too."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = tiny_model()
+    finally:
+        torch.set_default_dtype(previous)
+    strict = model._keep_in_fp32_modules_strict
+    matched = {name: p.dtype for name, p in model.named_parameters() if any(key in name for key in strict)}
+    assert len(matched) > 10 and set(matched.values()) == {torch.float32}, matched
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    model(ids())  # runs with mixed dtypes
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        dict(rope_type="linear", factor=2.0, rope_theta=10000.0),
+        dict(rope_type="yarn", factor=4.0, rope_theta=10000.0, original_max_position_embeddings=16),
+    ],
+    ids=["linear", "yarn"],
+)
+def test_rope_scaled_configs_run_past_max_position_embeddings(rope_parameters):
+    """What RoPE scaling is for: inputs longer than max_position_embeddings, prefill + decode == one forward."""
+    model = tiny_model(rope_parameters=rope_parameters, max_position_embeddings=16)
+    tokens = ids(length=40)
+    full = model(tokens).logits
+    cache = KDSACache(model.config)
+    steps = [model(tokens[:, :30], cache=cache).logits]
+    steps += [model(tokens[:, t : t + 1], cache=cache).logits for t in range(30, 40)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
