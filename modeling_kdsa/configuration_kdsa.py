@@ -54,7 +54,9 @@ class KDSAConfig(PreTrainedConfig):
     hc_sinkhorn_iters (`int`): Sinkhorn-Knopp normalisations of the mHC mixing matrix (>= 1).
     kernel_backend (`str`): which kernels read the paged DSA cache: `"torch"` (the readable reference),
         `"cpu"` (fused, memory-bounded), `"compiled"` (the fused kernels under torch.compile), or `"auto"`
-        (`"cpu"` on CPU; the reference elsewhere until a device kernel has been verified on its hardware).
+        (`"cpu"` on CPU; the reference elsewhere until a device kernel has been verified on its hardware). These are
+        the eager kernels; a compiled decode step with `KDSAStaticCache` (`generate(cache_implementation="static",
+        compile_config=...)`) runs fixed-shape kernels whatever the backend (docs/graph-mode.md §2, §3).
     """
 
     model_type = "kdsa"

@@ -123,7 +123,9 @@ class KDSAPreTrainedModel(PreTrainedModel):
     # transformers refuses assisted generation / prompt lookup for stateful models because `crop` cannot undo a
     # recurrent state. KDSACache's `crop` can: KDA layers replay their recorded steps from a checkpoint (cache.py).
     _is_stateful = False
-    _can_compile_fullgraph = False
+    # With `KDSAStaticCache` (cache_implementation="static") the decode step compiles with fullgraph=True
+    # (docs/graph-mode.md §2); transformers itself only reads this flag in its own tests.
+    _can_compile_fullgraph = True
     # Gates, decay parameters, indexer head weights, router, depth-attention queries and the mHC biases and gains
     # stay fp32 under bf16 loads.
     _keep_in_fp32_modules_strict = [

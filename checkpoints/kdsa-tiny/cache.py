@@ -661,6 +661,9 @@ class KDSACache(Cache):
     Pass it yourself to `crop` a cache you drive by hand.
     DSA and dense MLA stores take their formats from `config.quantization_config`
     (`numeric_formats.CacheFormats.from_config`).
+    Under `torch.compile` the page allocator is a graph break; `begin_forward` runs it for all layers before the
+    decoder layers (docs/graph-mode.md §1). For a compiled decode step use the fixed-capacity subclass
+    `static_cache.KDSAStaticCache` (`generate(cache_implementation="static")`, docs/graph-mode.md §2).
     """
 
     def __init__(
