@@ -29,6 +29,7 @@ from .cache import (
     KDSAPagedLayer,
     KDSAPagedMLALayer,
     _bytes_view,
+    _map_planes,
     _planes,
     resolve_kernel_backend,
 )
@@ -213,7 +214,8 @@ class _StaticPagedMixin:
         widths = zip(rows, self.row_widths, strict=True)
         pools = self._encode(*(row.new_zeros(num_pages, self.page_size, width) for row, width in widths))
         for name, store in zip(self.store_names, pools, strict=True):
-            setattr(self, name, store)
+            # Own contiguous planes (an encoding may return views): the kernels read rows by flat slot id.
+            setattr(self, name, _map_planes(store, lambda plane: plane.contiguous().clone()))
         self.block_table = torch.arange(num_pages, device=self.device).view(batch_size, self.pages_per_sequence)
         self.num_tokens = torch.zeros((), dtype=torch.long, device=self.device)
         for tensor in (*self._all_planes(), self.block_table, self.num_tokens):
