@@ -21,7 +21,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from .attn_res import BlockAttnResStream, KDSADepthAttention
 from .cache import ROLLBACK_TOKENS, KDSACache
 from .configuration_kdsa import DSA_LAYER, KDA_LAYER, MLA_LAYER, KDSAConfig
-from .dsa import KDSAMultiLatentAttention, KDSASparseAttention
+from .dsa import KDSAIndexer, KDSAMultiLatentAttention, KDSASparseAttention
 from .hyper_connections import HyperConnectionStream, KDSAHyperConnection
 from .kda import KDSAKimiDeltaAttention
 from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter
@@ -72,6 +72,11 @@ class KDSADecoderLayer(nn.Module):
         if config.attn_res_block_size > 0:
             self.attention_res = KDSADepthAttention(config.hidden_size, eps=config.rms_norm_eps)
             self.mlp_res = KDSADepthAttention(config.hidden_size, eps=config.rms_norm_eps)
+        # The next layer reuses this layer's top-k (indexer_types; the config allows it only after a full DSA layer).
+        next_idx = layer_idx + 1
+        self.hands_over_topk = next_idx < config.num_hidden_layers and (
+            config.layer_types[next_idx] == DSA_LAYER and config.indexer_types[next_idx] == "shared"
+        )
         if config.hc_mult > 1:
             self.attn_hc = KDSAHyperConnection(config)
             self.ffn_hc = KDSAHyperConnection(config)
@@ -82,12 +87,15 @@ class KDSADecoderLayer(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None,
         cache: KDSACache | None,
+        topk_indices: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Advance `stream` by this layer's two sublayers. `attention_mask`: 2-D `[B, S]` padding mask over all keys
-        (past + current; with a `KDSAStaticCache`, `[B, capacity]`) or None when nothing is padded. `token_mask`:
-        `[B, T]`, the mask of the current tokens (default: the last T columns of `attention_mask`). Returns the stream
-        value this layer read (its token mixer's input before the norm): the layer's entry in `output_hidden_states`."""
+        (past + current; with a `KDSAStaticCache`, `[B, capacity]`) or None when nothing is padded. `topk_indices`:
+        the previous layer's DSA selection, for a shared-indexer layer. `token_mask`: `[B, T]`, the mask of the current
+        tokens (default: the last T columns of `attention_mask`). Returns the stream value this layer read (its token
+        mixer's input before the norm: the layer's entry in `output_hidden_states`) and this layer's selection when
+        the next layer shares it, else None."""
         attn_idx, mlp_idx = 2 * self.layer_idx, 2 * self.layer_idx + 1
         layer_input = stream.input_for(attn_idx)
         hidden_states = self.input_layernorm(layer_input)
@@ -101,13 +109,26 @@ class KDSADecoderLayer(nn.Module):
             # The model's RoPE table may exist for other layers (a DSA indexer) while this one rotates nothing.
             if not self.self_attn.uses_position_embeddings:
                 position_embeddings = None
+            selection = {}  # a DSA layer takes or hands over a top-k selection (docs/dsa.md §10)
+            if self.layer_type == DSA_LAYER:
+                selection = {
+                    "topk_indices": topk_indices if self.self_attn.shares_indexer else None,
+                    "return_topk_indices": self.hands_over_topk,
+                }
             mixed = self.self_attn(
-                hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache
+                hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                cache=cache,
+                **selection,
             )
+        handed_over = None
+        if self.hands_over_topk:
+            mixed, handed_over = mixed
         stream.add_output(attn_idx, mixed)
         hidden_states = self.post_attention_layernorm(stream.input_for(mlp_idx))
         stream.add_output(mlp_idx, self.mlp(hidden_states))
-        return layer_input
+        return layer_input, handed_over
 
 
 class KDSAPreTrainedModel(PreTrainedModel):
@@ -174,6 +195,10 @@ class KDSAPreTrainedModel(PreTrainedModel):
         elif isinstance(module, KDSAExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, KDSAIndexer) and module.index_kpool > 1:
+            # GLM-5.3-Flash's initialisation: no position bias, equal gate weights (pooling starts near a mean).
+            init.zeros_(module.index_kpool_compress_ape)
+            init.ones_(module.index_kpool_compress_gate)
 
 
 class KDSAModel(KDSAPreTrainedModel):
@@ -289,12 +314,14 @@ class KDSAModel(KDSAPreTrainedModel):
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
         all_hidden_states = [] if output_hidden_states else None
+        topk_indices = None  # a DSA layer's selection, handed to the next layer when that one shares its indexer
         for layer in self.layers:
-            layer_input = layer(
+            layer_input, topk_indices = layer(
                 stream,
                 position_embeddings=position_embeddings,
                 attention_mask=attention_mask,
                 cache=cache,
+                topk_indices=topk_indices,
                 token_mask=token_mask,
             )
             if output_hidden_states:

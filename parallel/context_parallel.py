@@ -97,6 +97,12 @@ def _prefill_error(model, input_ids: torch.Tensor, mesh: ParallelMesh, layout: s
         )
     if seq_len > config.max_position_embeddings:
         return f"sequence length {seq_len} exceeds max_position_embeddings={config.max_position_embeddings}"
+    if config.index_kpool > 1:
+        return f"context-parallel prefill does not support the k-pool indexer (index_kpool={config.index_kpool})"
+    layer_kinds = zip(config.layer_types, config.indexer_types, strict=True)
+    shared = [i for i, kinds in enumerate(layer_kinds) if kinds == (DSA_LAYER, "shared")]
+    if shared:
+        return f"context-parallel prefill does not support shared-indexer DSA layers (indexer_types 'shared': {shared})"
     tp_error = tensor_parallel_errors(config, mesh.tp_size)
     if tp_error is not None:
         return tp_error

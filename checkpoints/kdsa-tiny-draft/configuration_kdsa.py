@@ -42,6 +42,14 @@ class KDSAConfig(PreTrainedConfig):
     attn_res_block_size (`int`): sublayers (attention and FFN count one each) per Block-AttnRes block;
         0 = plain residual stream (Kimi-Linear / DeepSeek-style checkpoints).
     attn_res_final_aggregation (`bool`): with AttnRes, aggregate all blocks once more before the final norm.
+    index_kpool (`int`): GLM-5.3-Flash k-pool indexer (docs/dsa.md §9): indexer keys pooled over groups of this many
+        tokens with a learned per-channel softmax (`index_kpool_compress_gate`, `index_kpool_compress_ape`); top-k
+        picks `index_topk // index_kpool` complete pools and attends to their tokens. 1 = one key per token. Must
+        divide `index_topk` and the cache page size (64); NoPE only (`qk_rope_head_dim=0`).
+    index_kpool_always_select_tail (`bool`): with `index_kpool > 1`, also attend to the query's own incomplete pool.
+    indexer_types (`list[str] | None`): per layer `"full"` (own indexer) or `"shared"` (no indexer weights, no indexer
+        cache; reuses the top-k of the layer right before it, which must be a `"full"` DSA layer, as transformers'
+        Glm5Next passes it; docs/dsa.md §10). Entries of KDA layers are ignored. None = all `"full"`.
     linear_lower_bound (`float | None`): GLM-5.3-Flash's KDA forget gate. `None` = Kimi's
         `g = -exp(A_log)·softplus(f + dt_bias)`; a value `lb < 0` = `g = lb·sigmoid(exp(A_log)·(f + dt_bias))`, every
         log decay in `(lb, 0)` (docs/kda.md §2).
@@ -134,6 +142,10 @@ class KDSAConfig(PreTrainedConfig):
     # Residual stream
     attn_res_block_size: int = 4
     attn_res_final_aggregation: bool = True
+    # GLM-5.3-Flash indexer variants: k-pool keys, shared-indexer layers
+    index_kpool: int = 1
+    index_kpool_always_select_tail: bool = True
+    indexer_types: list[str] | None = None
     # GLM-5.3-Flash (glm5_next): KDA gate lower bound, SwiGLU clamp, mHC hyper-connections
     linear_lower_bound: float | None = None
     swiglu_limit: float | None = None
@@ -159,6 +171,8 @@ class KDSAConfig(PreTrainedConfig):
         if self.mlp_layer_types is None:
             n_dense = min(self.first_k_dense_replace, self.num_hidden_layers)
             self.mlp_layer_types = ["dense"] * n_dense + ["sparse"] * (self.num_hidden_layers - n_dense)
+        if self.indexer_types is None:
+            self.indexer_types = ["full"] * self.num_hidden_layers
         if self.rope_parameters is None:
             self.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -224,6 +238,7 @@ class KDSAConfig(PreTrainedConfig):
             raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
         if self.attn_res_block_size < 0:
             raise ValueError(f"attn_res_block_size must be >= 0 (0 = plain residual), got {self.attn_res_block_size}")
+        self._check_indexer_variants()
         self._check_glm_fields()
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
@@ -266,6 +281,36 @@ class KDSAConfig(PreTrainedConfig):
                 f"hc_mult={self.hc_mult} (mHC hyper-connections) and attn_res_block_size={self.attn_res_block_size} "
                 "(Block AttnRes) both replace the residual stream; set attn_res_block_size=0 to use mHC"
             )
+
+    def _check_indexer_variants(self):
+        """GLM-5.3-Flash indexer fields (docs/dsa.md §9, §10)."""
+        if self.index_kpool < 1:
+            raise ValueError(f"index_kpool must be >= 1 (1 = one indexer key per token), got {self.index_kpool}")
+        if self.index_topk % self.index_kpool:
+            raise ValueError(
+                f"index_topk ({self.index_topk}) must be a multiple of index_kpool ({self.index_kpool}): top-k "
+                "selects whole pools"
+            )
+        if self.index_kpool > 1 and self.qk_rope_head_dim:
+            raise ValueError(
+                f"index_kpool={self.index_kpool} needs NoPE (qk_rope_head_dim=0, as GLM-5.3-Flash): pooling keys "
+                f"rotated at different positions is not defined; got qk_rope_head_dim={self.qk_rope_head_dim}"
+            )
+        if len(self.indexer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"indexer_types has {len(self.indexer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
+            )
+        for i, indexer_type in enumerate(self.indexer_types):
+            if indexer_type not in ("full", "shared"):
+                raise ValueError(f"indexer_types[{i}] = {indexer_type!r} must be 'full' or 'shared'")
+            if indexer_type != "shared" or self.layer_types[i] != DSA_LAYER:
+                continue
+            # transformers' Glm5Next hands a selection only from a full DSA layer to the layer right after it.
+            if i == 0 or self.layer_types[i - 1] != DSA_LAYER or self.indexer_types[i - 1] != "full":
+                raise ValueError(
+                    f"indexer_types[{i}] = 'shared' but layer {i - 1} is not a DSA layer with its own indexer: a "
+                    "shared DSA layer reuses the top-k of the layer right before it, which must be 'full'"
+                )
 
 
 __all__ = ["KDSAConfig"]

@@ -113,6 +113,98 @@ def indexer_topk(
     return select_topk(indexer_scores(q_index, weights, k_index[:, :num_keys], visible), index_topk)
 
 
+def kpool_origin(key_padding_mask: torch.Tensor | None, batch: int, num_keys: int, device) -> torch.Tensor:
+    """First real key of every sequence, where its k-pools start (docs/dsa.md §9): int64 `[B]`.
+
+    key_padding_mask `[B, S]` (1 = real) must be left padding (zeros, then ones); None = nothing padded (origin 0).
+    A row without a real key gets `S`.
+    """
+    if key_padding_mask is None:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    mask = key_padding_mask[:, :num_keys].bool()
+    if num_keys > 1 and bool((mask[:, :-1] & ~mask[:, 1:]).any()):
+        raise ValueError(
+            "attention_mask must be left padding (zeros, then ones) for the k-pool indexer (index_kpool > 1): its "
+            "pools start at each sequence's first real token"
+        )
+    return num_keys - mask.sum(-1)
+
+
+def kpool_keys(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
+    """Pooled indexer keys: per channel, a softmax over the `kp` tokens of a pool of `gate + ape` (docs/dsa.md §9).
+
+    keys, gates: `[..., kp, DI]` (normalised keys, gate scores); ape: `[kp, DI]`. Logits and softmax in fp32, the
+    weighted sum in the keys' dtype, as GLM-5.3-Flash. Returns `[..., DI]`.
+    """
+    probs = (gates.float() + ape.float()).softmax(dim=-2).to(keys.dtype)
+    return (probs * keys).sum(dim=-2)
+
+
+def kpool_expand(
+    pool_ends: torch.Tensor,
+    kpool: int,
+    query_start: int,
+    origin: torch.Tensor,
+    select_tail: bool,
+) -> torch.Tensor:
+    """Selected pools -> token positions, then the tail (docs/dsa.md §9).
+
+    pool_ends: int64 `[B, T, Kp]` last token of each selected pool, -1 = none; origin `[B]` (`kpool_origin`).
+    Returns int64 `[B, T, Kp * kp (+ kp - 1 with the tail)]`: each pool's tokens in order, then the query's own
+    incomplete pool (its last `(q - origin + 1) mod kp` tokens, ending at the query), -1 = none.
+    """
+    offsets = torch.arange(1 - kpool, 1, device=pool_ends.device)
+    tokens = (pool_ends[..., None] + offsets).masked_fill(pool_ends[..., None] < 0, -1).flatten(-2)
+    if not select_tail or kpool == 1:
+        return tokens
+    batch, num_queries = pool_ends.shape[:2]
+    positions = torch.arange(query_start, query_start + num_queries, device=pool_ends.device)
+    seen = positions[None, :] - origin[:, None] + 1  # [B, T] real keys the query sees (<= 0: a padded query)
+    tail_count = seen.clamp(min=0) % kpool
+    slot = torch.arange(kpool - 1, device=pool_ends.device)
+    tail = positions[None, :, None] - tail_count[..., None] + 1 + slot
+    tail = tail.masked_fill(slot >= tail_count[..., None], -1)
+    return torch.cat([tokens, tail], dim=-1)
+
+
+def kpool_indexer_topk(
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    index_rows: torch.Tensor,
+    ape: torch.Tensor,
+    index_topk: int,
+    query_start: int,
+    key_padding_mask: torch.Tensor | None = None,
+    select_tail: bool = True,
+) -> torch.Tensor:
+    """k-pool indexer top-k (GLM-5.3-Flash; docs/dsa.md §9), reference: pools every call from the token rows.
+
+    q_index `[B, T, HI, DI]`; weights `[B, T, HI]`; index_rows `[B, S, 2·DI]` per token `[normalised key | gate
+    score]`; ape `[kp, DI]`; key_padding_mask `[B, S]` left padding or None. Pool `j` of sequence `b` is the tokens
+    `origin_b + j·kp ..` (+kp - 1); a query sees a pool when its last token is at or before the query. The
+    `min(index_topk // kp, S' // kp)` best visible pools (scores as `indexer_scores`; equal scores: earlier pool
+    first), expanded to their tokens, then the tail (`kpool_expand`). `S' = min(S, query_start + T)`.
+    Returns int64 `[B, T, K]`, -1 = none.
+    """
+    batch, num_queries = q_index.shape[:2]
+    kpool, head_dim = ape.shape
+    num_keys = min(index_rows.shape[1], query_start + num_queries)
+    origin = kpool_origin(key_padding_mask, batch, num_keys, q_index.device)
+    num_pools = num_keys // kpool
+    starts = origin[:, None] + kpool * torch.arange(num_pools, device=q_index.device)  # [B, J]
+    ends = starts + kpool - 1
+    complete = ends < num_keys
+    token_ids = (starts[..., None] + torch.arange(kpool, device=q_index.device)).clamp(max=max(num_keys - 1, 0))
+    rows = index_rows.gather(1, token_ids.flatten(1)[..., None].expand(-1, -1, index_rows.shape[-1]))
+    rows = rows.view(batch, num_pools, kpool, -1)
+    pooled = kpool_keys(rows[..., :head_dim], rows[..., head_dim:], ape)  # [B, J, DI]
+    positions = torch.arange(query_start, query_start + num_queries, device=q_index.device)
+    visible = complete[:, None, :] & (ends[:, None, :] <= positions[None, :, None])  # [B, T, J]
+    selected = select_topk(indexer_scores(q_index, weights, pooled, visible), index_topk // kpool)
+    pool_ends = torch.where(selected >= 0, ends.gather(1, selected.clamp(min=0).flatten(1)).view_as(selected), -1)
+    return kpool_expand(pool_ends, kpool, query_start, origin, select_tail)
+
+
 def sparse_mla_attention(
     q_latent: torch.Tensor,
     q_pe: torch.Tensor,
@@ -213,6 +305,10 @@ __all__ = [
     "indexer_scores",
     "select_topk",
     "indexer_topk",
+    "kpool_origin",
+    "kpool_keys",
+    "kpool_expand",
+    "kpool_indexer_topk",
     "sparse_mla_attention",
     "dense_mla_attention",
     "dense_mla_reference",

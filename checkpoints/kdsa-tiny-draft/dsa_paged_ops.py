@@ -33,7 +33,15 @@ import os
 import torch
 import torch.fx.experimental._config
 
-from .dsa_ops import ScoredPairs, dense_mla_attention, indexer_topk, sparse_mla_attention
+from .dsa_ops import (
+    ScoredPairs,
+    dense_mla_attention,
+    indexer_topk,
+    kpool_expand,
+    kpool_indexer_topk,
+    kpool_origin,
+    sparse_mla_attention,
+)
 from .numeric_formats import QuantizedRows
 
 # Bound on what the indexer holds per key block and sequence, the gathered keys `[n, DI]` plus the products
@@ -133,7 +141,7 @@ def _check_indexer_inputs(q_index, weights, index_pages, block_table, num_keys, 
         raise ValueError(f"q_index must be [batch, queries, index_heads, index_head_dim], got {tuple(q_index.shape)}")
     if tuple(weights.shape) != tuple(q_index.shape[:3]):
         raise ValueError(f"weights must have shape {tuple(q_index.shape[:3])}, got {tuple(weights.shape)}")
-    if _is_paged(index_pages) and page_geometry(index_pages)[-1] != q_index.shape[-1]:
+    if index_pages is not None and _is_paged(index_pages) and page_geometry(index_pages)[-1] != q_index.shape[-1]:
         raise ValueError(
             f"index_pages width {page_geometry(index_pages)[-1]} != q_index head dim {q_index.shape[-1]} "
             "(index_head_dim)"
@@ -142,7 +150,8 @@ def _check_indexer_inputs(q_index, weights, index_pages, block_table, num_keys, 
         raise ValueError(f"index_topk must be > 0, got {index_topk}")
     if query_start < 0:
         raise ValueError(f"query_start must be >= 0, got {query_start}")
-    _check_block_table(index_pages, block_table, num_keys, q_index.shape[0], "index_pages")
+    if index_pages is not None:
+        _check_block_table(index_pages, block_table, num_keys, q_index.shape[0], "index_pages")
     if padding is not None and tuple(padding.shape) != (q_index.shape[0], num_keys):
         raise ValueError(
             f"key_padding_mask must have shape (batch, num_keys) = {(q_index.shape[0], num_keys)}, "
@@ -272,21 +281,8 @@ def _unpack_indices(packed: torch.Tensor) -> torch.Tensor:
     return positions.masked_fill(packed < _MASKED_KEY_BOUND, -1)
 
 
-def _score_block(
-    q_index: torch.Tensor,
-    scaled_weights: torch.Tensor,
-    keys: torch.Tensor,
-    key_positions: torch.Tensor,
-    last_visible_key: torch.Tensor,
-    key_padding: torch.Tensor | None,
-) -> torch.Tensor:
-    """Indexer logits of one block of keys, masked and packed for the running top-k (docs/dsa.md §1).
-
-    q_index: `[B, T, HI, DI]`; scaled_weights: fp32 `[B, T, HI]` (head weights times `HI^-0.5 · DI^-0.5`); keys:
-    `[B, n, DI]`; key_positions: int64 `[n]`; last_visible_key: int64 `[T]`, query `t` sees the keys at positions
-    `<= last_visible_key[t]` (causal limit and end of the context); key_padding: bool `[B, n]` or None.
-    Returns int64 `[B, T, n]` (`_pack_scores`).
-    """
+def _weighted_head_scores(q_index: torch.Tensor, scaled_weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`Σ_h scaled_weights[h] · ReLU(q[h]·k)` fp32 `[B, T, n]` for keys `[B, n, DI]` (the reference's head order)."""
     batch, num_queries, num_heads, head_dim = q_index.shape
     keys_t = keys.transpose(1, 2)  # [B, DI, n]
     if q_index.dtype == torch.float32:
@@ -302,6 +298,25 @@ def _score_block(
         # ReLU, weighting and the head sum in fp32, heads added in the reference's order.
         head_scores = torch.relu(products).float() * scaled_weights[:, :, head, None]
         scores = head_scores if scores is None else scores + head_scores
+    return scores
+
+
+def _score_block(
+    q_index: torch.Tensor,
+    scaled_weights: torch.Tensor,
+    keys: torch.Tensor,
+    key_positions: torch.Tensor,
+    last_visible_key: torch.Tensor,
+    key_padding: torch.Tensor | None,
+) -> torch.Tensor:
+    """Indexer logits of one block of keys, masked and packed for the running top-k (docs/dsa.md §1).
+
+    q_index: `[B, T, HI, DI]`; scaled_weights: fp32 `[B, T, HI]` (head weights times `HI^-0.5 · DI^-0.5`); keys:
+    `[B, n, DI]`; key_positions: int64 `[n]`; last_visible_key: int64 `[T]`, query `t` sees the keys at positions
+    `<= last_visible_key[t]` (causal limit and end of the context); key_padding: bool `[B, n]` or None.
+    Returns int64 `[B, T, n]` (`_pack_scores`).
+    """
+    scores = _weighted_head_scores(q_index, scaled_weights, keys)
     visible = (key_positions[None, :] <= last_visible_key[:, None])[None]  # [1, T, n]
     if key_padding is not None:
         visible = visible & key_padding[:, None, :]
@@ -384,6 +399,137 @@ def paged_indexer_topk_fused(
     return _blocked_indexer_topk(
         q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, _score_block
     )
+
+
+def _score_pool_block(
+    q_index: torch.Tensor,
+    scaled_weights: torch.Tensor,
+    keys: torch.Tensor,
+    pool_ends: torch.Tensor,
+    last_visible_key: torch.Tensor,
+    first_pool_end: torch.Tensor,
+) -> torch.Tensor:
+    """k-pool indexer logits of one block of pooled keys, masked and packed (docs/dsa.md §9).
+
+    keys: pooled keys `[B, n, DI]`; pool_ends: int64 `[B, n]` the last token of each pool slot; a query `t` sees a
+    slot when `first_pool_end[b] <= end <= last_visible_key[t]` (slots before a sequence's first pool hold nothing).
+    Returns int64 `[B, T, n]` (`_pack_scores` with the pool end as the key position).
+    """
+    scores = _weighted_head_scores(q_index, scaled_weights, keys)
+    visible = (pool_ends[:, None, :] <= last_visible_key[None, :, None]) & (pool_ends >= first_pool_end[:, None])[
+        :, None, :
+    ]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return _pack_scores(scores, pool_ends[:, None, :])
+
+
+def _check_kpool_inputs(q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
+                        padding, ape):  # fmt: skip
+    if ape is None or ape.dim() != 2 or ape.shape[1] != q_index.shape[-1]:
+        raise ValueError(
+            f"ape must be [index_kpool, index_head_dim={q_index.shape[-1]}], "
+            f"got {None if ape is None else tuple(ape.shape)}"
+        )
+    kpool, head_dim = ape.shape
+    num_pages, page_size, width = page_geometry(index_pages)
+    if width != 2 * head_dim or page_geometry(pool_pages) != (num_pages, page_size // kpool, head_dim):
+        raise ValueError(
+            f"k-pool stores must be index_pages [N, P, 2·DI] (key | gate) and pool_pages [N, P // index_kpool, DI]; "
+            f"got {page_geometry(index_pages)} and {page_geometry(pool_pages)} for index_kpool={kpool}, DI={head_dim}"
+        )
+    if index_topk % kpool:
+        raise ValueError(f"index_topk ({index_topk}) must be a multiple of index_kpool ({kpool})")
+    # The generic checks, on the pooled geometry's token view (same block table, DI-wide rows).
+    _check_indexer_inputs(q_index, weights, None, block_table, num_keys, index_topk, query_start, padding)
+    _check_block_table(index_pages, block_table, num_keys, q_index.shape[0], "index_pages")
+
+
+def paged_kpool_indexer_topk_reference(
+    q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
+    key_padding_mask=None, ape=None, select_tail=True,
+) -> torch.Tensor:  # fmt: skip
+    """k-pool indexer over paged token rows: `gather_pages` then `dsa_ops.kpool_indexer_topk`, which pools every
+    visible key again from the per-token `[key | gate]` rows (`pool_pages` is not read: this is the oracle of the
+    stored pools too). q_index `[B, T, HI, DI]`; weights `[B, T, HI]`; index_pages `[N, P, 2·DI]`; pool_pages
+    `[N, P // kp, DI]`; ape `[kp, DI]`; key_padding_mask `[B, num_keys]` left padding or None.
+    Returns int64 `[B, T, min(index_topk // kp, S' // kp) · kp (+ kp - 1 with the tail)]`, -1 = none."""
+    _check_kpool_inputs(
+        q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
+        key_padding_mask, ape,
+    )  # fmt: skip
+    rows = gather_pages(index_pages, block_table, num_keys, q_index.dtype)
+    return kpool_indexer_topk(q_index, weights, rows, ape, index_topk, query_start, key_padding_mask, select_tail)
+
+
+def _blocked_kpool_indexer_topk(
+    q_index, weights, pool_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, ape, select_tail,
+    score_block,
+) -> torch.Tensor:  # fmt: skip
+    """Score + weight + running top-k over blocks of pages of stored pooled keys. Inputs already checked."""
+    batch, num_queries, num_heads, head_dim = q_index.shape
+    kpool = ape.shape[0]
+    page_size = page_geometry(pool_pages)[1] * kpool
+    num_visible = min(num_keys, query_start + num_queries)
+    origin = kpool_origin(key_padding_mask, batch, num_visible, q_index.device)
+    num_selected = min(index_topk // kpool, num_visible // kpool)
+    if num_selected == 0:
+        empty = torch.empty(batch, num_queries, 0, dtype=torch.int64, device=q_index.device)
+        return kpool_expand(empty, kpool, query_start, origin, select_tail)
+    q_index = q_index.contiguous()
+    scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
+    query_positions = torch.arange(query_start, query_start + num_queries, device=q_index.device)
+    last_visible_key = query_positions.clamp(max=num_visible - 1)
+    first_pool_end = origin + kpool - 1
+    # Pool ends sit at positions ≡ first_pool_end (mod kp): slot r of a page holds the pool ending in its r-th
+    # group of kp tokens (docs/dsa.md §9).
+    phase = first_pool_end % kpool
+    num_pages_read = _ceil_div(num_visible, page_size)
+    pages_per_block = _key_block_pages(num_queries, num_heads, head_dim, page_size // kpool)
+    best = None
+    for first_page in range(0, num_pages_read, pages_per_block):
+        last_page = min(first_page + pages_per_block, num_pages_read)
+        page_ids = block_table[:, first_page:last_page].reshape(-1)
+        keys = read_pages(pool_pages, page_ids, q_index.dtype).view(batch, -1, head_dim)
+        group_starts = torch.arange(first_page * page_size, last_page * page_size, kpool, device=q_index.device)
+        pool_ends = group_starts[None, :] + phase[:, None]
+        packed = score_block(q_index, scaled_weights, keys, pool_ends, last_visible_key, first_pool_end)
+        ScoredPairs.add(packed)
+        if best is not None:
+            packed = torch.cat([best, packed], dim=-1)
+        best = packed.topk(min(num_selected, packed.shape[-1]), dim=-1).values
+    return kpool_expand(_unpack_indices(best), kpool, query_start, origin, select_tail)
+
+
+def paged_kpool_indexer_topk_fused(
+    q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
+    key_padding_mask=None, ape=None, select_tail=True,
+) -> torch.Tensor:  # fmt: skip
+    """Fused k-pool indexer: scores only the stored pooled keys (`pool_pages`, one row per complete pool, written by
+    `KDSACache` when a pool's last token arrives), with a running top-k over blocks of pages, so a decode step reads
+    `S / kp` keys and never the `[T, S]` logits. Same signature and result as the reference."""
+    _check_kpool_inputs(
+        q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
+        key_padding_mask, ape,
+    )  # fmt: skip
+    return _blocked_kpool_indexer_topk(
+        q_index, weights, pool_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, ape,
+        select_tail, _score_pool_block,
+    )  # fmt: skip
+
+
+def paged_kpool_indexer_topk_compiled(
+    q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
+    key_padding_mask=None, ape=None, select_tail=True,
+) -> torch.Tensor:  # fmt: skip
+    """`paged_kpool_indexer_topk_fused` with the per-block scoring compiled. Same shapes and results."""
+    _check_kpool_inputs(
+        q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
+        key_padding_mask, ape,
+    )  # fmt: skip
+    return _blocked_kpool_indexer_topk(
+        q_index, weights, pool_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, ape,
+        select_tail, _compiled("score_pool_block"),
+    )  # fmt: skip
 
 
 def _attend(
@@ -643,7 +789,12 @@ def _compiled(name: str):
     if not _compiled_functions:
         # Inductor reads the variable when it first needs its cache; setdefault keeps a user's choice.
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
-        for key, function in (("score_block", _score_block), ("sparse_mla", _attend), ("dense_mla", _dense_block)):
+        for key, function in (
+            ("score_block", _score_block),
+            ("score_pool_block", _score_pool_block),
+            ("sparse_mla", _attend),
+            ("dense_mla", _dense_block),
+        ):
             _compiled_functions[key] = _without_duck_sizing(torch.compile(function, dynamic=True))
     return _compiled_functions[name]
 
@@ -732,6 +883,21 @@ DSA_KERNELS = {
 }
 
 
+# The k-pool indexer (index_kpool > 1) per backend name; sparse MLA is the same kernel as above.
+KPOOL_INDEXER_KERNELS = {
+    "torch": paged_kpool_indexer_topk_reference,
+    "cpu": paged_kpool_indexer_topk_fused,
+    "compiled": paged_kpool_indexer_topk_compiled,
+}
+
+
+def kpool_indexer_kernel(backend: str):
+    """The k-pool indexer top-k of a backend name in KPOOL_INDEXER_KERNELS; ValueError for an unknown name."""
+    if backend not in KPOOL_INDEXER_KERNELS:
+        raise ValueError(f"unknown DSA kernel backend {backend!r}; choose one of {sorted(KPOOL_INDEXER_KERNELS)}")
+    return KPOOL_INDEXER_KERNELS[backend]
+
+
 def dsa_kernels(backend: str):
     """`(indexer_topk, sparse_mla)` for a backend name in DSA_KERNELS; ValueError for an unknown name."""
     if backend not in DSA_KERNELS:
@@ -756,6 +922,11 @@ def dense_mla_kernel(backend: str):
 __all__ = [
     "DSA_KERNELS",
     "dsa_kernels",
+    "KPOOL_INDEXER_KERNELS",
+    "kpool_indexer_kernel",
+    "paged_kpool_indexer_topk_reference",
+    "paged_kpool_indexer_topk_fused",
+    "paged_kpool_indexer_topk_compiled",
     "DENSE_MLA_KERNELS",
     "dense_mla_kernel",
     "compile_cache_dir",

@@ -11,6 +11,9 @@
   copy-on-write for the page being filled).
 - Dense MLA layers (`"full_attention"`, no indexer) keep the same paged latent store without indexer keys
   (`KDSAPagedMLALayer`, the DSA store's base class) and read it with the dense causal MLA kernel (docs/dsa.md §8).
+  A shared-indexer DSA layer (`indexer_types`) keeps the same latent-only store and reads it sparsely at the
+  selection of the layer before it (docs/dsa.md §10). The k-pool indexer (`index_kpool > 1`) adds a plane of pooled
+  keys to the DSA store (`KDSAPagedKPoolLayer`, docs/dsa.md §9). `attention_store_class` picks the store of a layer.
 - The store, not the layer, calls the kernels that read it (`dsa_paged_ops`): the fused indexer/top-k and the sparse
   attention over the selected entries, chosen by `config.kernel_backend`.
 - Formats (docs/design.md §4, `numeric_formats.CacheFormats`, chosen from `config.quantization_config` when the cache is
@@ -29,7 +32,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from .configuration_kdsa import DSA_LAYER, MLA_LAYER
-from .dsa_paged_ops import dense_mla_kernel, dsa_kernels
+from .dsa_ops import kpool_keys, kpool_origin
+from .dsa_paged_ops import dense_mla_kernel, dsa_kernels, kpool_indexer_kernel, read_rows
 from .kda_ops import chunk_kda, recurrent_kda
 from .numeric_formats import CacheFormats, QuantizedRows
 
@@ -68,7 +72,9 @@ class KDSAPagedMLALayer(CacheLayerMixin):
     unused), `num_tokens`: cached tokens per sequence. Physical pages come from a pool that doubles when it runs out;
     `page_refcount[p]` counts the block-table entries pointing at page `p`. `latent_width` (C) is the part of a kv
     row that `kv_cache="fp8"` quantizes; the rest (RoPE slice) stays in the model dtype. Subclasses add planes of
-    per-token rows (`store_names`, `row_widths`, `_encode`) that share the pages and block table.
+    per-token rows (`store_names`, `row_widths`, `_encode`) that share the pages and block table, and may add paged
+    planes written otherwise (`paged_store_names`). Reads: dense causal attention, or sparse attention at given
+    positions (a shared-indexer DSA layer, docs/dsa.md §10).
     """
 
     is_croppable = True  # `crop` truncates the block table: exact
@@ -117,11 +123,17 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         """Width of one token's row in each of `store_names`."""
         return (self.kv_width,)
 
+    @property
+    def paged_store_names(self) -> tuple[str, ...]:
+        """Every store laid out by page (allocated, copied on write and counted together): the per-token
+        `store_names`, plus planes a subclass writes otherwise."""
+        return self.store_names
+
     def _stores(self) -> tuple:
         return tuple(getattr(self, name) for name in self.store_names)
 
     def _all_planes(self) -> tuple[torch.Tensor, ...]:
-        return tuple(plane for store in self._stores() for plane in _planes(store))
+        return tuple(plane for name in self.paged_store_names for plane in _planes(getattr(self, name)))
 
     def _encode(self, kv_rows: torch.Tensor) -> tuple:
         """Rows `[..., C + R]` in the stored format (a tensor or `QuantizedRows`), one entry per store."""
@@ -129,6 +141,7 @@ class KDSAPagedMLALayer(CacheLayerMixin):
 
     def _bind_kernels(self, backend: str) -> None:
         self.dense_kernel = dense_mla_kernel(backend)
+        _, self.sparse_kernel = dsa_kernels(backend)
 
     def _check_widths(self, rows: tuple[torch.Tensor, ...]) -> None:
         if tuple(row.shape[-1] for row in rows) != self.row_widths:
@@ -166,7 +179,7 @@ class KDSAPagedMLALayer(CacheLayerMixin):
             _bytes_view(larger)[:old] = _bytes_view(plane)
             return larger
 
-        for name in self.store_names:
+        for name in self.paged_store_names:
             setattr(self, name, _map_planes(getattr(self, name), grown))
         self.page_refcount.extend([0] * (new - old))
         self.free_pages.extend(range(new - 1, old - 1, -1))  # pop() hands out low page ids first
@@ -276,6 +289,13 @@ class KDSAPagedMLALayer(CacheLayerMixin):
             key_padding_mask,
         )  # fmt: skip
 
+    def sparse_attention(
+        self, q_latent: torch.Tensor, q_pe: torch.Tensor, indices: torch.Tensor, softmax_scale: float
+    ) -> torch.Tensor:
+        """Absorbed-form attention over exactly the cached entries at `indices` `[B, T, K]` (-1 = none); see
+        dsa_paged_ops."""
+        return self.sparse_kernel(q_latent, q_pe, self.kv_pages, self.block_table, indices, softmax_scale)
+
     # -------------------------------------------------------------------------- transformers CacheLayerMixin API
     def update(self, key_states, value_states, *args, **kwargs):
         raise NotImplementedError(f"{type(self).__name__} is written through `append` by the KDSA attention layer")
@@ -321,9 +341,14 @@ class KDSAPagedMLALayer(CacheLayerMixin):
     def reset(self) -> None:
         self.__init__(self.kv_width, self.kernel_backend, self.page_size, self.formats, self.latent_width)
 
+    def bytes_per_page(self) -> int:
+        """Bytes one page takes in every plane (values, scales, RoPE part, pooled keys)."""
+        return sum(plane.shape[1:].numel() * plane.element_size() for plane in self._all_planes())
+
     def bytes_per_token(self) -> int:
-        """Bytes one cached token takes in this store: its row in every plane (values, scales, RoPE part)."""
-        return sum(plane.shape[-1] * plane.element_size() for plane in self._all_planes())
+        """Bytes one cached token takes in this store: its row in every per-token plane (values, scales, RoPE part)
+        and its share of a page-level plane (a pooled key: `DI / kp` values per token)."""
+        return self.bytes_per_page() // self.page_size
 
     def memory_bytes(self) -> dict[str, int]:
         """`allocated`: the page pool; `in_use`: pages some sequence points at (shared pages counted once)."""
@@ -331,7 +356,7 @@ class KDSAPagedMLALayer(CacheLayerMixin):
             return {"allocated": 0, "in_use": 0}
         in_use = sum(1 for count in self.page_refcount if count > 0)
         allocated = sum(plane.nbytes for plane in self._all_planes())
-        return {"allocated": allocated, "in_use": in_use * self.page_size * self.bytes_per_token()}
+        return {"allocated": allocated, "in_use": in_use * self.bytes_per_page()}
 
 
 class KDSAPagedLayer(KDSAPagedMLALayer):
@@ -379,7 +404,7 @@ class KDSAPagedLayer(KDSAPagedMLALayer):
 
     def _bind_kernels(self, backend: str) -> None:
         super()._bind_kernels(backend)
-        self.kernels = dsa_kernels(backend)
+        self.indexer_kernel, _ = dsa_kernels(backend)
 
     def append(self, kv_rows: torch.Tensor, index_keys: torch.Tensor) -> int:
         """Store the current tokens: kv_rows `[B, T, C + R]`, index_keys `[B, T, DI]`. Returns the number of tokens
@@ -396,24 +421,172 @@ class KDSAPagedLayer(KDSAPagedMLALayer):
     ) -> torch.Tensor:
         """Top-`index_topk` cached positions per query (fused indexer over the pages); see dsa_paged_ops. With MXFP8
         keys, the queries `[B, T, HI, DI]` are MXFP8-rounded first (dynamic, per block of 32)."""
-        indexer, _ = self.kernels
         q_index = self.formats.quantize_index_queries(q_index)
-        return indexer(
+        return self.indexer_kernel(
             q_index, weights, self.index_pages, self.block_table, self.num_tokens, index_topk, query_start,
             key_padding_mask,
         )  # fmt: skip
-
-    def sparse_attention(
-        self, q_latent: torch.Tensor, q_pe: torch.Tensor, indices: torch.Tensor, softmax_scale: float
-    ) -> torch.Tensor:
-        """Absorbed-form attention over exactly the selected cached entries; see dsa_paged_ops."""
-        _, attention = self.kernels
-        return attention(q_latent, q_pe, self.kv_pages, self.block_table, indices, softmax_scale)
 
     def reset(self) -> None:
         self.__init__(
             self.kv_width, self.index_width, self.kernel_backend, self.page_size, self.formats, self.latent_width
         )
+
+
+class KDSAPagedKPoolLayer(KDSAPagedLayer):
+    """Paged store of a DSA layer with the k-pool indexer (`index_kpool = kp > 1`, docs/dsa.md §9).
+
+    `index_pages` rows are `[normalised key | gate score]` `[2·DI]` per token (a pool cut by a crop is pooled again
+    from them); `pool_pages` `[P, page_size // kp, DI]` holds the pooled key of every complete pool in the page of
+    its last token (slot `(end % page_size) // kp`), written by `append` when that token arrives, so paging,
+    copy-on-write, reordering and crop treat it like the per-token planes. Pools start at each sequence's first real
+    token (`pool_origin`, from the left-padding mask). A pool is read only once its last token is cached.
+    """
+
+    def __init__(
+        self,
+        kv_width: int,
+        index_width: int,
+        kernel_backend: str,
+        page_size: int = PAGE_SIZE,
+        formats: CacheFormats | None = None,
+        latent_width: int | None = None,
+        index_kpool: int = 2,
+    ):
+        super().__init__(kv_width, index_width, kernel_backend, page_size, formats, latent_width)
+        if index_kpool < 2 or page_size % index_kpool:
+            raise ValueError(
+                f"index_kpool={index_kpool} must be >= 2 and divide the page size {page_size}: a page holds whole "
+                "pooled-key slots"
+            )
+        if self.formats.indexer != "bf16":
+            raise ValueError(
+                f"indexer={self.formats.indexer!r} cache format is not implemented for the k-pool indexer "
+                f"(index_kpool={index_kpool}): its pooled keys are stored in the model dtype"
+            )
+        self.index_kpool = index_kpool
+        self.pool_pages: torch.Tensor | None = None
+        self.pool_origin: torch.Tensor | None = None
+
+    @classmethod
+    def from_config(cls, config, page_size: int = PAGE_SIZE) -> "KDSAPagedKPoolLayer":
+        return cls(
+            kv_width=config.kv_lora_rank + config.qk_rope_head_dim,
+            index_width=config.index_head_dim,
+            kernel_backend=config.kernel_backend,
+            page_size=page_size,
+            formats=CacheFormats.from_config(config),
+            latent_width=config.kv_lora_rank,
+            index_kpool=config.index_kpool,
+        )
+
+    @property
+    def row_widths(self) -> tuple[int, ...]:
+        return (self.kv_width, 2 * self.index_width)
+
+    @property
+    def paged_store_names(self) -> tuple[str, ...]:
+        return (*self.store_names, "pool_pages")
+
+    def lazy_initialization(self, *rows: torch.Tensor) -> None:
+        super().lazy_initialization(*rows)
+        self.pool_pages = rows[0].new_zeros(0, self.page_size // self.index_kpool, self.index_width, dtype=self.dtype)
+
+    def _bind_kernels(self, backend: str) -> None:
+        super()._bind_kernels(backend)
+        self.kpool_kernel = kpool_indexer_kernel(backend)
+
+    def append(
+        self,
+        kv_rows: torch.Tensor,
+        index_rows: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        kpool_ape: torch.Tensor,
+    ) -> int:
+        """Store the current tokens: kv_rows `[B, T, C + R]`, index_rows `[B, T, 2·DI]` (key, gate scores), and pool
+        every pool they complete with the position bias `kpool_ape` `[kp, DI]`. `key_padding_mask` `[B, past + T]`
+        (left padding, or None) places the pools. Returns the number of tokens cached before them."""
+        if kpool_ape is None or tuple(kpool_ape.shape) != (self.index_kpool, self.index_width):
+            raise ValueError(f"the k-pool store needs kpool_ape [{self.index_kpool}, {self.index_width}]")
+        batch_size, new_tokens, _ = kv_rows.shape
+        origin = kpool_origin(key_padding_mask, batch_size, self.num_tokens + new_tokens, kv_rows.device)
+        # Pools already written start at the stored origin: a mask that moves it would make them wrong.
+        moved = (
+            None if self.pool_origin is None else (origin != self.pool_origin) & (self.pool_origin < self.num_tokens)
+        )
+        if moved is not None and bool(moved.any()):
+            raise ValueError(
+                "attention_mask changed where a sequence's first real token is after its k-pools were stored; "
+                "pass the same left padding on every forward"
+            )
+        past = self._write(kv_rows, index_rows)
+        if new_tokens:
+            self.pool_origin = origin
+            self._write_pools(past, kpool_ape)
+        return past
+
+    def _write_pools(self, past: int, ape: torch.Tensor) -> None:
+        """Pool every pool whose last token is among positions `past ..` and store its key (docs/dsa.md §9)."""
+        kpool, width = self.index_kpool, self.index_width
+        ends = torch.arange(past, self.num_tokens, device=self.device)
+        first_end = self.pool_origin[:, None] + kpool - 1
+        completes = ((ends[None, :] - first_end) % kpool == 0) & (ends[None, :] >= first_end)  # [B, new]
+        batch_ids, end_ids = completes.nonzero(as_tuple=True)
+        if batch_ids.numel() == 0:
+            return
+        pool_end = ends[end_ids]
+        tokens = pool_end[:, None] + torch.arange(1 - kpool, 1, device=self.device)  # [n, kp]
+        token_pages = self.block_table[batch_ids[:, None], tokens // self.page_size]
+        rows = read_rows(
+            self.index_pages, (token_pages * self.page_size + tokens % self.page_size).flatten(), self.dtype
+        )
+        rows = rows.view(-1, kpool, 2 * width)
+        pooled = kpool_keys(rows[..., :width], rows[..., width:], ape)
+        end_pages = self.block_table[batch_ids, pool_end // self.page_size]
+        pool_slots = end_pages * (self.page_size // kpool) + (pool_end % self.page_size) // kpool
+        self.pool_pages.view(-1, width)[pool_slots] = pooled.to(self.dtype)
+
+    def kpool_indexer_topk(
+        self,
+        q_index: torch.Tensor,
+        weights: torch.Tensor,
+        query_start: int,
+        index_topk: int,
+        key_padding_mask: torch.Tensor | None,
+        ape: torch.Tensor,
+        select_tail: bool,
+    ) -> torch.Tensor:
+        """k-pool indexer top-k over the stored pools (docs/dsa.md §9); see dsa_paged_ops. Returns token positions
+        `[B, T, K]`, -1 = none."""
+        return self.kpool_kernel(
+            q_index, weights, self.index_pages, self.pool_pages, self.block_table, self.num_tokens, index_topk,
+            query_start, key_padding_mask, ape, select_tail,
+        )  # fmt: skip
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.pool_origin is not None:
+            self.pool_origin = self.pool_origin.index_select(0, beam_idx.to(self.device))
+
+    def reset(self) -> None:
+        self.__init__(
+            self.kv_width,
+            self.index_width,
+            self.kernel_backend,
+            self.page_size,
+            self.formats,
+            self.latent_width,
+            self.index_kpool,
+        )
+
+
+def attention_store_class(config, layer_idx: int) -> type[KDSAPagedMLALayer]:
+    """The paged store of MLA / DSA layer `layer_idx`: latent rows only for a dense MLA layer (docs/dsa.md §8) and
+    a shared-indexer DSA layer (§10), plus indexer keys for a DSA layer, plus pooled keys with the k-pool indexer
+    (§9)."""
+    if config.layer_types[layer_idx] == MLA_LAYER or config.indexer_types[layer_idx] == "shared":
+        return KDSAPagedMLALayer
+    return KDSAPagedKPoolLayer if config.index_kpool > 1 else KDSAPagedLayer
 
 
 # Default rollback window of a KDA layer (tokens since the checkpoint whose replay inputs are kept). transformers
@@ -651,7 +824,8 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
 
 class KDSACache(Cache):
     """The cache `generate()` uses for KDSA models: `KDAReplayLayer` for KDA layers, `KDSAPagedLayer` for DSA
-    layers, `KDSAPagedMLALayer` for dense MLA layers.
+    layers (`KDSAPagedKPoolLayer` with the k-pool indexer), `KDSAPagedMLALayer` for dense MLA and shared-indexer DSA
+    layers (`attention_store_class`).
 
     `max_cache_tokens`: optional capacity per sequence; a forward that would exceed it raises a `ValueError`
     before anything is written, so the cache stays usable.
@@ -674,11 +848,9 @@ class KDSACache(Cache):
         rollback_tokens: int = 0,
     ):
         layers = []
-        for layer_type in config.layer_types:
-            if layer_type == DSA_LAYER:
-                layers.append(KDSAPagedLayer.from_config(config, page_size))
-            elif layer_type == MLA_LAYER:
-                layers.append(KDSAPagedMLALayer.from_config(config, page_size))
+        for layer_idx, layer_type in enumerate(config.layer_types):
+            if layer_type in (DSA_LAYER, MLA_LAYER):
+                layers.append(attention_store_class(config, layer_idx).from_config(config, page_size))
             else:
                 layers.append(KDAReplayLayer(config.linear_conv_kernel_dim, rollback_tokens))
         super().__init__(layers=layers)
@@ -763,7 +935,8 @@ class KDSACache(Cache):
         pages), `kda_states` (conv windows + fp32 recurrent states), `kda_rollback` (KDA checkpoints + replay records),
         `total` (allocated + KDA), `per_token`: the paged bytes one cached token adds to one sequence (`Σ` over paged
         layers of its row in every plane: `(C + R + DI) · itemsize` per DSA layer and `(C + R) · itemsize` per dense
-        MLA layer unquantized; see `KDSAPagedMLALayer.bytes_per_token`),
+        MLA or shared-indexer layer unquantized, `(C + R + 2·DI + DI / kp) · itemsize` per k-pool DSA layer; see
+        `KDSAPagedMLALayer.bytes_per_token`),
         and `rollback_per_token`: the record bytes one pending token adds to one sequence (all KDA layers)."""
         dsa_allocated = dsa_in_use = kda_states = kda_rollback = per_token = rollback_per_token = 0
         for layer in self.layers:
@@ -791,11 +964,13 @@ class KDSACache(Cache):
 
 __all__ = [
     "KDSACache",
+    "KDSAPagedKPoolLayer",
     "KDSAPagedLayer",
     "KDSAPagedMLALayer",
     "KDAReplayLayer",
     "KDAReplayRecord",
     "PAGE_SIZE",
     "ROLLBACK_TOKENS",
+    "attention_store_class",
     "resolve_kernel_backend",
 ]

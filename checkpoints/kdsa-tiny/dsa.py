@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KDSAPagedLayer, KDSAPagedMLALayer
+from .cache import KDSAPagedMLALayer, attention_store_class
 from .dsa_ops import QUERY_BLOCK_SIZE
 from .norms import KDSARMSNorm
 from .rotary import apply_rotary_half, apply_rotary_interleaved
@@ -42,6 +42,10 @@ class KDSAIndexer(nn.Module):
     `q_lora_rank is None` there is no query latent and `wq_b` reads the hidden state (width hidden_size) instead.
     Vectors are laid out `[rope | nope]` with NeoX (half-split) RoPE on the first `qk_rope_head_dim` channels.
     Scoring and top-k are in dsa_ops (`indexer_topk`) because they read the cached keys.
+
+    With `index_kpool > 1` (GLM-5.3-Flash, docs/dsa.md §9) keys are pooled over groups of `index_kpool` tokens:
+    `index_kpool_compress_gate` `[DI, D]` gives each token per-channel gate scores, `index_kpool_compress_ape`
+    `[kp, DI]` a learned bias per position in the pool; the cache pools `softmax_pool(gate + ape) · key`.
     """
 
     def __init__(self, config, layer_idx: int):
@@ -55,6 +59,11 @@ class KDSAIndexer(nn.Module):
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
+        self.index_kpool = config.index_kpool
+        if self.index_kpool > 1:
+            # GLM-5.3-Flash's names, so its checkpoints load by name.
+            self.index_kpool_compress_ape = nn.Parameter(torch.zeros(self.index_kpool, self.head_dim))
+            self.index_kpool_compress_gate = nn.Parameter(torch.zeros(self.head_dim, config.hidden_size))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rope, nope = x.split([self.qk_rope_head_dim, self.head_dim - self.qk_rope_head_dim], dim=-1)
@@ -69,7 +78,8 @@ class KDSAIndexer(nn.Module):
         """hidden_states: `[B, T, D]`; query_input: `[B, T, q_lora_rank]` (or `[B, T, D]` without q LoRA);
         position_embeddings: `(cos, sin)` `[B, T, R]` or None (NoPE).
 
-        Returns `q_index` `[B, T, HI, DI]`, `weights` `[B, T, HI]` fp32, `k_index` `[B, T, DI]` (to be cached).
+        Returns `q_index` `[B, T, HI, DI]`, `weights` `[B, T, HI]` fp32, `k_index` `[B, T, DI]` (to be cached; with
+        the k-pool indexer `[B, T, 2·DI]`: the key, then its gate scores).
         """
         batch, seq_len, _ = hidden_states.shape
         q_index = self.wq_b(query_input).view(batch, seq_len, self.n_heads, self.head_dim)
@@ -88,6 +98,9 @@ class KDSAIndexer(nn.Module):
             k_index = self._rotate(k_index, cos, sin)
         # Head weights in fp32 (docs/dsa.md §1); the model keeps `weights_proj` in fp32 too.
         weights = F.linear(hidden_states.float(), self.weights_proj.weight.float())
+        if self.index_kpool > 1:
+            gate_scores = F.linear(hidden_states, self.index_kpool_compress_gate.to(hidden_states.dtype))
+            k_index = torch.cat([k_index, gate_scores], dim=-1)
         return q_index, weights, k_index
 
 
@@ -192,8 +205,9 @@ class KDSAMultiLatentAttention(nn.Module):
             return self.store_class.from_config(self.config)
         layers = getattr(cache, "layers", [])
         store = layers[self.layer_idx] if self.layer_idx < len(layers) else None
-        # A DSA store is a dense-MLA store with an indexer plane more: the planes must be exactly the ones written here.
-        if not isinstance(store, self.store_class) or store.store_names != self.store_class.store_names:
+        # Store classes extend each other by planes (a DSA store is a dense-MLA store with an indexer plane more):
+        # the class must be exactly the one whose planes this layer writes.
+        if type(store) is not self.store_class:
             raise ValueError(
                 f"{type(self).__name__} layer {self.layer_idx} needs a KDSACache ({self.store_class.__name__} store); "
                 f"got {type(cache).__name__}. Build it with `KDSACache(config)` or let generate() create it"
@@ -274,17 +288,24 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
     selected `[c | k_pe]` entries, processed in blocks of `query_block_size` queries. The cache stores only the
     normalised latent `c` `[C]`, `k_pe` `[R]` and the indexer key `[DI]` per token. The indexer rotates its rope
     channels even under `mla_use_nope`.
-    """
 
-    store_class = KDSAPagedLayer
+    GLM-5.3-Flash variants: with `index_kpool > 1` the indexer scores pooled keys (docs/dsa.md §9); a layer marked
+    `"shared"` in `indexer_types` has no indexer and attends to the selection of the layer before it (§10).
+    """
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         self.index_topk = config.index_topk
-        self.indexer = KDSAIndexer(config, layer_idx)
+        self.shares_indexer = config.indexer_types[layer_idx] == "shared"
+        self.indexer = None if self.shares_indexer else KDSAIndexer(config, layer_idx)
+        self.index_kpool = config.index_kpool
+        self.index_kpool_always_select_tail = config.index_kpool_always_select_tail
+        self.store_class = attention_store_class(config, layer_idx)
 
     @property
     def uses_position_embeddings(self) -> bool:
+        if self.indexer is None:
+            return self.rotates
         return self.qk_rope_head_dim > 0  # the indexer rotates whatever MLA does
 
     def forward(
@@ -293,33 +314,72 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         cache=None,
-    ) -> torch.Tensor:
+        topk_indices: torch.Tensor | None = None,
+        return_topk_indices: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """hidden_states `[B, T, D]`; position_embeddings `(cos, sin)` `[B, T, R]` for the current tokens or None
         (NoPE); attention_mask `[B, S]` over past + current keys (1 = real, 0 = padding) or None; cache: a
         `KDSACache` (its paged store for this layer runs the indexer and sparse-attention kernels), or None.
-        Query `i` sits at cache position `past_len + i`. Returns `[B, T, D]`."""
+        Query `i` sits at cache position `past_len + i`. Returns `[B, T, D]`.
+
+        topk_indices `[B, T, K]`: the selection of the previous layer, required by (and only by) a shared-indexer
+        layer. `return_topk_indices`: also return this layer's selection `[B, T, K]` (-1 = none) for the next one.
+        """
         self._check_inputs(hidden_states, position_embeddings)
         batch, seq_len, _ = hidden_states.shape
+        if self.shares_indexer != (topk_indices is not None):
+            raise ValueError(
+                f"DSA layer {self.layer_idx} is {'a shared-indexer' if self.shares_indexer else 'a full-indexer'} "
+                f"layer (indexer_types): topk_indices from the previous layer are "
+                f"{'required' if self.shares_indexer else 'not accepted'}"
+            )
+        if topk_indices is not None and (topk_indices.dim() != 3 or tuple(topk_indices.shape[:2]) != (batch, seq_len)):
+            raise ValueError(f"topk_indices must be [batch={batch}, {seq_len}, K], got {tuple(topk_indices.shape)}")
         q_nope, q_pe, query_input = self.project_queries(hidden_states, position_embeddings)
         latent, k_pe = self.project_latent(hidden_states, position_embeddings)
-        q_index, index_weights, k_index = self.indexer(hidden_states, query_input, position_embeddings)
+        kv_rows = torch.cat([latent, k_pe], dim=-1)
         # Validate everything before the cache is written, so that bad input never leaves it half-updated.
         store = self._store(cache)
         self._check_attention_mask(attention_mask, batch, store.mask_width(seq_len))
-        past_len = store.append(torch.cat([latent, k_pe], dim=-1), k_index)  # int, or 0-d tensor (static cache)
+        # `past_len`: an int, or a 0-d tensor in a static cache (docs/graph-mode.md §2).
+        if self.shares_indexer:
+            past_len = store.append(kv_rows)
+        else:
+            q_index, index_weights, k_index = self.indexer(hidden_states, query_input, position_embeddings)
+            ape = getattr(self.indexer, "index_kpool_compress_ape", None)
+            if self.index_kpool > 1:
+                past_len = store.append(kv_rows, k_index, attention_mask, ape)
+            else:
+                past_len = store.append(kv_rows, k_index)
 
         w_uk, w_uv = self.absorbed_weights()
-        outputs = []
+        outputs, selections = [], []
         for start in range(0, seq_len, self.query_block_size):
             block = slice(start, min(start + self.query_block_size, seq_len))
-            indices = store.indexer_topk(
-                q_index[:, block], index_weights[:, block], past_len + start, self.index_topk, attention_mask
-            )
+            if topk_indices is not None:
+                indices = topk_indices[:, block]
+            elif self.index_kpool > 1:
+                indices = store.kpool_indexer_topk(
+                    q_index[:, block], index_weights[:, block], past_len + start, self.index_topk, attention_mask,
+                    ape, self.index_kpool_always_select_tail,
+                )  # fmt: skip
+            else:
+                indices = store.indexer_topk(
+                    q_index[:, block], index_weights[:, block], past_len + start, self.index_topk, attention_mask
+                )
             q_latent = torch.einsum("bthd,hdc->bthc", q_nope[:, block], w_uk)
             out_latent = store.sparse_attention(q_latent, q_pe[:, block], indices, self.softmax_scale)
             outputs.append(torch.einsum("bthc,hvc->bthv", out_latent, w_uv))
+            if return_topk_indices:
+                selections.append(indices)
         attn_output = torch.cat(outputs, dim=1).reshape(batch, seq_len, self.num_heads * self.v_head_dim)
-        return self.o_proj(attn_output)
+        attn_output = self.o_proj(attn_output)
+        if not return_topk_indices:
+            return attn_output
+        # Blocks select up to different widths (early blocks see fewer keys): pad with -1 (no key).
+        width = max(indices.shape[-1] for indices in selections)
+        selections = [F.pad(indices, (0, width - indices.shape[-1]), value=-1) for indices in selections]
+        return attn_output, torch.cat(selections, dim=1)
 
 
 __all__ = ["KDSAIndexer", "KDSAMultiLatentAttention", "KDSASparseAttention", "mla_softmax_scale"]

@@ -272,6 +272,11 @@ class CacheFormats:
                 f"indexer='mxfp8' quantizes blocks of {MX_BLOCK_SIZE}: index_head_dim={config.index_head_dim} must "
                 f"be a multiple of {MX_BLOCK_SIZE}"
             )
+        if self.indexer != "bf16" and getattr(config, "index_kpool", 1) > 1:
+            raise ValueError(
+                f"indexer={self.indexer!r} cache format is not implemented for the k-pool indexer (index_kpool="
+                f"{config.index_kpool}): its pooled keys are stored in the model dtype; use indexer='bf16'"
+            )
         if self.kv_cache == "fp8" and config.kv_lora_rank % self.kv_cache_tile_size:
             raise ValueError(
                 f"kv_cache='fp8' quantizes tiles of kv_cache_tile_size={self.kv_cache_tile_size}: kv_lora_rank="

@@ -31,6 +31,7 @@ from .cache import (
     _bytes_view,
     _map_planes,
     _planes,
+    attention_store_class,
     resolve_kernel_backend,
 )
 from .configuration_kdsa import DSA_LAYER, MLA_LAYER
@@ -268,6 +269,13 @@ class _StaticPagedMixin:
         num_keys, start, mask = self._eager_args(query_start, key_padding_mask)
         return self.dense_kernel(q_latent, q_pe, self.kv_pages, self.block_table, num_keys, start, softmax_scale, mask)
 
+    def sparse_attention(self, q_latent, q_pe, indices, softmax_scale: float) -> torch.Tensor:
+        """Attention at given positions: a DSA layer's own selection, or the previous layer's for a shared-indexer
+        layer (its store is the latent-only one)."""
+        if _compiling():
+            return static_sparse_mla(q_latent, q_pe, self.kv_pages, self.block_table, indices, softmax_scale)
+        return super().sparse_attention(q_latent, q_pe, indices, softmax_scale)
+
     def get_seq_length(self) -> torch.Tensor:
         return self.num_tokens
 
@@ -296,7 +304,7 @@ class _StaticPagedMixin:
 
 
 class StaticPagedMLALayer(_StaticPagedMixin, KDSAPagedMLALayer):
-    """Fixed-capacity latent store of a dense MLA layer (`"full_attention"`)."""
+    """Fixed-capacity latent store of a dense MLA layer (`"full_attention"`) or a shared-indexer DSA layer."""
 
     def __init__(self, max_cache_len: int, **kwargs):
         KDSAPagedMLALayer.__init__(self, **kwargs)
@@ -329,11 +337,6 @@ class StaticPagedLayer(_StaticPagedMixin, KDSAPagedLayer):
         num_keys, start, mask = self._eager_args(query_start, key_padding_mask)
         return indexer(q_index, weights, self.index_pages, self.block_table, num_keys, index_topk, start, mask)
 
-    def sparse_attention(self, q_latent, q_pe, indices, softmax_scale: float) -> torch.Tensor:
-        if _compiling():
-            return static_sparse_mla(q_latent, q_pe, self.kv_pages, self.block_table, indices, softmax_scale)
-        return super().sparse_attention(q_latent, q_pe, indices, softmax_scale)
-
 
 def _store_kwargs(store_class, config, page_size: int) -> dict:
     """The constructor arguments `store_class.from_config` would use (one source for the geometry and formats)."""
@@ -363,14 +366,20 @@ class KDSAStaticCache(KDSACache):
     def __init__(self, config, max_cache_len: int, page_size: int = PAGE_SIZE):
         if max_cache_len <= 0:
             raise ValueError(f"max_cache_len must be > 0, got {max_cache_len}")
+        if config.index_kpool > 1 and DSA_LAYER in config.layer_types:
+            raise ValueError(
+                f"index_kpool={config.index_kpool} (the k-pool indexer) is not supported by KDSAStaticCache "
+                "(cache_implementation='static'): its pooled keys are written at data-dependent slots; use the paged "
+                "KDSACache (cache_implementation=None)"
+            )
         layers = []
-        for layer_type in config.layer_types:
-            if layer_type == DSA_LAYER:
-                layers.append(StaticPagedLayer.from_config(config, max_cache_len, page_size))
-            elif layer_type == MLA_LAYER:
-                layers.append(StaticPagedMLALayer.from_config(config, max_cache_len, page_size))
-            else:
+        for layer_idx, layer_type in enumerate(config.layer_types):
+            if layer_type not in (DSA_LAYER, MLA_LAYER):
                 layers.append(StaticKDALayer(config.linear_conv_kernel_dim))
+            elif attention_store_class(config, layer_idx) is KDSAPagedLayer:
+                layers.append(StaticPagedLayer.from_config(config, max_cache_len, page_size))
+            else:  # dense MLA, or a shared-indexer DSA layer: latent rows only
+                layers.append(StaticPagedMLALayer.from_config(config, max_cache_len, page_size))
         Cache.__init__(self, layers=layers)
         self.max_cache_tokens = max_cache_len
         self.max_cache_len = max_cache_len
