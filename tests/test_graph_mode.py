@@ -196,6 +196,34 @@ def test_compiled_static_decode_is_one_graph_and_gives_eager_tokens():
     assert len(CAPTURED_GRAPHS) == 1 and host_syncs(CAPTURED_GRAPHS) == []
 
 
+# Dense MLA ("full_attention"), a shared-indexer DSA layer, mHC and group routing in one model.
+OTHER_LAYER_KINDS = dict(
+    layer_types=["linear_attention", "indexed_attention", "indexed_attention", "full_attention"],
+    indexer_types=["full", "full", "shared", "full"],
+    attn_res_block_size=0,
+    hc_mult=2,
+    n_group=2,
+    topk_group=1,
+)
+
+
+def test_compiled_static_decode_other_layer_kinds():
+    model = tiny_model(**OTHER_LAYER_KINDS)
+    ids, mask = prompt(length=30)
+    expected = greedy(model, ids, mask, 16)
+    assert torch.equal(greedy(model, ids, mask, 16, cache_implementation="static"), expected)
+    got = greedy(model, ids, mask, 16, cache_implementation="static", compile_config=compile_config())
+    assert torch.equal(got, expected)
+    assert len(CAPTURED_GRAPHS) == 1 and host_syncs(CAPTURED_GRAPHS) == []
+
+
+def test_static_cache_refuses_the_kpool_indexer():
+    config = tiny_model().config
+    config.index_kpool = 4
+    with pytest.raises(ValueError, match="index_kpool"):
+        KDSAStaticCache(config, max_cache_len=32)
+
+
 @pytest.mark.slow
 def test_compiled_static_decode_inductor_256_steps():
     """Inductor, 256 compiled steps (tokens exactly eager's), then a second generate() without a recompile."""

@@ -206,8 +206,9 @@ class KDSAMultiLatentAttention(nn.Module):
         layers = getattr(cache, "layers", [])
         store = layers[self.layer_idx] if self.layer_idx < len(layers) else None
         # Store classes extend each other by planes (a DSA store is a dense-MLA store with an indexer plane more):
-        # the class must be exactly the one whose planes this layer writes.
-        if type(store) is not self.store_class:
+        # the class must be exactly the one whose planes this layer writes (a fixed-capacity store names the paged
+        # store whose planes it holds in `layout_class`, docs/graph-mode.md §2).
+        if getattr(store, "layout_class", type(store)) is not self.store_class:
             raise ValueError(
                 f"{type(self).__name__} layer {self.layer_idx} needs a KDSACache ({self.store_class.__name__} store); "
                 f"got {type(cache).__name__}. Build it with `KDSACache(config)` or let generate() create it"

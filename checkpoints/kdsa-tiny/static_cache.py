@@ -306,6 +306,8 @@ class _StaticPagedMixin:
 class StaticPagedMLALayer(_StaticPagedMixin, KDSAPagedMLALayer):
     """Fixed-capacity latent store of a dense MLA layer (`"full_attention"`) or a shared-indexer DSA layer."""
 
+    layout_class = KDSAPagedMLALayer  # the planes it holds (what the attention layer checks)
+
     def __init__(self, max_cache_len: int, **kwargs):
         KDSAPagedMLALayer.__init__(self, **kwargs)
         self._init_static(max_cache_len)
@@ -317,6 +319,8 @@ class StaticPagedMLALayer(_StaticPagedMixin, KDSAPagedMLALayer):
 
 class StaticPagedLayer(_StaticPagedMixin, KDSAPagedLayer):
     """Fixed-capacity latent + indexer-key store of a DSA layer."""
+
+    layout_class = KDSAPagedLayer
 
     def __init__(self, max_cache_len: int, **kwargs):
         KDSAPagedLayer.__init__(self, **kwargs)
@@ -333,9 +337,10 @@ class StaticPagedLayer(_StaticPagedMixin, KDSAPagedLayer):
                 q_index, weights, self.index_pages, self.block_table, self.num_tokens, index_topk, query_start,
                 key_padding_mask,
             )  # fmt: skip
-        indexer, _ = self.kernels
         num_keys, start, mask = self._eager_args(query_start, key_padding_mask)
-        return indexer(q_index, weights, self.index_pages, self.block_table, num_keys, index_topk, start, mask)
+        return self.indexer_kernel(
+            q_index, weights, self.index_pages, self.block_table, num_keys, index_topk, start, mask
+        )
 
 
 def _store_kwargs(store_class, config, page_size: int) -> dict:
