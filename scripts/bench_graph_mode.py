@@ -8,7 +8,8 @@ At each context (default 4k; batch 1; bf16; the benchmark shape = KDSAConfig def
 Eager-static and compiled steps alternate, one pair per repeat, so both see the same machine state; the ratio is taken
 per pair (min and median reported). The compiled step's logits are compared with the eager-static step's on the same
 cache contents, and the number of graphs compiled over all steps is reported (1 = no recompile as the context grows).
-  4. compile time of that step, cold and warm: two fresh processes sharing one new inductor cache directory (the first
+  4. an operator profile (torch.profiler) of both steps: the top operators and the aten calls per step;
+  5. compile time of that step, cold and warm: two fresh processes sharing one new inductor cache directory (the first
      fills it, the second reuses it, as a second run of a user's program would).
 
 Caches are filled with random rows / states through their own write paths (no prefill), so long contexts are cheap.
@@ -140,6 +141,10 @@ def measure_context(model, config: KDSAConfig, context: int, repeats: int) -> di
             dynamic_s.append(timed(lambda: model(**step_inputs(dynamic))))
             eager_s.append(timed(lambda: model(**step_inputs(eager_static))))
             compiled_s.append(timed(lambda: compiled(**step_inputs(compiled_static))))
+        profiles = dict(
+            eager_static=op_profile(lambda: model(**step_inputs(eager_static))),
+            compiled_static=op_profile(lambda: compiled(**step_inputs(compiled_static))),
+        )
     ratios = [e / c for e, c in zip(eager_s, compiled_s, strict=True)]
     return dict(
         context=context,
@@ -156,6 +161,26 @@ def measure_context(model, config: KDSAConfig, context: int, repeats: int) -> di
         graphs_compiled=torch._dynamo.utils.counters["stats"]["unique_graphs"],
         max_abs_logit_diff=max_abs_diff,
         times_s=dict(eager_paged=dynamic_s, eager_static=eager_s, compiled_static=compiled_s),
+        op_profile=profiles,
+    )
+
+
+def op_profile(call, steps: int = 3, top: int = 8) -> dict:
+    """torch.profiler over `steps` calls: per-step self CPU time of the top operators, the number of aten operator
+    calls per step and the step's total self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            call()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return dict(
+        total_ms_per_step=sum(e.self_cpu_time_total for e in events) / 1e3 / steps,
+        aten_calls_per_step=sum(e.count for e in events if e.key.startswith("aten::")) / steps,
+        top=[
+            dict(name=e.key[:60], self_ms_per_step=e.self_cpu_time_total / 1e3 / steps, calls_per_step=e.count / steps)
+            for e in events[:top]
+        ],
     )
 
 
@@ -214,6 +239,15 @@ def print_table(report: dict) -> None:
     print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
     for row in rows:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+    for r in report["decode"]:
+        for name, prof in r["op_profile"].items():
+            top = ", ".join(
+                f"{op['name']} {op['self_ms_per_step']:.2f} ms ×{op['calls_per_step']:.0f}" for op in prof["top"][:4]
+            )
+            print(
+                f"  {r['context']:,} {name}: {prof['total_ms_per_step']:.2f} ms/step profiled, "
+                f"{prof['aten_calls_per_step']:.0f} aten calls/step; top: {top}"
+            )
     if "compile" in report:
         c = report["compile"]
         print(
