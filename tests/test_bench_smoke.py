@@ -130,3 +130,7 @@ def test_graph_mode_bench_quick_run(tmp_path):
     assert row["graphs_compiled"] == 1
     assert row["max_abs_logit_diff"] < 0.05  # bf16 logits of O(1) size
     assert report["compile"]["cold_s"] > 0 and report["compile"]["warm_s"] > 0
+    # The compiled step is a handful of fused kernels and GEMMs instead of thousands of small operators.
+    profiles = row["op_profile"]
+    assert 0 < profiles["compiled_static"]["aten_calls_per_step"] < profiles["eager_static"]["aten_calls_per_step"]
+    assert all(profile["top"] for profile in profiles.values())
