@@ -41,11 +41,11 @@ PAGE_SIZE = 64  # tokens per page: the CUDA DSA kernels' block size (docs/dsa.md
 
 
 def resolve_kernel_backend(backend: str, device: torch.device) -> str:
-    """`auto` picks the fastest backend that has run on this device: the fused CPU kernels on CPU. Anything else
-    (CUDA, NPU) falls back to the torch reference until a kernel for it has been verified on its hardware."""
+    """`auto` picks the fused kernels of the device: `cpu` on CPU, `npu` for tensors on an Ascend NPU (torch_npu's
+    fused ops, docs/backends.md §2). Anything else (CUDA) falls back to the torch reference."""
     if backend != "auto":
         return backend
-    return "cpu" if device.type == "cpu" else "torch"
+    return {"cpu": "cpu", "npu": "npu"}.get(device.type, "torch")
 
 
 def _planes(pages) -> tuple[torch.Tensor, ...]:

@@ -14,7 +14,7 @@ KDA_LAYER = "linear_attention"
 DSA_LAYER = "indexed_attention"
 MLA_LAYER = "full_attention"  # dense MLA, no indexer (Kimi-Linear's attention layers)
 SUPPORTED_LAYER_TYPES = (KDA_LAYER, DSA_LAYER, MLA_LAYER)
-KERNEL_BACKENDS = ("auto", "torch", "cpu", "compiled")
+KERNEL_BACKENDS = ("auto", "torch", "cpu", "compiled", "npu", "triton")
 
 
 @strict
@@ -61,10 +61,13 @@ class KDSAConfig(PreTrainedConfig):
     hc_eps (`float`): mHC epsilon added to the pre weights, the mixing matrix and the Sinkhorn denominators.
     hc_sinkhorn_iters (`int`): Sinkhorn-Knopp normalisations of the mHC mixing matrix (>= 1).
     kernel_backend (`str`): which kernels read the paged DSA cache: `"torch"` (the readable reference),
-        `"cpu"` (fused, memory-bounded), `"compiled"` (the fused kernels under torch.compile), or `"auto"`
-        (`"cpu"` on CPU; the reference elsewhere until a device kernel has been verified on its hardware). These are
-        the eager kernels; a compiled decode step with `KDSAStaticCache` (`generate(cache_implementation="static",
-        compile_config=...)`) runs fixed-shape kernels whatever the backend (docs/graph-mode.md §2, §3).
+        `"cpu"` (fused, memory-bounded), `"compiled"` (the fused kernels under torch.compile), `"npu"` (torch_npu's
+        fused Lightning Indexer and Sparse Flash Attention; contract-tested on CPU, not run on Ascend hardware,
+        docs/backends.md §2), `"triton"` (Triton kernels reading the pages; tested under Triton's interpreter, not
+        run on a GPU, docs/backends.md §4; opt-in), or `"auto"` (`"cpu"` on CPU, `"npu"` on an NPU, the reference
+        elsewhere). These are the eager kernels; a compiled decode step with `KDSAStaticCache`
+        (`generate(cache_implementation="static", compile_config=...)`) runs fixed-shape kernels whatever the backend
+        (docs/graph-mode.md §2, §3).
     """
 
     model_type = "kdsa"
@@ -158,13 +161,15 @@ class KDSAConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         # transformers only warns when a config.json of another model type is loaded into this class, then keeps the
         # fields whose names match: a Kimi-Linear or DeepSeek-V3.2 folder would load with missing and unexpected
-        # tensors freshly initialised, i.e. silently wrong. Refuse instead.
+        # tensors freshly initialised, i.e. silently wrong. Refuse instead; conversion.py translates such configs
+        # field by field and passes the result in as a KDSAConfig.
         source_type = kwargs.get("model_type", self.model_type)
         if source_type != self.model_type:
             raise ValueError(
-                f"this config describes a {source_type!r} model, not {self.model_type!r}: KDSA does not convert other "
-                "model types' checkpoints (Kimi-Linear, DeepSeek-V3.2, GLM-5.3-Flash) yet; load it with transformers' "
-                "own class, e.g. AutoModelForCausalLM.from_pretrained(path)"
+                f"this config describes a {source_type!r} model, not {self.model_type!r}: KDSAConfig does not read "
+                "other model types' fields. KDSAForCausalLM.from_pretrained(local_folder) converts the family's "
+                "checkpoints (docs/checkpoint-conversion.md §1); AutoModelForCausalLM.from_pretrained(path) loads "
+                "transformers' own class"
             )
         if self.layer_types is None:
             self.layer_types = [DSA_LAYER if i % 4 == 3 else KDA_LAYER for i in range(self.num_hidden_layers)]
@@ -242,6 +247,12 @@ class KDSAConfig(PreTrainedConfig):
         self._check_glm_fields()
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
+        # The Triton indexer scores one key per token (docs/backends.md §4).
+        if self.kernel_backend == "triton" and self.index_kpool > 1:
+            raise ValueError(
+                f"kernel_backend='triton' does not support the k-pool indexer (index_kpool={self.index_kpool}); use "
+                "kernel_backend 'cpu', 'compiled', 'torch' or 'npu'"
+            )
 
     def _check_group_routing(self):
         if self.n_group <= 0 or self.n_routed_experts % self.n_group:

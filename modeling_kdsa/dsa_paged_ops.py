@@ -892,14 +892,33 @@ KPOOL_INDEXER_KERNELS = {
 
 
 def kpool_indexer_kernel(backend: str):
-    """The k-pool indexer top-k of a backend name in KPOOL_INDEXER_KERNELS; ValueError for an unknown name."""
+    """The k-pool indexer top-k of a backend name in KPOOL_INDEXER_KERNELS or `"npu"` (npu_kernels); ValueError for an
+    unknown name, and for `"triton"`, whose indexer scores one key per token (docs/backends.md §4)."""
+    if backend == "npu":
+        from .npu_kernels import npu_kpool_indexer_kernel
+
+        return npu_kpool_indexer_kernel()
+    if backend == "triton":
+        raise ValueError(
+            "kernel_backend='triton' does not support the k-pool indexer (index_kpool > 1); use kernel_backend "
+            "'cpu', 'compiled', 'torch' or 'npu'"
+        )
     if backend not in KPOOL_INDEXER_KERNELS:
         raise ValueError(f"unknown DSA kernel backend {backend!r}; choose one of {sorted(KPOOL_INDEXER_KERNELS)}")
     return KPOOL_INDEXER_KERNELS[backend]
 
 
 def dsa_kernels(backend: str):
-    """`(indexer_topk, sparse_mla)` for a backend name in DSA_KERNELS; ValueError for an unknown name."""
+    """`(indexer_topk, sparse_mla)` for a backend name in DSA_KERNELS, `"npu"` (npu_kernels, imported only then: it
+    needs torch_npu) or `"triton"` (triton_kernels); ValueError for an unknown name."""
+    if backend == "npu":
+        from .npu_kernels import npu_dsa_kernels
+
+        return npu_dsa_kernels()
+    if backend == "triton":
+        from .triton_kernels import triton_dsa_kernels
+
+        return triton_dsa_kernels()
     if backend not in DSA_KERNELS:
         raise ValueError(f"unknown DSA kernel backend {backend!r}; choose one of {sorted(DSA_KERNELS)}")
     return DSA_KERNELS[backend]
@@ -913,7 +932,16 @@ DENSE_MLA_KERNELS = {
 
 
 def dense_mla_kernel(backend: str):
-    """The dense causal MLA kernel of a backend name in DENSE_MLA_KERNELS; ValueError for an unknown name."""
+    """The dense causal MLA kernel of a backend name in DENSE_MLA_KERNELS, `"npu"` (npu_kernels) or `"triton"`
+    (triton_kernels); ValueError for an unknown name."""
+    if backend == "npu":
+        from .npu_kernels import npu_dense_mla_kernel
+
+        return npu_dense_mla_kernel()
+    if backend == "triton":
+        from .triton_kernels import triton_dense_mla_kernel
+
+        return triton_dense_mla_kernel()
     if backend not in DENSE_MLA_KERNELS:
         raise ValueError(f"unknown dense MLA kernel backend {backend!r}; choose one of {sorted(DENSE_MLA_KERNELS)}")
     return DENSE_MLA_KERNELS[backend]

@@ -7,7 +7,9 @@ depth attention in `attn_res.py` (docs/attn-res.md), the hyper-connections in `h
 (docs/hyper-connections.md). docs/design.md §2.
 """
 
+import json
 import math
+import os
 
 import torch
 from torch import nn
@@ -21,6 +23,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from .attn_res import BlockAttnResStream, KDSADepthAttention
 from .cache import ROLLBACK_TOKENS, KDSACache
 from .configuration_kdsa import DSA_LAYER, KDA_LAYER, MLA_LAYER, KDSAConfig
+from .conversion import FOREIGN_MODEL_TYPES, REGISTRATION_LOCK, load_foreign
 from .dsa import KDSAIndexer, KDSAMultiLatentAttention, KDSASparseAttention
 from .hyper_connections import HyperConnectionStream, KDSAHyperConnection
 from .kda import KDSAKimiDeltaAttention
@@ -397,6 +400,20 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Also loads a local folder of a published family checkpoint (config.json `model_type` `deepseek_v32`,
+        `kimi_linear` or `glm5_next`), converting config and weights at load (conversion.py,
+        docs/checkpoint-conversion.md §1); any field or tensor KDSA cannot reproduce is a ValueError."""
+        config_file = os.path.join(str(pretrained_model_name_or_path), "config.json")
+        if kwargs.get("config") is None and os.path.isfile(config_file):
+            with open(config_file) as f:
+                raw_config = json.load(f)
+            if raw_config.get("model_type") in FOREIGN_MODEL_TYPES:
+                return load_foreign(cls, str(pretrained_model_name_or_path), raw_config, model_args, kwargs)
+        with REGISTRATION_LOCK:  # never while a foreign load has its conversions registered
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs

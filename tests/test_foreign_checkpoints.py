@@ -1,25 +1,699 @@
-"""Published checkpoints of other model types are refused with a clear error, never loaded silently wrong.
+"""Published checkpoints of the family load into `KDSAForCausalLM` with transformers' logits, or are refused by name.
 
-transformers only warns when a config.json of another type reaches `KDSAConfig`, then keeps the fields whose names
-match; a DeepSeek-V3.2 folder used to load with random AttnRes and experts. Until conversion exists (issue #11),
-`KDSAConfig` raises and names the type."""
+Each family's tiny model is built by transformers' own class, every tensor it initialises to a constant (norm
+weights, biases, correction bias) is perturbed so that a wrong mapping cannot hide behind ones and zeros, and it is
+saved with `save_pretrained` in small shards (the hub layout: per-expert tensors, split convolutions). Indexer ties:
+the Lightning Indexer's score is a sum of ReLU'd dot products, so keys whose every head is negative tie at exactly
+zero and either implementation may pick any of them; with 16 indexer heads such a tie has probability 2^-16 per
+(query, key) pair, so the fixtures have none at the top-k boundary (docs/checkpoint-conversion.md §7).
+"""
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
-from transformers import DeepseekV32Config, Glm5NextConfig, KimiLinearConfig
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
+    Glm5NextConfig,
+    Glm5NextForConditionalGeneration,
+    KimiLinearConfig,
+    KimiLinearForCausalLM,
+)
 
 from modeling_kdsa import KDSAConfig, KDSAForCausalLM
+from modeling_kdsa.conversion import plan_foreign_load
 
-FAMILIES = {"kimi_linear": KimiLinearConfig, "deepseek_v32": DeepseekV32Config, "glm5_next": Glm5NextConfig}
+VOCAB = 128
+INDEX_TOPK = 8
+SHORT, LONG = INDEX_TOPK - 2, 4 * INDEX_TOPK  # T < index_topk (dense) and T >= 3 * index_topk (really sparse)
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
-@pytest.mark.parametrize("loader", [KDSAConfig, KDSAForCausalLM], ids=["config", "model"])
-def test_foreign_config_is_refused_by_name(tmp_path, model_type, loader):
-    FAMILIES[model_type]().save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=f"describes a '{model_type}' model, not 'kdsa'"):
-        loader.from_pretrained(tmp_path)
+def perturb_constants(model: torch.nn.Module, seed: int = 0) -> None:
+    """Add noise to every floating tensor whose elements are all equal (ones, zeros, a constant bias)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, tensor in sorted(model.state_dict(keep_vars=True).items()):
+            if tensor.is_floating_point() and tensor.numel() > 0 and bool((tensor == tensor.flatten()[0]).all()):
+                tensor.add_(0.1 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype))
+
+
+def deepseek_v32_model() -> torch.nn.Module:
+    config = DeepseekV32Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, n_shared_experts=1,
+        num_experts_per_tok=4, n_group=8, topk_group=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, index_topk=INDEX_TOPK, index_head_dim=16, index_n_heads=16,
+        first_k_dense_replace=1, max_position_embeddings=512, routed_scaling_factor=2.5, rms_norm_eps=1e-5,
+        # YaRN with mscale_all_dim: frequencies, the cos/sin attention factor and the softmax mscale² all differ
+        # from plain RoPE.
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+            "mscale": 0.9, "mscale_all_dim": 1.1, "beta_fast": 32, "beta_slow": 1,
+        },
+    )  # fmt: skip
+    return DeepseekV32ForCausalLM(config)
+
+
+def kimi_linear_model() -> torch.nn.Module:
+    """KDA, KDA, KDA, dense MLA (1-based kda_layers / full_attn_layers as Moonshot's config.json writes them)."""
+    config = KimiLinearConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_shared_experts=1, num_experts_per_token=2,
+        num_expert_group=1, topk_group=1, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        first_k_dense_replace=1, model_max_length=512, routed_scaling_factor=2.446, rms_norm_eps=1e-5,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        linear_attn_config={
+            "kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 2, "head_dim": 16,
+            "short_conv_kernel_size": 4,
+        },
+    )  # fmt: skip
+    return KimiLinearForCausalLM(config)
+
+
+BUILDERS = {
+    "deepseek_v32": deepseek_v32_model,
+    "kimi_linear": kimi_linear_model,
+    "glm5_next": lambda: glm5_next_model(),
+}
+FAMILIES = sorted(BUILDERS)
+REFERENCE_KWARGS = {}
+# A tensor the strict check must miss by name when it is deleted from the checkpoint (hub name, KDSA name).
+VICTIMS = {
+    "deepseek_v32": (
+        "model.layers.1.self_attn.indexer.k_norm.bias",
+        r"model\.layers\.1\.self_attn\.indexer\.k_norm\.bias",
+    ),
+    "kimi_linear": ("model.layers.1.self_attn.A_log", r"model\.layers\.1\.linear_attn\.A_log"),
+    "glm5_next": ("model.language_model.layers.3.self_attn.A_log", r"model\.layers\.3\.linear_attn\.A_log"),
+}
+# Families whose checkpoints carry multi-token-prediction layers after the trunk: the key prefix of the layers.
+MTP_PREFIX = {"deepseek_v32": "model.layers.", "glm5_next": "model.language_model.layers."}
+
+
+class Family:
+    def __init__(self, name: str, folder):
+        torch.manual_seed(0)
+        self.name = name
+        self.reference_kwargs = REFERENCE_KWARGS.get(name, {})
+        self.reference = BUILDERS[name]().eval()
+        perturb_constants(self.reference)
+        self.folder = folder
+        self.reference.save_pretrained(folder, max_shard_size="40KB")
+        self.model = KDSAForCausalLM.from_pretrained(folder).eval()
+        self.ids = torch.randint(3, VOCAB, (2, LONG), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    return Family(request.param, tmp_path_factory.mktemp(request.param) / "hub")
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((ours - reference).abs().max() / reference.abs().max())
+
+
+def greedy(model, ids: torch.Tensor, steps: int, **kwargs) -> torch.Tensor:
+    return model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------- equal to transformers
+
+
+def test_checkpoint_is_sharded_hub_layout(family):
+    index = json.loads((family.folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 10
+    assert any(".experts.0." in key for key in index["weight_map"])  # per-expert tensors, stacked at load
+
+
+@pytest.mark.parametrize("seq_len", [SHORT, LONG], ids=["dense", "sparse"])
+def test_logits_match_transformers(family, seq_len):
+    ids = family.ids[:, :seq_len]
+    with torch.no_grad():
+        reference = family.reference(ids, **family.reference_kwargs).logits
+        ours = family.model(ids).logits
+    assert relative_error(ours, reference) < 1e-5
+
+
+def test_greedy_32_tokens_match_transformers(family):
+    ids = family.ids[:1, :LONG]
+    assert torch.equal(greedy(family.model, ids, 32), greedy(family.reference, ids, 32, **family.reference_kwargs))
+
+
+def test_cpu_backend_decode_64_tokens_matches_transformers(family):
+    """Decode through KDSACache on the fused `cpu` kernels, step logits and tokens against transformers'."""
+    model = KDSAForCausalLM.from_pretrained(family.folder, kernel_backend="cpu").eval()
+    assert model.config.kernel_backend == "cpu"
+    ids = family.ids[:1, :SHORT]
+    kwargs = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
+    ours = model.generate(ids, output_logits=True, return_dict_in_generate=True, **kwargs)
+    reference = family.reference.generate(
+        ids, output_logits=True, return_dict_in_generate=True, **kwargs, **family.reference_kwargs
+    )
+    assert torch.equal(ours.sequences, reference.sequences)
+    for ours_step, reference_step in zip(ours.logits, reference.logits, strict=True):
+        assert relative_error(ours_step, reference_step) < 1e-5
+
+
+def test_save_writes_native_kdsa_that_reloads_identically(family, tmp_path):
+    family.model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "kdsa" and "quantization_config" not in config
+    reloaded = KDSAForCausalLM.from_pretrained(tmp_path).eval()
+    assert set(reloaded.state_dict()) == set(family.model.state_dict())
+    for name, tensor in family.model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+    # Bit-identical tensors; the logits may still differ in the last fp32 bit because CPU BLAS kernels depend on the
+    # alignment of the (differently allocated) expert slices.
+    with torch.no_grad():
+        assert relative_error(reloaded(family.ids).logits, family.model(family.ids).logits) < 1e-6
+    # A fresh model saved afterwards is native too: nothing of the conversion stays registered.
+    KDSAForCausalLM(reloaded.config).save_pretrained(tmp_path / "fresh")
+    assert set(load_file(tmp_path / "fresh" / "model.safetensors")) == set(family.model.state_dict())
+
+
+@pytest.mark.slow
+def test_saved_folder_reloads_by_remote_code(family, tmp_path):
+    family.model.save_pretrained(tmp_path / "ckpt")
+    torch.save(family.ids, tmp_path / "ids.pt")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["modeling_kdsa"] = None
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "ckpt")!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        with torch.no_grad():
+            torch.save(model(torch.load({str(tmp_path / "ids.pt")!r})).logits, {str(tmp_path / "logits.pt")!r})
+        """
+    )
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with torch.no_grad():  # see test_save_writes_native_kdsa_that_reloads_identically on the last bit
+        assert relative_error(torch.load(tmp_path / "logits.pt"), family.model(family.ids).logits) < 1e-6
+
+
+def test_bf16_load_keeps_router_and_decay_in_fp32(family):
+    model = KDSAForCausalLM.from_pretrained(family.folder, dtype=torch.bfloat16).eval()
+    params = dict(model.named_parameters())
+    assert params["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert params["model.layers.1.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
+    for name, param in params.items():
+        if name.endswith(("A_log", "dt_bias")):
+            assert param.dtype == torch.float32, name
+    with torch.no_grad():
+        # No numeric bound: the random tiny models' routing and indexer scores are near-tied, so bf16 rounding
+        # flips expert and key choices; parity is checked in fp32 above.
+        assert torch.isfinite(model(family.ids).logits).all()
+
+
+def test_auto_class_keeps_transformers_own_class(family):
+    auto = AutoModelForImageTextToText if family.name == "glm5_next" else AutoModelForCausalLM
+    assert type(auto.from_pretrained(family.folder)) is type(family.reference)
+
+
+# ------------------------------------------------------------------------------------------------ MTP and skips
+
+
+def add_tensors(folder, tensors: dict[str, torch.Tensor]) -> None:
+    """Append tensors to a sharded checkpoint as one more shard."""
+    save_file(tensors, folder / "extra.safetensors", metadata={"format": "pt"})
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"].update({name: "extra.safetensors" for name in tensors})
+    index_file.write_text(json.dumps(index))
+
+
+def remove_tensor(folder, name: str) -> None:
+    """Delete one tensor from its shard and from the index."""
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shard = folder / index["weight_map"].pop(name)
+    tensors = load_file(shard)
+    del tensors[name]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index_file.write_text(json.dumps(index))
+
+
+def edit_config(folder, text_config: bool = False, **changes) -> None:
+    """Change config.json fields (of its `text_config` when asked)."""
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    (config["text_config"] if text_config else config).update(changes)
+    config_file.write_text(json.dumps(config))
+
+
+def copy_of(family, tmp_path):
+    folder = tmp_path / "copy"
+    shutil.copytree(family.folder, folder)
+    return folder
+
+
+def test_mtp_layer_is_skipped_with_one_info_line(family, tmp_path, caplog):
+    if family.name not in MTP_PREFIX:
+        pytest.skip(f"{family.name} checkpoints have no multi-token-prediction layers")
+    folder = copy_of(family, tmp_path)
+    n = family.model.config.num_hidden_layers
+    prefix = MTP_PREFIX[family.name]
+    add_tensors(
+        folder,
+        {
+            f"{prefix}{n}.eh_proj.weight": torch.randn(64, 128),
+            f"{prefix}{n}.enorm.weight": torch.randn(64),
+            f"{prefix}{n}.self_attn.q_a_proj.weight": torch.randn(32, 64),
+        },
+    )
+    with caplog.at_level(logging.INFO, logger="modeling_kdsa.conversion"):
+        model = KDSAForCausalLM.from_pretrained(folder).eval()
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "modeling_kdsa.conversion" and "layer" in r.getMessage()
+    ]
+    assert lines == [f"skipped {family.name} layer {n} (multi-token-prediction block): 3 tensors"]
+    with torch.no_grad():
+        assert torch.equal(model(family.ids).logits, family.model(family.ids).logits)
+
+
+# ------------------------------------------------------------------------------------------------------ refusals
+
+
+def test_unknown_config_field_is_refused(family, tmp_path):
+    folder = copy_of(family, tmp_path)
+    edit_config(folder, sliding_window=64)
+    with pytest.raises(ValueError, match="sliding_window"):
+        KDSAForCausalLM.from_pretrained(folder)
+
+
+def test_missing_tensor_is_refused_by_name(family, tmp_path):
+    folder = copy_of(family, tmp_path)
+    hub_name, kdsa_name = VICTIMS[family.name]
+    remove_tensor(folder, hub_name)
+    with pytest.raises(ValueError, match=rf"missing_keys.*{kdsa_name}"):
+        KDSAForCausalLM.from_pretrained(folder)
+
+
+def test_unexpected_tensor_is_refused_by_name(family, tmp_path):
+    folder = copy_of(family, tmp_path)
+    add_tensors(folder, {"model.layers.0.self_attn.rotary_gate.weight": torch.randn(4, 64)})
+    with pytest.raises(ValueError, match=r"unexpected_keys.*rotary_gate"):
+        KDSAForCausalLM.from_pretrained(folder)
+
+
+def test_mismatched_tensor_is_refused_by_name(family, tmp_path):
+    folder = copy_of(family, tmp_path)
+    # the checkpoint's experts are 32 wide
+    edit_config(folder, text_config=family.name == "glm5_next", moe_intermediate_size=16)
+    with pytest.raises(ValueError, match="mlp.experts"):
+        KDSAForCausalLM.from_pretrained(folder)
+
+
+def test_foreign_config_is_refused_by_config_class(family):
+    with pytest.raises(ValueError, match=f"describes a '{family.name}' model"):
+        KDSAConfig.from_pretrained(family.folder)
+
+
+def deepseek_raw(**changes) -> dict:
+    raw = deepseek_v32_model().config.to_dict()
+    raw.update(changes)
+    return raw
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+        ({"n_group": 3, "topk_group": 1}, "n_group"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"attention_dropout": 0.1}, "attention_dropout"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"topk_method": "greedy"}, "topk_method"),
+        ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}, "quant_method"),
+        ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}}, "fmt"),
+        ({"layer_types": ["indexed_attention", "full_attention", "indexed_attention"]}, "layer_types"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_deepseek_unsupported_values_are_refused_by_name(changes, field):
+    with pytest.raises(ValueError, match=field):
+        plan_foreign_load(deepseek_raw(**changes), [])
+
+
+# The published config.json files, as their authors wrote them (legacy rope_scaling / rope_theta, torch_dtype, extra
+# keys of the original remote code), shapes of the released models; only the translation runs.
+DEEPSEEK_V32_HUB_CONFIG = {
+    "architectures": ["DeepseekV32ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
+    "hidden_size": 7168, "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048, "initializer_range": 0.02,
+    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v32",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
+    "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+    "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096, "type": "yarn",
+    },
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "transformers_version": "4.44.2",
+    "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+KIMI_LINEAR_HUB_CONFIG = {
+    "architectures": ["KimiLinearForCausalLM"], "bos_token_id": 163584, "eos_token_id": 163585,
+    "first_k_dense_replace": 1, "head_dim": 72, "hidden_act": "silu", "hidden_size": 2304, "initializer_range": 0.02,
+    "intermediate_size": 9216, "kv_lora_rank": 512,
+    "linear_attn_config": {
+        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+        "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
+        "num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4,
+    },
+    "mla_use_nope": True, "model_max_length": 1048576, "model_type": "kimi_linear", "moe_intermediate_size": 1024,
+    "moe_layer_freq": 1, "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "num_attention_heads": 32,
+    "num_expert_group": 1, "num_experts": 256, "num_experts_per_token": 8, "num_hidden_layers": 27,
+    "num_key_value_heads": 32, "num_nextn_predict_layers": 0, "num_shared_experts": 1, "pad_token_id": 163839,
+    "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    "rope_theta": 10000.0, "routed_scaling_factor": 2.446, "tie_word_embeddings": False, "topk_group": 1,
+    "torch_dtype": "bfloat16", "transformers_version": "4.56.2", "use_cache": True, "use_grouped_topk": True,
+    "v_head_dim": 128, "vocab_size": 163840,
+}  # fmt: skip
+
+
+def test_deepseek_v32_hub_config_translates():
+    plan = plan_foreign_load(DEEPSEEK_V32_HUB_CONFIG, ["model.layers.61.enorm.weight"])
+    config = plan.config
+    assert config.layer_types == ["indexed_attention"] * 61 and config.mlp_layer_types[2:4] == ["dense", "sparse"]
+    assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["factor"] == 40
+    assert (config.n_group, config.topk_group, config.mla_layernorm_eps) == (8, 4, 1e-6)
+    assert config.attn_res_block_size == 0 and config.n_routed_experts == 256 and config.index_topk == 2048
+    assert not hasattr(config, "quantization_config") or config.quantization_config is None
+    assert list(plan.skipped.values()) == ["deepseek_v32 layer 61 (multi-token-prediction block)"]
+
+
+def test_kimi_linear_hub_config_translates():
+    config = plan_foreign_load(KIMI_LINEAR_HUB_CONFIG, []).config
+    assert [i for i, t in enumerate(config.layer_types) if t == "full_attention"] == [3, 7, 11, 15, 19, 23, 26]
+    assert (config.n_routed_experts, config.num_experts_per_tok, config.n_shared_experts) == (256, 8, 1)
+    assert config.max_position_embeddings == 1048576 and config.norm_topk_prob is True
+    assert (config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim) == (32, 128, 4)
+    assert config.mla_use_nope and config.mla_layernorm_eps == 1e-6 and config.q_lora_rank is None
+
+
+def test_unknown_model_type_is_refused():
+    with pytest.raises(ValueError, match="qwen3"):
+        plan_foreign_load({"model_type": "qwen3"}, [])
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"num_expert_group": 3}, "n_group"),
+        ({"pretraining_tp": 2}, "pretraining_tp"),
+        ({"moe_router_activation_func": "softmax"}, "moe_router_activation_func"),
+        (
+            {"linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [], "gate_lower_bound": -5.0}},
+            "gate_lower_bound",
+        ),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_kimi_unsupported_values_are_refused_by_name(changes, field):
+    raw = kimi_linear_model().config.to_dict()
+    raw.update(changes)
+    with pytest.raises(ValueError, match=field):
+        plan_foreign_load(raw, [])
+
+
+def test_kimi_one_based_layer_lists_are_translated():
+    raw = kimi_linear_model().config.to_dict()
+    del raw["layer_types"]
+    raw["linear_attn_config"] = {"kda_layers": [1, 3, 4], "full_attn_layers": [2], "num_heads": 2, "head_dim": 16}
+    plan = plan_foreign_load(raw, [])
+    assert plan.config.layer_types == ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+    assert plan.key_mapping == {r"\.layers\.(0|2|3)\.self_attn\.": r".layers.\1.linear_attn."}
+    assert plan.config.mla_use_nope and plan.config.mla_layernorm_eps == 1e-6
+
+
+# ------------------------------------------------------------------------------------------------ GLM-5.3-Flash
+
+
+def glm5_next_model(**text_overrides) -> torch.nn.Module:
+    """KDA, DSA, DSA, KDA with GLM's components on: mHC with 4 streams and forget-gate lower bound -5 (defaults),
+    the k-pool indexer over pools of 4 tokens (GLM-5.3-Flash's value) with the incomplete tail always selected, the
+    second DSA layer sharing the first one's selection, the SwiGLU clamp at 0.1 so that it bites on these small
+    activations (GLM's 10 would never be reached); a one-block vision tower."""
+    text = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16, index_topk=INDEX_TOPK,
+        index_head_dim=16, index_n_heads=16, index_kpool=4, index_kpool_always_select_tail=True,
+        indexer_types=["full", "full", "shared", "full"], linear_num_heads=2, linear_head_dim=16,
+        max_position_embeddings=512, pad_token_id=0, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+        swiglu_limit=0.1,
+    )  # fmt: skip
+    text.update(text_overrides)
+    vision = dict(
+        depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64,
+        projection_intermediate_size=32, patch_size=2, image_size=8, spatial_merge_size=1, temporal_patch_size=1,
+    )  # fmt: skip
+    return Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=text, vision_config=vision))
+
+
+def test_glm_kpool_of_one_skips_its_inert_compression_tensors():
+    raw = glm5_next_model(index_kpool=1).config.to_dict()
+    keys = ["model.language_model.layers.1.self_attn.indexer.index_kpool_compress_ape"]
+    plan = plan_foreign_load(raw, keys)
+    assert plan.config.index_kpool == 1
+    assert [re.search(p, keys[0]) is not None for p in plan.skipped] == [False, True]  # (vision, k-pool)
+    assert not plan_foreign_load(glm5_next_model().config.to_dict(), keys).skipped.get(
+        r"\.indexer\.index_kpool_compress_(ape|gate)$"
+    )
+
+
+def test_glm_shared_indexer_without_a_full_layer_before_it_is_refused_by_name():
+    raw = glm5_next_model().config.to_dict()
+    raw["text_config"]["indexer_types"] = ["full", "shared", "full", "full"]  # layer 0 is KDA
+    with pytest.raises(ValueError, match="indexer_types"):
+        plan_foreign_load(raw, [])
+
+
+def kdsa_name(glm_name: str) -> str:
+    name = glm_name.replace("model.language_model.", "model.")
+    name = re.sub(r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2", name)
+    return re.sub(r"layers\.(0|3)\.self_attn\.(forget_gate\.)?", r"layers.\1.linear_attn.", name)
+
+
+@pytest.mark.parametrize("original_format", [True, False], ids=["hub-layout", "runtime-layout"])
+def test_glm_weights_map_tensor_by_tensor(tmp_path, caplog, original_format):
+    """Hub layout: `model.language_model.` prefix, split q/k/v convs, `A_log [H]`, per-expert tensors. Runtime
+    layout (`save_original_format=False`): fused `conv1d [3C, 1, W]`, `forget_gate.*`, stacked experts."""
+    torch.manual_seed(0)
+    reference = glm5_next_model()
+    perturb_constants(reference)
+    reference.save_pretrained(tmp_path / "glm", save_original_format=original_format)
+    folder = tmp_path / "glm"
+    tensors = load_file(folder / "model.safetensors")
+    mtp = {"model.language_model.layers.4.eh_proj.weight": torch.randn(64, 128)}
+    tensors = tensors | mtp
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level(logging.INFO, logger="modeling_kdsa.conversion"):
+        model = KDSAForCausalLM.from_pretrained(folder)
+    lines = [r.getMessage() for r in caplog.records if r.name == "modeling_kdsa.conversion"]
+    visual = sum(1 for k in tensors if k.startswith("model.visual."))
+    assert lines == [
+        "skipped glm5_next layer 4 (multi-token-prediction block): 1 tensors",
+        f"skipped glm5_next vision tower model.visual.*: {visual} tensors",
+    ]
+    ours = model.state_dict()
+    checked = set()
+    for name, tensor in tensors.items():
+        if name.startswith("model.visual.") or name in mtp:
+            continue
+        if ".experts." in name and not original_format:
+            target = kdsa_name(name)
+            assert torch.equal(ours[target], tensor), name
+        elif ".experts." in name:
+            expert, proj = re.search(r"experts\.(\d+)\.(\w+)_proj", name).groups()
+            layer = kdsa_name(name).split(".experts.")[0]
+            stacked = ours[f"{layer}.experts.{'down' if proj == 'down' else 'gate_up'}_proj"][int(expert)]
+            part = {"gate": 0, "up": 1, "down": None}[proj]
+            target = f"{layer}.experts.{'down' if proj == 'down' else 'gate_up'}_proj"
+            assert torch.equal(stacked if part is None else stacked.chunk(2)[part], tensor), name
+        elif name.endswith("conv1d.weight") and not original_format:
+            layer = kdsa_name(name).rsplit(".", 2)[0]
+            convs = [ours[f"{layer}.{p}_conv1d.weight"] for p in "qkv"]
+            assert torch.equal(torch.cat(convs), tensor), name
+            checked.update(f"{layer}.{p}_conv1d.weight" for p in "qkv")
+            continue
+        else:
+            target = kdsa_name(name)
+            expected = tensor.reshape(1, 1, -1, 1) if name.endswith("A_log") else tensor
+            assert torch.equal(ours[target], expected), name
+        checked.add(target)
+    assert checked == set(ours)
 
 
 def test_own_model_type_still_loads(tmp_path):
     KDSAConfig(num_hidden_layers=4).save_pretrained(tmp_path)
     assert KDSAConfig.from_pretrained(tmp_path).num_hidden_layers == 4
+
+
+# ---------------------------------------------------------------------------------------------------------- FP8
+
+
+def quantize_fp8(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's weight layout: E4M3 values and one fp32 `weight_scale_inv` per `block x block` tile (partial tiles at
+    the edges, grid rounded up), `weight ≈ e4m3 * scale_inv` with `scale_inv = amax / 448`."""
+    rows, cols = weight.shape
+    grid_rows, grid_cols = -(-rows // block), -(-cols // block)
+    padded = torch.zeros(grid_rows * block, grid_cols * block)
+    padded[:rows, :cols] = weight
+    tiles = padded.view(grid_rows, block, grid_cols, block)
+    scale_inv = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    quantized = (tiles / scale_inv[:, None, :, None]).view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
+    return quantized, scale_inv
+
+
+def dequantize_fp8(quantized: torch.Tensor, scale_inv: torch.Tensor, block: int) -> torch.Tensor:
+    rows, cols = quantized.shape
+    expanded = scale_inv.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    return quantized.float() * expanded
+
+
+def fp8_copy(folder, destination, block: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Quantize every linear weight of the decoder layers as DeepSeek-V3.2 / GLM publish them (the router and the
+    indexer's head weights stay high precision); returns {name: (e4m3, scale_inv)}."""
+    shutil.copytree(folder, destination)
+    index_file = destination / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    quantized = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(destination / shard)
+        for name in list(tensors):
+            keep = name.endswith("mlp.gate.weight") or "weights_proj" in name
+            if re.search(r"layers\.\d+\..*\.weight$", name) and tensors[name].dim() == 2 and not keep:
+                values, scale_inv = quantize_fp8(tensors[name], block)
+                tensors[name] = values
+                tensors[name + "_scale_inv"] = scale_inv
+                index["weight_map"][name + "_scale_inv"] = shard
+                quantized[name] = (values, scale_inv)
+        save_file(tensors, destination / shard, metadata={"format": "pt"})
+    index_file.write_text(json.dumps(index))
+    edit_config(
+        destination,
+        quantization_config={
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [block, block],
+        },
+    )  # fmt: skip
+    return quantized
+
+
+@pytest.fixture(scope="module", params=["deepseek_v32", "glm5_next"])
+def fp8_family(request, tmp_path_factory):
+    """The two families published in FP8."""
+    return Family(request.param, tmp_path_factory.mktemp(f"{request.param}_fp8") / "hub")
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    return Family("deepseek_v32", tmp_path_factory.mktemp("deepseek_fp8") / "hub")
+
+
+def test_fp8_checkpoint_matches_transformers_own_fp8_load(fp8_family, tmp_path):
+    """Blocks of 8 divide every tiny dim, so transformers' own FP8 quantizer (which dequantizes on CPU) can load the
+    folder too: the same FP8 weights must give the same logits; the save is native and unquantized."""
+    deepseek = fp8_family
+    fp8_copy(deepseek.folder, tmp_path / "fp8", block=8)
+    ours = KDSAForCausalLM.from_pretrained(tmp_path / "fp8").eval()
+    reference = type(deepseek.reference).from_pretrained(tmp_path / "fp8").eval()
+    with torch.no_grad():
+        for seq_len in (SHORT, LONG):
+            ids = deepseek.ids[:, :seq_len]
+            assert relative_error(ours(ids).logits, reference(ids).logits) < 1e-5
+    ours.save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["model_type"] == "kdsa" and "quantization_config" not in config
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert not any(name.endswith("_scale_inv") for name in saved)
+    assert all(t.dtype == torch.float32 for t in saved.values())
+    with torch.no_grad():
+        reloaded = KDSAForCausalLM.from_pretrained(tmp_path / "saved").eval()
+        assert relative_error(reloaded(deepseek.ids).logits, ours(deepseek.ids).logits) < 1e-6
+
+
+def test_fp8_partial_edge_blocks_dequantize_exactly(deepseek, tmp_path):
+    """Blocks of 16 leave partial tiles (kv_a_proj_with_mqa has 40 rows: grid 3), as DeepSeek's 576-row projection
+    does with blocks of 128; every weight equals e4m3 x scale_inv tile by tile, experts stacked after dequantizing,
+    and each is within E4M3's rounding error (2^-4 relative) of the unquantized weight."""
+    quantized = fp8_copy(deepseek.folder, tmp_path / "fp8", block=16)
+    assert any(values.shape[0] % 16 for values, _ in quantized.values())
+    state = KDSAForCausalLM.from_pretrained(tmp_path / "fp8").state_dict()
+    original = deepseek.model.state_dict()
+    for name, (values, scale_inv) in quantized.items():
+        expected = dequantize_fp8(values, scale_inv, 16)
+        match = re.search(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
+        if match:
+            layer, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+            stacked = state[f"{layer}.{'down' if proj == 'down' else 'gate_up'}_proj"][expert]
+            loaded = stacked if proj == "down" else stacked.chunk(2)[proj == "up"]
+            unquantized = original[f"{layer}.{'down' if proj == 'down' else 'gate_up'}_proj"][expert]
+            unquantized = unquantized if proj == "down" else unquantized.chunk(2)[proj == "up"]
+        else:
+            loaded, unquantized = state[name], original[name]
+        assert torch.equal(loaded, expected), name
+        assert (loaded - unquantized).abs().max() <= 2**-4 * unquantized.abs().max(), name
+
+
+@pytest.mark.parametrize(
+    "quantization, field",
+    [
+        ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static", "weight_block_size": [8, 8]}, "static"),
+        ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}, "weight_block_size"),
+        ({"quant_method": "fp8", "weight_block_size": [8, 8], "input_scale": 1.0}, "input_scale"),
+    ],
+    ids=["activation_scheme", "weight_block_size", "unknown"],
+)
+def test_fp8_unsupported_quantization_is_refused_by_name(quantization, field):
+    with pytest.raises(ValueError, match=field):
+        plan_foreign_load(deepseek_raw(quantization_config=quantization), [])
+
+
+def test_fp8_scale_grid_that_does_not_fit_is_refused_by_name(deepseek, tmp_path):
+    fp8_copy(deepseek.folder, tmp_path / "fp8", block=8)
+    edit_config(
+        tmp_path / "fp8",
+        quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]},
+    )
+    with pytest.raises(ValueError, match=r"could not be converted.*kv_a_proj_with_mqa\.weight.*weight_scale_inv shape"):
+        KDSAForCausalLM.from_pretrained(tmp_path / "fp8")
+
+
+def test_fp8_checkpoint_loads_in_bf16(deepseek, tmp_path):
+    """`dtype=torch.bfloat16`: weights land in bf16 (router fp32) within bf16 rounding of the fp32 dequantization
+    (the loader casts values and scales to bf16 before the op; E4M3 values are exact in bf16)."""
+    quantized = fp8_copy(deepseek.folder, tmp_path / "fp8", block=16)
+    params = dict(KDSAForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16).named_parameters())
+    assert params["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    for name in ("model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "model.layers.2.self_attn.indexer.wq_b.weight"):
+        expected = dequantize_fp8(*quantized[name], 16)
+        assert params[name].dtype == torch.bfloat16
+        torch.testing.assert_close(params[name].float(), expected, rtol=2**-7, atol=0)

@@ -322,13 +322,14 @@ def test_fused_kernels_equal_reference_at_a_few_hundred_tokens(backend, select_t
     new_rows = torch.randn(3, 11, 2 * INDEX_DIM, generator=generator)
     store.append(torch.zeros(3, 11, 8), new_rows, mask, ape)
     rows = torch.cat([rows[:, : num_keys - 11], new_rows], dim=1)
-    # Every complete pool's stored key is the pooling of its tokens as they are now.
+    # Every complete pool's stored key is the pooling of its tokens as they are now (a stale pool is off by O(1);
+    # 1e-6 allows the summation-order differences between thread counts, not bit-exact across them).
     for b, pad in enumerate(pads):
         ends = torch.arange(pad + KPOOL - 1, num_keys, KPOOL)
         tokens = ends[:, None] - torch.arange(KPOOL - 1, -1, -1)
         expected_keys = kpool_keys(rows[b, tokens, :INDEX_DIM], rows[b, tokens, INDEX_DIM:], ape)
         slots = store.block_table[b, ends // page_size] * (page_size // KPOOL) + (ends % page_size) // KPOOL
-        torch.testing.assert_close(store.pool_pages.view(-1, INDEX_DIM)[slots], expected_keys, rtol=0, atol=0)
+        torch.testing.assert_close(store.pool_pages.view(-1, INDEX_DIM)[slots], expected_keys, rtol=1e-6, atol=1e-6)
     q_index = torch.randn(3, 40, INDEX_HEADS, INDEX_DIM, generator=generator)
     weights = torch.randn(3, 40, INDEX_HEADS, generator=generator)
     for query_start in (num_keys - 40, 100):

@@ -1,0 +1,377 @@
+"""Ascend NPU backend (`kernel_backend="npu"`): the paged DSA store read by torch_npu's fused Lightning Indexer and
+Sparse Flash Attention (docs/backends.md §2). Contract-tested on CPU against a fake torch_npu written from the op
+docs; not run on Ascend hardware.
+
+Public sources for the op contracts (Ascend/op-plugin, docs/zh/custom_APIs/torch_npu/):
+- `torch_npu-npu_lightning_indexer.md`: `npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query,
+  actual_seq_lengths_key, block_table, layout_query, layout_key, sparse_count, sparse_mode, ...)`; query BSND
+  `[B, S1, N1, 128]` bf16/fp16, N1 <= 64; key PA_BSND `[block_count, block_size, 1, 128]`, block_size a multiple of
+  16 up to 1024; weights `[B, S1, N1]` (fp32 allowed on A2/A3); lengths int32 `[B]`, per batch for BSND / PA_BSND;
+  block_table int32 `[B, >= ceil(max Lk / block_size)]`; sparse_count in [1, 2048] or {3072, ..., 8192}; sparse_mode
+  3 = rightDownCausal (query i of a batch sees `j <= Lk - Lq + i`); no input may be non-contiguous. Returns int32
+  `[B, S1, 1, sparse_count]` logical positions; unused slots are -1 (vllm-project/vllm-ascend
+  csrc/attention/lightning_indexer/op_kernel/lightning_indexer_common.h, INVALID_IDX).
+- `torch_npu-npu_sparse_flash_attention.md`: `npu_sparse_flash_attention(query, key, value, sparse_indices,
+  scale_value, *, block_table, actual_seq_lengths_query, actual_seq_lengths_kv, query_rope, key_rope,
+  sparse_block_size, layout_query, layout_kv, sparse_mode, attention_mode, ...)`; attention_mode 2 = MLA-absorb
+  (`[q_nope | q_rope]·[k_nope | k_rope]`, key and value one tensor), D = 512 and rope D = 64, N1 in {1, 2, 4, ...,
+  128}; sparse_indices int32 `[B, S1, 1, K]` with the valid entries first; sparse_mode 0 = only the selection.
+
+How vllm-ascend drives the same ops for DeepSeek-V3.2 (vllm_ascend/attention/sfa_v1.py): PA_BSND caches, int32 block
+tables, per-request key lengths, `sparse_mode=3` for the indexer, `attention_mode=2` for the attention.
+
+Our side of the contract (same signatures and results as dsa_paged_ops' `cpu` kernels):
+- Indexer: `index_pages` `[N, P, DI]` viewed as `[N, P, 1, DI]` (a free view, contiguous), the block table cast to
+  int32, `Lq = T`, `Lk = query_start + T`, so that rightDownCausal gives exactly "query at `query_start + i` sees
+  `s <= query_start + i`". The head weights are pre-multiplied by `HI^-0.5 · DI^-0.5` (docs/dsa.md §1; the op has no
+  scale, and a positive scale does not change the order). The op has no padding mask: with one, it is asked for
+  `topk + (most padded keys of a row)` keys, padded ones are dropped and the rest moved to the front, which keeps
+  exactly the top-k real keys (a real key of the real top-k has at most `pads` padded keys above it).
+- Sparse attention: the op reads the latent and RoPE parts as two contiguous pools `[N, P, 1, C]` / `[N, P, 1, R]`
+  while our store keeps `[c | k_pe]` rows, so each call copies the pool into the two layouts (O(pool) per call; a
+  store that keeps the two planes, as vllm-ascend's `kv_cache[0]` / `kv_cache[1]`, removes it). `sparse_mode=0`:
+  our indices are already causal and the kernel's contract is "attend exactly these keys", so `actual_seq_lengths_kv`
+  covers every mapped page of the sequence and no mask is added.
+- Dense MLA (`"full_attention"` layers) is the same op selecting every key (`paged_dense_mla_npu`), with
+  rightDownCausal masking. NoPE models (`qk_rope_head_dim = 0`) pass zero RoPE columns (the op needs 64).
+- The k-pool indexer (GLM-5.3-Flash, docs/dsa.md §9) is the indexer op over the stored pooled keys, one batch entry
+  per query (`paged_kpool_indexer_topk_npu`). KDA runs the torch kernels (docs/backends.md §2).
+- Quantized stores (FP8 latent, MXFP8 indexer keys) are refused: the quantized ops read other packed layouts.
+"""
+
+import torch
+
+from .dsa_ops import kpool_expand, kpool_origin
+from .dsa_paged_ops import (
+    _check_dense_inputs,
+    _check_indexer_inputs,
+    _check_kpool_inputs,
+    _check_sparse_inputs,
+    page_geometry,
+)
+from .numeric_formats import QuantizedRows
+
+INDEXER_HEAD_DIM = 128  # npu_lightning_indexer: D of query and key
+INDEXER_MAX_HEADS = 64  # npu_lightning_indexer: N1 <= 64 (A2/A3)
+LATENT_DIM = 512  # npu_sparse_flash_attention: D of query, key and value
+ROPE_DIM = 64  # npu_sparse_flash_attention: D of query_rope and key_rope
+ATTENTION_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)  # npu_sparse_flash_attention: N1
+SPARSE_COUNTS = (*range(1, 2049), 3072, 4096, 5120, 6144, 7168, 8192)  # npu_lightning_indexer: sparse_count
+OP_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def torch_npu_module():
+    """`torch_npu`, imported on first use; ValueError when it is missing or no NPU is available."""
+    try:
+        import torch_npu
+    except ImportError as error:
+        raise ValueError(
+            "kernel_backend='npu' needs torch_npu (Ascend CANN); it is not installed. Use kernel_backend='auto'"
+        ) from error
+    if not torch.npu.is_available():
+        raise ValueError("kernel_backend='npu': torch_npu is installed but torch.npu.is_available() is False")
+    return torch_npu
+
+
+def _require_plain(pages, field: str) -> None:
+    if isinstance(pages, QuantizedRows):
+        raise ValueError(
+            f"kernel_backend='npu' does not read quantized pages ({field} is quantized): torch_npu's quantized indexer "
+            "and attention ops read other packed layouts; use the bf16 cache or another kernel_backend"
+        )
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(f"kernel_backend='npu': {message}")
+
+
+def _check_page_size(page_size: int) -> None:
+    _require(page_size % 16 == 0 and page_size <= 1024, f"page size {page_size} must be a multiple of 16, <= 1024")
+
+
+def _valid_first(indices: torch.Tensor) -> torch.Tensor:
+    """Entries >= 0 moved to the front of each row in their order, -1 after them (the layout the ops read)."""
+    order = (indices < 0).to(torch.int8).argsort(dim=-1, stable=True)
+    return indices.gather(-1, order)
+
+
+def _sparse_count(wanted: int) -> int:
+    """The smallest sparse_count npu_lightning_indexer accepts that is >= wanted."""
+    for count in SPARSE_COUNTS:
+        if count >= wanted:
+            return count
+    raise ValueError(
+        f"kernel_backend='npu': the indexer would need sparse_count={wanted} (index_topk plus the padded keys of a "
+        f"row), more than npu_lightning_indexer's maximum {SPARSE_COUNTS[-1]}"
+    )
+
+
+def paged_indexer_topk_npu(
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    index_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    num_keys: int,
+    index_topk: int,
+    query_start: int,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Lightning Indexer top-k through `torch_npu.npu_lightning_indexer` (module doc), same signature and result
+    as `dsa_paged_ops.paged_indexer_topk_fused` (indices as a set per row: the op leaves the order of equal scores
+    unspecified). Returns int64 `[B, T, min(index_topk, S')]`, -1 = no key."""
+    _check_indexer_inputs(
+        q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask
+    )
+    _require_plain(index_pages, "index_cache")
+    batch, num_queries, num_heads, head_dim = q_index.shape
+    _require(head_dim == INDEXER_HEAD_DIM, f"index_head_dim must be {INDEXER_HEAD_DIM}, got {head_dim}")
+    _require(num_heads <= INDEXER_MAX_HEADS, f"index_n_heads must be <= {INDEXER_MAX_HEADS}, got {num_heads}")
+    _require(q_index.dtype in OP_DTYPES, f"the indexer runs in bf16 or fp16, got q_index {q_index.dtype}")
+    _check_page_size(page_geometry(index_pages)[1])
+    _require(
+        query_start + num_queries <= num_keys,
+        f"queries at {query_start}..{query_start + num_queries - 1} must lie inside the {num_keys} cached keys",
+    )
+    num_selected = min(index_topk, query_start + num_queries)
+    extra = 0
+    if key_padding_mask is not None:
+        padding = ~key_padding_mask[:, : query_start + num_queries].bool()
+        extra = int(padding.sum(dim=1).max())
+    torch_npu = torch_npu_module()
+    device = q_index.device
+    scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
+    indices, _ = torch_npu.npu_lightning_indexer(
+        q_index.contiguous(),
+        index_pages.unsqueeze(2),
+        scaled_weights.contiguous(),
+        actual_seq_lengths_query=torch.full((batch,), num_queries, dtype=torch.int32, device=device),
+        actual_seq_lengths_key=torch.full((batch,), query_start + num_queries, dtype=torch.int32, device=device),
+        block_table=block_table.to(torch.int32).contiguous(),
+        layout_query="BSND",
+        layout_key="PA_BSND",
+        sparse_count=_sparse_count(num_selected + extra),
+        sparse_mode=3,
+    )
+    indices = indices[:, :, 0].long()  # [B, T, sparse_count]
+    if key_padding_mask is not None:
+        real = key_padding_mask.bool().gather(1, indices.clamp(min=0).flatten(1)).view_as(indices)
+        indices = _valid_first(indices.masked_fill(~real, -1))
+    return indices[..., :num_selected]
+
+
+def _check_attention_shapes(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_pages) -> int:
+    """What npu_sparse_flash_attention takes (module doc); returns the page size."""
+    _require_plain(kv_pages, "kv_cache")
+    latent_width, rope_width, num_heads = q_latent.shape[-1], q_pe.shape[-1], q_latent.shape[2]
+    _require(latent_width == LATENT_DIM, f"kv_lora_rank must be {LATENT_DIM}, got {latent_width}")
+    _require(rope_width in (0, ROPE_DIM), f"qk_rope_head_dim must be {ROPE_DIM} or 0 (NoPE), got {rope_width}")
+    _require(num_heads in ATTENTION_HEADS, f"num_attention_heads must be one of {ATTENTION_HEADS}, got {num_heads}")
+    _require(q_latent.dtype in OP_DTYPES, f"attention runs in bf16 or fp16, got {q_latent.dtype}")
+    _require(kv_pages.dtype == q_latent.dtype, f"kv pages {kv_pages.dtype} and queries {q_latent.dtype} must agree")
+    page_size = page_geometry(kv_pages)[1]
+    _check_page_size(page_size)
+    return page_size
+
+
+def _sparse_flash_attention(q_latent, q_pe, kv_pages, block_table, sparse_indices, softmax_scale, **kwargs):
+    """One npu_sparse_flash_attention call in MLA-absorb mode over our `[c | k_pe]` pages: `sparse_indices` int32
+    `[B, T, 1, K]`; kwargs: lengths, sparse_block_size, sparse_mode. Returns `[B, T, H, C]`."""
+    torch_npu = torch_npu_module()
+    latent_width = q_latent.shape[-1]
+    # The op takes the latent and RoPE pools as separate contiguous tensors (module doc: the copy per call).
+    latent_pages = kv_pages[..., :latent_width].unsqueeze(2).contiguous()
+    rope_pages = kv_pages[..., latent_width:].unsqueeze(2).contiguous()
+    if q_pe.shape[-1] == 0:  # NoPE: the op needs a 64-wide RoPE part; zeros add nothing to the scores
+        q_pe = q_pe.new_zeros(*q_pe.shape[:-1], ROPE_DIM)
+        rope_pages = kv_pages.new_zeros(*kv_pages.shape[:2], 1, ROPE_DIM)
+    out, _, _ = torch_npu.npu_sparse_flash_attention(
+        q_latent.contiguous(),
+        latent_pages,
+        latent_pages,
+        sparse_indices,
+        softmax_scale,
+        block_table=block_table.to(torch.int32).contiguous(),
+        query_rope=q_pe.contiguous(),
+        key_rope=rope_pages,
+        layout_query="BSND",
+        layout_kv="PA_BSND",
+        attention_mode=2,
+        **kwargs,
+    )
+    return out
+
+
+def paged_sparse_mla_npu(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Sparse absorbed MLA through `torch_npu.npu_sparse_flash_attention` (MLA-absorb mode, module doc), same
+    signature and result as `dsa_paged_ops.paged_sparse_mla_fused`. Returns `[B, T, H, C]` in q_latent's dtype."""
+    _check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices)
+    page_size = _check_attention_shapes(q_latent, q_pe, kv_pages)
+    batch, num_queries, num_selected = indices.shape
+    if num_selected == 0:
+        return q_latent.new_zeros(q_latent.shape)
+    device = q_latent.device
+    # Every mapped page (the table maps a prefix of pages, -1 after): the selected keys all lie in them.
+    mapped_tokens = ((block_table >= 0).sum(dim=1) * page_size).to(torch.int32)
+    return _sparse_flash_attention(
+        q_latent,
+        q_pe,
+        kv_pages,
+        block_table,
+        _valid_first(indices).to(torch.int32).unsqueeze(2).contiguous(),
+        softmax_scale,
+        actual_seq_lengths_query=torch.full((batch,), num_queries, dtype=torch.int32, device=device),
+        actual_seq_lengths_kv=mapped_tokens,
+        sparse_block_size=1,
+        sparse_mode=0,
+    )
+
+
+def paged_dense_mla_npu(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    num_keys: int,
+    query_start: int,
+    softmax_scale: float,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense causal absorbed MLA through `torch_npu.npu_sparse_flash_attention` selecting every key, same signature
+    and result as `dsa_paged_ops.paged_dense_mla_fused`.
+
+    rightDownCausal (`sparse_mode=3`, `Lq = T`, `Lkv = query_start + T`) limits query `i` to the keys
+    `<= query_start + i`. Without padding the selection is every page as one block (`sparse_block_size` = page size,
+    the op clips the last block at the causal limit): `ceil(Lkv / P)` indices per query. With a padding mask it is
+    every real key, one token per index, in ascending order (the op has no mask of its own)."""
+    _check_dense_inputs(q_latent, q_pe, kv_pages, block_table, num_keys, query_start, key_padding_mask)
+    page_size = _check_attention_shapes(q_latent, q_pe, kv_pages)
+    batch, num_queries = q_latent.shape[:2]
+    num_visible = query_start + num_queries
+    _require(
+        num_visible <= num_keys,
+        f"queries at {query_start}..{num_visible - 1} must lie inside the {num_keys} cached keys",
+    )
+    device = q_latent.device
+    if key_padding_mask is None:
+        _require(page_size <= 128 and page_size & (page_size - 1) == 0, f"page size {page_size}: a power of 2 <= 128")
+        block = page_size
+        selection = torch.arange(-(-num_visible // page_size), device=device).expand(batch, -1)
+    else:
+        block = 1
+        real = key_padding_mask[:, :num_visible].bool()
+        positions = (~real).to(torch.int8).argsort(dim=-1, stable=True)  # real keys first, ascending
+        selection = positions.masked_fill(~real.gather(1, positions), -1)
+    sparse_indices = selection[:, None, None, :].expand(-1, num_queries, 1, -1).to(torch.int32).contiguous()
+    return _sparse_flash_attention(
+        q_latent,
+        q_pe,
+        kv_pages,
+        block_table,
+        sparse_indices,
+        softmax_scale,
+        actual_seq_lengths_query=torch.full((batch,), num_queries, dtype=torch.int32, device=device),
+        actual_seq_lengths_kv=torch.full((batch,), num_visible, dtype=torch.int32, device=device),
+        sparse_block_size=block,
+        sparse_mode=3,
+    )
+
+
+def paged_kpool_indexer_topk_npu(
+    q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
+    key_padding_mask=None, ape=None, select_tail=True,
+) -> torch.Tensor:  # fmt: skip
+    """k-pool indexer (docs/dsa.md §9) through `torch_npu.npu_lightning_indexer` over the stored pooled keys, same
+    signature and result as `dsa_paged_ops.paged_kpool_indexer_topk_fused` (pools as a set per row).
+
+    The pooled-key plane `[N, P / kp, DI]` is the op's PA_BSND pool with block size `P / kp` and our block table:
+    its logical slot `j` of sequence `b` holds the pool ending at token `j·kp + phase_b` (pools start at the first
+    real token, `phase_b = (origin_b + kp - 1) mod kp`), written once that pool is complete. A query at `q` sees the
+    slots `j <= (q - phase_b) / kp`, which do not follow the op's causal diagonal (one key per query step), so every
+    query is its own batch entry (`Lq = 1`, `Lk` = its visible slots, the block table repeated). Slots before the
+    first pool hold no pool: the op is asked for that many more and they are dropped, as the padded keys of
+    `paged_indexer_topk_npu`. Selected slots become pool ends, then tokens and the tail (`dsa_ops.kpool_expand`)."""
+    _check_kpool_inputs(
+        q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
+        key_padding_mask, ape,
+    )  # fmt: skip
+    _require_plain(pool_pages, "index_cache")
+    batch, num_queries, num_heads, head_dim = q_index.shape
+    kpool = ape.shape[0]
+    _require(head_dim == INDEXER_HEAD_DIM, f"index_head_dim must be {INDEXER_HEAD_DIM}, got {head_dim}")
+    _require(num_heads <= INDEXER_MAX_HEADS, f"index_n_heads must be <= {INDEXER_MAX_HEADS}, got {num_heads}")
+    _require(q_index.dtype in OP_DTYPES, f"the indexer runs in bf16 or fp16, got q_index {q_index.dtype}")
+    _check_page_size(page_geometry(pool_pages)[1])  # the pooled plane's block size P / kp
+    _require(
+        query_start + num_queries <= num_keys,
+        f"queries at {query_start}..{query_start + num_queries - 1} must lie inside the {num_keys} cached keys",
+    )
+    device = q_index.device
+    num_visible = query_start + num_queries
+    origin = kpool_origin(key_padding_mask, batch, num_visible, device)
+    num_selected = min(index_topk // kpool, num_visible // kpool)
+    if num_selected == 0:
+        empty = torch.empty(batch, num_queries, 0, dtype=torch.int64, device=device)
+        return kpool_expand(empty, kpool, query_start, origin, select_tail)
+    first_pool_end = origin + kpool - 1
+    phase = first_pool_end % kpool
+    first_slot = first_pool_end // kpool  # [B]: slots below it hold no pool
+    positions = torch.arange(query_start, query_start + num_queries, device=device)
+    visible_slots = (torch.div(positions[None, :] - phase[:, None], kpool, rounding_mode="floor") + 1).clamp(min=0)
+    torch_npu = torch_npu_module()
+    scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
+    rows = batch * num_queries
+    slots, _ = torch_npu.npu_lightning_indexer(
+        q_index.reshape(rows, 1, num_heads, head_dim).contiguous(),
+        pool_pages.unsqueeze(2),
+        scaled_weights.reshape(rows, 1, num_heads).contiguous(),
+        actual_seq_lengths_query=torch.ones(rows, dtype=torch.int32, device=device),
+        actual_seq_lengths_key=visible_slots.reshape(rows).to(torch.int32),
+        block_table=block_table.to(torch.int32).repeat_interleave(num_queries, dim=0).contiguous(),
+        layout_query="BSND",
+        layout_key="PA_BSND",
+        sparse_count=_sparse_count(num_selected + int(first_slot.max())),
+        sparse_mode=0,
+    )
+    slots = slots.view(batch, num_queries, -1).long()
+    slots = _valid_first(slots.masked_fill(slots < first_slot[:, None, None], -1))[..., :num_selected]
+    pool_ends = torch.where(slots >= 0, slots * kpool + phase[:, None, None], -1)
+    return kpool_expand(pool_ends, kpool, query_start, origin, select_tail)
+
+
+def npu_dsa_kernels():
+    """`(indexer_topk, sparse_mla)` of the npu backend; ValueError unless torch_npu and an NPU are available."""
+    torch_npu_module()
+    return paged_indexer_topk_npu, paged_sparse_mla_npu
+
+
+def npu_kpool_indexer_kernel():
+    """k-pool indexer of the npu backend (`paged_kpool_indexer_topk_npu`); ValueError unless torch_npu and an NPU are
+    available."""
+    torch_npu_module()
+    return paged_kpool_indexer_topk_npu
+
+
+def npu_dense_mla_kernel():
+    """Dense MLA of the npu backend (`paged_dense_mla_npu`); ValueError unless torch_npu and an NPU are available."""
+    torch_npu_module()
+    return paged_dense_mla_npu
+
+
+__all__ = [
+    "npu_dsa_kernels",
+    "npu_dense_mla_kernel",
+    "paged_dense_mla_npu",
+    "paged_indexer_topk_npu",
+    "paged_kpool_indexer_topk_npu",
+    "npu_kpool_indexer_kernel",
+    "paged_sparse_mla_npu",
+    "torch_npu_module",
+]

@@ -1,0 +1,336 @@
+"""Device check: every paged-DSA kernel backend of an accelerator against the `cpu` backend, in one short command.
+
+    python scripts/device_check.py                 # on an Ascend NPU (torch_npu) or a CUDA GPU
+    python scripts/device_check.py --dry-run       # the CPU-side self-check of this script (no device needed)
+
+What it runs (docs/backends.md §5), per backend (`npu` on an NPU, `triton` on CUDA, `torch` everywhere), inputs built
+on the CPU and moved to the device, dims the fused Ascend ops accept (index head dim 128, latent 512, RoPE 64),
+bf16, batch 2 with a left-padded sequence, pages in shuffled order:
+  1. indexer top-k recall against the `cpu` backend's selection, prefill (a 128-query block) and decode;
+  2. sparse attention and dense MLA outputs against the `cpu` backend (relative Frobenius error), and the k-pool
+     indexer's recall (GLM-5.3-Flash, docs/dsa.md §9) where the backend has one;
+  3. generate equality: a tiny KDA + DSA + dense-MLA model, greedy, the backend against `torch` on the same device
+     (only the DSA kernels differ) and against the `cpu` backend on the CPU (reported, not gated);
+  4. a decode-step timing table (indexer + sparse attention, batch 1, DeepSeek-V3.2-like dims: 16 heads, 64
+     indexer heads, index_topk 2048) at contexts 4k and 64k, median of --repeats synchronised calls;
+  5. on CUDA with fla installed: fla's Triton `chunk_kda` / `fused_recurrent_kda` against kda_ops' torch kernels.
+Prints a table, writes JSON (default runs/device_check.json) and exits 1 when a check misses its bound.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from modeling_kdsa import KDSAConfig, KDSAForCausalLM  # noqa: E402
+from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer  # noqa: E402
+from modeling_kdsa.dsa_paged_ops import dense_mla_kernel, dsa_kernels, kpool_indexer_kernel  # noqa: E402
+
+DTYPE = torch.bfloat16
+PAGE_SIZE = 64
+INDEX_DIM, LATENT, ROPE = 128, 512, 64
+MIN_RECALL = 0.98  # bf16 products swap near-equal keys at the top-k boundary (tests/test_dsa_paged_ops.py)
+MAX_REL_ERROR = 2e-2  # bf16 attention outputs: a few bf16 roundings (2^-8 relative each)
+CHECK_CASES = [("prefill", 300, 128), ("decode", 300, 1)]  # (kind, context, queries)
+DRY_CHECK_CASES = [("prefill", 100, 16), ("decode", 100, 1)]
+
+
+def detect_device() -> str:
+    try:
+        import torch_npu  # noqa: F401
+
+        if torch.npu.is_available():
+            return "npu"
+    except ImportError:
+        pass
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def synchronize(device: str) -> None:
+    if device == "npu":
+        torch.npu.synchronize()
+    elif device == "cuda":
+        torch.cuda.synchronize()
+
+
+def paged_inputs(num_keys: int, num_queries: int, heads: int, index_heads: int, seed: int, batch: int = 2) -> dict:
+    """Random CPU inputs for the last `num_queries` positions of a `num_keys` context, pages shuffled, sequence 1
+    left-padded by 5 tokens (when batch > 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    pages_per_sequence = -(-num_keys // PAGE_SIZE)
+    num_pages = batch * pages_per_sequence + 3
+    block_table = torch.randperm(num_pages, generator=generator)[: batch * pages_per_sequence]
+    padding = torch.ones(batch, num_keys, dtype=torch.bool)
+    padding[1:, :5] = False
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(DTYPE)
+
+    return {
+        "q_index": randn(batch, num_queries, index_heads, INDEX_DIM),
+        "weights": torch.randn(batch, num_queries, index_heads, generator=generator),
+        "index_pages": randn(num_pages, PAGE_SIZE, INDEX_DIM),
+        "kv_pages": randn(num_pages, PAGE_SIZE, LATENT + ROPE),
+        "q_latent": randn(batch, num_queries, heads, LATENT, scale=0.05),
+        "q_pe": randn(batch, num_queries, heads, ROPE, scale=0.05),
+        "block_table": block_table.view(batch, pages_per_sequence),
+        "padding": padding,
+        "num_keys": num_keys,
+        "query_start": num_keys - num_queries,
+    }
+
+
+def to_device(inputs: dict, device: str) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def run_kernels(backend: str, inputs: dict, index_topk: int):
+    """A backend's indexer top-k on `inputs`, and its sparse attention and dense MLA kernels."""
+    indexer, sparse_mla = dsa_kernels(backend)
+    i = inputs
+    indices = indexer(
+        i["q_index"], i["weights"], i["index_pages"], i["block_table"], i["num_keys"], index_topk,
+        i["query_start"], i["padding"],
+    )  # fmt: skip
+    return indices, sparse_mla, dense_mla_kernel(backend)
+
+
+def check_kpool(backend: str, device: str, index_topk: int = 64, kpool: int = 4) -> list[dict]:
+    """The k-pool indexer (docs/dsa.md §9) of a backend against the `cpu` backend's, over a store built on the CPU
+    (left padding that shifts the pools, pools completed across appends), prefill block and decode."""
+    try:
+        kernel = kpool_indexer_kernel(backend)
+    except ValueError:
+        return []  # refused by name (triton)
+    generator = torch.Generator().manual_seed(5)
+    num_keys, pads = 300, (0, 5)
+    mask = torch.ones(2, num_keys, dtype=torch.bool)
+    for b, pad in enumerate(pads):
+        mask[b, :pad] = False
+    ape = torch.randn(kpool, INDEX_DIM, generator=generator).to(DTYPE)
+    store = KDSAPagedKPoolLayer(8, INDEX_DIM, "cpu", page_size=PAGE_SIZE, index_kpool=kpool)
+    rows = torch.randn(2, num_keys, 2 * INDEX_DIM, generator=generator).to(DTYPE)
+    for start, stop in ((0, 97), (97, num_keys)):
+        store.append(torch.zeros(2, stop - start, 8, dtype=DTYPE), rows[:, start:stop], mask[:, :stop], ape)
+    results = []
+    for kind, num_queries in (("prefill", 128), ("decode", 1)):
+        q_index = torch.randn(2, num_queries, 16, INDEX_DIM, generator=generator).to(DTYPE)
+        weights = torch.randn(2, num_queries, 16, generator=generator)
+        args = [q_index, weights, store.index_pages, store.pool_pages, store.block_table, num_keys, index_topk]
+        args += [num_keys - num_queries, mask, ape, True]
+        expected = kpool_indexer_kernel("cpu")(*args)
+        got = kernel(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+        row = {"backend": backend, "case": f"k-pool {kind} S={num_keys} T={num_queries}"}
+        row["indexer_recall"] = recall(got.cpu(), expected)
+        row["ok"] = row["indexer_recall"] >= MIN_RECALL
+        results.append(row)
+    return results
+
+
+def recall(selected: torch.Tensor, expected: torch.Tensor) -> float:
+    hits = total = 0
+    for got, want in zip(selected.flatten(0, 1).tolist(), expected.flatten(0, 1).tolist(), strict=True):
+        want = {w for w in want if w >= 0}
+        hits += len({g for g in got if g >= 0} & want)
+        total += len(want)
+    return hits / max(total, 1)
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.float().cpu() - expected.float()).norm() / expected.float().norm().clamp(min=1e-30))
+
+
+def check_kernels(backend: str, device: str, cases, index_topk: int) -> list[dict]:
+    rows = []
+    scale = (128 + ROPE) ** -0.5
+    for kind, num_keys, num_queries in cases:
+        cpu_inputs = paged_inputs(num_keys, num_queries, heads=4, index_heads=8, seed=num_keys + num_queries)
+        dev_inputs = to_device(cpu_inputs, device)
+        expected_indices, cpu_sparse, cpu_dense = run_kernels("cpu", cpu_inputs, index_topk)
+        indices, sparse_mla, dense = run_kernels(backend, dev_inputs, index_topk)
+        c, d = cpu_inputs, dev_inputs
+        sparse_expected = cpu_sparse(c["q_latent"], c["q_pe"], c["kv_pages"], c["block_table"], expected_indices, scale)
+        sparse_got = sparse_mla(
+            d["q_latent"], d["q_pe"], d["kv_pages"], d["block_table"], expected_indices.to(device), scale
+        )
+        dense_args = (c["num_keys"], c["query_start"], scale)
+        dense_expected = cpu_dense(c["q_latent"], c["q_pe"], c["kv_pages"], c["block_table"], *dense_args, c["padding"])
+        dense_got = dense(d["q_latent"], d["q_pe"], d["kv_pages"], d["block_table"], *dense_args, d["padding"])
+        row = {
+            "backend": backend,
+            "case": f"{kind} S={num_keys} T={num_queries}",
+            "indexer_recall": recall(indices.cpu(), expected_indices),
+            "sparse_rel_error": relative_error(sparse_got, sparse_expected),
+            "dense_rel_error": relative_error(dense_got, dense_expected),
+        }
+        row["ok"] = (
+            row["indexer_recall"] >= MIN_RECALL
+            and row["sparse_rel_error"] <= MAX_REL_ERROR
+            and row["dense_rel_error"] <= MAX_REL_ERROR
+        )
+        rows.append(row)
+    return rows
+
+
+def tiny_model(backend: str, device: str) -> KDSAForCausalLM:
+    """KDA + DSA + dense MLA with the fused ops' dims (seeded: every call builds the same weights). 16 indexer heads:
+    with fewer, exact-zero scores tie at the top-k boundary and backends may keep different keys (docs/backends.md
+    §3)."""
+    torch.manual_seed(0)
+    config = KDSAConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
+        layer_types=["linear_attention", "indexed_attention", "full_attention"], linear_num_heads=2,
+        linear_head_dim=16, q_lora_rank=32, kv_lora_rank=LATENT, qk_nope_head_dim=16, qk_rope_head_dim=ROPE,
+        v_head_dim=16, index_n_heads=16, index_head_dim=INDEX_DIM, index_topk=8, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, attn_res_block_size=0, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, kernel_backend=backend,
+    )  # fmt: skip
+    return KDSAForCausalLM(config).eval().to(device=device, dtype=DTYPE)
+
+
+def generate_tokens(backend: str, device: str, new_tokens: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 128, (2, 70), generator=generator)
+    mask = torch.ones_like(prompt)
+    prompt[1, :6], mask[1, :6] = 0, 0
+    model = tiny_model(backend, device)
+    with torch.inference_mode():
+        out = model.generate(
+            prompt.to(device), attention_mask=mask.to(device), cache=KDSACache(model.config),
+            max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    return out.cpu()
+
+
+def check_generate(backend: str, device: str, new_tokens: int) -> dict:
+    tokens = generate_tokens(backend, device, new_tokens)
+    on_device_reference = generate_tokens("torch", device, new_tokens)
+    on_cpu = generate_tokens("cpu", "cpu", new_tokens)
+    return {
+        "backend": backend,
+        "equal_to_torch_on_device": bool(torch.equal(tokens, on_device_reference)),
+        "equal_to_cpu_backend": bool(torch.equal(tokens, on_cpu)),
+        "ok": bool(torch.equal(tokens, on_device_reference)),
+    }
+
+
+def time_decode(backend: str, device: str, contexts, repeats: int, heads: int, index_heads: int, topk: int):
+    rows = []
+    indexer, sparse_mla = dsa_kernels(backend)
+    scale = (128 + ROPE) ** -0.5
+    for num_keys in contexts:
+        i = to_device(paged_inputs(num_keys, 1, heads, index_heads, seed=7, batch=1), device)
+
+        def step(i=i, num_keys=num_keys):
+            indices = indexer(
+                i["q_index"], i["weights"], i["index_pages"], i["block_table"], num_keys, topk, num_keys - 1
+            )
+            return sparse_mla(i["q_latent"], i["q_pe"], i["kv_pages"], i["block_table"], indices, scale)
+
+        step()  # warm-up (kernel selection, allocator)
+        times = []
+        for _ in range(repeats):
+            synchronize(device)
+            start = time.perf_counter()
+            step()
+            synchronize(device)
+            times.append((time.perf_counter() - start) * 1e3)
+        rows.append({"backend": backend, "context": num_keys, "decode_step_ms": statistics.median(times)})
+    return rows
+
+
+def check_fla_kda(device: str) -> list[dict]:
+    """fla's Triton KDA kernels against kda_ops (fp32 inputs, T a multiple of fla's chunk of 64, initial state)."""
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+        from fla.ops.kda import fused_recurrent_kda as fla_recurrent_kda
+    except ImportError:
+        return [{"kernel": "fla (not installed)", "max_abs_error": float("nan"), "ok": False}]
+    from modeling_kdsa.kda_ops import chunk_kda, l2norm, recurrent_kda
+
+    generator = torch.Generator().manual_seed(3)
+    shape = (2, 256, 4, 64)
+    q, k = (l2norm(torch.randn(shape, generator=generator)) for _ in range(2))
+    v = torch.randn(shape, generator=generator)
+    g = -torch.rand(shape, generator=generator) * 0.1
+    beta = torch.rand(shape[:3], generator=generator)
+    state = torch.randn(2, 4, 64, 64, generator=generator) * 0.1
+    rows = []
+    for name, ours, theirs, steps in (
+        ("chunk_kda", chunk_kda, fla_chunk_kda, 256),
+        ("fused_recurrent_kda", recurrent_kda, fla_recurrent_kda, 1),
+    ):
+        inputs = [x[:, :steps] for x in (q, k, v, g, beta)]
+        expected, expected_state = ours(*inputs, initial_state=state, output_final_state=True)
+        got, got_state = theirs(
+            *(x.to(device) for x in inputs), initial_state=state.to(device), output_final_state=True
+        )
+        error = max(float((got.cpu() - expected).abs().max()), float((got_state.cpu() - expected_state).abs().max()))
+        rows.append({"kernel": name, "max_abs_error": error, "ok": error <= 1e-3})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto", choices=["auto", "npu", "cuda", "cpu"])
+    parser.add_argument("--backends", nargs="+", default=None, help="default: npu+torch on NPU, triton+torch on CUDA")
+    parser.add_argument("--dry-run", action="store_true", help="CPU self-check: small contexts, device cpu")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per context (default 10, dry 2)")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "device_check.json")
+    args = parser.parse_args(argv)
+
+    device = "cpu" if args.dry_run and args.device == "auto" else args.device
+    device = detect_device() if device == "auto" else device
+    default_backends = {"npu": ["npu", "torch"], "cuda": ["triton", "torch"]}
+    backends = args.backends or default_backends.get(device, ["torch"])
+    cases = DRY_CHECK_CASES if args.dry_run else CHECK_CASES
+    contexts = [512, 2048] if args.dry_run else [4096, 65536]
+    repeats = args.repeats or (2 if args.dry_run else 10)
+    timing_dims = dict(heads=4, index_heads=8, topk=64) if args.dry_run else dict(heads=16, index_heads=64, topk=2048)
+
+    report = {"device": device, "dry_run": args.dry_run, "kernels": [], "kpool": [], "generate": []}
+    report["decode_timing"] = []
+    report["kda"] = check_fla_kda(device) if device == "cuda" else []
+    for backend in backends:
+        report["kernels"] += check_kernels(backend, device, cases, index_topk=64)
+        report["kpool"] += check_kpool(backend, device)
+        report["generate"].append(check_generate(backend, device, new_tokens=4 if args.dry_run else 8))
+        report["decode_timing"] += time_decode(backend, device, contexts, repeats, **timing_dims)
+
+    print(f"device: {device}{' (dry run)' if args.dry_run else ''}")
+    print(f"{'backend':8} {'case':22} {'recall':>7} {'sparse err':>11} {'dense err':>10}  ok")
+    for row in report["kernels"]:
+        print(
+            f"{row['backend']:8} {row['case']:22} {row['indexer_recall']:7.4f} {row['sparse_rel_error']:11.2e} "
+            f"{row['dense_rel_error']:10.2e}  {'yes' if row['ok'] else 'NO'}"
+        )
+    for row in report["kpool"]:
+        print(f"{row['backend']:8} {row['case']:30} recall {row['indexer_recall']:.4f}  {'yes' if row['ok'] else 'NO'}")
+    for row in report["generate"]:
+        print(
+            f"generate {row['backend']}: == torch on {device}: {row['equal_to_torch_on_device']}, "
+            f"== cpu backend on cpu: {row['equal_to_cpu_backend']}"
+        )
+    print(f"{'backend':8} {'context':>8} {'decode step ms':>15}")
+    for row in report["decode_timing"]:
+        print(f"{row['backend']:8} {row['context']:8d} {row['decode_step_ms']:15.3f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+    for row in report["kda"]:
+        verdict = "yes" if row["ok"] else "NO"
+        print(f"fla {row['kernel']}: max abs error vs kda_ops {row['max_abs_error']:.2e}  {verdict}")
+    passed = all(row["ok"] for row in report["kernels"] + report["kpool"] + report["generate"] + report["kda"])
+    print("PASS" if passed else "FAIL")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""A CPU stand-in for the torch_npu ops the npu backend calls, written from their public docs, not from our kernels.
+
+Sources (Ascend/op-plugin, docs/zh/custom_APIs/torch_npu/): `torch_npu-npu_lightning_indexer.md`,
+`torch_npu-npu_sparse_flash_attention.md` (signatures, shapes, dtypes, layouts, sparse modes, constraints), and for
+what the docs leave open, vllm-project/vllm-ascend's kernels: unused indexer slots are -1
+(csrc/attention/lightning_indexer/op_kernel/lightning_indexer_common.h, INVALID_IDX) and sparse attention reads at
+most `ceil(threshold / sparse_block_size)` index slots, stops at the first -1 and clips blocks to the threshold
+(csrc/attention/sparse_flash_attention/op_kernel/arch22/sparse_flash_attention_kernel_mla.h). Summary in
+docs/backends.md §3.
+
+Only the modes the backend uses are implemented (BSND queries, PA_BSND paged keys, no softmax statistics); any
+documented constraint that is violated raises a RuntimeError naming the argument, as the real op's checks fail.
+Math in fp32 over the given values. Install with `install(monkeypatch, available=True)`: it puts this module in
+`sys.modules["torch_npu"]` and a `torch.npu` namespace whose `is_available()` returns `available`.
+"""
+
+import math
+import sys
+import types
+
+import torch
+
+_OP_DTYPES = (torch.bfloat16, torch.float16)
+_SPARSE_COUNTS = set(range(1, 2049)) | {3072, 4096, 5120, 6144, 7168, 8192}
+_DEFAULT_TOKENS = 2**63 - 1
+
+calls: list[str] = []  # names of the ops called, in order (tests check that the backend really used them)
+
+
+def _fail(condition: bool, message: str) -> None:
+    if not condition:
+        raise RuntimeError(message)
+
+
+def _check_contiguous(**tensors) -> None:
+    for name, tensor in tensors.items():
+        _fail(tensor is None or tensor.is_contiguous(), f"{name} must be contiguous (non-contiguous is not supported)")
+
+
+def _check_lengths(name: str, lengths, batch: int, upper: int) -> list[int]:
+    _fail(lengths is not None, f"{name} is required with a PA_BSND key layout")
+    _fail(lengths.dtype == torch.int32, f"{name} must be int32, got {lengths.dtype}")
+    _fail(tuple(lengths.shape) == (batch,), f"{name} must have shape [B={batch}], got {tuple(lengths.shape)}")
+    values = lengths.tolist()
+    _fail(all(0 <= v <= upper for v in values), f"{name} values must lie in [0, {upper}], got {values}")
+    return values
+
+
+def _check_paged(name: str, pages: torch.Tensor, dtype: torch.dtype, head_dim: int) -> int:
+    _fail(pages.dim() == 4, f"{name} must be [block_count, block_size, 1, D] for PA_BSND, got {tuple(pages.shape)}")
+    block_size = pages.shape[1]
+    _fail(pages.shape[2] == 1, f"{name}: N2 must be 1, got {pages.shape[2]}")
+    _fail(pages.shape[3] == head_dim, f"{name}: D must be {head_dim}, got {pages.shape[3]}")
+    _fail(block_size % 16 == 0 and block_size <= 1024, f"{name}: block_size {block_size} must be 16k, <= 1024")
+    _fail(pages.dtype == dtype, f"{name} dtype {pages.dtype} must equal the query dtype {dtype}")
+    return block_size
+
+
+def _check_block_table(block_table, batch: int, num_blocks: int, block_size: int, lengths: list[int]) -> None:
+    """int32 `[B, >= ceil(max length / block_size)]`; every block a sequence's length covers must exist."""
+    _fail(block_table is not None, "block_table is required with a PA_BSND key layout")
+    _fail(block_table.dtype == torch.int32, f"block_table must be int32, got {block_table.dtype}")
+    _fail(block_table.dim() == 2 and block_table.shape[0] == batch, f"block_table must be [B={batch}, blocks]")
+    needed = math.ceil(max(lengths) / block_size)
+    _fail(block_table.shape[1] >= needed, f"block_table has {block_table.shape[1]} columns, needs >= {needed}")
+    for row, length in zip(block_table.tolist(), lengths, strict=True):
+        used = row[: math.ceil(length / block_size)]
+        _fail(all(0 <= block < num_blocks for block in used), "block_table maps tokens to blocks that do not exist")
+
+
+def _gather_tokens(pages: torch.Tensor, block_table: torch.Tensor, batch: int, positions: torch.Tensor):
+    """Rows `[n, D]` (fp32) of logical positions `positions` of batch `batch`: `pages[table[b, j // bs], j % bs]`."""
+    block_size = pages.shape[1]
+    blocks = block_table[batch].long()[positions // block_size]
+    return pages[blocks, positions % block_size, 0].float()
+
+
+def npu_lightning_indexer(
+    query,
+    key,
+    weights,
+    *,
+    actual_seq_lengths_query=None,
+    actual_seq_lengths_key=None,
+    block_table=None,
+    layout_query="BSND",
+    layout_key="BSND",
+    sparse_count=2048,
+    sparse_mode=3,
+    pre_tokens=_DEFAULT_TOKENS,
+    next_tokens=_DEFAULT_TOKENS,
+    return_value=False,
+):
+    """`Indices = Top-k_j Σ_h w[i,h]·ReLU(q[i,h]·k[j])` over the keys visible to each query. Returns
+    (int32 `[B, S1, 1, sparse_count]` positions by descending score, -1 after the last visible key; values)."""
+    calls.append("npu_lightning_indexer")
+    _fail(layout_query == "BSND" and layout_key == "PA_BSND", "the fake implements layout_query=BSND, PA_BSND keys")
+    _fail(query.dim() == 4, f"query must be [B, S1, N1, D], got {tuple(query.shape)}")
+    batch, num_queries, num_heads, head_dim = query.shape
+    _fail(query.dtype in _OP_DTYPES, f"query must be bfloat16 or float16, got {query.dtype}")
+    _fail(head_dim == 128, f"query D must be 128, got {head_dim}")
+    _fail(num_heads <= 64, f"query N1 must be <= 64, got {num_heads}")
+    block_size = _check_paged("key", key, query.dtype, head_dim)
+    _fail(tuple(weights.shape) == (batch, num_queries, num_heads), f"weights must be [B, S1, N1] = {query.shape[:3]}")
+    _fail(weights.dtype in (query.dtype, torch.float32), f"weights must be fp32 or {query.dtype}, got {weights.dtype}")
+    _check_contiguous(query=query, key=key, weights=weights)
+    _fail(sparse_count in _SPARSE_COUNTS, f"sparse_count {sparse_count} must be in [1, 2048] or 3072..8192 by 1024")
+    _fail(sparse_mode in (0, 3), f"sparse_mode must be 0 or 3, got {sparse_mode}")
+    _fail(pre_tokens == _DEFAULT_TOKENS and next_tokens == _DEFAULT_TOKENS, "pre/next_tokens accept only defaults")
+    _fail(not return_value, "return_value is not supported with PA_BSND keys")
+    query_lengths = [num_queries] * batch
+    if actual_seq_lengths_query is not None:
+        query_lengths = _check_lengths("actual_seq_lengths_query", actual_seq_lengths_query, batch, num_queries)
+    key_lengths = _check_lengths("actual_seq_lengths_key", actual_seq_lengths_key, batch, key.shape[0] * block_size)
+    _check_block_table(block_table, batch, key.shape[0], block_size, key_lengths)
+
+    indices = torch.full((batch, num_queries, 1, sparse_count), -1, dtype=torch.int32)
+    values = torch.full((batch, num_queries, 1, sparse_count), float("-inf"))
+    for b in range(batch):
+        num_q, num_k = query_lengths[b], key_lengths[b]
+        if num_q == 0 or num_k == 0:
+            continue
+        keys = _gather_tokens(key, block_table, b, torch.arange(num_k))  # [Lk, D]
+        products = torch.relu(torch.einsum("ihd,jd->ihj", query[b, :num_q].float(), keys))
+        scores = torch.einsum("ih,ihj->ij", weights[b, :num_q].float(), products)
+        if sparse_mode == 3:  # rightDownCausal: query i sees j <= Lk - Lq + i
+            limit = num_k - num_q + torch.arange(num_q)[:, None]
+            scores = scores.masked_fill(torch.arange(num_k)[None, :] > limit, float("-inf"))
+        k = min(sparse_count, num_k)
+        top_values, top_indices = scores.topk(k, dim=-1)
+        top_indices = top_indices.masked_fill(top_values == float("-inf"), -1)
+        indices[b, :num_q, 0, :k] = top_indices.to(torch.int32)
+        values[b, :num_q, 0, :k] = top_values
+    return indices, values.to(query.dtype)
+
+
+def npu_sparse_flash_attention(
+    query,
+    key,
+    value,
+    sparse_indices,
+    scale_value,
+    *,
+    block_table=None,
+    actual_seq_lengths_query=None,
+    actual_seq_lengths_kv=None,
+    query_rope=None,
+    key_rope=None,
+    sparse_block_size=1,
+    layout_query="BSND",
+    layout_kv="BSND",
+    sparse_mode=3,
+    pre_tokens=_DEFAULT_TOKENS,
+    next_tokens=_DEFAULT_TOKENS,
+    attention_mode=0,
+    return_softmax_lse=False,
+):
+    """MLA-absorb sparse attention: per query, `softmax(scale · [q | q_rope]·[k | k_rope]ᵀ) @ value` over the selected
+    tokens (index b selects `[b·blk, (b+1)·blk)`, clipped to the visible threshold). Returns (out `[B, S1, N1, 512]`
+    in the query dtype, empty softmax_max, empty softmax_sum)."""
+    calls.append("npu_sparse_flash_attention")
+    _fail(layout_query == "BSND" and layout_kv == "PA_BSND", "the fake implements layout_query=BSND, PA_BSND kv")
+    _fail(attention_mode == 2, f"attention_mode supports only 2 (MLA-absorb), got {attention_mode}")
+    _fail(query.dim() == 4, f"query must be [B, S1, N1, D], got {tuple(query.shape)}")
+    batch, num_queries, num_heads, latent_dim = query.shape
+    _fail(query.dtype in _OP_DTYPES, f"query must be bfloat16 or float16, got {query.dtype}")
+    _fail(latent_dim == 512, f"query D must be 512, got {latent_dim}")
+    _fail(num_heads in (1, 2, 4, 8, 16, 32, 64, 128), f"query N1 must be a power of two <= 128, got {num_heads}")
+    block_size = _check_paged("key", key, query.dtype, 512)
+    _fail(value.shape == key.shape and value.dtype == key.dtype, "value must have the shape and dtype of key")
+    _fail(query_rope is not None and key_rope is not None, "attention_mode=2 needs query_rope and key_rope")
+    _fail(tuple(query_rope.shape) == (batch, num_queries, num_heads, 64), "query_rope must be [B, S1, N1, 64]")
+    _fail(query_rope.dtype == query.dtype, "query_rope dtype must equal the query dtype")
+    _check_paged("key_rope", key_rope, query.dtype, 64)
+    _fail(key_rope.shape[:2] == key.shape[:2], "key_rope must have the blocks of key")
+    _fail(sparse_indices.dtype == torch.int32, f"sparse_indices must be int32, got {sparse_indices.dtype}")
+    _fail(
+        sparse_indices.dim() == 4 and tuple(sparse_indices.shape[:3]) == (batch, num_queries, 1),
+        f"sparse_indices must be [B, S1, 1, K], got {tuple(sparse_indices.shape)}",
+    )
+    _fail(sparse_indices.shape[-1] > 0, "sparse_indices must select > 0 entries")
+    _check_contiguous(
+        query=query, key=key, value=value, sparse_indices=sparse_indices, query_rope=query_rope, key_rope=key_rope
+    )
+    power_of_two = sparse_block_size > 0 and sparse_block_size & (sparse_block_size - 1) == 0
+    _fail(power_of_two and sparse_block_size <= 128, "sparse_block_size must be a power of 2 <= 128")
+    _fail(block_size % sparse_block_size == 0, "sparse_block_size must divide block_size")
+    _fail(sparse_mode in (0, 3), f"sparse_mode must be 0 or 3, got {sparse_mode}")
+    _fail(pre_tokens == _DEFAULT_TOKENS and next_tokens == _DEFAULT_TOKENS, "pre/next_tokens accept only defaults")
+    _fail(not return_softmax_lse, "return_softmax_lse is not supported with PA_BSND kv")
+    query_lengths = [num_queries] * batch
+    if actual_seq_lengths_query is not None:
+        query_lengths = _check_lengths("actual_seq_lengths_query", actual_seq_lengths_query, batch, num_queries)
+    kv_lengths = _check_lengths("actual_seq_lengths_kv", actual_seq_lengths_kv, batch, key.shape[0] * block_size)
+    _check_block_table(block_table, batch, key.shape[0], block_size, kv_lengths)
+
+    out = torch.zeros(batch, num_queries, num_heads, latent_dim)
+    num_slots = sparse_indices.shape[-1]
+    for b in range(batch):
+        num_q, num_kv = query_lengths[b], kv_lengths[b]
+        for i in range(num_q):
+            threshold = num_kv - num_q + i + 1 if sparse_mode == 3 else num_kv
+            positions = []
+            for slot in sparse_indices[b, i, 0, : min(num_slots, math.ceil(threshold / sparse_block_size))].tolist():
+                if slot < 0:
+                    break
+                start = slot * sparse_block_size
+                positions.extend(range(start, min(start + sparse_block_size, threshold)))
+            if not positions:
+                continue  # no valid token: zero output
+            positions = torch.tensor(positions)
+            latent = _gather_tokens(key, block_table, b, positions)  # [n, 512]
+            rope = _gather_tokens(key_rope, block_table, b, positions)  # [n, 64]
+            scores = query[b, i].float() @ latent.T + query_rope[b, i].float() @ rope.T  # [N1, n]
+            probs = torch.softmax(scores * scale_value, dim=-1)
+            out[b, i] = probs @ _gather_tokens(value, block_table, b, positions)
+    empty = torch.empty(0)
+    return out.to(query.dtype), empty, empty
+
+
+def install(monkeypatch, available: bool = True) -> types.ModuleType:
+    """Make `import torch_npu` return this module and `torch.npu.is_available()` return `available`."""
+    calls.clear()
+    monkeypatch.setitem(sys.modules, "torch_npu", sys.modules[__name__])
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: available), raising=False)
+    return sys.modules[__name__]

@@ -1,0 +1,36 @@
+"""Smoke test of scripts/device_check.py: its CPU-side self-check (`--dry-run`) runs end to end for the `torch`
+backend and for the `npu` backend over the fake torch_npu (tests/fake_torch_npu.py), passes its own bounds and writes
+every section. No device here; timings are never asserted."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import fake_torch_npu
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "device_check.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("backend", ["torch", "npu"])
+def test_dry_run_passes_and_writes_every_section(backend, tmp_path, monkeypatch):
+    if backend == "npu":
+        fake_torch_npu.install(monkeypatch, available=True)
+    out = tmp_path / "device_check.json"
+    assert load_script().main(["--dry-run", "--backends", backend, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["dry_run"]
+    assert [row["backend"] for row in report["kernels"]] == [backend, backend]
+    assert all(row["indexer_recall"] >= 0.98 for row in report["kernels"] + report["kpool"])
+    assert [row["case"].split()[1] for row in report["kpool"]] == ["prefill", "decode"]
+    assert report["generate"][0]["equal_to_torch_on_device"]
+    assert [row["context"] for row in report["decode_timing"]] == [512, 2048]
+    if backend == "npu":
+        assert {"npu_lightning_indexer", "npu_sparse_flash_attention"} <= set(fake_torch_npu.calls)

@@ -1,0 +1,484 @@
+"""kernel_backend="npu" (modeling_kdsa/npu_kernels.py) over a fake torch_npu written from the op docs
+(tests/fake_torch_npu.py): the backend feeds the fused ops the documented layouts, and their documented results equal
+our `cpu` backend. No Ascend hardware runs here (docs/backends.md §2, §3)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import fake_torch_npu
+import pytest
+import torch
+from conftest import tiny_config, tiny_model
+from modeling_kdsa.parallel import context_parallel_prefill, single_process_mesh
+from test_dsa_paged_ops import left_padding, paged
+
+from modeling_kdsa import dsa_ops, triton_kernels
+from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer, KDSAPagedLayer
+from modeling_kdsa.dsa_paged_ops import (
+    KPOOL_INDEXER_KERNELS,
+    dense_mla_kernel,
+    dsa_kernels,
+    gather_pages,
+    kpool_indexer_kernel,
+    paged_dense_mla_fused,
+    paged_indexer_topk_fused,
+    paged_sparse_mla_fused,
+    paged_sparse_mla_reference,
+)
+from modeling_kdsa.npu_kernels import (
+    paged_dense_mla_npu,
+    paged_indexer_topk_npu,
+    paged_kpool_indexer_topk_npu,
+    paged_sparse_mla_npu,
+)
+from modeling_kdsa.numeric_formats import CacheFormats
+
+REPO = Path(__file__).resolve().parents[1]
+# Dims the fused ops accept (npu_kernels constants) and a page size they accept (a multiple of 16).
+INDEX_DIM, LATENT, ROPE, PAGE = 128, 512, 64, 16
+# bf16 sparse attention, fp32-exact fake vs the cpu kernel's bf16 GEMMs (tests/test_dsa_paged_ops.py's bounds).
+BF16_REL_FRO, BF16_ATOL = 8e-3, 3e-2
+
+
+@pytest.fixture
+def npu(monkeypatch):
+    return fake_torch_npu.install(monkeypatch, available=True)
+
+
+def ternary(shape, generator) -> torch.Tensor:
+    """Values in {-1, 0, 1} as bf16: every q·k over 128 channels is an integer <= 128, exact in bf16, so the cpu
+    kernel's bf16 GEMM and the fake's fp32 math give the same products."""
+    return torch.randint(-1, 2, shape, generator=generator).to(torch.bfloat16)
+
+
+def indexer_case(num_keys, num_queries, seed, heads=4):
+    generator = torch.Generator().manual_seed(seed)
+    q_index = ternary((2, num_queries, heads, INDEX_DIM), generator)
+    weights = torch.randn(2, num_queries, heads, generator=generator)
+    k_index = ternary((2, num_keys, INDEX_DIM), generator)
+    index_pages, block_table = paged(k_index, PAGE, generator)  # shuffled pages, NaN where no sequence owns
+    return q_index, weights, k_index, index_pages, block_table
+
+
+def assert_same_selection(got, expected, scores):
+    """Same top-k up to the order of equal scores: as many keys per row, and the same multiset of scores (a key
+    that is not visible, a duplicate or a lower-ranked key changes it)."""
+    assert got.shape == expected.shape and got.dtype == torch.int64
+    assert torch.equal((got >= 0).sum(-1), (expected >= 0).sum(-1))
+    assert torch.equal(got >= 0, expected >= 0)  # valid entries first, -1 after
+    for indices in (got, expected):
+        for row in indices.flatten(0, 1).tolist():
+            valid = [i for i in row if i >= 0]
+            assert len(set(valid)) == len(valid)
+
+    def selected_scores(indices):
+        picked = scores.gather(-1, indices.clamp(min=0)).masked_fill(indices < 0, 0.0)
+        return picked.sort(dim=-1).values
+
+    torch.testing.assert_close(selected_scores(got), selected_scores(expected), rtol=1e-5, atol=1e-5)
+
+
+# (num_keys, queries, query_start): prefill of several pages, a prefill block in the middle of a chunk whose later
+# keys are cached already (they must stay invisible), decode at and after a page boundary.
+CASES = [(40, 40, 0), (70, 10, 50), (64, 1, 63), (65, 1, 64), (97, 1, 96)]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("index_topk", [8, 200])
+@pytest.mark.parametrize(("num_keys", "num_queries", "query_start"), CASES)
+def test_npu_indexer_equals_cpu(npu, num_keys, num_queries, query_start, index_topk, padded):
+    q_index, weights, k_index, index_pages, block_table = indexer_case(num_keys, num_queries, num_keys)
+    padding = left_padding(2, num_keys, pad=5) if padded else None
+    args = (q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, padding)
+    got = paged_indexer_topk_npu(*args)
+    assert fake_torch_npu.calls == ["npu_lightning_indexer"]
+    expected = paged_indexer_topk_fused(*args)
+    visible = dsa_ops.visible_keys_mask(query_start, num_queries, num_keys, padding, q_index.device)
+    scores = dsa_ops.indexer_scores(q_index, weights, k_index, visible)
+    assert_same_selection(got, expected, scores)
+
+
+def test_npu_indexer_drops_padded_keys_even_when_they_score_highest(npu):
+    """Left padding: the op has no padding mask, so the padded keys it ranks first must be removed and the next real
+    keys take their place (here the pads carry the highest scores)."""
+    num_keys, index_topk = 48, 8
+    q_index, weights, k_index, index_pages, block_table = indexer_case(num_keys, 1, seed=3)
+    weights = weights.abs()
+    q_index[:] = 1
+    padding = left_padding(2, num_keys, pad=20)
+    strong = torch.ones(INDEX_DIM, dtype=torch.bfloat16)
+    for position in range(20):  # the padded keys of sequence 1 match the query perfectly
+        page = block_table[1, position // PAGE]
+        index_pages[page, position % PAGE] = strong
+        k_index[1, position] = strong
+    args = (q_index, weights, index_pages, block_table, num_keys, index_topk, num_keys - 1, padding)
+    got = paged_indexer_topk_npu(*args)
+    assert (got[1] >= 20).all()
+    visible = dsa_ops.visible_keys_mask(num_keys - 1, 1, num_keys, padding, q_index.device)
+    scores = dsa_ops.indexer_scores(q_index, weights, k_index, visible)
+    assert_same_selection(got, paged_indexer_topk_fused(*args), scores)
+
+
+def sparse_case(num_keys, num_queries, seed, heads=2, num_selected=8):
+    generator = torch.Generator().manual_seed(seed)
+    q_latent = (torch.randn(2, num_queries, heads, LATENT, generator=generator) / 8).to(torch.bfloat16)
+    q_pe = (torch.randn(2, num_queries, heads, ROPE, generator=generator) / 8).to(torch.bfloat16)
+    rows = torch.randn(2, num_keys, LATENT + ROPE, generator=generator).to(torch.bfloat16)
+    kv_pages, block_table = paged(rows, PAGE, generator)
+    indices = torch.stack(
+        [torch.randperm(num_keys, generator=generator)[:num_selected] for _ in range(2 * num_queries)]
+    ).view(2, num_queries, num_selected)
+    indices[0, 0, 3:] = -1  # a row with few keys
+    indices[1, -1] = -1  # a row with none: zero output
+    indices[0, -1, 2] = -1  # a hole before valid entries (the op stops at the first -1: the backend compacts)
+    return q_latent, q_pe, kv_pages, block_table, indices
+
+
+@pytest.mark.parametrize(("num_keys", "num_queries"), [(40, 12), (97, 1)])
+def test_npu_sparse_attention_equals_cpu(npu, num_keys, num_queries):
+    args = (*sparse_case(num_keys, num_queries, seed=num_keys), 0.07)
+    got = paged_sparse_mla_npu(*args)
+    assert fake_torch_npu.calls == ["npu_sparse_flash_attention"]
+    assert got.dtype == torch.bfloat16 and got.shape == args[0].shape
+    assert (got[1, -1] == 0).all()
+    expected = paged_sparse_mla_fused(*args)
+    error = (got.float() - expected.float()).norm() / expected.float().norm()
+    assert error < BF16_REL_FRO, error
+    torch.testing.assert_close(got.float(), expected.float(), atol=BF16_ATOL, rtol=0)
+    # The fp32 reference on the same bf16 values: only the final rounding to bf16 differs.
+    reference = paged_sparse_mla_reference(*args)
+    torch.testing.assert_close(got.float(), reference.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize(("num_keys", "num_queries", "query_start"), CASES)
+def test_npu_dense_attention_equals_cpu(npu, num_keys, num_queries, query_start, padded):
+    """Dense causal MLA through the sparse-attention op selecting every page (or every real key with padding)."""
+    q_latent, q_pe, kv_pages, block_table, _ = sparse_case(num_keys, num_queries, seed=num_keys + num_queries)
+    padding = left_padding(2, num_keys, pad=5) if padded else None
+    args = (q_latent, q_pe, kv_pages, block_table, num_keys, query_start, 0.07, padding)
+    got = paged_dense_mla_npu(*args)
+    assert fake_torch_npu.calls == ["npu_sparse_flash_attention"]
+    assert not got.isnan().any()  # never reads the NaN slots after the last key
+    # The cpu kernel reads whole pages and masks the scores, so it needs finite values there (zeros, as in a cache).
+    expected = paged_dense_mla_fused(q_latent, q_pe, kv_pages.nan_to_num(), *args[3:])
+    error = (got.float() - expected.float()).norm() / expected.float().norm()
+    assert error < BF16_REL_FRO, error
+    torch.testing.assert_close(got.float(), expected.float(), atol=BF16_ATOL, rtol=0)
+    if padded and query_start == 0:
+        assert (got[1, :5] == 0).all()  # left-padded queries see no key
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fake follows the docs (independent of our kernels)
+
+
+def test_fake_indexer_right_down_causal_and_minus_one_padding(npu):
+    """sparse_mode=3: query i of a batch sees keys j <= Lk - Lq + i; slots after the visible keys are -1."""
+    key = torch.zeros(1, 16, 1, INDEX_DIM, dtype=torch.bfloat16)
+    key[0, :5, 0, 0] = torch.arange(1, 6, dtype=torch.bfloat16)  # key j scores j + 1: later keys score higher
+    query = torch.ones(1, 2, 1, INDEX_DIM, dtype=torch.bfloat16)
+    indices, _ = npu.npu_lightning_indexer(
+        query,
+        key,
+        torch.ones(1, 2, 1),
+        actual_seq_lengths_query=torch.tensor([2], dtype=torch.int32),
+        actual_seq_lengths_key=torch.tensor([5], dtype=torch.int32),
+        block_table=torch.zeros(1, 1, dtype=torch.int32),
+        layout_key="PA_BSND",
+        sparse_count=6,
+    )
+    assert indices.dtype == torch.int32 and indices.shape == (1, 2, 1, 6)
+    assert indices[0, 0, 0].tolist() == [3, 2, 1, 0, -1, -1]
+    assert indices[0, 1, 0].tolist() == [4, 3, 2, 1, 0, -1]
+
+
+def test_fake_sparse_attention_stops_at_the_first_minus_one(npu):
+    key = torch.randn(1, 16, 1, LATENT).to(torch.bfloat16)
+    key_rope = torch.randn(1, 16, 1, ROPE).to(torch.bfloat16)
+    query = torch.randn(1, 1, 1, LATENT).to(torch.bfloat16)
+    query_rope = torch.randn(1, 1, 1, ROPE).to(torch.bfloat16)
+
+    def attend(selection):
+        out, _, _ = npu.npu_sparse_flash_attention(
+            query,
+            key,
+            key,
+            torch.tensor(selection, dtype=torch.int32).view(1, 1, 1, -1),
+            0.1,
+            block_table=torch.zeros(1, 1, dtype=torch.int32),
+            actual_seq_lengths_kv=torch.tensor([16], dtype=torch.int32),
+            query_rope=query_rope,
+            key_rope=key_rope,
+            layout_kv="PA_BSND",
+            sparse_mode=0,
+            attention_mode=2,
+        )
+        return out
+
+    assert torch.equal(attend([2, -1, 5]), attend([2, -1, -1]))
+    assert not torch.equal(attend([2, 5, -1]), attend([2, -1, -1]))
+    assert (attend([-1, 3]) == 0).all()
+
+
+def _indexer_call_args():
+    q_index, weights, _, index_pages, block_table = indexer_case(40, 1, seed=0)
+    return (q_index, index_pages.unsqueeze(2), weights), dict(
+        actual_seq_lengths_query=torch.ones(2, dtype=torch.int32),
+        actual_seq_lengths_key=torch.full((2,), 40, dtype=torch.int32),
+        block_table=block_table.to(torch.int32),
+        layout_key="PA_BSND",
+        sparse_count=8,
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a, k: k.update(block_table=k["block_table"].long()), "block_table must be int32"),
+        (lambda a, k: k.update(actual_seq_lengths_key=k["actual_seq_lengths_key"].long()), "must be int32"),
+        (lambda a, k: k.update(actual_seq_lengths_key=None), "required"),
+        (lambda a, k: a.__setitem__(1, a[1].squeeze(2)), r"\[block_count, block_size, 1, D\]"),
+        (lambda a, k: a.__setitem__(1, a[1].transpose(0, 1)), "block_size"),
+        (lambda a, k: a.__setitem__(0, a[0].float()), "bfloat16 or float16"),
+        (lambda a, k: a.__setitem__(0, torch.cat([a[0], a[0]], dim=-1)[..., ::2]), "contiguous"),
+        (lambda a, k: k.update(sparse_count=2049), "sparse_count"),
+    ],
+)
+def test_fake_indexer_rejects_what_the_docs_forbid(npu, change, message):
+    args, kwargs = _indexer_call_args()
+    args = list(args)
+    change(args, kwargs)
+    with pytest.raises(RuntimeError, match=message):
+        npu.npu_lightning_indexer(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backend selection and refusals
+
+
+def test_auto_picks_npu_for_npu_tensors():
+    """`auto` resolves to `npu` for tensors on an NPU (device type "npu", which torch_npu registers; simulated in a
+    fresh process so the rename does not leak into other tests) and binds the torch_npu kernels."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(REPO / "tests")!r})
+        import pytest, torch, fake_torch_npu
+        from modeling_kdsa.cache import resolve_kernel_backend
+        from modeling_kdsa.dsa_paged_ops import dense_mla_kernel, dsa_kernels
+        from modeling_kdsa.npu_kernels import paged_indexer_topk_npu, paged_sparse_mla_npu
+        torch.utils.rename_privateuse1_backend("npu")
+        with pytest.MonkeyPatch.context() as patch:
+            fake_torch_npu.install(patch, available=True)
+            backend = resolve_kernel_backend("auto", torch.device("npu"))
+            assert backend == "npu", backend
+            assert dsa_kernels(backend) == (paged_indexer_topk_npu, paged_sparse_mla_npu)
+            assert resolve_kernel_backend("auto", torch.device("cpu")) == "cpu"
+            fake_torch_npu.install(patch, available=False)
+            try:
+                dense_mla_kernel(backend)
+            except ValueError as error:
+                assert "is_available" in str(error)
+            else:
+                raise AssertionError("no error without an available NPU")
+        print("ok")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_npu_backend_needs_torch_npu_and_an_npu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu raises ImportError
+    with pytest.raises(ValueError, match="needs torch_npu"):
+        dsa_kernels("npu")
+    fake_torch_npu.install(monkeypatch, available=False)
+    with pytest.raises(ValueError, match="is_available"):
+        dense_mla_kernel("npu")
+
+
+def test_a_model_on_a_missing_backend_fails_on_its_first_forward(monkeypatch):
+    fake_torch_npu.install(monkeypatch, available=False)
+    model = npu_shaped_model("npu")
+    with pytest.raises(ValueError, match="is_available"):
+        model(torch.randint(3, 128, (1, 5)), cache=KDSACache(model.config))
+    monkeypatch.setattr(triton_kernels, "triton", None)
+    with pytest.raises(ValueError, match="needs the triton package"):
+        dsa_kernels("triton")
+
+
+def test_triton_backend_refuses_the_kpool_indexer():
+    """The Triton indexer scores one key per token: the k-pool indexer (docs/dsa.md §9) is refused by name, at config
+    time and by the kernel registry."""
+    with pytest.raises(ValueError, match=r"k-pool indexer \(index_kpool=2\)"):
+        tiny_config(kernel_backend="triton", index_kpool=2, qk_rope_head_dim=0, index_topk=8)
+    with pytest.raises(ValueError, match="does not support the k-pool indexer"):
+        kpool_indexer_kernel("triton")
+
+
+def test_npu_backend_refuses_shapes_the_ops_do_not_take(npu):
+    q_index, weights, _, index_pages, block_table = indexer_case(40, 1, seed=0)
+    args = (weights, index_pages, block_table, 40, 8, 39)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        paged_indexer_topk_npu(q_index.float(), weights, index_pages.float(), *args[2:])
+    small_pages = index_pages[..., :64].contiguous()
+    with pytest.raises(ValueError, match="index_head_dim must be 128"):
+        paged_indexer_topk_npu(q_index[..., :64].contiguous(), weights, small_pages, *args[2:])
+    q_latent, q_pe, kv_pages, block_table, indices = sparse_case(40, 2, seed=0)
+    with pytest.raises(ValueError, match="kv_lora_rank must be 512"):
+        paged_sparse_mla_npu(q_latent[..., :256], q_pe, kv_pages[..., 256:].contiguous(), block_table, indices, 0.1)
+    three_heads = q_latent[:, :, :1].expand(-1, -1, 3, -1)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        paged_sparse_mla_npu(three_heads, q_pe[:, :, :1].expand(-1, -1, 3, -1), kv_pages, block_table, indices, 0.1)
+    assert fake_torch_npu.calls == []
+
+
+def test_npu_backend_refuses_quantized_pages(npu):
+    store = KDSAPagedLayer(
+        LATENT + ROPE, INDEX_DIM, "npu", page_size=PAGE, formats=CacheFormats(kv_cache="fp8"), latent_width=LATENT
+    )
+    store.append(torch.randn(2, 20, LATENT + ROPE).to(torch.bfloat16), torch.randn(2, 20, INDEX_DIM).bfloat16())
+    q_latent, q_pe = torch.randn(2, 1, 2, LATENT).bfloat16(), torch.randn(2, 1, 2, ROPE).bfloat16()
+    with pytest.raises(ValueError, match="quantized"):
+        store.sparse_attention(q_latent, q_pe, torch.zeros(2, 1, 4, dtype=torch.long), 0.1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Whole model: generate through the fused ops equals the cpu backend
+
+
+def npu_shaped_model(kernel_backend: str, **overrides):
+    """A tiny KDA + DSA + dense-MLA model with the dims the fused ops take, in bf16. 16 indexer heads: with few heads
+    every head's ReLU is zero for many keys, and those exact-zero scores tie at the top-k boundary, where the op and
+    our kernels may pick different keys (the op leaves the order of equal scores unspecified)."""
+    fields = dict(
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "indexed_attention", "full_attention"],
+        attn_res_block_size=0,
+        num_attention_heads=2,
+        kv_lora_rank=LATENT,
+        qk_rope_head_dim=ROPE,
+        qk_nope_head_dim=16,
+        index_head_dim=INDEX_DIM,
+        index_n_heads=16,
+        index_topk=8,
+    )
+    fields.update(overrides)
+    return tiny_model(seed=5, kernel_backend=kernel_backend, **fields).to(torch.bfloat16)
+
+
+SHARED_INDEXER = dict(
+    num_hidden_layers=3,
+    layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
+    indexer_types=["full", "full", "shared"],
+)
+
+
+@pytest.mark.parametrize("layers", [{}, SHARED_INDEXER], ids=["dsa+dense", "shared-indexer"])
+def test_generate_over_the_npu_ops_equals_cpu(npu, layers):
+    """Left-padded batch of 2, prompts longer than index_topk (really sparse) and than a 64-token page, greedy. A
+    shared-indexer DSA layer (docs/dsa.md §10) reads its predecessor's selection through the npu sparse attention."""
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 128, (2, 70), generator=generator)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :6] = 0
+    prompt[1, :6] = 0
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    outputs = {}
+    for backend in ("npu", "cpu"):
+        model = npu_shaped_model(backend, **layers)
+        cache = KDSACache(model.config)
+        outputs[backend] = model.generate(prompt, cache=cache, **kwargs)
+        if backend == "npu":
+            assert {"npu_lightning_indexer", "npu_sparse_flash_attention"} <= set(fake_torch_npu.calls)
+            assert cache.layers[1].indexer_kernel is paged_indexer_topk_npu
+            assert all(cache.layers[i].sparse_kernel is paged_sparse_mla_npu for i in (1, 2))
+            assert cache.layers[2].dense_kernel is paged_dense_mla_npu
+    assert torch.equal(outputs["npu"], outputs["cpu"])
+
+
+def test_gathered_pages_match_what_the_fake_reads(npu):
+    """The view the backend hands the indexer (`[N, P, 1, DI]`) addresses the same rows as gather_pages."""
+    _, _, k_index, index_pages, block_table = indexer_case(40, 1, seed=4)
+    rows = fake_torch_npu._gather_tokens(index_pages.unsqueeze(2), block_table.to(torch.int32), 1, torch.arange(40))
+    assert torch.equal(rows, gather_pages(index_pages, block_table, 40)[1].float())
+    assert torch.equal(rows, k_index[1].float())
+
+
+def test_context_parallel_prefill_runs_the_npu_ops(npu):
+    """The CP path (cp = tp = 1, two segments) reads its stores through the same backend kernels: on the npu backend
+    it calls the fused ops and its logits equal the plain forward's on the npu backend (the kernels see the same
+    inputs; measured equal)."""
+    ids = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(1))
+    model = npu_shaped_model("npu")
+    with torch.no_grad():
+        plain = model(ids).logits.float()
+        fake_torch_npu.calls.clear()
+        parallel = context_parallel_prefill(model, ids, single_process_mesh()).logits.float()
+    assert {"npu_lightning_indexer", "npu_sparse_flash_attention"} <= set(fake_torch_npu.calls)
+    torch.testing.assert_close(parallel, plain, rtol=1e-3, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GLM-5.3-Flash k-pool indexer (docs/dsa.md §9) and NoPE attention on the npu backend
+
+
+@pytest.mark.parametrize("select_tail", [True, False])
+def test_npu_kpool_indexer_equals_the_reference(npu, select_tail):
+    """Stored pooled keys read as the op's paged pool (block size P / kp), left padding that shifts every sequence's
+    pools differently, prefill blocks and decode; the same pools as the torch reference (which pools again from the
+    token rows), as sets (the op leaves equal scores unordered)."""
+    generator = torch.Generator().manual_seed(8)
+    kpool, num_keys, index_topk, pads = 4, 150, 32, (0, 5, 38)
+    mask = torch.ones(3, num_keys, dtype=torch.bool)
+    for b, pad in enumerate(pads):
+        mask[b, :pad] = False
+    ape = torch.randn(kpool, INDEX_DIM, generator=generator).to(torch.bfloat16)
+    store = KDSAPagedKPoolLayer(8, INDEX_DIM, "torch", page_size=64, index_kpool=kpool)
+    rows = torch.randn(3, num_keys, 2 * INDEX_DIM, generator=generator).to(torch.bfloat16)
+    for start, stop in ((0, 97), (97, 98), (98, num_keys)):
+        store.append(torch.zeros(3, stop - start, 8, dtype=torch.bfloat16), rows[:, start:stop], mask[:, :stop], ape)
+    q_index = torch.randn(3, 40, 8, INDEX_DIM, generator=generator).to(torch.bfloat16)
+    weights = torch.randn(3, 40, 8, generator=generator)
+    for query_start, num_queries in ((num_keys - 40, 40), (30, 40), (num_keys - 1, 1)):
+        args = (q_index[:, :num_queries], weights[:, :num_queries], store.index_pages, store.pool_pages)
+        args = (*args, store.block_table, num_keys, index_topk, query_start, mask, ape, select_tail)
+        fake_torch_npu.calls.clear()
+        got = paged_kpool_indexer_topk_npu(*args)
+        assert fake_torch_npu.calls == ["npu_lightning_indexer"]
+        expected = KPOOL_INDEXER_KERNELS["torch"](*args)
+        assert got.shape == expected.shape
+        assert [set(row) for row in got.flatten(0, 1).tolist()] == [set(row) for row in expected.flatten(0, 1).tolist()]
+
+
+def test_generate_glm_shaped_model_over_the_npu_ops_equals_cpu(npu):
+    """NoPE MLA (the op gets zero RoPE columns), the k-pool indexer and a shared-indexer layer, as GLM-5.3-Flash's
+    DSA layers; left-padded batch, greedy."""
+    glm = dict(
+        qk_rope_head_dim=0,
+        index_kpool=4,
+        index_topk=16,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
+        indexer_types=["full", "full", "shared"],
+    )
+    generator = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, 128, (2, 70), generator=generator)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :6] = 0
+    prompt[1, :6] = 0
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    outputs = {}
+    for backend in ("npu", "cpu"):
+        model = npu_shaped_model(backend, **glm)
+        cache = KDSACache(model.config)
+        outputs[backend] = model.generate(prompt, cache=cache, **kwargs)
+        if backend == "npu":
+            assert {"npu_lightning_indexer", "npu_sparse_flash_attention"} <= set(fake_torch_npu.calls)
+            assert cache.layers[1].kpool_kernel is paged_kpool_indexer_topk_npu
+    assert torch.equal(outputs["npu"], outputs["cpu"])
