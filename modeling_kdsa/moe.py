@@ -155,8 +155,9 @@ class KDSAExperts(nn.Module):
             self.down_proj = nn.Parameter(torch.empty(self.num_experts, width, intermediate_size))
         self.activation = GatedActivation(config)
 
-    def expert_weights(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert `expert`'s `gate_up [2I, D]` and `down [D, I]` in `dtype` (MXFP4: dequantized now, exactly)."""
+    def expert_weights(self, expert: int | torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert `expert`'s `gate_up [2I, D]` and `down [D, I]` in `dtype` (MXFP4: dequantized now, exactly); an
+        index tensor `[n]` gives the stacked `[n, 2I, D]` and `[n, D, I]`."""
         if not self.mxfp4:
             return self.gate_up_proj[expert], self.down_proj[expert]
         gate_up = mxfp4_dequantize(self.gate_up_proj_packed[expert], self.gate_up_proj_scale[expert], dtype)
@@ -171,6 +172,11 @@ class KDSAExperts(nn.Module):
         Grouped compute: the N·k (token, slot) pairs are sorted by expert once, so each expert that received
         tokens runs one matmul pair over a contiguous slice; results are weighted and summed back per token.
         """
+        if torch.compiler.is_compiling():
+            # The grouped loop below needs per-expert counts on the host; a compiled graph takes a fixed-shape path.
+            if topk_indices.numel() <= self.num_experts:
+                return self._forward_gathered(hidden_states, topk_indices, topk_weights)
+            return self._forward_dense(hidden_states, topk_indices, topk_weights)
         num_slots = topk_indices.shape[-1]
         flat_experts = topk_indices.reshape(-1)  # [N·k]
         order = flat_experts.argsort(stable=True)
@@ -194,6 +200,38 @@ class KDSAExperts(nn.Module):
         weighted = torch.cat(expert_outputs).float() * weight_of_pair.unsqueeze(-1)  # [N·k, D] fp32
         output = hidden_states.new_zeros(hidden_states.shape, dtype=torch.float32)
         output.index_add_(0, token_of_pair, weighted)  # sum each token's k weighted expert outputs in fp32
+        return output.to(hidden_states.dtype)
+
+    def _expert_mlp(self, inputs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.matmul(gate_up, inputs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+        return torch.matmul(down, self.activation(gate, up).unsqueeze(-1)).squeeze(-1)
+
+    def _forward_gathered(
+        self, hidden_states: torch.Tensor, topk_indices: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Fixed-shape decode path (docs/graph-mode.md §4): each (token, slot) pair multiplies by its expert's weights,
+        gathered by index, in one batched GEMV pair; only the selected experts' weights are read. Same result as
+        `forward` up to fp32 summation order."""
+        num_tokens, num_slots = topk_indices.shape
+        flat_experts = topk_indices.reshape(-1)  # [N·k], token-major
+        inputs = hidden_states.repeat_interleave(num_slots, dim=0)  # [N·k, D]
+        outputs = self._expert_mlp(inputs, *self.expert_weights(flat_experts, hidden_states.dtype))
+        weighted = outputs.float() * topk_weights.reshape(-1, 1).float()
+        return weighted.view(num_tokens, num_slots, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _forward_dense(
+        self, hidden_states: torch.Tensor, topk_indices: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Fixed-shape path for many tokens (a compiled prefill): every expert runs on every token and the routing
+        weights (0 for unselected experts) combine them. `E / k` times the routed FLOPs, but no data-dependent shape."""
+        combine = hidden_states.new_zeros(hidden_states.shape[0], self.num_experts, dtype=torch.float32)
+        combine.scatter_(1, topk_indices, topk_weights.float())
+        output = hidden_states.new_zeros(hidden_states.shape, dtype=torch.float32)
+        for expert in range(self.num_experts):
+            gate_up_weight, down_weight = self.expert_weights(expert, hidden_states.dtype)
+            gate, up = F.linear(hidden_states, gate_up_weight).chunk(2, dim=-1)
+            expert_output = F.linear(self.activation(gate, up), down_weight)
+            output = output + expert_output.float() * combine[:, expert, None]
         return output.to(hidden_states.dtype)
 
 

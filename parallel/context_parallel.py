@@ -33,6 +33,7 @@ from modeling_kdsa.cache import KDSACache, KDSAPagedLayer, KDSAPagedMLALayer
 from modeling_kdsa.configuration_kdsa import DSA_LAYER, KDA_LAYER
 from modeling_kdsa.dsa_ops import ScoredPairs
 from modeling_kdsa.kda_ops import causal_short_conv, kda_gate, l2norm
+from modeling_kdsa.static_cache import KDSAStaticCache
 
 from .mesh import ParallelMesh, raise_on_all_ranks
 from .state_passing import fold_start_states, summarize_segment
@@ -114,6 +115,11 @@ def _prefill_error(model, input_ids: torch.Tensor, mesh: ParallelMesh, layout: s
         return (
             f"the model holds {mixer.num_heads} of {full_heads} heads per layer but tp={mesh.tp_size}: call "
             "apply_tensor_parallel(model, mesh) once before the prefill"
+        )
+    if isinstance(cache, KDSAStaticCache):
+        return (
+            "the static cache (KDSAStaticCache, cache_implementation='static') is not supported by context-parallel "
+            "prefill: pass an empty KDSACache"
         )
     if cache is not None and (not isinstance(cache, KDSACache) or cache.get_seq_length() != 0):
         return "cache must be an empty KDSACache (context-parallel prefill starts a sequence)"

@@ -111,3 +111,26 @@ def test_speculative_bench_quick_run(tmp_path):
         else:
             assert 0.0 <= row["acceptance_rate"] <= 1.0
             assert row["rollback_bytes_per_pending_token"] > 0
+
+
+@pytest.mark.slow
+def test_graph_mode_bench_quick_run(tmp_path):
+    """scripts/bench_graph_mode.py --quick (small model, context 128): eager and compiled whole decode steps, the
+    compiled logits close to eager's (bf16), one graph for all steps, cold and warm compile in fresh processes."""
+    out = tmp_path / "graph.json"
+    script = SCRIPT.with_name("bench_graph_mode.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, str(script), "--quick", "--threads", "1", "--out", str(out)], env=env,
+                            capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    (row,) = report["decode"]
+    assert row["context"] == 128
+    assert row["eager_paged_s"] > 0 and row["eager_static_s"] > 0 and row["compiled_static_s"] > 0
+    assert row["graphs_compiled"] == 1
+    assert row["max_abs_logit_diff"] < 0.05  # bf16 logits of O(1) size
+    assert report["compile"]["cold_s"] > 0 and report["compile"]["warm_s"] > 0
+    # The compiled step is a handful of fused kernels and GEMMs instead of thousands of small operators.
+    profiles = row["op_profile"]
+    assert 0 < profiles["compiled_static"]["aten_calls_per_step"] < profiles["eager_static"]["aten_calls_per_step"]
+    assert all(profile["top"] for profile in profiles.values())

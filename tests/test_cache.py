@@ -140,7 +140,7 @@ def test_generate_uses_kdsa_cache_and_rejects_other_caches():
     with pytest.raises(ValueError, match="KDSACache"):
         model(ids(1, 10), cache=DynamicCache(config=model.config))
     with pytest.raises(ValueError, match="cache_implementation"):
-        model.generate(ids(1, 10), max_new_tokens=3, cache_implementation="static", pad_token_id=0)
+        model.generate(ids(1, 10), max_new_tokens=3, cache_implementation="offloaded", pad_token_id=0)
 
 
 def test_capacity_error_is_raised_before_anything_is_written():

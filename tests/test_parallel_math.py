@@ -14,6 +14,7 @@ from modeling_kdsa.parallel import (
 
 from modeling_kdsa.cache import KDSACache
 from modeling_kdsa.kda_ops import l2norm, recurrent_kda
+from modeling_kdsa.static_cache import KDSAStaticCache
 
 # fp32 state passing vs the token-by-token recurrence: both are fp32 with O(T) accumulations of terms of size <= 1,
 # measured max error ~3e-7; the issue asks for 1e-5.
@@ -163,6 +164,9 @@ def test_cp_path_rejects_short_prompt_and_used_cache():
     model(torch.tensor([[5, 6, 7]]), cache=cache)
     with pytest.raises(ValueError, match="empty KDSACache"):
         context_parallel_prefill(model, torch.tensor([[5, 6, 7]]), single_process_mesh(), cache=cache)
+    with pytest.raises(ValueError, match="static cache"):
+        static = KDSAStaticCache(model.config, max_cache_len=16)
+        context_parallel_prefill(model, torch.tensor([[5, 6, 7]]), single_process_mesh(), cache=static)
 
 
 @torch.no_grad()

@@ -81,7 +81,9 @@ class KDSAConfig(PreTrainedConfig):
         fused Lightning Indexer and Sparse Flash Attention; contract-tested on CPU, not run on Ascend hardware,
         docs/backends.md §2), `"triton"` (Triton kernels reading the pages; tested under Triton's interpreter, not
         run on a GPU, docs/backends.md §4; opt-in), or `"auto"` (`"cpu"` on CPU, `"npu"` on an NPU, the reference
-        elsewhere).
+        elsewhere). These are the eager kernels; a compiled decode step with `KDSAStaticCache`
+        (`generate(cache_implementation="static", compile_config=...)`) runs fixed-shape kernels whatever the backend
+        (docs/graph-mode.md §2, §3).
     """
 
     model_type = "kdsa"

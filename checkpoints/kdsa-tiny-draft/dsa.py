@@ -220,8 +220,9 @@ class KDSAMultiLatentAttention(nn.Module):
         layers = getattr(cache, "layers", [])
         store = layers[self.layer_idx] if self.layer_idx < len(layers) else None
         # Store classes extend each other by planes (a DSA store is a dense-MLA store with an indexer plane more):
-        # the class must be exactly the one whose planes this layer writes.
-        if type(store) is not self.store_class:
+        # the class must be exactly the one whose planes this layer writes (a fixed-capacity store names the paged
+        # store whose planes it holds in `layout_class`, docs/graph-mode.md §2).
+        if getattr(store, "layout_class", type(store)) is not self.store_class:
             raise ValueError(
                 f"{type(self).__name__} layer {self.layer_idx} needs a KDSACache ({self.store_class.__name__} store); "
                 f"got {type(cache).__name__}. Build it with `KDSACache(config)` or let generate() create it"
@@ -279,9 +280,8 @@ class KDSAMultiLatentAttention(nn.Module):
         latent, k_pe = self.project_latent(hidden_states, position_embeddings)
         # Validate everything before the cache is written, so that bad input never leaves it half-updated.
         store = self._store(cache)
-        past_len = store.num_tokens
-        self._check_attention_mask(attention_mask, batch, past_len + seq_len)
-        store.append(torch.cat([latent, k_pe], dim=-1))
+        self._check_attention_mask(attention_mask, batch, store.mask_width(seq_len))
+        past_len = store.append(torch.cat([latent, k_pe], dim=-1))  # int, or a 0-d tensor in a static cache
 
         w_uk, w_uv = self.absorbed_weights()
         outputs = []
@@ -355,17 +355,17 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
         kv_rows = torch.cat([latent, k_pe], dim=-1)
         # Validate everything before the cache is written, so that bad input never leaves it half-updated.
         store = self._store(cache)
-        past_len = store.num_tokens
-        self._check_attention_mask(attention_mask, batch, past_len + seq_len)
+        self._check_attention_mask(attention_mask, batch, store.mask_width(seq_len))
+        # `past_len`: an int, or a 0-d tensor in a static cache (docs/graph-mode.md §2).
         if self.shares_indexer:
-            store.append(kv_rows)
+            past_len = store.append(kv_rows)
         else:
             q_index, index_weights, k_index = self.indexer(hidden_states, query_input, position_embeddings)
             ape = getattr(self.indexer, "index_kpool_compress_ape", None)
             if self.index_kpool > 1:
-                store.append(kv_rows, k_index, attention_mask, ape)
+                past_len = store.append(kv_rows, k_index, attention_mask, ape)
             else:
-                store.append(kv_rows, k_index)
+                past_len = store.append(kv_rows, k_index)
 
         w_uk, w_uv = self.absorbed_weights()
         outputs, selections = [], []

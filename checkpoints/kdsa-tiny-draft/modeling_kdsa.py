@@ -31,6 +31,7 @@ from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter
 from .norms import KDSARMSNorm
 from .numeric_formats import mxfp4_quantize
 from .rotary import KDSARotaryEmbedding
+from .static_cache import KDSAStaticCache
 
 logger = logging.get_logger(__name__)
 
@@ -91,17 +92,22 @@ class KDSADecoderLayer(nn.Module):
         attention_mask: torch.Tensor | None,
         cache: KDSACache | None,
         topk_indices: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Advance `stream` by this layer's two sublayers. `attention_mask`: 2-D `[B, S]` padding mask over all keys
-        (past + current) or None when nothing is padded. `topk_indices`: the previous layer's DSA selection, for a
-        shared-indexer layer. Returns the stream value this layer read (its token mixer's input before the norm: the
-        layer's entry in `output_hidden_states`) and this layer's selection when the next layer shares it, else None."""
+        (past + current; with a `KDSAStaticCache`, `[B, capacity]`) or None when nothing is padded. `topk_indices`:
+        the previous layer's DSA selection, for a shared-indexer layer. `token_mask`: `[B, T]`, the mask of the current
+        tokens (default: the last T columns of `attention_mask`). Returns the stream value this layer read (its token
+        mixer's input before the norm: the layer's entry in `output_hidden_states`) and this layer's selection when
+        the next layer shares it, else None."""
         attn_idx, mlp_idx = 2 * self.layer_idx, 2 * self.layer_idx + 1
         layer_input = stream.input_for(attn_idx)
         hidden_states = self.input_layernorm(layer_input)
         if self.layer_type == KDA_LAYER:
             # KDA only needs to know which of the current tokens are padding.
-            current_mask = None if attention_mask is None else attention_mask[:, -hidden_states.shape[1] :]
+            current_mask = token_mask
+            if current_mask is None and attention_mask is not None:
+                current_mask = attention_mask[:, -hidden_states.shape[1] :]
             mixed = self.linear_attn(hidden_states, attention_mask=current_mask, cache=cache)
         else:
             # The model's RoPE table may exist for other layers (a DSA indexer) while this one rotates nothing.
@@ -142,7 +148,9 @@ class KDSAPreTrainedModel(PreTrainedModel):
     # transformers refuses assisted generation / prompt lookup for stateful models because `crop` cannot undo a
     # recurrent state. KDSACache's `crop` can: KDA layers replay their recorded steps from a checkpoint (cache.py).
     _is_stateful = False
-    _can_compile_fullgraph = False
+    # With `KDSAStaticCache` (cache_implementation="static") the decode step compiles with fullgraph=True
+    # (docs/graph-mode.md §2); transformers itself only reads this flag in its own tests.
+    _can_compile_fullgraph = True
     # Gates, decay parameters, indexer head weights, router, depth-attention queries and the mHC biases and gains
     # stay fp32 under bf16 loads.
     _keep_in_fp32_modules_strict = [
@@ -273,30 +281,43 @@ class KDSAModel(KDSAPreTrainedModel):
             )
         if use_cache and cache is None:
             cache = KDSACache(self.config)
-        past_len = cache.get_seq_length() if cache is not None else 0
         if seq_len == 0:
+            past_tokens = int(cache.get_seq_length()) if cache is not None else 0
             raise ValueError(
                 "input has no tokens (sequence length 0)"
                 + (
-                    f"; the cache already holds {past_len} tokens: generate() feeds the model only the tokens after "
+                    f"; the cache already holds {past_tokens} tokens: generate() feeds the model only the tokens after "
                     "the cached ones, so a used KDSACache needs a prompt that extends them (or pass a fresh "
                     "KDSACache, or call cache.reset())"
-                    if past_len
+                    if past_tokens
                     else ""
                 )
             )
-        if past_len + seq_len > self.config.max_position_embeddings:
-            # transformers' convention: the limit is the trained length, not a hard one (RoPE extends, and scaled
-            # RoPE configs exist for exactly this); warn once and go on.
-            logger.warning_once(
-                f"the sequence exceeds max_position_embeddings={self.config.max_position_embeddings}: positions "
-                "beyond the trained length may degrade the output"
-            )
-        attention_mask = self._padding_mask(attention_mask, batch_size, past_len + seq_len)
-        if cache is not None:
-            cache.begin_forward(seq_len)  # capacity check: raises before any layer writes
+        token_mask = None
+        if isinstance(cache, KDSAStaticCache):
+            # Fixed shapes, no host sync (docs/graph-mode.md §2): the mask is padded to the capacity and the token
+            # count is a 0-d tensor; the capacity check runs only eagerly.
+            attention_mask = self._static_padding_mask(attention_mask, batch_size, cache.capacity)
+            past_len = cache.begin_forward(seq_len, device=inputs_embeds.device)
+            if attention_mask is not None:
+                current = past_len + torch.arange(seq_len, device=inputs_embeds.device)
+                token_mask = attention_mask.gather(1, current.expand(batch_size, -1))
+        else:
+            past_len = cache.get_seq_length() if cache is not None else 0
+            if past_len + seq_len > self.config.max_position_embeddings:
+                # transformers' convention: the limit is the trained length, not a hard one (RoPE extends, and scaled
+                # RoPE configs exist for exactly this); warn once and go on.
+                logger.warning_once(
+                    f"the sequence exceeds max_position_embeddings={self.config.max_position_embeddings}: positions "
+                    "beyond the trained length may degrade the output"
+                )
+            attention_mask = self._padding_mask(attention_mask, batch_size, past_len + seq_len)
+            if cache is not None:
+                # Capacity check (raises before any layer writes), and the pages of every paged layer prepared here,
+                # outside the layer loop: the page allocator is host code (docs/graph-mode.md §1).
+                cache.begin_forward(seq_len, like=inputs_embeds)
         if position_ids is None:
-            position_ids = torch.arange(past_len, past_len + seq_len, device=inputs_embeds.device)
+            position_ids = torch.arange(seq_len, device=inputs_embeds.device) + past_len
             position_ids = position_ids.unsqueeze(0).expand(batch_size, -1)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids) if self.rotary_emb is not None else None
 
@@ -313,6 +334,7 @@ class KDSAModel(KDSAPreTrainedModel):
                 attention_mask=attention_mask,
                 cache=cache,
                 topk_indices=topk_indices,
+                token_mask=token_mask,
             )
             if output_hidden_states:
                 all_hidden_states.append(layer_input)
@@ -354,7 +376,26 @@ class KDSAModel(KDSAPreTrainedModel):
                 f"past + new tokens={total_len}]"
             )
         attention_mask = attention_mask.bool()
+        if torch.compiler.is_compiling():
+            # `all()` would be a host sync and a data-dependent branch: a compiled forward keeps the mask (an all-True
+            # mask changes no value; docs/graph-mode.md §1).
+            return attention_mask
         return None if bool(attention_mask.all()) else attention_mask
+
+    @staticmethod
+    def _static_padding_mask(
+        attention_mask: torch.Tensor | None, batch_size: int, capacity: int
+    ) -> torch.Tensor | None:
+        """The 2-D padding mask for a `KDSAStaticCache`: `[B, S]` with `S <= capacity` (past + new tokens, or
+        already padded by `create_masks_for_generate`), returned as bool `[B, capacity]`, False past `S`."""
+        if attention_mask is None:
+            return None
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size or attention_mask.shape[1] > capacity:
+            raise ValueError(
+                f"KDSAStaticCache takes a 2-D padding mask [batch={batch_size}, <= capacity={capacity}]; got shape "
+                f"{tuple(attention_mask.shape)}"
+            )
+        return torch.nn.functional.pad(attention_mask.bool(), (0, capacity - attention_mask.shape[1]))
 
 
 class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
@@ -383,20 +424,54 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         with REGISTRATION_LOCK:  # never while a foreign load has its conversions registered
             return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
+    ):
         """generate() builds a `DynamicCache` by default; KDSA layers need the paged `KDSACache`. Only speculative
         decoding crops — the verifying model (assisted mode) and the draft model (`is_assistant`) — so only there
-        do the KDA layers keep rollback records; every other mode runs without their cost."""
+        do the KDA layers keep rollback records; every other mode runs without their cost.
+
+        `cache_implementation="static"` builds a `KDSAStaticCache` (fixed capacity, compileable: generate then
+        compiles the decode step with `generation_config.compile_config`; docs/graph-mode.md §2) of capacity
+        `max(max_length, generation_config.max_cache_len, the previous static capacity)`, the last term so that
+        repeated calls keep one compiled graph, as transformers' static caches do."""
         if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
-            if generation_config.cache_implementation not in (None, "dynamic"):
-                raise ValueError(
-                    f"cache_implementation={generation_config.cache_implementation!r} is not supported: KDSA models "
-                    "generate with their own paged KDSACache (pass `past_key_values=KDSACache(config, ...)` to size it)"
-                )
+            implementation = generation_config.cache_implementation
             crops = generation_mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant
+            if implementation == "static":
+                if crops:
+                    raise ValueError(
+                        "cache_implementation='static' does not support speculative decoding (assisted generation, "
+                        "prompt lookup, draft models): KDSAStaticCache cannot crop; use cache_implementation=None"
+                    )
+                if generation_config.num_beams > 1:
+                    raise ValueError(
+                        "cache_implementation='static' does not support beam search (num_beams > 1): KDSAStaticCache "
+                        "cannot reorder; use cache_implementation=None"
+                    )
+                capacity = max(max_cache_length, generation_config.max_cache_len or 0)
+                capacity = max(capacity, getattr(self, "_previous_max_cache_length", 0))
+                model_kwargs["cache"] = KDSAStaticCache(self.config, max_cache_len=capacity)
+                self._previous_max_cache_length = capacity
+                return
+            if implementation not in (None, "dynamic"):
+                raise ValueError(
+                    f"cache_implementation={implementation!r} is not supported: KDSA models generate with their own "
+                    "paged KDSACache (default) or the fixed-capacity KDSAStaticCache ('static')"
+                )
             model_kwargs["cache"] = KDSACache(self.config, rollback_tokens=ROLLBACK_TOKENS if crops else 0)
             return
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
+        super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
+        )
+
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache, **kwargs):
+        """What generate() passes a compileable cache as the mask (instead of transformers' per-layer-type 4-D masks):
+        KDSA takes the 2-D padding mask, padded to the static capacity so that its shape never changes between decode
+        steps (docs/graph-mode.md §2). None stays None (nothing padded)."""
+        if attention_mask is None or not isinstance(cache, KDSAStaticCache):
+            return attention_mask
+        return self.model._static_padding_mask(attention_mask, attention_mask.shape[0], cache.capacity)
 
     def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
         """transformers' positions (from the attention mask's cumsum), after checking that a 2-D mask covers the

@@ -104,6 +104,7 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         self.page_refcount: list[int] = []
         self.free_pages: list[int] = []
         self.num_tokens = 0
+        self.reserved_tokens = 0  # pages already prepared by `reserve` for the next write of this many tokens
 
     @classmethod
     def from_config(cls, config, page_size: int = PAGE_SIZE) -> "KDSAPagedMLALayer":
@@ -235,7 +236,9 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         past = self.num_tokens
         if new_tokens == 0:
             return past
-        self._prepare_pages(new_tokens)
+        if self.reserved_tokens != new_tokens:
+            self._prepare_pages(new_tokens)
+        self.reserved_tokens = 0
         slots = self.physical_slots(torch.arange(past, past + new_tokens, device=self.device).expand(batch_size, -1))
         slots = slots.reshape(-1)
         for store, encoded in zip(self._stores(), self._encode(*rows), strict=True):
@@ -244,9 +247,26 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         self.num_tokens = past + new_tokens
         return past
 
+    def reserve(self, new_tokens: int, like: torch.Tensor) -> None:
+        """Prepare the pages of the next write of `new_tokens` tokens now (allocating the pools first, in `like`'s
+        batch size, dtype and device, if this is the first write). The model calls it before its layers run, so that
+        the host-side page allocator (a graph break under `torch.compile`) never runs inside a decoder layer
+        (docs/graph-mode.md §1)."""
+        if new_tokens == 0:
+            return
+        if not self.is_initialized:
+            self.lazy_initialization(*(like.new_zeros(like.shape[0], 0, width) for width in self.row_widths))
+        self._prepare_pages(new_tokens)
+        self.reserved_tokens = new_tokens
+
     def append(self, kv_rows: torch.Tensor) -> int:
         """Store the current tokens' rows `[B, T, C + R]`. Returns the number of tokens cached before them."""
         return self._write(kv_rows)
+
+    def mask_width(self, new_tokens: int) -> int:
+        """Width of the 2-D padding mask a forward of `new_tokens` tokens passes: past + new tokens (a fixed-capacity
+        store takes its capacity instead, static_cache.py)."""
+        return self.num_tokens + new_tokens
 
     def physical_slots(self, positions: torch.Tensor) -> torch.Tensor:
         """Logical token positions `[B, N]` → row indices into `kv_pages.view(-1, width)`."""
@@ -815,6 +835,9 @@ class KDSACache(Cache):
     Pass it yourself to `crop` a cache you drive by hand.
     DSA and dense MLA stores take their formats from `config.quantization_config`
     (`numeric_formats.CacheFormats.from_config`).
+    Under `torch.compile` the page allocator is a graph break; `begin_forward` runs it for all layers before the
+    decoder layers (docs/graph-mode.md §1). For a compiled decode step use the fixed-capacity subclass
+    `static_cache.KDSAStaticCache` (`generate(cache_implementation="static")`, docs/graph-mode.md §2).
     """
 
     def __init__(
@@ -837,8 +860,9 @@ class KDSACache(Cache):
         self.rollback_tokens = rollback_tokens
         self.num_tokens = 0
 
-    def begin_forward(self, new_tokens: int) -> int:
-        """Called by the model before its layers run: checks capacity and records the new tokens.
+    def begin_forward(self, new_tokens: int, like: torch.Tensor | None = None) -> int:
+        """Called by the model before its layers run: checks capacity and records the new tokens. With `like` (the
+        input embeddings `[B, T, D]`), the paged layers also prepare their pages now (`KDSAPagedMLALayer.reserve`).
         Returns the number of tokens cached before them."""
         past = self.num_tokens
         if self.max_cache_tokens is not None and past + new_tokens > self.max_cache_tokens:
@@ -846,6 +870,10 @@ class KDSACache(Cache):
                 f"KDSACache capacity exceeded: {past} cached + {new_tokens} new tokens > max_cache_tokens="
                 f"{self.max_cache_tokens}; nothing was written, the cache still holds {past} tokens"
             )
+        if like is not None:
+            for layer in self.layers:
+                if isinstance(layer, KDSAPagedMLALayer):
+                    layer.reserve(new_tokens, like)
         self.num_tokens = past + new_tokens
         return past
 

@@ -1,0 +1,451 @@
+"""KDSAStaticCache: the fixed-capacity, compileable cache of a KDSA model (docs/graph-mode.md §2, §3).
+
+`generate(..., cache_implementation="static")` builds it (KDSAForCausalLM._prepare_cache_for_generation), which makes
+transformers compile the decode step (`generation_config.compile_config`; on CPU `CompileConfig(
+_compile_all_devices=True)`). Everything a compiled step touches has a shape fixed by the capacity, never by the
+context, and lives at a fixed address, so one graph serves every step of a growing context:
+
+- KDA layers (`StaticKDALayer`): conv window `[B, C, W]` and fp32 state `[B, H, K, V]` allocated at the first write and
+  updated in place (`copy_`).
+- DSA and dense MLA layers (`StaticPagedLayer`, `StaticPagedMLALayer`): a page pool of `B · ceil(L / P)` pages for
+  capacity `L`, allocated at the first write, a block table mapped once (sequence `b` owns pages `b·n … b·n + n-1`) and
+  the token count as a 0-d int64 tensor. Writes are `index_copy_` at slots computed from that tensor.
+- Reads inside a compiled region use the fixed-shape kernels below: the indexer scores all `L` slots under a mask
+  (causal, end of the context, padding) and keeps `min(index_topk, L)` with the -1 sentinel; dense MLA attends over
+  all `L` slots under the same mask. Eager forwards (prefill, or an uncompiled step) run the paged kernels of
+  `config.kernel_backend` over exactly the cached tokens, so an eager static cache computes what `KDSACache` does.
+
+Paging (growth, sharing, copy-on-write), rollback (`crop`) and beam reordering are what `KDSACache` is for; this
+cache refuses `crop` and `reorder_cache` with a ValueError.
+"""
+
+import torch
+from transformers.cache_utils import Cache
+
+from .cache import (
+    PAGE_SIZE,
+    KDAReplayLayer,
+    KDSACache,
+    KDSAPagedLayer,
+    KDSAPagedMLALayer,
+    _bytes_view,
+    _map_planes,
+    _planes,
+    attention_store_class,
+    resolve_kernel_backend,
+)
+from .configuration_kdsa import DSA_LAYER, MLA_LAYER
+from .dsa_paged_ops import _attend, _dense_block, _score_block, _unpack_indices, read_pages
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _mark_static(tensor: torch.Tensor) -> None:
+    """Fixed address for CUDA graphs (`mode="reduce-overhead"`); only outside a compiled region, as transformers'
+    StaticLayer does."""
+    if not _compiling():
+        torch._dynamo.mark_static_address(tensor)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fixed-shape kernels (docs/graph-mode.md §3). Legend as in dsa_paged_ops; `L` = capacity = pages per row · P.
+
+
+def _visible_limit(query_start: torch.Tensor, num_queries: int, num_keys: torch.Tensor) -> torch.Tensor:
+    """int64 `[T]`: query `t` (at position `query_start + t`) sees the keys `<= limit[t]` (causal, and the context's
+    end `num_keys - 1`). Both inputs are 0-d tensors, so nothing here depends on their values at trace time."""
+    positions = query_start + torch.arange(num_queries, device=query_start.device)
+    return torch.minimum(positions, num_keys - 1)
+
+
+def static_indexer_topk(
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    index_pages,
+    block_table: torch.Tensor,
+    num_keys: torch.Tensor,
+    index_topk: int,
+    query_start: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Indexer top-k over every slot of the block table: q_index `[B, T, HI, DI]`, weights `[B, T, HI]` fp32,
+    index_pages `[N, P, DI]` (or quantized), block_table `[B, n]` fully mapped, num_keys / query_start 0-d int64
+    tensors, key_padding_mask bool `[B, L]` or None. Returns int64 `[B, T, min(index_topk, L)]`, best first, -1 = no
+    key. The selection equals `paged_indexer_topk_*`'s (same scores, same tie rule: `_pack_scores`); only the width
+    differs, the extra slots being -1."""
+    batch, num_queries, num_heads, head_dim = q_index.shape
+    keys = read_pages(index_pages, block_table.reshape(-1), q_index.dtype).view(batch, -1, head_dim)
+    capacity = keys.shape[1]
+    scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
+    key_positions = torch.arange(capacity, device=q_index.device)
+    limit = _visible_limit(query_start, num_queries, num_keys)
+    padding = None if key_padding_mask is None else key_padding_mask.bool()
+    packed = _score_block(q_index.contiguous(), scaled_weights, keys, key_positions, limit, padding)
+    return _unpack_indices(packed.topk(min(index_topk, capacity), dim=-1).values)
+
+
+def static_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale: float) -> torch.Tensor:
+    """Sparse absorbed MLA over the selected slots: `dsa_paged_ops._attend` (already fixed-shape for a fixed K)."""
+    return _attend(q_latent.contiguous(), q_pe.contiguous(), kv_pages, block_table, indices, softmax_scale)
+
+
+def static_dense_mla(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_pages,
+    block_table: torch.Tensor,
+    num_keys: torch.Tensor,
+    query_start: torch.Tensor,
+    softmax_scale: float,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense causal absorbed MLA over every slot of the block table under the visibility mask: one
+    `dsa_paged_ops._dense_block` step (the online-softmax block the paged kernels use) over all `L` rows.
+    Shapes as `paged_dense_mla_fused`; returns `[B, T, H, C]`."""
+    batch, num_queries, num_heads, latent_width = q_latent.shape
+    query = torch.cat([q_latent, q_pe], dim=-1).contiguous()
+    rows = read_pages(kv_pages, block_table.reshape(-1), query.dtype).view(batch, -1, query.shape[-1])
+    key_positions = torch.arange(rows.shape[1], device=query.device)
+    limit = _visible_limit(query_start, num_queries, num_keys)
+    visible = (key_positions[None, :] <= limit[:, None])[None]
+    if key_padding_mask is not None:
+        visible = visible & key_padding_mask.bool()[:, None, :]
+    running_max = torch.full(
+        (batch, num_queries, num_heads, 1), torch.finfo(torch.float32).min, dtype=torch.float32, device=query.device
+    )
+    running_sum = torch.zeros_like(running_max)
+    accumulator = q_latent.new_zeros(batch, num_queries, num_heads, latent_width, dtype=torch.float32)
+    _, running_sum, accumulator = _dense_block(
+        query, rows, visible, softmax_scale, running_max, running_sum, accumulator
+    )
+    return (accumulator / running_sum.clamp(min=torch.finfo(torch.float32).tiny)).to(q_latent.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layers
+
+
+class StaticKDALayer(KDAReplayLayer):
+    """KDA layer state at fixed addresses: allocated by the first (eager) write, then updated with `copy_`.
+    No rollback records (`rollback_tokens = 0`): `crop` raises."""
+
+    is_compileable = True
+    is_croppable = False
+
+    def __init__(self, conv_kernel_size: int):
+        super().__init__(conv_kernel_size, rollback_tokens=0)
+
+    def record(self, *args) -> None:
+        """Nothing to record: a static cache never rolls back (and a Python counter would recompile every step)."""
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """Append the pre-conv columns `[B, C, T]`; the window `[B, C, W]` is overwritten in place."""
+        if state_idx != 0:
+            raise ValueError(f"a KDA layer has one conv state, got state_idx={state_idx}")
+        width = self.conv_kernel_size[0]
+        if not self.is_conv_states_initialized[0]:
+            self.conv_states[0] = conv_states.new_zeros(*conv_states.shape[:-1], width)
+            _mark_static(self.conv_states[0])
+            self.is_conv_states_initialized[0] = True
+        window = torch.cat([self.conv_states[0], conv_states.to(self.conv_states[0].dtype)], dim=-1)[..., -width:]
+        self.conv_states[0].copy_(window)
+        self.has_previous_state[0] = True
+        return self.conv_states[0]
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """Overwrite the fp32 state `[B, H, K, V]` in place."""
+        if state_idx != 0:
+            raise ValueError(f"a KDA layer has one recurrent state, got state_idx={state_idx}")
+        if not self.is_recurrent_states_initialized[0]:
+            self.recurrent_states[0] = torch.zeros_like(recurrent_states)
+            _mark_static(self.recurrent_states[0])
+            self.is_recurrent_states_initialized[0] = True
+        self.recurrent_states[0].copy_(recurrent_states)
+        return self.recurrent_states[0]
+
+    def crop(self, max_length: int) -> None:
+        raise ValueError(_NO_CROP)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ValueError(_NO_REORDER)
+
+    def reset(self) -> None:
+        """Zero the states in place (their addresses stay: a compiled step keeps using them)."""
+        for states in (self.conv_states, self.recurrent_states):
+            if states[0] is not None:
+                states[0].zero_()
+        self.has_previous_state[0] = False
+
+
+_NO_CROP = (
+    "KDSAStaticCache does not support crop (speculative rollback): use the dynamic KDSACache "
+    "(cache_implementation=None) for assisted generation / prompt lookup"
+)
+_NO_REORDER = (
+    "KDSAStaticCache does not support reorder_cache (beam search): use the dynamic KDSACache (cache_implementation="
+    "None), whose pages are shared between beams"
+)
+
+
+class _StaticPagedMixin:
+    """Fixed-capacity paging for `KDSAPagedMLALayer` and its DSA subclass: `max_cache_len` tokens per sequence in
+    `ceil(max_cache_len / P)` pre-mapped pages; `num_tokens` is a 0-d int64 tensor."""
+
+    is_compileable = True
+    is_croppable = False
+
+    def _init_static(self, max_cache_len: int) -> None:
+        if max_cache_len <= 0:
+            raise ValueError(f"max_cache_len must be > 0, got {max_cache_len}")
+        self.max_cache_len = max_cache_len
+        self.pages_per_sequence = -(-max_cache_len // self.page_size)
+        self.num_tokens = torch.zeros((), dtype=torch.long)
+
+    @property
+    def capacity(self) -> int:
+        """Slots per sequence (`max_cache_len` rounded up to whole pages): the key width of the fixed-shape kernels."""
+        return self.pages_per_sequence * self.page_size
+
+    def lazy_initialization(self, *rows: torch.Tensor) -> None:
+        batch_size = rows[0].shape[0]
+        self.dtype, self.device = rows[0].dtype, rows[0].device
+        num_pages = batch_size * self.pages_per_sequence
+        widths = zip(rows, self.row_widths, strict=True)
+        pools = self._encode(*(row.new_zeros(num_pages, self.page_size, width) for row, width in widths))
+        for name, store in zip(self.store_names, pools, strict=True):
+            # Own contiguous planes (an encoding may return views): the kernels read rows by flat slot id.
+            setattr(self, name, _map_planes(store, lambda plane: plane.contiguous().clone()))
+        self.block_table = torch.arange(num_pages, device=self.device).view(batch_size, self.pages_per_sequence)
+        self.num_tokens = torch.zeros((), dtype=torch.long, device=self.device)
+        for tensor in (*self._all_planes(), self.block_table, self.num_tokens):
+            _mark_static(tensor)
+        self.page_refcount = [1] * num_pages
+        self._bind_kernels(self._eager_backend())
+        self.is_initialized = True
+
+    def _eager_backend(self) -> str:
+        return resolve_kernel_backend(self.kernel_backend, self.device)
+
+    def _write(self, *rows: torch.Tensor) -> torch.Tensor:
+        """Store rows `[B, T, width]` at positions `num_tokens …` in place; returns the 0-d count before them."""
+        self._check_widths(rows)
+        if not self.is_initialized:
+            self.lazy_initialization(*rows)
+        batch_size, new_tokens, _ = rows[0].shape
+        if batch_size != self.batch_size:
+            raise ValueError(f"cache holds {self.batch_size} sequences, got a batch of {batch_size}")
+        if not _compiling() and int(self.num_tokens) + new_tokens > self.max_cache_len:
+            raise ValueError(
+                f"KDSAStaticCache capacity exceeded: {int(self.num_tokens)} cached + {new_tokens} new tokens > "
+                f"max_cache_len={self.max_cache_len}"
+            )
+        past = self.num_tokens.clone()
+        positions = past + torch.arange(new_tokens, device=self.device)
+        slots = self.physical_slots(positions.expand(batch_size, -1)).reshape(-1)
+        for store, encoded in zip(self._stores(), self._encode(*rows), strict=True):
+            for plane, new in zip(_planes(store), _planes(encoded), strict=True):
+                _bytes_view(plane).flatten(0, 1).index_copy_(0, slots, _bytes_view(new).flatten(0, 1))
+        self.num_tokens.add_(new_tokens)
+        return past
+
+    def mask_width(self, new_tokens: int) -> int:
+        """Width of the 2-D padding mask the layer takes: the capacity (the model pads the mask to it)."""
+        return self.capacity
+
+    def _eager_args(self, query_start, key_padding_mask):
+        """Eager reads run the paged kernels over the cached tokens only: ints and the mask cut to them."""
+        num_keys = int(self.num_tokens)
+        mask = None if key_padding_mask is None else key_padding_mask[:, :num_keys]
+        return num_keys, int(query_start), mask
+
+    def dense_attention(self, q_latent, q_pe, query_start, softmax_scale, key_padding_mask=None):
+        if _compiling():
+            return static_dense_mla(
+                q_latent, q_pe, self.kv_pages, self.block_table, self.num_tokens, query_start, softmax_scale,
+                key_padding_mask,
+            )  # fmt: skip
+        num_keys, start, mask = self._eager_args(query_start, key_padding_mask)
+        return self.dense_kernel(q_latent, q_pe, self.kv_pages, self.block_table, num_keys, start, softmax_scale, mask)
+
+    def sparse_attention(self, q_latent, q_pe, indices, softmax_scale: float) -> torch.Tensor:
+        """Attention at given positions: a DSA layer's own selection, or the previous layer's for a shared-indexer
+        layer (its store is the latent-only one)."""
+        if _compiling():
+            return static_sparse_mla(q_latent, q_pe, self.kv_pages, self.block_table, indices, softmax_scale)
+        return super().sparse_attention(q_latent, q_pe, indices, softmax_scale)
+
+    def get_seq_length(self) -> torch.Tensor:
+        return self.num_tokens
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.capacity, 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ValueError(_NO_REORDER)
+
+    def crop(self, max_length: int) -> None:
+        raise ValueError(_NO_CROP)
+
+    def reset(self) -> None:
+        """Forget the tokens; the pool and block table keep their addresses (a compiled step keeps using them)."""
+        if self.is_initialized:
+            self.num_tokens.zero_()
+
+    def memory_bytes(self) -> dict[str, int]:
+        if not self.is_initialized:
+            return {"allocated": 0, "in_use": 0}
+        allocated = sum(plane.nbytes for plane in self._all_planes())
+        return {"allocated": allocated, "in_use": allocated}
+
+
+class StaticPagedMLALayer(_StaticPagedMixin, KDSAPagedMLALayer):
+    """Fixed-capacity latent store of a dense MLA layer (`"full_attention"`) or a shared-indexer DSA layer."""
+
+    layout_class = KDSAPagedMLALayer  # the planes it holds (what the attention layer checks)
+
+    def __init__(self, max_cache_len: int, **kwargs):
+        KDSAPagedMLALayer.__init__(self, **kwargs)
+        self._init_static(max_cache_len)
+
+    @classmethod
+    def from_config(cls, config, max_cache_len: int, page_size: int = PAGE_SIZE) -> "StaticPagedMLALayer":
+        return cls(max_cache_len, **_store_kwargs(KDSAPagedMLALayer, config, page_size))
+
+
+class StaticPagedLayer(_StaticPagedMixin, KDSAPagedLayer):
+    """Fixed-capacity latent + indexer-key store of a DSA layer."""
+
+    layout_class = KDSAPagedLayer
+
+    def __init__(self, max_cache_len: int, **kwargs):
+        KDSAPagedLayer.__init__(self, **kwargs)
+        self._init_static(max_cache_len)
+
+    @classmethod
+    def from_config(cls, config, max_cache_len: int, page_size: int = PAGE_SIZE) -> "StaticPagedLayer":
+        return cls(max_cache_len, **_store_kwargs(KDSAPagedLayer, config, page_size))
+
+    def indexer_topk(self, q_index, weights, query_start, index_topk, key_padding_mask=None) -> torch.Tensor:
+        q_index = self.formats.quantize_index_queries(q_index)
+        if _compiling():
+            return static_indexer_topk(
+                q_index, weights, self.index_pages, self.block_table, self.num_tokens, index_topk, query_start,
+                key_padding_mask,
+            )  # fmt: skip
+        num_keys, start, mask = self._eager_args(query_start, key_padding_mask)
+        return self.indexer_kernel(
+            q_index, weights, self.index_pages, self.block_table, num_keys, index_topk, start, mask
+        )
+
+
+def _store_kwargs(store_class, config, page_size: int) -> dict:
+    """The constructor arguments `store_class.from_config` would use (one source for the geometry and formats)."""
+    store = store_class.from_config(config, page_size)
+    kwargs = dict(
+        kv_width=store.kv_width,
+        kernel_backend=store.kernel_backend,
+        page_size=store.page_size,
+        formats=store.formats,
+        latent_width=store.latent_width,
+    )
+    if store_class is KDSAPagedLayer:
+        kwargs["index_width"] = store.index_width
+    return kwargs
+
+
+class KDSAStaticCache(KDSACache):
+    """Fixed-capacity, compileable KDSA cache (docs/graph-mode.md §2): `max_cache_len` tokens per sequence, a batch
+    fixed by the first forward. `generate(cache_implementation="static")` builds it with capacity
+    `max(max_length, generation_config.max_cache_len)`; build it yourself as `KDSAStaticCache(config, max_cache_len)`.
+
+    Refuses `crop` (speculative decoding), `reorder_cache` (beam search) and a 2-D padding mask wider than the
+    capacity, each with a ValueError. A forward that would exceed the capacity raises before anything is written
+    (checked eagerly; a compiled step trusts generate's sizing).
+    """
+
+    def __init__(self, config, max_cache_len: int, page_size: int = PAGE_SIZE):
+        if max_cache_len <= 0:
+            raise ValueError(f"max_cache_len must be > 0, got {max_cache_len}")
+        if config.index_kpool > 1 and DSA_LAYER in config.layer_types:
+            raise ValueError(
+                f"index_kpool={config.index_kpool} (the k-pool indexer) is not supported by KDSAStaticCache "
+                "(cache_implementation='static'): its pooled keys are written at data-dependent slots; use the paged "
+                "KDSACache (cache_implementation=None)"
+            )
+        layers = []
+        for layer_idx, layer_type in enumerate(config.layer_types):
+            if layer_type not in (DSA_LAYER, MLA_LAYER):
+                layers.append(StaticKDALayer(config.linear_conv_kernel_dim))
+            elif attention_store_class(config, layer_idx) is KDSAPagedLayer:
+                layers.append(StaticPagedLayer.from_config(config, max_cache_len, page_size))
+            else:  # dense MLA, or a shared-indexer DSA layer: latent rows only
+                layers.append(StaticPagedMLALayer.from_config(config, max_cache_len, page_size))
+        Cache.__init__(self, layers=layers)
+        self.max_cache_tokens = max_cache_len
+        self.max_cache_len = max_cache_len
+        self.page_size = page_size
+        self.rollback_tokens = 0
+        self.cumulative_length = torch.zeros((), dtype=torch.long)
+        _mark_static(self.cumulative_length)
+
+    @property
+    def capacity(self) -> int:
+        """Key slots per sequence: `max_cache_len` rounded up to whole pages (the width of the padded mask)."""
+        return -(-self.max_cache_len // self.page_size) * self.page_size
+
+    def begin_forward(self, new_tokens: int, device: torch.device | None = None) -> torch.Tensor:
+        """Capacity check (eager only) and the token count: returns the 0-d count before the new tokens. `device`:
+        where the count lives (the model's; moved once, eagerly, at the first forward)."""
+        if not _compiling():
+            if device is not None and self.cumulative_length.device != device:
+                self.cumulative_length = self.cumulative_length.to(device)
+                _mark_static(self.cumulative_length)
+            past = int(self.cumulative_length)
+            if past + new_tokens > self.max_cache_len:
+                raise ValueError(
+                    f"KDSAStaticCache capacity exceeded: {past} cached + {new_tokens} new tokens > max_cache_len="
+                    f"{self.max_cache_len}; nothing was written, the cache still holds {past} tokens"
+                )
+        past = self.cumulative_length.clone()
+        self.cumulative_length.add_(new_tokens)
+        return past
+
+    def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def crop(self, max_length: int) -> None:
+        raise ValueError(_NO_CROP)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ValueError(_NO_REORDER)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise ValueError(_NO_REORDER)
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+        self.cumulative_length.zero_()
+
+
+__all__ = [
+    "KDSAStaticCache",
+    "StaticKDALayer",
+    "StaticPagedLayer",
+    "StaticPagedMLALayer",
+    "static_dense_mla",
+    "static_indexer_topk",
+    "static_sparse_mla",
+]

@@ -1,0 +1,307 @@
+"""Graph-mode benchmark: the whole KDSA decode step eager vs compiled (docs/graph-mode.md §6).
+
+At each context (default 4k; batch 1; bf16; the benchmark shape = KDSAConfig defaults, as bench_long_context.py):
+  1. eager step with the paged `KDSACache` (what generate() runs by default);
+  2. eager step with `KDSAStaticCache` (no compile: the same paged kernels over the cached tokens);
+  3. compiled step with `KDSAStaticCache`: the very callable generate() uses (`model.get_compiled_call(
+     CompileConfig(fullgraph=True, mode="default"))`), i.e. the whole step as one inductor graph.
+Eager-static and compiled steps alternate, one pair per repeat, so both see the same machine state; the ratio is taken
+per pair (min and median reported). The compiled step's logits are compared with the eager-static step's on the same
+cache contents, and the number of graphs compiled over all steps is reported (1 = no recompile as the context grows).
+  4. an operator profile (torch.profiler) of both steps: the top operators and the aten calls per step;
+  5. compile time of that step, cold and warm: two fresh processes sharing one new inductor cache directory (the first
+     fills it, the second reuses it, as a second run of a user's program would).
+
+Caches are filled with random rows / states through their own write paths (no prefill), so long contexts are cheap.
+
+Usage:  .venv/bin/python scripts/bench_graph_mode.py [--quick] [--contexts 4096 65536] [--repeats 10] [--out PATH]
+Writes JSON (default runs/bench_graph_mode.json) and prints a table.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch._dynamo
+import torch._dynamo.utils
+from tqdm import tqdm
+from transformers import CompileConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from modeling_kdsa import KDSAConfig, KDSAForCausalLM  # noqa: E402
+from modeling_kdsa.cache import KDSACache, KDSAPagedMLALayer  # noqa: E402
+from modeling_kdsa.configuration_kdsa import KDA_LAYER  # noqa: E402
+from modeling_kdsa.static_cache import KDSAStaticCache  # noqa: E402
+
+DTYPE = torch.bfloat16
+BATCH = 1
+
+
+def bench_config(quick: bool) -> KDSAConfig:
+    """The benchmark shape (KDSAConfig defaults, positions raised for 64k); `--quick` a small model of every layer
+    kind, so that the smoke test compiles in seconds."""
+    if not quick:
+        return KDSAConfig(max_position_embeddings=1 << 17)
+    return KDSAConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        layer_types=["linear_attention", "indexed_attention", "linear_attention", "full_attention"],
+        linear_num_heads=2,
+        linear_head_dim=32,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        index_n_heads=2,
+        index_head_dim=32,
+        index_topk=64,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        first_k_dense_replace=1,
+        attn_res_block_size=2,
+        max_position_embeddings=4096,
+    )
+
+
+def build_model(config: KDSAConfig) -> KDSAForCausalLM:
+    torch.manual_seed(0)
+    return KDSAForCausalLM(config).to(DTYPE).eval()
+
+
+def compile_config() -> CompileConfig:
+    config = CompileConfig(fullgraph=True, mode="default")
+    config._compile_all_devices = True  # generate()'s switch to compile on CPU
+    return config
+
+
+def fill(cache, config: KDSAConfig, context: int, seed: int = 0):
+    """`context` random tokens in every layer of `cache` (`KDSACache` or `KDSAStaticCache`) through the layers' own
+    writes: paged rows `[c | k_pe]` (and indexer keys) for DSA / dense MLA layers, conv window and fp32 state for
+    KDA."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, dtype=DTYPE, scale=1.0):
+        return (torch.randn(shape, generator=generator) * scale).to(dtype)
+
+    for layer_type, layer in zip(config.layer_types, cache.layers, strict=True):
+        if isinstance(layer, KDSAPagedMLALayer):
+            rows = [randn(BATCH, context, width) for width in layer.row_widths]
+            layer._write(*rows)
+        else:
+            assert layer_type == KDA_LAYER
+            heads, dim = config.linear_num_heads, config.linear_head_dim
+            layer.update_conv_state(randn(BATCH, 3 * heads * dim, config.linear_conv_kernel_dim))
+            layer.update_recurrent_state(randn(BATCH, heads, dim, dim, dtype=torch.float32, scale=0.1))
+    cache.begin_forward(context) if isinstance(cache, KDSAStaticCache) else setattr(cache, "num_tokens", context)
+    return cache
+
+
+def step_inputs(cache) -> dict:
+    return dict(input_ids=torch.tensor([[7]]), cache=cache, use_cache=True, logits_to_keep=1)
+
+
+def timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def measure_context(model, config: KDSAConfig, context: int, repeats: int) -> dict:
+    capacity = context + 2 * repeats + 8
+    dynamic = fill(KDSACache(config), config, context)
+    eager_static = fill(KDSAStaticCache(config, capacity), config, context)
+    compiled_static = fill(KDSAStaticCache(config, capacity), config, context)
+    compiled = model.get_compiled_call(compile_config())
+    torch._dynamo.utils.counters.clear()
+
+    with torch.inference_mode():
+        eager_logits = model(**step_inputs(eager_static)).logits
+        first_call_s = timed(lambda: compiled(**step_inputs(compiled_static)))  # compiles (or loads from disk)
+        compiled_logits = compiled(**step_inputs(compiled_static)).logits
+        eager_logits = model(**step_inputs(eager_static)).logits  # same cache contents: the second step of each
+        max_abs_diff = (compiled_logits.float() - eager_logits.float()).abs().max().item()
+        model(**step_inputs(dynamic))  # warm-up
+        dynamic_s, eager_s, compiled_s = [], [], []
+        for _ in tqdm(range(repeats), desc=f"context {context}", leave=False):
+            dynamic_s.append(timed(lambda: model(**step_inputs(dynamic))))
+            eager_s.append(timed(lambda: model(**step_inputs(eager_static))))
+            compiled_s.append(timed(lambda: compiled(**step_inputs(compiled_static))))
+        profiles = dict(
+            eager_static=op_profile(lambda: model(**step_inputs(eager_static))),
+            compiled_static=op_profile(lambda: compiled(**step_inputs(compiled_static))),
+        )
+    ratios = [e / c for e, c in zip(eager_s, compiled_s, strict=True)]
+    return dict(
+        context=context,
+        eager_paged_s=statistics.median(dynamic_s),
+        eager_static_s=statistics.median(eager_s),
+        compiled_static_s=statistics.median(compiled_s),
+        compiled_min_s=min(compiled_s),
+        eager_static_min_s=min(eager_s),
+        speedup_median=statistics.median(ratios),
+        speedup_min=min(ratios),
+        speedup_max=max(ratios),
+        speedup_vs_paged=statistics.median(dynamic_s) / statistics.median(compiled_s),
+        first_compiled_call_s=first_call_s,
+        graphs_compiled=torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        max_abs_logit_diff=max_abs_diff,
+        times_s=dict(eager_paged=dynamic_s, eager_static=eager_s, compiled_static=compiled_s),
+        op_profile=profiles,
+    )
+
+
+def op_profile(call, steps: int = 3, top: int = 8) -> dict:
+    """torch.profiler over `steps` calls: per-step self CPU time of the top operators, the number of aten operator
+    calls per step and the step's total self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            call()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return dict(
+        total_ms_per_step=sum(e.self_cpu_time_total for e in events) / 1e3 / steps,
+        aten_calls_per_step=sum(e.count for e in events if e.key.startswith("aten::")) / steps,
+        top=[
+            dict(name=e.key[:60], self_ms_per_step=e.self_cpu_time_total / 1e3 / steps, calls_per_step=e.count / steps)
+            for e in events[:top]
+        ],
+    )
+
+
+def compile_probe(quick: bool, context: int) -> float:
+    """Seconds to the end of the first compiled step in this process (model built and cache filled before)."""
+    config = bench_config(quick)
+    model = build_model(config)
+    cache = fill(KDSAStaticCache(config, context + 8), config, context)
+    compiled = model.get_compiled_call(compile_config())
+    with torch.inference_mode():
+        return timed(lambda: compiled(**step_inputs(cache)))
+
+
+def compile_times(quick: bool, context: int, threads: int) -> dict:
+    """Cold and warm compile of the step in two fresh processes sharing a new inductor cache directory."""
+    with tempfile.TemporaryDirectory(prefix="kdsa-inductor-") as cache_dir:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+        results = {}
+        for name in ("cold", "warm"):
+            command = [
+                sys.executable,
+                __file__,
+                "--compile-probe",
+                "--contexts",
+                str(context),
+                "--threads",
+                str(threads),
+            ]
+            if quick:
+                command.append("--quick")
+            output = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+            results[f"{name}_s"] = json.loads(output.strip().splitlines()[-1])["compile_s"]
+    return results
+
+
+def print_table(report: dict) -> None:
+    headers = [
+        "context", "eager paged ms", "eager static ms", "compiled ms", "speedup (median)", "min..max", "graphs",
+        "max |Δlogit|",
+    ]  # fmt: skip
+    rows = [
+        [
+            f"{r['context']:,}",
+            f"{r['eager_paged_s'] * 1e3:.2f}",
+            f"{r['eager_static_s'] * 1e3:.2f}",
+            f"{r['compiled_static_s'] * 1e3:.2f}",
+            f"{r['speedup_median']:.2f}x",
+            f"{r['speedup_min']:.2f}..{r['speedup_max']:.2f}",
+            str(r["graphs_compiled"]),
+            f"{r['max_abs_logit_diff']:.2e}",
+        ]
+        for r in report["decode"]
+    ]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+    print("Whole decode step, batch 1, bf16 (KDSAStaticCache compiled by generate()'s own compile call)")
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
+    for row in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+    for r in report["decode"]:
+        for name, prof in r["op_profile"].items():
+            top = ", ".join(
+                f"{op['name']} {op['self_ms_per_step']:.2f} ms ×{op['calls_per_step']:.0f}" for op in prof["top"][:4]
+            )
+            print(
+                f"  {r['context']:,} {name}: {prof['total_ms_per_step']:.2f} ms/step profiled, "
+                f"{prof['aten_calls_per_step']:.0f} aten calls/step; top: {top}"
+            )
+    if "compile" in report:
+        c = report["compile"]
+        print(
+            f"Compile of the step: cold {c['cold_s']:.1f} s, warm {c['warm_s']:.1f} s (fresh processes, shared cache)"
+        )
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=None, help="cached tokens (default 4096)")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--quick", action="store_true", help="small model, context 128, 3 repeats (smoke test)")
+    parser.add_argument("--skip-compile-times", action="store_true", help="no cold/warm compile probes")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "bench_graph_mode.json")
+    parser.add_argument("--compile-probe", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    previous_threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    contexts = args.contexts or ([128] if args.quick else [4096])
+    try:
+        if args.compile_probe:
+            print(json.dumps(dict(compile_s=compile_probe(args.quick, contexts[0]))))
+            return {}
+        repeats = 3 if args.quick and args.repeats == 10 else args.repeats
+        config = bench_config(args.quick)
+        model = build_model(config)
+        report = dict(
+            command=" ".join([Path(sys.executable).name, *sys.argv]) if argv is None else f"main({argv})",
+            environment=dict(
+                torch=torch.__version__,
+                platform=platform.platform(),
+                threads=torch.get_num_threads(),
+                dtype=str(DTYPE),
+                batch=BATCH,
+            ),
+            quick=args.quick,
+            decode=[measure_context(model, config, context, repeats) for context in contexts],
+        )
+        if not args.skip_compile_times:
+            report["compile"] = compile_times(args.quick, contexts[0], torch.get_num_threads())
+    finally:
+        torch.set_num_threads(previous_threads)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print_table(report)
+    print(f"JSON: {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

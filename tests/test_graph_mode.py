@@ -1,0 +1,324 @@
+"""Graph mode (docs/graph-mode.md): the fixed-capacity `KDSAStaticCache`, the decode step that generate() compiles with
+it, the fixed-shape kernels and MoE paths a compiled graph takes, and `torch.compile(model)` with the paged cache.
+
+Compiles are costly on a shared CPU, so the fast tests trace with dynamo's `eager` backend (the same graph capture,
+`fullgraph` and recompile checks, no inductor code generation); the inductor runs are marked slow.
+"""
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.utils
+from conftest import tiny_model
+from transformers import CompileConfig
+
+from modeling_kdsa import KDSAQuantizationConfig
+from modeling_kdsa.cache import KDSACache
+from modeling_kdsa.dsa_paged_ops import paged_dense_mla_reference, paged_indexer_topk_reference
+from modeling_kdsa.static_cache import KDSAStaticCache, static_dense_mla, static_indexer_topk
+
+CAPTURED_GRAPHS = []
+
+
+def recording_backend(graph_module, example_inputs):
+    """Dynamo's `eager` backend that also keeps the captured FX graphs, so a test can look for host syncs in them."""
+    CAPTURED_GRAPHS.append(graph_module)
+    return graph_module.forward
+
+
+def host_syncs(graphs) -> list[str]:
+    """Ops of the captured graphs that read a tensor's value on the host. torch 2.13 traces `.item()` / `.tolist()`
+    without a graph break (an unbacked scalar), so fullgraph alone does not exclude them; on a GPU each is a sync."""
+    syncs = []
+    for graph in graphs:
+        for node in graph.graph.nodes:
+            if node.op == "call_method" and node.target in ("item", "tolist"):
+                syncs.append(node.target)
+            elif node.op == "call_function" and "_local_scalar_dense" in str(node.target):
+                syncs.append(str(node.target))
+    return syncs
+
+
+def compile_config(backend=recording_backend, **overrides) -> CompileConfig:
+    """What generate() needs to compile on CPU: `_compile_all_devices` (a class attribute, not an init argument)."""
+    config = CompileConfig(fullgraph=True, mode="default", backend=backend, **overrides)
+    config._compile_all_devices = True
+    return config
+
+
+def prompt(batch: int = 2, length: int = 60, padded: int = 5):
+    """Random prompts, the first row left-padded by `padded` tokens. 60 tokens + 32 new cross a page boundary (64)."""
+    ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :padded] = 0
+    return ids, mask
+
+
+def greedy(model, ids, mask, new_tokens, **kwargs):
+    with torch.no_grad():
+        return model.generate(
+            ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens, **kwargs
+        )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    CAPTURED_GRAPHS.clear()
+    yield
+    torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------------------------------- eager static
+
+
+def test_static_cache_eager_is_the_paged_cache():
+    """Uncompiled, the static cache runs the paged kernels over the cached tokens: the same logits, bit for bit."""
+    model = tiny_model()
+    ids, mask = prompt(length=20)
+    dynamic = greedy(model, ids, mask, 12, output_logits=True, return_dict_in_generate=True)
+    static = greedy(
+        model, ids, mask, 12, output_logits=True, return_dict_in_generate=True, cache_implementation="static"
+    )
+    assert torch.equal(dynamic.sequences, static.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(dynamic.logits, static.logits, strict=True))
+
+
+def test_static_cache_state_lives_at_fixed_addresses():
+    model = tiny_model()
+    ids, mask = prompt(length=20)
+    cache = KDSAStaticCache(model.config, max_cache_len=40)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache)
+        addresses = [t.data_ptr() for layer in cache.layers for t in _layer_tensors(layer)]
+        model(ids[:, :1], attention_mask=torch.ones(2, 21, dtype=torch.long), cache=cache)
+    assert [t.data_ptr() for layer in cache.layers for t in _layer_tensors(layer)] == addresses
+    assert int(cache.get_seq_length()) == 21
+    cache.reset()
+    assert int(cache.get_seq_length()) == 0
+    assert [t.data_ptr() for layer in cache.layers for t in _layer_tensors(layer)] == addresses
+
+
+def _layer_tensors(layer):
+    if hasattr(layer, "block_table"):
+        return (*layer._all_planes(), layer.block_table, layer.num_tokens)
+    return (layer.conv_states[0], layer.recurrent_states[0])
+
+
+def test_static_cache_refusals():
+    model = tiny_model()
+    ids, mask = prompt(length=10)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        KDSAStaticCache(model.config, max_cache_len=0)
+    cache = KDSAStaticCache(model.config, max_cache_len=16)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="padding mask"):
+            model(ids, attention_mask=torch.ones(2, 200, dtype=torch.long), cache=cache)
+        model(ids, attention_mask=mask, cache=cache)
+        with pytest.raises(ValueError, match="capacity exceeded"):
+            model(ids, cache=cache)
+    assert int(cache.get_seq_length()) == 10  # the refused forward wrote nothing
+    with pytest.raises(ValueError, match="crop"):
+        cache.crop(5)
+    with pytest.raises(ValueError, match="reorder_cache"):
+        cache.reorder_cache(torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="speculative decoding"):
+        greedy(model, ids, None, 4, cache_implementation="static", prompt_lookup_num_tokens=3)
+    with pytest.raises(ValueError, match="beam search"):
+        greedy(model, ids, None, 4, cache_implementation="static", num_beams=2)
+
+
+# ----------------------------------------------------------------------------------------------- fixed-shape kernels
+
+
+def test_static_kernels_match_the_paged_references():
+    """The kernels a compiled step runs score / attend over every slot of the block table under a mask; they select
+    what the paged reference selects (extra slots -1) and attend to the same keys."""
+    generator = torch.Generator().manual_seed(3)
+    batch, page_size, pages_per_row, num_keys, topk = 2, 4, 5, 13, 6
+    pool = batch * pages_per_row
+    table = torch.randperm(pool, generator=generator).view(batch, pages_per_row)  # any mapping, not just arange
+    index_pages = torch.randn(pool, page_size, 16, generator=generator)
+    kv_pages = torch.randn(pool, page_size, 24, generator=generator)
+    padding = torch.ones(batch, pages_per_row * page_size, dtype=torch.bool)
+    padding[0, :3] = False
+    for num_queries in (1, 3):
+        query_start = num_keys - num_queries
+        q_index = torch.randn(batch, num_queries, 2, 16, generator=generator)
+        weights = torch.randn(batch, num_queries, 2, generator=generator)
+        expected = paged_indexer_topk_reference(
+            q_index, weights, index_pages, table, num_keys, topk, query_start, padding[:, :num_keys]
+        )
+        got = static_indexer_topk(
+            q_index, weights, index_pages, table, torch.tensor(num_keys), topk, torch.tensor(query_start), padding
+        )
+        assert got.shape[-1] == topk
+        assert torch.equal(got[..., : expected.shape[-1]], expected)
+        assert bool((got[..., expected.shape[-1] :] == -1).all())
+
+        q_latent = torch.randn(batch, num_queries, 3, 16, generator=generator)
+        q_pe = torch.randn(batch, num_queries, 3, 8, generator=generator)
+        expected = paged_dense_mla_reference(
+            q_latent, q_pe, kv_pages, table, num_keys, query_start, 0.3, padding[:, :num_keys]
+        )
+        got = static_dense_mla(
+            q_latent, q_pe, kv_pages, table, torch.tensor(num_keys), torch.tensor(query_start), 0.3, padding
+        )
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        {},
+        {"swiglu_limit": 0.05},  # GLM's clamp, active at these activation sizes
+        {"hidden_act": "situ"},  # Kimi K3's SiTU
+        {"routed_expert_weight_format": "mxfp4", "moe_intermediate_size": 64},  # packed experts, dequantized at use
+    ],
+    ids=["silu", "clamp", "situ", "mxfp4"],
+)
+def test_fixed_shape_moe_paths_match_the_grouped_loop(features):
+    """The compiled MoE paths run each expert exactly as the eager loop does: activation, clamp, packed weights."""
+    model = tiny_model(**features)
+    moe = model.model.layers[1].mlp
+    for tokens in (1, 9):  # decode (gathered weights) and many tokens (dense over the experts)
+        hidden = torch.randn(tokens, model.config.hidden_size)
+        indices, weights = moe.gate(hidden)
+        expected = moe.experts(hidden, indices, weights)
+        torch.testing.assert_close(moe.experts._forward_gathered(hidden, indices, weights), expected)
+        torch.testing.assert_close(moe.experts._forward_dense(hidden, indices, weights), expected)
+
+
+# ----------------------------------------------------------------------------------------------- compiled decode
+
+
+def test_compiled_static_decode_is_one_graph_and_gives_eager_tokens():
+    """generate(cache_implementation="static") compiles the decode step with fullgraph=True (no graph break, no host
+    sync), one graph for 32 steps of a growing context that crosses a page boundary, and the tokens of eager decoding
+    with the paged cache (left padding included)."""
+    model = tiny_model()
+    ids, mask = prompt()
+    expected = greedy(model, ids, mask, 32)
+    got = greedy(model, ids, mask, 32, cache_implementation="static", compile_config=compile_config())
+    assert hasattr(model, "_compiled_call")  # generate() did take the compiled path
+    assert torch.equal(got, expected)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert len(CAPTURED_GRAPHS) == 1 and host_syncs(CAPTURED_GRAPHS) == []
+
+
+# Dense MLA ("full_attention"), a shared-indexer DSA layer, mHC and group routing in one model.
+OTHER_LAYER_KINDS = dict(
+    layer_types=["linear_attention", "indexed_attention", "indexed_attention", "full_attention"],
+    indexer_types=["full", "full", "shared", "full"],
+    attn_res_block_size=0,
+    hc_mult=2,
+    n_group=2,
+    topk_group=1,
+)
+
+
+def test_compiled_static_decode_other_layer_kinds():
+    model = tiny_model(**OTHER_LAYER_KINDS)
+    ids, mask = prompt(length=30)
+    expected = greedy(model, ids, mask, 16)
+    assert torch.equal(greedy(model, ids, mask, 16, cache_implementation="static"), expected)
+    got = greedy(model, ids, mask, 16, cache_implementation="static", compile_config=compile_config())
+    assert torch.equal(got, expected)
+    assert len(CAPTURED_GRAPHS) == 1 and host_syncs(CAPTURED_GRAPHS) == []
+
+
+def test_static_cache_refuses_the_kpool_indexer():
+    config = tiny_model().config
+    config.index_kpool = 4
+    with pytest.raises(ValueError, match="index_kpool"):
+        KDSAStaticCache(config, max_cache_len=32)
+
+
+@pytest.mark.slow
+def test_compiled_static_decode_inductor_256_steps():
+    """Inductor, 256 compiled steps (tokens exactly eager's), then a second generate() without a recompile."""
+    model = tiny_model()
+    ids, mask = prompt(length=30)
+    expected = greedy(model, ids, mask, 256)
+    config = compile_config(backend="inductor")
+    got = greedy(model, ids, mask, 256, cache_implementation="static", compile_config=config)
+    assert torch.equal(got, expected)
+    again = greedy(model, ids, mask, 256, cache_implementation="static", compile_config=config)
+    assert torch.equal(again, expected)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+# ------------------------------------------------------------------------------------- torch.compile(model), paged
+
+
+def _compiled_forward_matches_eager(backend: str, **config):
+    model = tiny_model(**config)
+    ids, mask = prompt(length=12, padded=3)
+    with torch.no_grad():
+        cache = KDSACache(model.config)
+        expected = [model(ids, attention_mask=mask, cache=cache).logits]
+        steps = [expected[0][:, -1:].argmax(-1)]
+        for _ in range(2):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+            expected.append(model(steps[-1], attention_mask=mask, cache=cache).logits)
+            steps.append(expected[-1].argmax(-1))
+        compiled = torch.compile(model, backend=backend)
+        cache = KDSACache(model.config)
+        mask = mask[:, :12]
+        got = [compiled(ids, attention_mask=mask, cache=cache).logits]
+        for step in steps[:2]:
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+            got.append(compiled(step, attention_mask=mask, cache=cache).logits)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("residual", [dict(), dict(attn_res_block_size=0, hc_mult=2)], ids=["attn_res", "mhc"])
+def test_torch_compile_model_with_paged_cache_traces(residual):
+    """`torch.compile(model)` forward (prefill, then decode steps) with the paged cache gives eager's logits."""
+    _compiled_forward_matches_eager("eager", **residual)
+
+
+def test_paged_cache_graph_breaks_only_in_the_page_allocator():
+    """The page allocator (host code) is the only graph break, and it runs before the layer loop (`reserve` from
+    `begin_forward`): a break inside a decoder layer made the residual stream cross compiled frames, which crashed
+    inductor (docs/graph-mode.md §1)."""
+    model = tiny_model()
+    cache = KDSACache(model.config)
+    ids, mask = prompt(length=12, padded=3)
+    with torch.no_grad():
+        for step in (ids, ids[:, :1]):
+            if step is not ids:
+                mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+            explanation = torch._dynamo.explain(model)(step, attention_mask=mask, cache=cache)
+            assert explanation.break_reasons
+            layer_files = ("dsa.py", "kda.py", "moe.py", "attn_res.py", "hyper_connections.py", "dsa_paged_ops.py")
+            for reason in explanation.break_reasons:
+                frames = [(frame.filename.rsplit("/", 1)[-1], frame.name) for frame in reason.user_stack]
+                assert frames[-1] == ("cache.py", "_prepare_pages"), frames
+                assert not any(name in ("_write", "append") or file in layer_files for file, name in frames), frames
+
+
+@pytest.mark.slow
+def test_torch_compile_model_with_paged_cache_inductor():
+    """Inductor with default options: the residual stream no longer crosses compiled frames (it crashed with
+    `NameError: name 's37' is not defined`)."""
+    _compiled_forward_matches_eager("inductor")
+
+
+def test_quantized_static_cache_eager_and_compiled():
+    """FP8 latent tiles and MXFP8 indexer keys in the static pools: eager equals the paged cache bit for bit, the
+    compiled step (one graph, no host sync) gives the same tokens."""
+    model = tiny_model(index_head_dim=32, kv_lora_rank=128)
+    model.config.quantization_config = KDSAQuantizationConfig()
+    ids, mask = prompt(length=20)
+    paged = greedy(model, ids, mask, 12, output_logits=True, return_dict_in_generate=True)
+    static = greedy(
+        model, ids, mask, 12, output_logits=True, return_dict_in_generate=True, cache_implementation="static"
+    )
+    assert torch.equal(paged.sequences, static.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(paged.logits, static.logits, strict=True))
+    compiled = greedy(model, ids, mask, 12, cache_implementation="static", compile_config=compile_config())
+    assert torch.equal(compiled, paged.sequences)
+    assert len(CAPTURED_GRAPHS) == 1 and host_syncs(CAPTURED_GRAPHS) == []
