@@ -315,4 +315,12 @@ def load_balancing_loss(
     return num_experts * ((assignments / tokens) * (probability_sums / tokens)).sum()
 
 
-__all__ = ["GatedActivation", "load_balancing_loss", "KDSAMLP", "KDSATopkRouter", "KDSAExperts", "KDSAMoE", "situ_and_mul"]
+__all__ = [
+    "GatedActivation",
+    "load_balancing_loss",
+    "KDSAMLP",
+    "KDSATopkRouter",
+    "KDSAExperts",
+    "KDSAMoE",
+    "situ_and_mul",
+]

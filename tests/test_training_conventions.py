@@ -35,7 +35,7 @@ def test_router_logits_are_each_moe_layers_logits_and_change_nothing_else(model)
     assert plain.router_logits is None and plain.aux_loss is None
     assert len(out.router_logits) == 3 == len(moe_inputs)
     moe_layers = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, KDSAMoE)]
-    for logits, moe, moe_input in zip(out.router_logits, moe_layers, moe_inputs):
+    for logits, moe, moe_input in zip(out.router_logits, moe_layers, moe_inputs, strict=True):
         assert logits.shape == (2 * 12, 4) and logits.dtype == torch.float32
         expected = moe_input.reshape(-1, moe_input.shape[-1]).float() @ moe.gate.weight.float().T
         torch.testing.assert_close(logits, expected)

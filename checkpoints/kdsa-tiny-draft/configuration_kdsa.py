@@ -84,6 +84,11 @@ class KDSAConfig(PreTrainedConfig):
         elsewhere). These are the eager kernels; a compiled decode step with `KDSAStaticCache`
         (`generate(cache_implementation="static", compile_config=...)`) runs fixed-shape kernels whatever the backend
         (docs/graph-mode.md §2, §3).
+    output_router_logits (`bool`): transformers' MoE training output: return each MoE layer's router logits
+        (`router_logits`, one `[batch·seq, n_routed_experts]` fp32 tensor per sparse layer) and the load-balancing
+        `aux_loss`, added to the LM loss times `router_aux_loss_coef` when labels are given (docs/design.md §9).
+        Default False: no router output, today's loss.
+    router_aux_loss_coef (`float`): weight of the load-balancing loss in the training loss (Glm5Next's 0.001).
     """
 
     model_type = "kdsa"
@@ -182,6 +187,9 @@ class KDSAConfig(PreTrainedConfig):
     routed_expert_weight_format: str = "dense"
     # Kernels
     kernel_backend: str = "auto"
+    # MoE training outputs (transformers' Mixtral / Glm5Next names): router logits and the load-balancing loss
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self, **kwargs):
         # transformers only warns when a config.json of another model type is loaded into this class, then keeps the
@@ -271,6 +279,8 @@ class KDSAConfig(PreTrainedConfig):
         self._check_indexer_variants()
         self._check_glm_fields()
         self._check_k3_fields()
+        if not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         # The Triton indexer scores one key per token (docs/backends.md §4).
