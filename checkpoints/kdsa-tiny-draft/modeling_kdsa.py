@@ -349,6 +349,11 @@ class KDSAModel(KDSAPreTrainedModel):
                 )
             )
         token_mask = None
+        internal_cache = cache is None and torch.compiler.is_exporting()
+        if internal_cache:
+            # torch.export: a cache-less forward stages MLA keys in a paged store whose allocator is host code; a
+            # static cache of the input's length gives the same attention with fixed shapes (docs/graph-mode.md §7).
+            cache = KDSAStaticCache(self.config, max_cache_len=seq_len)
         if isinstance(cache, KDSAStaticCache):
             # Fixed shapes, no host sync (docs/graph-mode.md §2): the mask is padded to the capacity and the token
             # count is a 0-d tensor; the capacity check runs only eagerly.
@@ -403,7 +408,7 @@ class KDSAModel(KDSAPreTrainedModel):
             all_hidden_states.append(hidden_states)
         return MoeModelOutputWithPast(
             last_hidden_state=hidden_states,
-            cache=cache if use_cache else None,
+            cache=cache if use_cache and not internal_cache else None,
             hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
             router_logits=tuple(all_router_logits) if output_router_logits else None,
         )
