@@ -93,29 +93,8 @@ class KDSAConfig(PreTrainedConfig):
 
     model_type = "kdsa"
     keys_to_ignore_at_inference = ["past_key_values"]
-    # Heads and experts are sharded; KDA and DSA mixers have different attribute names (`linear_attn`,
-    # `self_attn`) so that one plan entry can never hit the other mixer (docs/design.md §2).
-    base_model_tp_plan = {
-        "layers.*.self_attn.q_proj": "colwise",  # MLA without q LoRA (Kimi-Linear)
-        "layers.*.self_attn.q_b_proj": "colwise",
-        "layers.*.self_attn.kv_b_proj": "colwise",
-        "layers.*.self_attn.g_proj": "colwise",  # Kimi K3's MLA output gate, per head like the output it gates
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
-        "layers.*.mlp.experts.down_proj": "rowwise",
-        "layers.*.mlp.experts": "moe_tp_experts",
-        "layers.*.mlp.shared_experts.gate_proj": "colwise",
-        "layers.*.mlp.shared_experts.up_proj": "colwise",
-        "layers.*.mlp.shared_experts.down_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-    }
-    base_model_pp_plan = {
-        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
-        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
-        "norm": (["hidden_states"], ["hidden_states"]),
-    }
+    # No `base_model_tp_plan` / `base_model_pp_plan`: transformers' tensor and pipeline parallelism cannot drive these
+    # layers; tensor parallelism is modeling_kdsa.parallel.apply_tensor_parallel (docs/parallel.md §6).
     attribute_map = {"num_local_experts": "n_routed_experts"}
 
     vocab_size: int = 32000

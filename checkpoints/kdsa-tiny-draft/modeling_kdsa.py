@@ -466,8 +466,6 @@ class KDSAModel(KDSAPreTrainedModel):
 
 class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _tp_plan = {"lm_head": "colwise_gather_output"}
-    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: KDSAConfig):
         super().__init__(config)
@@ -480,7 +478,14 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """Also loads a local folder of a published family checkpoint (config.json `model_type` `deepseek_v32`,
         `kimi_linear`, `glm5_next` or `kimi_k3`), converting config and weights at load (conversion.py,
-        docs/checkpoint-conversion.md §1); any field or tensor KDSA cannot reproduce is a ValueError."""
+        docs/checkpoint-conversion.md §1); any field or tensor KDSA cannot reproduce is a ValueError.
+        transformers' `tp_plan` is refused: tensor parallelism is `apply_tensor_parallel` (docs/parallel.md §6)."""
+        if kwargs.get("tp_plan") is not None:
+            raise ValueError(
+                f"tp_plan={kwargs['tp_plan']!r} is not supported: transformers' tensor-parallel styles cannot cut the "
+                "KDA layers by head, and the MLA layers read their head count from the config. Load the model whole, "
+                "then shard it with modeling_kdsa.parallel.apply_tensor_parallel(model, mesh) (docs/parallel.md §6)"
+            )
         config_file = os.path.join(str(pretrained_model_name_or_path), "config.json")
         if kwargs.get("config") is None and os.path.isfile(config_file):
             with open(config_file) as f:

@@ -3,9 +3,7 @@
 Router math: docs/design.md §2 (sigmoid scores in fp32, the score-correction bias only selects, renormalise,
 routed scaling; group-limited routing as in DeepSeek-V3, arXiv:2412.19437, and its `noaux_tc` gate). Kimi K3's
 LatentMoE, SiTU activation and MXFP4 routed experts: docs/kimi-k3.md §3-§4. Parameter
-names and layouts follow transformers' `DeepseekV3MoE` so that
-checkpoints map one to one and the config's tensor-parallel plan (`packed_colwise`, `rowwise`, `moe_tp_experts`)
-applies unchanged.
+names and layouts follow transformers' `DeepseekV3MoE` so that checkpoints map one to one.
 """
 
 import torch
