@@ -75,6 +75,12 @@ def test_transformers_tp_plan_is_refused_and_no_plan_is_declared():
     assert KDSAForCausalLM._tp_plan is None and KDSAForCausalLM._pp_plan is None
 
 
+def test_continuous_batching_is_a_clear_error(model):
+    """transformers' manager would fail on `Invalid layer type: linear_attention` (docs/design.md §11)."""
+    with pytest.raises(ValueError, match="continuous batching .* is not supported: .* recurrent state"):
+        model.generate_batch(inputs=[[5, 6, 7]])
+
+
 def test_output_attentions_is_refused(model):
     with pytest.raises(ValueError, match="output_attentions"):
         model(ids(), output_attentions=True)

@@ -536,6 +536,16 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
         )
 
+    def init_continuous_batching(self, *args, **kwargs):
+        """transformers' continuous batching (`generate_batch`, `ContinuousBatchingManager`, `transformers serve
+        --continuous-batching`) is refused here, where every entry point passes (docs/design.md §11)."""
+        raise ValueError(
+            "continuous batching (generate_batch / init_continuous_batching) is not supported: transformers' "
+            "ContinuousBatchingManager pages only per-head K/V of 'full_attention' / 'sliding_attention' layers and "
+            "runs packed ragged batches through its attention kernels; KDA layers keep a recurrent state and DSA / "
+            "MLA layers a latent + indexer cache (KDSACache). Use generate() with a batch (left padding)"
+        )
+
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache, **kwargs):
         """What generate() passes a compileable cache as the mask (instead of transformers' per-layer-type 4-D masks):
         KDSA takes the 2-D padding mask, padded to the static capacity so that its shape never changes between decode
