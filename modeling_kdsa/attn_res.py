@@ -9,6 +9,8 @@ and the running partial sum of the current block). AttnRes is position-wise: not
 it needs no cache entries and works for any `[B, T]`, decode (`T = 1`) included.
 """
 
+import copy
+
 import torch
 from torch import nn
 
@@ -117,6 +119,13 @@ class BlockAttnResStream:
         self.partial = output if self.partial is None else self.partial + output
         self.awaiting_output = False
         self.next_sublayer += 1
+
+    def copy(self) -> "BlockAttnResStream":
+        """An independent stream in the same state (the tensors shared, never modified in place; the block lists
+        copied), for a layer that must leave its input stream as it was (docs/design.md §10)."""
+        clone = copy.copy(self)
+        clone.blocks, clone.block_inv_rms = list(self.blocks), list(self.block_inv_rms)
+        return clone
 
     def final(self, depth_attn: KDSADepthAttention | None = None) -> torch.Tensor:
         """The stream's output `[B, T, D]`, to be fed to the final norm, after every sublayer has run.

@@ -3,9 +3,7 @@
 Router math: docs/design.md §2 (sigmoid scores in fp32, the score-correction bias only selects, renormalise,
 routed scaling; group-limited routing as in DeepSeek-V3, arXiv:2412.19437, and its `noaux_tc` gate). Kimi K3's
 LatentMoE, SiTU activation and MXFP4 routed experts: docs/kimi-k3.md §3-§4. Parameter
-names and layouts follow transformers' `DeepseekV3MoE` so that
-checkpoints map one to one and the config's tensor-parallel plan (`packed_colwise`, `rowwise`, `moe_tp_experts`)
-applies unchanged.
+names and layouts follow transformers' `DeepseekV3MoE` so that checkpoints map one to one.
 """
 
 import torch
@@ -97,7 +95,14 @@ class KDSATopkRouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden_states: [N, D]` → `(topk_indices [N, k] int64, topk_weights [N, k] fp32)`."""
-        router_logits = F.linear(hidden_states.float(), self.weight.float())  # [N, E]
+        return self.route(self.logits(hidden_states))
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The router logits `[N, E]` in fp32 (before the sigmoid): what `output_router_logits` returns."""
+        return F.linear(hidden_states.float(), self.weight.float())
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`router_logits: [N, E]` → `(topk_indices [N, k] int64, topk_weights [N, k] fp32)`."""
         scores = router_logits.sigmoid()
         # The bias steers which experts are chosen (load balancing) but never how much they weigh.
         scores_for_choice = scores + self.e_score_correction_bias
@@ -265,9 +270,13 @@ class KDSAMoE(nn.Module):
                 KDSARMSNorm(latent, eps=config.rms_norm_eps) if config.latent_moe_use_norm else None
             )
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, output_router_logits: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`[B, T, D]` → `[B, T, D]`; with `output_router_logits`, also the router logits `[B·T, E]` fp32."""
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])  # [N, D]
-        topk_indices, topk_weights = self.gate(tokens)
+        router_logits = self.gate.logits(tokens)
+        topk_indices, topk_weights = self.gate.route(router_logits)
         if self.latent:
             routed = self.experts(self.routed_expert_down_proj(tokens), topk_indices, topk_weights)
             if self.routed_expert_norm is not None:
@@ -277,7 +286,39 @@ class KDSAMoE(nn.Module):
             output = self.experts(tokens, topk_indices, topk_weights).reshape(hidden_states.shape)
         if self.shared_experts is not None:
             output = output + self.shared_experts(hidden_states)
-        return output
+        return (output, router_logits) if output_router_logits else output
 
 
-__all__ = ["GatedActivation", "KDSAMLP", "KDSATopkRouter", "KDSAExperts", "KDSAMoE", "situ_and_mul"]
+def load_balancing_loss(
+    router_logits: tuple[torch.Tensor, ...], top_k: int, token_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The Switch Transformer load-balancing loss (arXiv:2101.03961 eqs. 4-6) in transformers' MoE convention
+    (docs/design.md §9): per token, a softmax over each layer's router logits `[N, E]` and its top-`top_k` experts;
+    `f_e` = share of (token, slot) assignments to expert e, `P_e` = mean softmax probability of e, both pooled over
+    all layers; loss = `E · Σ_e f_e · P_e` (`top_k` when perfectly balanced). `token_mask: [N]` (1 = real token)
+    leaves padding out. Returns a 0-d fp32 tensor."""
+    num_experts = router_logits[0].shape[-1]
+    assignments = router_logits[0].new_zeros(num_experts, dtype=torch.float32)
+    probability_sums = router_logits[0].new_zeros(num_experts, dtype=torch.float32)
+    weights = None if token_mask is None else token_mask.reshape(-1, 1).float()
+    tokens = 0.0
+    for logits in router_logits:
+        probs = logits.float().softmax(dim=-1)  # [N, E]
+        chosen = F.one_hot(probs.topk(top_k, dim=-1).indices, num_experts).sum(dim=1).float()  # [N, E]
+        if weights is not None:
+            probs, chosen = probs * weights, chosen * weights
+        assignments = assignments + chosen.sum(dim=0)
+        probability_sums = probability_sums + probs.sum(dim=0)
+        tokens = tokens + (probs.shape[0] if weights is None else weights.sum())
+    return num_experts * ((assignments / tokens) * (probability_sums / tokens)).sum()
+
+
+__all__ = [
+    "GatedActivation",
+    "load_balancing_loss",
+    "KDSAMLP",
+    "KDSATopkRouter",
+    "KDSAExperts",
+    "KDSAMoE",
+    "situ_and_mul",
+]

@@ -97,6 +97,11 @@ def _prefill_error(model, input_ids: torch.Tensor, mesh: ParallelMesh, layout: s
         )
     if seq_len > config.max_position_embeddings:
         return f"sequence length {seq_len} exceeds max_position_embeddings={config.max_position_embeddings}"
+    if config.output_router_logits:
+        return (
+            "context-parallel prefill does not return router logits (output_router_logits=True): it returns the "
+            "logits only; set config.output_router_logits=False for the prefill"
+        )
     if config.index_kpool > 1:
         return f"context-parallel prefill does not support the k-pool indexer (index_kpool={config.index_kpool})"
     layer_kinds = zip(config.layer_types, config.indexer_types, strict=True)

@@ -66,6 +66,21 @@ def test_generate_with_new_tokens_only_and_the_full_mask(model):
     assert torch.equal(out[:, -4:], expected[:, -4:])
 
 
+def test_transformers_tp_plan_is_refused_and_no_plan_is_declared():
+    """transformers' tp_plan cannot shard KDSA (docs/parallel.md §6): a clear error, not a failure in the forward."""
+    with pytest.raises(ValueError, match="tp_plan='auto' is not supported.*apply_tensor_parallel"):
+        KDSAForCausalLM.from_pretrained(CHECKPOINT, tp_plan="auto")
+    config = KDSAForCausalLM.config_class()
+    assert config.base_model_tp_plan is None and config.base_model_pp_plan is None
+    assert KDSAForCausalLM._tp_plan is None and KDSAForCausalLM._pp_plan is None
+
+
+def test_continuous_batching_is_a_clear_error(model):
+    """transformers' manager would fail on `Invalid layer type: linear_attention` (docs/design.md §11)."""
+    with pytest.raises(ValueError, match="continuous batching .* is not supported: .* recurrent state"):
+        model.generate_batch(inputs=[[5, 6, 7]])
+
+
 def test_output_attentions_is_refused(model):
     with pytest.raises(ValueError, match="output_attentions"):
         model(ids(), output_attentions=True)

@@ -169,6 +169,12 @@ def test_cp_path_rejects_short_prompt_and_used_cache():
         context_parallel_prefill(model, torch.tensor([[5, 6, 7]]), single_process_mesh(), cache=static)
 
 
+def test_cp_path_refuses_router_logits():
+    model = tiny_model(output_router_logits=True)
+    with pytest.raises(ValueError, match="output_router_logits"):
+        context_parallel_prefill(model, torch.tensor([[5, 6, 7, 8]]), single_process_mesh())
+
+
 @torch.no_grad()
 def test_cp_path_single_process_glm_features():
     """GLM-5.3-Flash's features run under the CP path as in the model: the bounded KDA gate (CP computes the gate

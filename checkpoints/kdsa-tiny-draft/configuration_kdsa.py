@@ -84,33 +84,17 @@ class KDSAConfig(PreTrainedConfig):
         elsewhere). These are the eager kernels; a compiled decode step with `KDSAStaticCache`
         (`generate(cache_implementation="static", compile_config=...)`) runs fixed-shape kernels whatever the backend
         (docs/graph-mode.md §2, §3).
+    output_router_logits (`bool`): transformers' MoE training output: return each MoE layer's router logits
+        (`router_logits`, one `[batch·seq, n_routed_experts]` fp32 tensor per sparse layer) and the load-balancing
+        `aux_loss`, added to the LM loss times `router_aux_loss_coef` when labels are given (docs/design.md §9).
+        Default False: no router output, today's loss.
+    router_aux_loss_coef (`float`): weight of the load-balancing loss in the training loss (Glm5Next's 0.001).
     """
 
     model_type = "kdsa"
     keys_to_ignore_at_inference = ["past_key_values"]
-    # Heads and experts are sharded; KDA and DSA mixers have different attribute names (`linear_attn`,
-    # `self_attn`) so that one plan entry can never hit the other mixer (docs/design.md §2).
-    base_model_tp_plan = {
-        "layers.*.self_attn.q_proj": "colwise",  # MLA without q LoRA (Kimi-Linear)
-        "layers.*.self_attn.q_b_proj": "colwise",
-        "layers.*.self_attn.kv_b_proj": "colwise",
-        "layers.*.self_attn.g_proj": "colwise",  # Kimi K3's MLA output gate, per head like the output it gates
-        "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
-        "layers.*.mlp.experts.down_proj": "rowwise",
-        "layers.*.mlp.experts": "moe_tp_experts",
-        "layers.*.mlp.shared_experts.gate_proj": "colwise",
-        "layers.*.mlp.shared_experts.up_proj": "colwise",
-        "layers.*.mlp.shared_experts.down_proj": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-    }
-    base_model_pp_plan = {
-        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
-        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
-        "norm": (["hidden_states"], ["hidden_states"]),
-    }
+    # No `base_model_tp_plan` / `base_model_pp_plan`: transformers' tensor and pipeline parallelism cannot drive these
+    # layers; tensor parallelism is modeling_kdsa.parallel.apply_tensor_parallel (docs/parallel.md §6).
     attribute_map = {"num_local_experts": "n_routed_experts"}
 
     vocab_size: int = 32000
@@ -182,6 +166,9 @@ class KDSAConfig(PreTrainedConfig):
     routed_expert_weight_format: str = "dense"
     # Kernels
     kernel_backend: str = "auto"
+    # MoE training outputs (transformers' Mixtral / Glm5Next names): router logits and the load-balancing loss
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self, **kwargs):
         # transformers only warns when a config.json of another model type is loaded into this class, then keeps the
@@ -271,6 +258,8 @@ class KDSAConfig(PreTrainedConfig):
         self._check_indexer_variants()
         self._check_glm_fields()
         self._check_k3_fields()
+        if not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         # The Triton indexer scores one key per token (docs/backends.md §4).

@@ -12,6 +12,8 @@ mixing the old streams into the new ones (comb). Like AttnRes, nothing here read
 cache entries, and decode (`T = 1`) runs the same code.
 """
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -112,6 +114,10 @@ class HyperConnectionStream:
         self.streams = post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + mixed
         self.pending = None
         self.next_sublayer += 1
+
+    def copy(self) -> "HyperConnectionStream":
+        """An independent stream in the same state (tensors shared, never modified in place; docs/design.md §10)."""
+        return copy.copy(self)
 
     def final(self, depth_attention: None = None) -> torch.Tensor:
         """The mean over the N streams `[B, T, D]`, to be fed to the final norm, after every sublayer has run.

@@ -13,9 +13,11 @@ import os
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 from transformers.generation import GenerationMixin, GenerationMode
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
@@ -27,7 +29,7 @@ from .conversion import FOREIGN_MODEL_TYPES, REGISTRATION_LOCK, load_foreign
 from .dsa import KDSAIndexer, KDSAMultiLatentAttention, KDSASparseAttention
 from .hyper_connections import HyperConnectionStream, KDSAHyperConnection
 from .kda import KDSAKimiDeltaAttention
-from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter
+from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter, load_balancing_loss
 from .norms import KDSARMSNorm
 from .numeric_formats import mxfp4_quantize
 from .rotary import KDSARotaryEmbedding
@@ -52,8 +54,11 @@ class PlainResidualStream:
     def final(self, depth_attention: KDSADepthAttention | None = None) -> torch.Tensor:
         return self.hidden_states
 
+    def copy(self) -> "PlainResidualStream":
+        return PlainResidualStream(self.hidden_states)
 
-class KDSADecoderLayer(nn.Module):
+
+class KDSADecoderLayer(GradientCheckpointingLayer):
     """One layer = two sublayers: a token mixer (KDA, DSA or dense MLA) and a feed-forward (dense MLP or MoE)."""
 
     def __init__(self, config: KDSAConfig, layer_idx: int):
@@ -93,13 +98,26 @@ class KDSADecoderLayer(nn.Module):
         cache: KDSACache | None,
         topk_indices: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        output_router_logits: bool = False,
+    ) -> tuple[
+        PlainResidualStream | BlockAttnResStream | HyperConnectionStream,
+        torch.Tensor,
+        torch.Tensor | None,
+        torch.Tensor | None,
+    ]:
         """Advance `stream` by this layer's two sublayers. `attention_mask`: 2-D `[B, S]` padding mask over all keys
         (past + current; with a `KDSAStaticCache`, `[B, capacity]`) or None when nothing is padded. `topk_indices`:
         the previous layer's DSA selection, for a shared-indexer layer. `token_mask`: `[B, T]`, the mask of the current
-        tokens (default: the last T columns of `attention_mask`). Returns the stream value this layer read (its token
-        mixer's input before the norm: the layer's entry in `output_hidden_states`) and this layer's selection when
-        the next layer shares it, else None."""
+        tokens (default: the last T columns of `attention_mask`).
+
+        Returns `(stream, layer_input, handed_over, router_logits)`: the advanced stream (the same object, or under
+        gradient checkpointing an advanced copy), the stream value this layer read (its token mixer's input before
+        the norm: the layer's entry in `output_hidden_states`), this layer's selection when the next layer shares it
+        (else None), and with `output_router_logits` the MoE router logits `[B·T, E]` (None for a dense MLP)."""
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            # The backward pass replays this forward from the stream object it was given: leave that one untouched
+            # and advance a copy (docs/design.md §10).
+            stream = stream.copy()
         attn_idx, mlp_idx = 2 * self.layer_idx, 2 * self.layer_idx + 1
         layer_input = stream.input_for(attn_idx)
         hidden_states = self.input_layernorm(layer_input)
@@ -131,15 +149,21 @@ class KDSADecoderLayer(nn.Module):
             mixed, handed_over = mixed
         stream.add_output(attn_idx, mixed)
         hidden_states = self.post_attention_layernorm(stream.input_for(mlp_idx))
-        stream.add_output(mlp_idx, self.mlp(hidden_states))
-        return layer_input, handed_over
+        router_logits = None
+        if output_router_logits and isinstance(self.mlp, KDSAMoE):
+            mlp_output, router_logits = self.mlp(hidden_states, output_router_logits=True)
+        else:
+            mlp_output = self.mlp(hidden_states)
+        stream.add_output(mlp_idx, mlp_output)
+        return stream, layer_input, handed_over, router_logits
 
 
 class KDSAPreTrainedModel(PreTrainedModel):
     config: KDSAConfig
     config_class = KDSAConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = False
+    # The decoder layers replay from a copy of the residual stream (docs/design.md §10); non-reentrant only.
+    supports_gradient_checkpointing = True
     _no_split_modules = ["KDSADecoderLayer"]
     _skip_keys_device_placement = ["past_key_values", "cache"]
     _supports_sdpa = False
@@ -167,6 +191,21 @@ class KDSAPreTrainedModel(PreTrainedModel):
         "ffn_hc.base",
         "ffn_hc.scale",
     ]
+
+    def _set_gradient_checkpointing(
+        self, enable: bool = True, gradient_checkpointing_func=checkpoint, every_n_layers: int = 1
+    ):
+        """transformers' switch (`gradient_checkpointing_enable`), refusing reentrant checkpointing: it passes
+        gradients only through tensor arguments, and a layer's input is a residual-stream object
+        (docs/design.md §10), so the gradients would be silently wrong."""
+        if enable and getattr(gradient_checkpointing_func, "keywords", {}).get("use_reentrant") is not False:
+            raise ValueError(
+                "KDSA supports only non-reentrant gradient checkpointing: pass gradient_checkpointing_kwargs="
+                "{'use_reentrant': False} (transformers' default; torch's checkpoint treats an unset use_reentrant as "
+                "True). Reentrant checkpointing back-propagates only through tensor arguments, and KDSA decoder "
+                "layers take the residual stream as an object"
+            )
+        super()._set_gradient_checkpointing(enable, gradient_checkpointing_func, every_n_layers)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -227,6 +266,7 @@ class KDSAModel(KDSAPreTrainedModel):
         self.rotary_emb = KDSARotaryEmbedding(config) if uses_rope else None
         if config.attn_res_block_size > 0 and config.attn_res_final_aggregation:
             self.output_attn_res = KDSADepthAttention(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False  # set by gradient_checkpointing_enable (docs/design.md §10)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -247,11 +287,26 @@ class KDSAModel(KDSAPreTrainedModel):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
+        output_router_logits: bool | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> MoeModelOutputWithPast:
         """`output_hidden_states`: the embeddings, then each layer's input as it reads it from the residual stream
         (with Block AttnRes: its depth-attended input), then the final normed output: `num_hidden_layers + 1`
-        tensors, transformers' convention. `output_attentions` is refused: KDA and DSA form no attention matrix."""
+        tensors, transformers' convention. `output_attentions` is refused: KDA and DSA form no attention matrix.
+        `output_router_logits` (default `config.output_router_logits`): `router_logits`, one `[B·T, E]` fp32 tensor
+        per MoE layer, in layer order (dense-MLP layers have none)."""
+        output_router_logits = (
+            self.config.output_router_logits if output_router_logits is None else output_router_logits
+        )
+        if output_router_logits and "sparse" not in self.config.mlp_layer_types:
+            raise ValueError(
+                "output_router_logits=True but the model has no MoE layer (mlp_layer_types has no 'sparse' entry): "
+                "there are no router logits"
+            )
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is not None:
+            # The backward pass replays each layer: a cache would be written twice (transformers drops it likewise).
+            logger.warning_once("a cache is incompatible with gradient checkpointing in training: using cache=None")
+            cache, use_cache = None, False
         if output_attentions:
             raise ValueError(
                 "output_attentions=True is not supported: KDA layers are linear attention (no attention matrix) and "
@@ -294,6 +349,11 @@ class KDSAModel(KDSAPreTrainedModel):
                 )
             )
         token_mask = None
+        internal_cache = cache is None and torch.compiler.is_exporting()
+        if internal_cache:
+            # torch.export: a cache-less forward stages MLA keys in a paged store whose allocator is host code; a
+            # static cache of the input's length gives the same attention with fixed shapes (docs/graph-mode.md §7).
+            cache = KDSAStaticCache(self.config, max_cache_len=seq_len)
         if isinstance(cache, KDSAStaticCache):
             # Fixed shapes, no host sync (docs/graph-mode.md §2): the mask is padded to the capacity and the token
             # count is a 0-d tensor; the capacity check runs only eagerly.
@@ -326,25 +386,31 @@ class KDSAModel(KDSAPreTrainedModel):
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
         all_hidden_states = [] if output_hidden_states else None
+        all_router_logits = [] if output_router_logits else None
         topk_indices = None  # a DSA layer's selection, handed to the next layer when that one shares its indexer
         for layer in self.layers:
-            layer_input, topk_indices = layer(
+            # The stream goes positionally: under gradient checkpointing it is the replayed input (docs/design.md §10).
+            stream, layer_input, topk_indices, router_logits = layer(
                 stream,
                 position_embeddings=position_embeddings,
                 attention_mask=attention_mask,
                 cache=cache,
                 topk_indices=topk_indices,
                 token_mask=token_mask,
+                output_router_logits=output_router_logits,
             )
             if output_hidden_states:
                 all_hidden_states.append(layer_input)
+            if router_logits is not None:
+                all_router_logits.append(router_logits)
         hidden_states = self.norm(stream.final(getattr(self, "output_attn_res", None)))
         if output_hidden_states:
             all_hidden_states.append(hidden_states)
-        return BaseModelOutputWithPast(
+        return MoeModelOutputWithPast(
             last_hidden_state=hidden_states,
-            cache=cache if use_cache else None,
+            cache=cache if use_cache and not internal_cache else None,
             hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
+            router_logits=tuple(all_router_logits) if output_router_logits else None,
         )
 
     def residual_stream(
@@ -400,8 +466,6 @@ class KDSAModel(KDSAPreTrainedModel):
 
 class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _tp_plan = {"lm_head": "colwise_gather_output"}
-    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: KDSAConfig):
         super().__init__(config)
@@ -414,7 +478,14 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """Also loads a local folder of a published family checkpoint (config.json `model_type` `deepseek_v32`,
         `kimi_linear`, `glm5_next` or `kimi_k3`), converting config and weights at load (conversion.py,
-        docs/checkpoint-conversion.md §1); any field or tensor KDSA cannot reproduce is a ValueError."""
+        docs/checkpoint-conversion.md §1); any field or tensor KDSA cannot reproduce is a ValueError.
+        transformers' `tp_plan` is refused: tensor parallelism is `apply_tensor_parallel` (docs/parallel.md §6)."""
+        if kwargs.get("tp_plan") is not None:
+            raise ValueError(
+                f"tp_plan={kwargs['tp_plan']!r} is not supported: transformers' tensor-parallel styles cannot cut the "
+                "KDA layers by head, and the MLA layers read their head count from the config. Load the model whole, "
+                "then shard it with modeling_kdsa.parallel.apply_tensor_parallel(model, mesh) (docs/parallel.md §6)"
+            )
         config_file = os.path.join(str(pretrained_model_name_or_path), "config.json")
         if kwargs.get("config") is None and os.path.isfile(config_file):
             with open(config_file) as f:
@@ -465,6 +536,16 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
         )
 
+    def init_continuous_batching(self, *args, **kwargs):
+        """transformers' continuous batching (`generate_batch`, `ContinuousBatchingManager`, `transformers serve
+        --continuous-batching`) is refused here, where every entry point passes (docs/design.md §11)."""
+        raise ValueError(
+            "continuous batching (generate_batch / init_continuous_batching) is not supported: transformers' "
+            "ContinuousBatchingManager pages only per-head K/V of 'full_attention' / 'sliding_attention' layers and "
+            "runs packed ragged batches through its attention kernels; KDA layers keep a recurrent state and DSA / "
+            "MLA layers a latent + indexer cache (KDSACache). Use generate() with a batch (left padding)"
+        )
+
     def create_masks_for_generate(self, config, inputs_embeds, attention_mask, cache, **kwargs):
         """What generate() passes a compileable cache as the mask (instead of transformers' per-layer-type 4-D masks):
         KDSA takes the 2-D padding mask, padded to the static capacity so that its shape never changes between decode
@@ -512,8 +593,15 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
+        output_router_logits: bool | None = None,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> MoeCausalLMOutputWithPast:
+        """transformers' MoE causal-LM forward. With `output_router_logits` (default `config.output_router_logits`):
+        `router_logits` per MoE layer and `aux_loss`, the load-balancing loss over the current tokens (padding left
+        out), added to `loss` times `config.router_aux_loss_coef` when `labels` are given (docs/design.md §9)."""
+        output_router_logits = (
+            self.config.output_router_logits if output_router_logits is None else output_router_logits
+        )
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -523,6 +611,7 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
+            output_router_logits=output_router_logits,
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -530,8 +619,22 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
-            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states
+        aux_loss = None
+        if output_router_logits:
+            token_mask = None
+            if attention_mask is not None and not isinstance(cache, KDSAStaticCache):
+                # The current tokens' columns (a KDSAStaticCache's mask is padded to its capacity: all tokens count).
+                token_mask = attention_mask[:, -hidden_states.shape[1] :]
+            aux_loss = load_balancing_loss(outputs.router_logits, self.config.num_experts_per_tok, token_mask)
+            if loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+        return MoeCausalLMOutputWithPast(
+            loss=loss,
+            aux_loss=aux_loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            router_logits=outputs.router_logits,
         )
 
 
