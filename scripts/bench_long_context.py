@@ -4,16 +4,22 @@ What it measures, at each context (default 4k, 16k, 64k; batch 1; bf16; `torch.i
 repeats after warm-up):
   1. one DSA layer's decode step: ours (index_topk 512), ours dense (index_topk >= context, same weights) and
      transformers' `DeepseekV32Attention` with the same dims and weights (eager, its own cache);
-  2. whole-model decode step (tokens/s): KDSA vs transformers' `KimiLinear` (KDA + dense MLA) and `Glm5Next` text
-     model (KDA + kpool DSA) of the closest possible shape;
+  2. whole-model decode step (tokens/s): KDSA at its benchmark shape (KDSAConfig defaults), and two same-weight
+     pairs: transformers builds `KimiLinearForCausalLM` and `Glm5NextForConditionalGeneration` in the bench size with
+     their families' components, saves them, and `KDSAForCausalLM.from_pretrained` loads those folders. Each pair
+     decodes from identical caches (one set of random tensors written into both; `fill_same_caches`): the speed-up,
+     and whether both pick the same greedy tokens over `--token-steps` steps, in bf16 (as timed) and in fp32 copies
+     of the same weights (bf16 logits tie often enough that two correct implementations may pick different tokens);
   3. whole-model prefill at one context (default 16k): ours for real; the peers only when the estimated memory of
-     their eager attention fits (`--max-prefill-gib`), otherwise skipped with the estimate;
+     their eager attention fits (`--max-prefill-gib`), otherwise skipped with the estimate; then each pair prefills
+     one real prompt (`--token-prompt`) and generates greedily, fp32 and bf16: same tokens or not;
   4. peak RSS growth per measurement, cache bytes per token, and the physical limit: bytes a decode step must read
      divided by this machine's memory bandwidth, measured in the same run, as the fraction of it achieved;
-  5. graph mode (torch.compile) on/off and cold/warm compile time: LATER, printed as "n/a (not implemented)".
+  5. graph mode (torch.compile) on/off for the DSA kernels, and cold/warm compile time in fresh processes.
 
-Long caches are not filled by prefill (a 64k eager prefill would allocate [H, T, T]): each model's cache is filled
-directly with random tensors of the right shapes and dtypes through the cache's update API, then decode is timed.
+Long caches are not filled by prefill (a 64k eager prefill would allocate [H, T, T]): caches are filled directly with
+random tensors of the right shapes and dtypes through each cache's update API, then decode is timed. A pair is
+skipped at a context where the peer's eager decode step is estimated above `--max-peer-decode-gib`.
 
 Usage:  .venv/bin/python scripts/bench_long_context.py [--quick] [--contexts 4096 16384 65536] [--out PATH]
 Writes JSON (default runs/bench_long_context.json) and prints one table per section.
