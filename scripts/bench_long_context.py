@@ -4,16 +4,22 @@ What it measures, at each context (default 4k, 16k, 64k; batch 1; bf16; `torch.i
 repeats after warm-up):
   1. one DSA layer's decode step: ours (index_topk 512), ours dense (index_topk >= context, same weights) and
      transformers' `DeepseekV32Attention` with the same dims and weights (eager, its own cache);
-  2. whole-model decode step (tokens/s): KDSA vs transformers' `KimiLinear` (KDA + dense MLA) and `Glm5Next` text
-     model (KDA + kpool DSA) of the closest possible shape;
+  2. whole-model decode step (tokens/s): KDSA at its benchmark shape (KDSAConfig defaults), and two same-weight
+     pairs: transformers builds `KimiLinearForCausalLM` and `Glm5NextForConditionalGeneration` in the bench size with
+     their families' components, saves them, and `KDSAForCausalLM.from_pretrained` loads those folders. Each pair
+     decodes from identical caches (one set of random tensors written into both; `fill_same_caches`): the speed-up,
+     and whether both pick the same greedy tokens over `--token-steps` steps, in bf16 (as timed) and in fp32 copies
+     of the same weights (bf16 logits tie often enough that two correct implementations may pick different tokens);
   3. whole-model prefill at one context (default 16k): ours for real; the peers only when the estimated memory of
-     their eager attention fits (`--max-prefill-gib`), otherwise skipped with the estimate;
+     their eager attention fits (`--max-prefill-gib`), otherwise skipped with the estimate; then each pair prefills
+     one real prompt (`--token-prompt`) and generates greedily, fp32 and bf16: same tokens or not;
   4. peak RSS growth per measurement, cache bytes per token, and the physical limit: bytes a decode step must read
      divided by this machine's memory bandwidth, measured in the same run, as the fraction of it achieved;
-  5. graph mode (torch.compile) on/off and cold/warm compile time: LATER, printed as "n/a (not implemented)".
+  5. graph mode (torch.compile) on/off for the DSA kernels, and cold/warm compile time in fresh processes.
 
-Long caches are not filled by prefill (a 64k eager prefill would allocate [H, T, T]): each model's cache is filled
-directly with random tensors of the right shapes and dtypes through the cache's update API, then decode is timed.
+Long caches are not filled by prefill (a 64k eager prefill would allocate [H, T, T]): caches are filled directly with
+random tensors of the right shapes and dtypes through each cache's update API, then decode is timed. A pair is
+skipped at a context where the peer's eager decode step is estimated above `--max-peer-decode-gib`.
 
 Usage:  .venv/bin/python scripts/bench_long_context.py [--quick] [--contexts 4096 16384 65536] [--out PATH]
 Writes JSON (default runs/bench_long_context.json) and prints one table per section.
@@ -30,8 +36,10 @@ import platform
 import resource
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import transformers
@@ -40,8 +48,8 @@ from tqdm import tqdm
 from transformers.cache_utils import DynamicCache, DynamicIndexedLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_dsv32
 from transformers.models.deepseek_v32.configuration_deepseek_v32 import DeepseekV32Config
-from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
-from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
+from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
+from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForCausalLM
 
@@ -49,8 +57,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from modeling_kdsa import KDSAConfig, KDSAForCausalLM  # noqa: E402
-from modeling_kdsa.cache import KDSACache, KDSAPagedLayer  # noqa: E402
-from modeling_kdsa.configuration_kdsa import DSA_LAYER  # noqa: E402
+from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer, KDSAPagedLayer, KDSAPagedMLALayer  # noqa: E402
+from modeling_kdsa.configuration_kdsa import DSA_LAYER, KDA_LAYER  # noqa: E402
 from modeling_kdsa.dsa import KDSASparseAttention  # noqa: E402
 from modeling_kdsa.rotary import KDSARotaryEmbedding  # noqa: E402
 
@@ -60,81 +68,84 @@ GIB = 1024**3
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Configs: ours (the benchmark shape = KDSAConfig defaults) and the peers of the closest possible shape
+# Configs: ours (the benchmark shape = KDSAConfig defaults) and the same-weight peers in two families' shapes
 
 
-def kdsa_config() -> KDSAConfig:
-    """The benchmark shape is exactly KDSAConfig's defaults (`--quick` keeps it and only shrinks the contexts).
-    Only the position limit is raised (default 65536) so that 64k cached tokens plus the decode steps fit; with
-    default RoPE this changes no computation."""
-    return KDSAConfig(max_position_embeddings=1 << 17)
+def kdsa_config(quick: bool = False) -> KDSAConfig:
+    """The benchmark shape is exactly KDSAConfig's defaults. Only the position limit is raised (default 65536) so
+    that 64k cached tokens plus the decode steps fit; with default RoPE this changes no computation. `quick` (the
+    smoke run) keeps the layer layout, the attention and indexer dims and top-k, and narrows the rest (hidden 256,
+    4 KDA heads, FFN widths, vocab 2048) so that its six models build in seconds."""
+    if not quick:
+        return KDSAConfig(max_position_embeddings=1 << 17)
+    return KDSAConfig(
+        max_position_embeddings=1 << 17, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        linear_num_heads=4, vocab_size=2048,
+    )  # fmt: skip
+
+
+# Same-weight peers: the bench size in two published families' shapes. transformers builds each model, saves it,
+# and KDSA loads that folder with `KDSAForCausalLM.from_pretrained` (docs/checkpoint-conversion.md §1), so both
+# sides of a comparison compute with the same weights.
+FAMILIES = ("kimi_linear", "glm5_next")
+PEER_NAMES = {"kimi_linear": "KimiLinear", "glm5_next": "Glm5Next"}
+
+
+def _kda_and_attention_layers(config: KDSAConfig) -> tuple[list[int], list[int]]:
+    """Indices of our KDA layers and of our DSA layers (3 : 1 in the bench shape)."""
+    attention = [i for i, t in enumerate(config.layer_types) if t == DSA_LAYER]
+    return [i for i in range(config.num_hidden_layers) if i not in attention], attention
 
 
 def kimi_linear_config(config: KDSAConfig) -> KimiLinearConfig:
-    """KimiLinear (KDA + dense NoPE MLA) with our dims. Its MLA layers replace our DSA layers one for one."""
-    layer_types = ["full_attention" if t == DSA_LAYER else "linear_attention" for t in config.layer_types]
+    """Kimi-Linear's architecture at the bench size: dense NoPE MLA where our DSA layers are (written as Moonshot's
+    config.json does, 1-based `kda_layers` / `full_attn_layers`), no query LoRA, Kimi's routed scaling 2.446 and
+    norm eps 1e-5; our widths everywhere else."""
+    kda, attention = _kda_and_attention_layers(config)
     return KimiLinearConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        moe_intermediate_size=config.moe_intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_attention_heads,
-        n_shared_experts=config.n_shared_experts,
-        num_local_experts=config.n_routed_experts,
-        num_experts_per_tok=config.num_experts_per_tok,
-        routed_scaling_factor=config.routed_scaling_factor,
-        q_lora_rank=config.q_lora_rank,
-        kv_lora_rank=config.kv_lora_rank,
-        qk_nope_head_dim=config.qk_nope_head_dim,
-        qk_rope_head_dim=config.qk_rope_head_dim,
-        v_head_dim=config.v_head_dim,
-        linear_num_heads=config.linear_num_heads,
-        linear_head_dim=config.linear_head_dim,
-        linear_conv_kernel_dim=config.linear_conv_kernel_dim,
-        layer_types=layer_types,
-        mlp_layer_types=list(config.mlp_layer_types),
-        rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings,
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        moe_intermediate_size=config.moe_intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_attention_heads,
+        num_experts=config.n_routed_experts, num_shared_experts=config.n_shared_experts,
+        num_experts_per_token=config.num_experts_per_tok, num_expert_group=1, topk_group=1,
+        kv_lora_rank=config.kv_lora_rank, q_lora_rank=None, qk_rope_head_dim=config.qk_rope_head_dim,
+        qk_nope_head_dim=config.qk_nope_head_dim, v_head_dim=config.v_head_dim,
+        first_k_dense_replace=config.mlp_layer_types.count("dense"), model_max_length=config.max_position_embeddings,
+        routed_scaling_factor=2.446, rms_norm_eps=1e-5, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+        linear_attn_config={
+            "kda_layers": [i + 1 for i in kda], "full_attn_layers": [i + 1 for i in attention],
+            "num_heads": config.linear_num_heads, "head_dim": config.linear_head_dim,
+            "short_conv_kernel_size": config.linear_conv_kernel_dim,
+        },
+    )  # fmt: skip
 
 
-def glm5_next_config(config: KDSAConfig) -> Glm5NextTextConfig:
-    """Glm5Next text model (KDA + NoPE MLA with a kpool DSA indexer) with our dims where its config allows."""
-    return Glm5NextTextConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        moe_intermediate_size=config.moe_intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_attention_heads,
-        n_shared_experts=config.n_shared_experts,
-        n_routed_experts=config.n_routed_experts,
-        num_experts_per_tok=config.num_experts_per_tok,
-        routed_scaling_factor=config.routed_scaling_factor,
-        q_lora_rank=config.q_lora_rank,
-        kv_lora_rank=config.kv_lora_rank,
-        # NoPE is enforced: keep the q·k width (nope + rope) by giving all of it to the nope part.
-        qk_nope_head_dim=config.qk_nope_head_dim + config.qk_rope_head_dim,
-        qk_rope_head_dim=0,
-        v_head_dim=config.v_head_dim,
-        index_n_heads=config.index_n_heads,
-        index_head_dim=config.index_head_dim,
-        index_topk=config.index_topk,
-        linear_num_heads=config.linear_num_heads,
-        linear_head_dim=config.linear_head_dim,
-        linear_conv_kernel_dim=config.linear_conv_kernel_dim,
-        layer_types=list(config.layer_types),
-        mlp_layer_types=list(config.mlp_layer_types),
-        rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings,
-        pad_token_id=None,
-    )
+def glm5_next_config(config: KDSAConfig) -> Glm5NextConfig:
+    """GLM-5.3-Flash's architecture at the bench size, its components on: NoPE MLA (the q.k width 64 + 32 all
+    NoPE), k-pool indexer over pools of 4 tokens with the tail always selected, mHC with 4 streams, SwiGLU clamp 10,
+    KDA forget-gate lower bound -5; our widths and top-k 512 everywhere else. Every DSA layer has its own indexer:
+    KDSA's shared-indexer layer must follow a DSA layer directly, which the 3 : 1 layout never has. A one-block
+    vision tower (transformers' class needs one; KDSA skips it)."""
+    text = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        moe_intermediate_size=config.moe_intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_attention_heads,
+        n_routed_experts=config.n_routed_experts, n_shared_experts=config.n_shared_experts,
+        num_experts_per_tok=config.num_experts_per_tok, routed_scaling_factor=2.5,
+        kv_lora_rank=config.kv_lora_rank, q_lora_rank=config.q_lora_rank,
+        qk_nope_head_dim=config.qk_nope_head_dim + config.qk_rope_head_dim, qk_rope_head_dim=0,
+        v_head_dim=config.v_head_dim, index_n_heads=config.index_n_heads, index_head_dim=config.index_head_dim,
+        index_topk=config.index_topk, index_kpool=4, index_kpool_always_select_tail=True,
+        linear_num_heads=config.linear_num_heads, linear_head_dim=config.linear_head_dim,
+        linear_conv_kernel_dim=config.linear_conv_kernel_dim, layer_types=list(config.layer_types),
+        mlp_layer_types=list(config.mlp_layer_types), max_position_embeddings=config.max_position_embeddings,
+        swiglu_limit=10.0, linear_lower_bound=-5.0, hc_mult=4, pad_token_id=None,
+    )  # fmt: skip
+    vision = dict(
+        depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=config.hidden_size,
+        projection_intermediate_size=32, patch_size=2, image_size=8, spatial_merge_size=1, temporal_patch_size=1,
+    )  # fmt: skip
+    return Glm5NextConfig(text_config=text, vision_config=vision)
 
 
 def deepseek_v32_layer_config(config: KDSAConfig) -> DeepseekV32Config:
@@ -163,62 +174,6 @@ def deepseek_v32_layer_config(config: KDSAConfig) -> DeepseekV32Config:
     )
 
 
-def shape_mapping(ours: KDSAConfig, kimi: KimiLinearConfig, glm: Glm5NextTextConfig) -> list[tuple[str, str, str, str]]:
-    """(field, ours, KimiLinear, Glm5Next) rows for the printed mapping."""
-
-    def dsa_layers(types):
-        return sum(t in (DSA_LAYER, "full_attention") for t in types)
-
-    def experts(c):
-        routed = getattr(c, "n_routed_experts", None) or c.num_local_experts
-        return f"{routed} (top-{c.num_experts_per_tok}, {c.moe_intermediate_size}, {c.n_shared_experts})"
-
-    rows = [
-        ("hidden / layers", f"{ours.hidden_size} / {ours.num_hidden_layers}", "", ""),
-        (
-            "KDA : attention layers",
-            f"{ours.num_hidden_layers - dsa_layers(ours.layer_types)} : {dsa_layers(ours.layer_types)} DSA",
-            f"{kimi.num_hidden_layers - dsa_layers(kimi.layer_types)} : {dsa_layers(kimi.layer_types)} dense MLA",
-            f"{glm.num_hidden_layers - dsa_layers(glm.layer_types)} : {dsa_layers(glm.layer_types)} kpool DSA",
-        ),
-        ("MLA heads", str(ours.num_attention_heads), str(kimi.num_attention_heads), str(glm.num_attention_heads)),
-        ("q_lora / kv_lora", *(f"{c.q_lora_rank} / {c.kv_lora_rank}" for c in (ours, kimi, glm))),
-        (
-            "qk nope / rope / v",
-            f"{ours.qk_nope_head_dim} / {ours.qk_rope_head_dim} / {ours.v_head_dim}",
-            f"{kimi.qk_nope_head_dim} / {kimi.qk_rope_head_dim} (no RoPE applied) / {kimi.v_head_dim}",
-            f"{glm.qk_nope_head_dim} / {glm.qk_rope_head_dim} (NoPE enforced) / {glm.v_head_dim}",
-        ),
-        ("KDA heads x dim", *(f"{c.linear_num_heads} x {c.linear_head_dim}" for c in (ours, kimi, glm))),
-        (
-            "indexer heads x dim / topk",
-            f"{ours.index_n_heads} x {ours.index_head_dim} / {ours.index_topk}",
-            "no indexer",
-            f"{glm.index_n_heads} x {glm.index_head_dim} / {glm.index_topk} (pools of {glm.index_kpool} + tail)",
-        ),
-        ("experts (top-k, width, shared)", *(experts(c) for c in (ours, kimi, glm))),
-        ("dense FFN layers", *(str(c.mlp_layer_types.count("dense")) for c in (ours, kimi, glm))),
-        (
-            "residual stream",
-            f"Block AttnRes (block {ours.attn_res_block_size})",
-            "plain",
-            f"hyper-connections x{glm.hc_mult} (their default)",
-        ),
-        ("vocab", *(str(c.vocab_size) for c in (ours, kimi, glm))),
-    ]  # fmt: skip
-    return rows
-
-
-UNMATCHED = [
-    "KimiLinear: dense MLA (no indexer, no top-k), no RoPE in MLA (it still caches the rope key), plain residual.",
-    "Glm5Next: NoPE MLA is enforced (qk_rope_head_dim=0), so qk_nope_head_dim = 64 + 32 = 96 keeps the q.k width; "
-    "its indexer scores pools of 16 tokens (index_kpool) plus the tail and caches [key | pool gate | valid] per "
-    "token; hyper-connections (hc_mult 4) instead of AttnRes; SwiGLU clamp; no lm_head in the text model (the "
-    "benchmark adds one Linear(hidden, vocab) so that all three compute logits).",
-    "Ours: Block AttnRes (block 4) has no counterpart in either peer.",
-]
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Builders
 
@@ -228,27 +183,44 @@ def build_kdsa(config: KDSAConfig) -> KDSAForCausalLM:
     return KDSAForCausalLM._from_config(config, dtype=DTYPE).eval()
 
 
-def build_peer_kimi_linear(config: KimiLinearConfig, attn_implementation: str) -> KimiLinearForCausalLM:
-    return KimiLinearForCausalLM._from_config(config, dtype=DTYPE, attn_implementation=attn_implementation).eval()
+class SameWeightPair(NamedTuple):
+    """transformers' model of one family and KDSA's load of the folder it saved."""
+
+    family: str
+    peer: nn.Module
+    kdsa: KDSAForCausalLM
+    checkpoint_bytes: int
 
 
-class Glm5NextTextLM(nn.Module):
-    """Glm5Next's text model plus an lm_head (transformers has no text-only causal LM class for it), so that its
-    decode step computes logits like the other two."""
-
-    def __init__(self, config: Glm5NextTextConfig, attn_implementation: str):
-        super().__init__()
-        self.model = Glm5NextTextModel._from_config(config, dtype=DTYPE, attn_implementation=attn_implementation)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=DTYPE)
-        self.config = self.model.config
-
-    def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=1):
-        hidden = self.model(input_ids=input_ids, cache=cache, use_cache=use_cache).last_hidden_state
-        return self.lm_head(hidden[:, -logits_to_keep:])
+def perturb_constants(model: nn.Module, seed: int = 0) -> None:
+    """Noise on every tensor initialised to one value (norm weights, biases, k-pool and mHC constants), so that the
+    comparison runs on weights where a wrong mapping would show."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, tensor in sorted(model.state_dict(keep_vars=True).items()):
+            if tensor.is_floating_point() and tensor.numel() > 0 and bool((tensor == tensor.flatten()[0]).all()):
+                noise = 0.1 * torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+                tensor.add_(noise.to(tensor.dtype))
 
 
-def build_peer_glm5_next(config: Glm5NextTextConfig, attn_implementation: str) -> Glm5NextTextLM:
-    return Glm5NextTextLM(config, attn_implementation).eval()
+def build_same_weight_pair(family: str, config: KDSAConfig, folder: Path, attn_implementation: str) -> SameWeightPair:
+    """transformers' model of `family` at the bench size (bf16), saved to `folder` in the hub layout, and
+    `KDSAForCausalLM.from_pretrained(folder, dtype=bf16)`: the same weights on both sides. Every weight is rounded
+    to bf16 first, so that the ones either side keeps in fp32 hold the same values too."""
+    torch.manual_seed(0)
+    if family == "kimi_linear":
+        peer_class, peer_config = KimiLinearForCausalLM, kimi_linear_config(config)
+    else:
+        peer_class, peer_config = Glm5NextForConditionalGeneration, glm5_next_config(config)
+    peer = peer_class._from_config(peer_config, dtype=DTYPE, attn_implementation=attn_implementation).eval()
+    perturb_constants(peer)
+    with torch.no_grad():  # transformers keeps some weights in fp32 (GLM's KDA conv) that KDSA holds in bf16
+        for param in peer.parameters():
+            param.copy_(param.to(DTYPE))
+    peer.save_pretrained(folder)
+    kdsa = KDSAForCausalLM.from_pretrained(folder, dtype=DTYPE).eval()
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    return SameWeightPair(family, peer, kdsa, size)
 
 
 def build_dsa_layer(config: KDSAConfig, layer_idx: int, source: KDSASparseAttention | None = None):
@@ -340,34 +312,48 @@ def cached_tokens(cache, layer_idx: int) -> int:
     return cache.layers[layer_idx].get_seq_length()
 
 
-def fill_cache_kimi_linear(config: KimiLinearConfig, context: int, seed: int = 0):
-    """KimiLinear: MLA layers are plain `DynamicLayer`s holding the latent and rope key; KDA layers as ours."""
-    generator = torch.Generator().manual_seed(seed)
-    cache = DynamicCache(config=config)
-    for idx, layer_type in enumerate(config.layer_types):
-        if layer_type == "full_attention":
-            _fill_latent(cache, idx, context, config.kv_lora_rank, config.qk_rope_head_dim, generator)
-        else:
-            heads, dim = config.linear_num_heads, config.linear_head_dim
-            _fill_kda_layer(cache, idx, 3 * heads * dim, config.linear_conv_kernel_dim, heads, dim, dim, generator)
-    return cache
+def fill_same_caches(
+    pair: SameWeightPair, context: int, seed: int = 0, dtype: torch.dtype = DTYPE
+) -> tuple[DynamicCache, KDSACache]:
+    """transformers' cache and ours holding the same `context` tokens: one set of random tensors written into both
+    through their update APIs, so both models decode from identical state.
 
-
-def fill_cache_glm5_next(config: Glm5NextTextConfig, context: int, seed: int = 0):
-    """Glm5Next: MLA latent (NoPE: an empty rope key) and, via `update_indexer`, packed per-token indexer states
-    `[B, S, DI (key) + DI (pool gate score) + 1 (valid flag = 1)]`; KDA layers as ours."""
+    KDA layers: conv state `[B, 2HK+HV, W]` (bf16, q|k|v channels, the last W pre-conv inputs) and fp32 recurrent
+    state `[B, H, K, V]`. Attention layers: the normalised latent `[B, 1, S, C]` and the (unrotated) rope key
+    `[B, 1, S, R]` (R = 0 for GLM) as transformers' keys / values, `[c | k_pe]` rows in our paged store. A DSA layer
+    adds the indexer rows: GLM's k-pool indexer caches `[key | gate scores | valid = 1]` per token, ours
+    `[key | gate scores]` and pools each complete pool of 4 on append with the layer's own `index_kpool_compress_ape`;
+    a shared-indexer layer caches the latent only, on both sides. `dtype`: of everything but the fp32 KDA state."""
+    config = pair.kdsa.config
     generator = torch.Generator().manual_seed(seed)
-    cache = DynamicCache(config=config)
+    theirs, ours = DynamicCache(config=pair.peer.config.get_text_config()), KDSACache(config)
     for idx, layer_type in enumerate(config.layer_types):
-        if layer_type == "indexed_attention":
-            _fill_latent(cache, idx, context, config.kv_lora_rank, config.qk_rope_head_dim, generator)
-            keys_and_gates = _random((BATCH, context, 2 * config.index_head_dim), DTYPE, generator)
-            valid = torch.ones(BATCH, context, 1, dtype=DTYPE)
-            cache.update_indexer(torch.cat([keys_and_gates, valid], dim=-1), idx)
+        if layer_type == KDA_LAYER:
+            heads, dim, width = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim
+            conv = _random((BATCH, 3 * heads * dim, width), dtype, generator)
+            state = _random((BATCH, heads, dim, dim), torch.float32, generator, scale=0.1)
+            for cache in (theirs, ours):  # copies: transformers' decode updates its conv state in place
+                cache.update_conv_state(conv.clone(), idx, conv_kernel_size=width)
+                cache.update_recurrent_state(state.clone(), idx)
+            continue
+        latent = _random((BATCH, 1, context, config.kv_lora_rank), dtype, generator)
+        k_rope = _random((BATCH, 1, context, config.qk_rope_head_dim), dtype, generator)
+        theirs.update(latent, k_rope, idx)
+        rows = torch.cat([latent, k_rope], dim=-1).view(BATCH, context, -1)
+        store = ours.layers[idx]
+        if isinstance(store, KDSAPagedKPoolLayer):
+            index_rows = _random((BATCH, context, 2 * config.index_head_dim), dtype, generator)
+            theirs.update_indexer(torch.cat([index_rows, torch.ones(BATCH, context, 1, dtype=dtype)], dim=-1), idx)
+            ape = pair.kdsa.model.layers[idx].self_attn.indexer.index_kpool_compress_ape
+            store.append(rows, index_rows, None, ape)
+        elif isinstance(store, KDSAPagedLayer):
+            index_keys = _random((BATCH, context, config.index_head_dim), dtype, generator)
+            theirs.update_indexer(index_keys, idx)
+            store.append(rows, index_keys)
         else:
-            heads, dim = config.linear_num_heads, config.linear_head_dim
-            _fill_kda_layer(cache, idx, 3 * heads * dim, config.linear_conv_kernel_dim, heads, dim, dim, generator)
-    return cache
+            store.append(rows)
+    ours.begin_forward(context)
+    return theirs, ours
 
 
 def fill_cache_deepseek_v32_layer(config: DeepseekV32Config, context: int, seed: int = 0):
@@ -385,14 +371,17 @@ def cache_bytes(cache) -> list[dict]:
     `allocated_bytes` (the page pool, which grows by doubling). Layers left empty are omitted."""
     layers = []
     for layer in cache.layers:
-        if isinstance(layer, KDSAPagedLayer):
+        if isinstance(layer, KDSAPagedMLALayer):  # ours: dense MLA, DSA, or DSA with the k-pool indexer
             if not layer.is_initialized:
                 continue
             itemsize = layer.kv_pages.element_size()
-            latent, indexer = layer.kv_width * itemsize, layer.index_width * itemsize
+            latent = layer.kv_width * itemsize
+            indexer = sum(layer.row_widths[1:]) * itemsize  # indexer key (k-pool: key + gate scores)
+            if isinstance(layer, KDSAPagedKPoolLayer):
+                indexer += layer.index_width * itemsize / layer.index_kpool  # one pooled key per pool
             layers.append(
                 dict(
-                    kind="indexed",
+                    kind="indexed" if isinstance(layer, KDSAPagedLayer) else "dense",
                     state_bytes=0,
                     per_token_bytes=latent + indexer,
                     latent_bytes=latent,
@@ -536,15 +525,28 @@ def time_dsa_decode_step(layer, context: int, warmup: int, repeats: int, fill_ca
     return result
 
 
-def time_model_decode(model, cache, warmup: int, repeats: int) -> dict:
-    """One-token decode step of a whole model (backbone + lm_head on that token) on a pre-filled cache."""
+def time_model_decode(model, cache, warmup: int, repeats: int, extra_steps: int = 0) -> dict:
+    """Greedy one-token decode steps of a whole model (backbone + lm_head on that token) on a pre-filled cache,
+    starting from token 7: `warmup` untimed steps, `repeats` timed ones, then `extra_steps` untimed ones. Returns
+    the timings, every step's greedy token, its margin (top-1 minus top-2 logit) and the first step's logits."""
     token = torch.tensor([[7]], dtype=torch.long)
+    tokens, margins, first_logits = [], [], []
 
     def step():
-        return model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1)
+        nonlocal token
+        logits = model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        top2 = logits.topk(2, dim=-1)
+        token = top2.indices[:, :1]
+        tokens.append(int(token))
+        margins.append(float(top2.values[0, 0] - top2.values[0, 1]))
+        if not first_logits:
+            first_logits.append(logits[0])
 
     result = time_repeated(step, warmup, repeats)
-    result["tokens_per_s"] = 1.0 / result["median_s"]
+    for _ in range(extra_steps):
+        step()
+    result.update(tokens_per_s=1.0 / result["median_s"], tokens=tokens, margins=margins)
+    result["first_logits"] = first_logits[0]  # dropped before the JSON is written
     return result
 
 
@@ -555,7 +557,7 @@ def time_prefill(model, make_cache, context: int, warmup_tokens: int, repeats: i
     When that estimate exceeds `budget_s` (0 = no limit) the long prefill is not run and the estimate is reported
     instead, marked as such (linear scaling ignores the indexer's O(T^2) scoring, so it is a lower bound)."""
     generator = torch.Generator().manual_seed(2)
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (BATCH, context), generator=generator)
     start = time.perf_counter()
     model(input_ids=ids[:, :warmup_tokens], cache=make_cache(), use_cache=True, logits_to_keep=1)
@@ -610,6 +612,65 @@ def dsa_layer_prefill_memory(config: KDSAConfig, context: int) -> dict:
     return dict(context=context, seconds=seconds, peak_rss_growth_bytes=peak.growth_bytes)
 
 
+def estimate_peer_decode_bytes(config, context: int) -> int:
+    """Peak bytes a transformers peer's eager decode step adds at `context` cached tokens, counted before running:
+    its MLA expands the whole cached latent into per-head keys and values (`[H, S, qk_head + v_head]`, bf16) and
+    scores `[H, 1, S]` (bf16 + fp32 softmax), one layer at a time, and DynamicCache's concatenation copies that
+    layer's latent rows once; plus the cache of every attention layer."""
+    text = config.get_text_config()
+    heads, qk_head = text.num_attention_heads, text.qk_nope_head_dim + text.qk_rope_head_dim
+    row = (text.kv_lora_rank + text.qk_rope_head_dim + 2 * getattr(text, "index_head_dim", 0) + 1) * 2
+    attention_layers = sum(t != KDA_LAYER for t in text.layer_types)
+    per_token = heads * (qk_head + text.v_head_dim) * 2 + heads * 6 + row * (1 + attention_layers)
+    return per_token * context
+
+
+def compare_tokens(peer: dict, ours: dict) -> dict:
+    """Greedy tokens of a same-weight pair decoding from identical caches: identical or not (the first step that
+    differs and the peer's top-1 minus top-2 logit there: 0 is an exact tie), and how far the first step's logits
+    (same cache, same input token) are apart relative to the peer's logit scale."""
+    first_peer, first_ours = peer.pop("first_logits"), ours.pop("first_logits")
+    mismatches = [i for i, (a, b) in enumerate(zip(peer["tokens"], ours["tokens"], strict=True)) if a != b]
+    return dict(
+        same_tokens=not mismatches,
+        steps=len(peer["tokens"]),
+        first_mismatch=mismatches[0] if mismatches else None,
+        peer_margin_at_first_mismatch=peer["margins"][mismatches[0]] if mismatches else None,
+        first_step_logits_relative_difference=float((first_peer - first_ours).abs().max() / first_peer.abs().max()),
+    )
+
+
+def same_tokens_after_prefill(pair: SameWeightPair, prompt_tokens: int, steps: int) -> dict:
+    """Both models of `pair` prefill the same random prompt and greedily generate `steps` tokens with `generate`:
+    the tokens, and the prompt's last logits apart relative to the peer's logit scale."""
+    vocab = pair.peer.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (BATCH, prompt_tokens), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+    start = time.perf_counter()
+    theirs = pair.peer.generate(ids, output_logits=True, return_dict_in_generate=True, **kwargs)
+    ours = pair.kdsa.generate(ids, output_logits=True, return_dict_in_generate=True, **kwargs)
+    tokens_peer = theirs.sequences[0, prompt_tokens:].tolist()
+    tokens_ours = ours.sequences[0, prompt_tokens:].tolist()
+    mismatches = [i for i, (a, b) in enumerate(zip(tokens_peer, tokens_ours, strict=True)) if a != b]
+    first_peer, first_ours = theirs.logits[0].float(), ours.logits[0].float()
+    return dict(
+        dtype=str(next(pair.kdsa.parameters()).dtype).removeprefix("torch."),
+        prompt_tokens=prompt_tokens,
+        steps=steps,
+        same_tokens=not mismatches,
+        first_mismatch=mismatches[0] if mismatches else None,
+        prompt_logits_relative_difference=float((first_peer - first_ours).abs().max() / first_peer.abs().max()),
+        tokens_peer=tokens_peer,
+        tokens_kdsa=tokens_ours,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def to_fp32(pair: SameWeightPair) -> SameWeightPair:
+    """fp32 copies of both models (the same bf16-valued weights, upcast): the token checks' exact reference."""
+    return pair._replace(peer=copy.deepcopy(pair.peer).float(), kdsa=copy.deepcopy(pair.kdsa).float())
+
+
 def prefill_attention_bytes(num_heads: int, context: int, extra_per_pair: int, attn_implementation: str) -> int:
     """Peak bytes of an attention prefill at `context` tokens. Eager: per (head, query, key) the bf16 scores (2),
     their masked copy (2) alive while softmax writes fp32 (4) -> ~6 bytes live per element. sdpa: no per-head
@@ -620,6 +681,7 @@ def prefill_attention_bytes(num_heads: int, context: int, extra_per_pair: int, a
 
 
 def estimate_peer_prefill_bytes(kind: str, config, context: int, attn_implementation: str) -> int:
+    config = config.get_text_config()
     if kind == "KimiLinear":
         return prefill_attention_bytes(config.num_attention_heads, context, 2, attn_implementation)  # bf16 mask
     # Glm5Next: int32 selection counts (4) + bool mask (1) + bf16 additive mask (2) per (query, key); the
@@ -632,10 +694,12 @@ def estimate_peer_prefill_bytes(kind: str, config, context: int, attn_implementa
 
 
 def parameter_bytes_touched_per_token(model: nn.Module, top_k: int, num_experts: int) -> dict:
-    """Weights one decode token must read: every parameter in full, except the embedding table (one row) and the
-    stacked routed experts (`*.experts.*`, `[E, ...]`: only top_k / E of them)."""
+    """Weights one decode token must read: every parameter in full, except the embedding table (one row), the
+    stacked routed experts (`*.experts.*`, `[E, ...]`: only top_k / E of them) and a vision tower (none)."""
     total = dense = routed_touched = embedding_row = 0
     for name, param in model.named_parameters():
+        if name.startswith("model.visual."):  # GLM's vision tower: not run when decoding text
+            continue
         total += param.nbytes
         if name.endswith("embed_tokens.weight"):
             embedding_row += param.nbytes // param.shape[0]
@@ -736,12 +800,19 @@ def print_report(report: dict) -> None:
         f"GB/s -> {bw['best_gbs']:.1f} GB/s used for the physical limit"
     )
 
-    peers = report["peers"]
-    rows = [list(r) for r in peers["mapping"]]
-    rows.append(["parameters", *(f"{peers['parameters'][k] / 1e6:.1f} M" for k in ("KDSA", "KimiLinear", "Glm5Next"))])
-    print_table("Shape mapping (ours -> peers)", ["field", "KDSA", "KimiLinear", "Glm5Next"], rows)
-    for note in peers["unmatched"]:
-        print(f"  not matched: {note}")
+    rows = []
+    for family, info in report["same_weights"].items():
+        kdsa = info["kdsa_config"]
+        rows.append([
+            family, info["peer"], f"{info['parameters']['peer'] / 1e6:.1f} M",
+            f"{info['parameters']['kdsa'] / 1e6:.1f} M", fmt_bytes(info["checkpoint_bytes"]),
+            " ".join("K" if t == "linear_attention" else "A" for t in kdsa["layer_types"]),
+        ])  # fmt: skip
+    print_table(
+        "Same-weight pairs: transformers' model, saved, loaded by KDSAForCausalLM.from_pretrained (K KDA, A MLA/DSA)",
+        ["family", "peer", "peer params", "KDSA params", "checkpoint", "layers"],
+        rows,
+    )
 
     rows = []
     for entry in report["dsa_layer_decode"]:
@@ -785,6 +856,29 @@ def print_report(report: dict) -> None:
         rows,
     )
 
+    def tokens(check):
+        if check["same_tokens"]:
+            return f"{check['steps']} identical"
+        return f"differ at step {check['first_mismatch']} (margin {check['peer_margin_at_first_mismatch']:.3f})"
+
+    rows = []
+    for entry in report["model_decode"]:
+        for family, pair in entry["pairs"].items():
+            if pair.get("skipped"):
+                rows.append([fmt_ctx(entry["context"]), family, "skipped", pair["reason"], "", "", ""])
+                continue
+            rows.append([
+                fmt_ctx(entry["context"]), family, f"{pair['speedup']:.1f}x", tokens(pair["bf16"]),
+                f"{pair['bf16']['first_step_logits_relative_difference']:.1e}", tokens(pair["fp32"]),
+                f"{pair['fp32']['first_step_logits_relative_difference']:.1e}",
+            ])  # fmt: skip
+    print_table(
+        "2b. Same weights, identical caches: transformers' whole model / KDSA decode step, greedy tokens "
+        "(margin: the peer's top-1 minus top-2 logit there)",
+        ["context", "family", "speed-up", "bf16 tokens", "bf16 step-1 logits", "fp32 tokens", "fp32 step-1 logits"],
+        rows,
+    )
+
     prefill = report["prefill"]
     rows = []
     for name, r in prefill["models"].items():
@@ -797,6 +891,19 @@ def print_report(report: dict) -> None:
     print_table(
         f"3. Whole-model prefill of {fmt_ctx(prefill['context'])} tokens",
         ["model", "s", "tokens/s", "peak RSS +", "note"],
+        rows,
+    )
+
+    rows = []
+    for family, checks in report["same_tokens_after_prefill"].items():
+        for c in checks:
+            rows.append([
+                family, c["dtype"], str(c["prompt_tokens"]), f"{c['steps']} " + ("identical" if c["same_tokens"] else
+                f"DIFFER from step {c['first_mismatch']}"), f"{c['prompt_logits_relative_difference']:.1e}",
+            ])  # fmt: skip
+    print_table(
+        "3b. Same weights, real prefill of one random prompt, then greedy generate",
+        ["family", "dtype", "prompt", "greedy tokens", "prompt logits rel. diff"],
         rows,
     )
 
@@ -874,18 +981,30 @@ def parse_args(argv=None):
         help="peers' attention backend for the prefill (eager by default: with sdpa, KimiLinear's 16k prefill was "
         "OOM-killed on a 24 GiB machine, its torch KDA fallback and masks exceeding the estimate)",
     )
+    parser.add_argument(
+        "--max-peer-decode-gib",
+        type=float,
+        default=8.0,
+        help="skip a same-weight pair at a context where the peer's eager decode step is estimated above this",
+    )
+    parser.add_argument("--token-steps", type=int, default=8, help="greedy steps compared per same-weight pair")
+    parser.add_argument("--token-prompt", type=int, default=None, help="prompt of the prefill token check (1024)")
     parser.add_argument("--layer-prefill-context", type=int, default=None, help="DSA-layer prefill (default 32768)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench_long_context.json"))
-    parser.add_argument("--quick", action="store_true", help="tiny contexts (256, 512), 1 repeat: a smoke test")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: narrow models (kdsa_config), contexts 256 and 512, 2 repeats"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.contexts = args.contexts or [256, 512]
         args.prefill_context = args.prefill_context or 128
         args.layer_prefill_context = args.layer_prefill_context or 512
         args.warmup, args.repeats = 2, 2
+        args.token_prompt = args.token_prompt or 32
     args.contexts = sorted(args.contexts or [4096, 16384, 65536])
     args.prefill_context = args.prefill_context or 16384
+    args.token_prompt = args.token_prompt or 1024
     args.layer_prefill_context = args.layer_prefill_context or 32768
     return args
 
@@ -935,8 +1054,9 @@ def main(argv=None) -> dict:
 
 def run_all(args, report: dict) -> None:
     contexts = args.contexts
-    # Progress: bandwidth + builds, 3 layer variants and 3 models per context, 3 prefills.
-    progress = tqdm(total=2 + 6 * len(contexts) + 3, desc="bench", unit="step", file=sys.stderr)
+    # Progress: bandwidth + builds; per context 3 layer variants, 5 model decodes, 2 fp32 token checks; 5 prefills;
+    # 4 token checks after a prefill.
+    progress = tqdm(total=2 + 10 * len(contexts) + 5 + 2 * len(FAMILIES), desc="bench", unit="step", file=sys.stderr)
 
     def advance(label: str):
         progress.set_postfix_str(label)
@@ -945,44 +1065,47 @@ def run_all(args, report: dict) -> None:
     report["bandwidth"] = measure_bandwidth()
     advance("bandwidth")
 
-    config = kdsa_config()
-    kimi_config, glm_config = kimi_linear_config(config), glm5_next_config(config)
-    models = {
-        "KDSA": build_kdsa(config),
-        "KimiLinear": build_peer_kimi_linear(kimi_config, args.peer_attn),
-        "Glm5Next": build_peer_glm5_next(glm_config, args.peer_attn),
-    }
-    fillers = {
-        "KDSA": lambda s: fill_cache_kdsa(config, s),
-        "KimiLinear": lambda s: fill_cache_kimi_linear(kimi_config, s),
-        "Glm5Next": lambda s: fill_cache_glm5_next(glm_config, s),
-    }
-    new_caches = {
-        "KDSA": lambda: new_kdsa_cache(config),
-        "KimiLinear": lambda: DynamicCache(config=kimi_config),
-        "Glm5Next": lambda: DynamicCache(config=glm_config),
-    }
-    # Top-k rows a decode step reads per indexed layer (None = all): Glm5Next adds an incomplete tail pool.
+    config = kdsa_config(args.quick)
+    with tempfile.TemporaryDirectory(prefix="bench-same-weights-") as folder:
+        pairs = {
+            family: build_same_weight_pair(family, config, Path(folder) / family, args.peer_attn) for family in FAMILIES
+        }
+    # "KDSA": our benchmark shape (KDSAConfig defaults, its own random weights); "KDSA:<family>": KDSA running the
+    # weights transformers' model of that family saved, next to that model.
+    models = {"KDSA": build_kdsa(config)}
+    for family, pair in pairs.items():
+        models[f"KDSA:{family}"], models[PEER_NAMES[family]] = pair.kdsa, pair.peer
+    # Top-k rows a decode step reads per indexed layer (None = all): the k-pool indexer adds an incomplete tail pool.
+    glm = pairs["glm5_next"].kdsa.config
     selected = {
         "KDSA": config.index_topk,
+        "KDSA:kimi_linear": None,
         "KimiLinear": None,
-        "Glm5Next": glm_config.index_topk + glm_config.index_kpool - 1,
+        "KDSA:glm5_next": glm.index_topk + glm.index_kpool - 1,
+        "Glm5Next": glm.index_topk + glm.index_kpool - 1,
     }
-    experts = {
-        "KDSA": (config.num_experts_per_tok, config.n_routed_experts),
-        "KimiLinear": (kimi_config.num_experts_per_tok, kimi_config.num_local_experts),
-        "Glm5Next": (glm_config.num_experts_per_tok, glm_config.n_routed_experts),
-    }
-    weights = {name: parameter_bytes_touched_per_token(m, *experts[name]) for name, m in models.items()}
+    fp32_pairs = {family: to_fp32(pair) for family, pair in pairs.items()}
+    weights = {}
+    for name, model in models.items():
+        kdsa = model if isinstance(model, KDSAForCausalLM) else models[f"KDSA:{name_family(name)}"]
+        experts = (kdsa.config.num_experts_per_tok, kdsa.config.n_routed_experts)
+        weights[name] = parameter_bytes_touched_per_token(model, *experts)
     report["config"] = config.to_diff_dict() | {"layer_types": config.layer_types}
-    report["peers"] = dict(
-        mapping=shape_mapping(config, kimi_config, glm_config),
-        parameters={name: sum(p.numel() for p in m.parameters()) for name, m in models.items()},
-        weights=weights,
-        unmatched=UNMATCHED,
-        kimi_linear_config=kimi_config.to_diff_dict(),
-        glm5_next_config=glm_config.to_diff_dict(),
-    )
+    report["same_weights"] = {
+        family: dict(
+            peer=f"transformers {type(pair.peer).__name__}",
+            checkpoint_bytes=pair.checkpoint_bytes,
+            parameters=dict(
+                kdsa=sum(p.numel() for p in pair.kdsa.parameters()),
+                peer=sum(p.numel() for n, p in pair.peer.named_parameters() if not n.startswith("model.visual.")),
+            ),
+            peer_config=pair.peer.config.to_diff_dict(),
+            kdsa_config=pair.kdsa.config.to_diff_dict() | {"layer_types": pair.kdsa.config.layer_types},
+        )
+        for family, pair in pairs.items()
+    }
+    report["parameters"] = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
+    report["weights"] = weights
 
     dsa_idx = config.layer_types.index(DSA_LAYER)
     ours_layer = build_dsa_layer(config, dsa_idx)
@@ -993,8 +1116,25 @@ def run_all(args, report: dict) -> None:
     advance("built models")
 
     bandwidth = report["bandwidth"]["best_gbs"]
+    extra_steps = max(0, args.token_steps - args.warmup - args.repeats)
     report["dsa_layer_decode"], report["model_decode"] = [], []
     cache_summary = {}
+
+    def record(entry, name, cache, result):
+        layers = cache_bytes(cache)  # after the steps: a paged pool may have grown (per-token bytes do not)
+        result["bytes_needed"] = bytes_per_decode_step(weights[name]["touched_bytes"], layers, entry["context"],
+                                                       selected[name])  # fmt: skip
+        result["limit"] = physical_limit(result["bytes_needed"]["total_bytes"], result["median_s"], bandwidth)
+        entry["models"][name] = result
+        cache_summary[name] = dict(
+            per_token_bytes=sum(c["per_token_bytes"] for c in layers),
+            fixed_state_bytes=sum(c["state_bytes"] for c in layers),
+            bytes_at_largest_context=sum(c["per_token_bytes"] for c in layers) * entry["context"]
+            + sum(c["state_bytes"] for c in layers),
+            paged_pool_bytes=sum(c.get("allocated_bytes", 0) for c in layers) or None,
+            layers=layers,
+        )
+
     for context in contexts:
         entry = dict(context=context)
         fill_ours = lambda s: fill_cache_kdsa(config, s, layers=[dsa_idx])  # noqa: E731
@@ -1015,26 +1155,46 @@ def run_all(args, report: dict) -> None:
         del dense_layer
         report["dsa_layer_decode"].append(entry)
 
-        model_entry = dict(context=context, models={})
-        for name, model in models.items():
-            cache = fillers[name](context)
-            result = time_model_decode(model, cache, args.warmup, args.repeats)
-            layers = cache_bytes(cache)  # after the steps: a paged pool may have grown (per-token bytes do not)
-            result["bytes_needed"] = bytes_per_decode_step(
-                weights[name]["touched_bytes"], layers, context, selected[name]
-            )
-            result["limit"] = physical_limit(result["bytes_needed"]["total_bytes"], result["median_s"], bandwidth)
-            model_entry["models"][name] = result
-            cache_summary[name] = dict(
-                per_token_bytes=sum(c["per_token_bytes"] for c in layers),
-                fixed_state_bytes=sum(c["state_bytes"] for c in layers),
-                bytes_at_largest_context=sum(c["per_token_bytes"] for c in layers) * context
-                + sum(c["state_bytes"] for c in layers),
-                paged_pool_bytes=sum(c.get("allocated_bytes", 0) for c in layers) or None,
-                layers=layers,
-            )
-            del cache
-            advance(f"{fmt_ctx(context)} model {name}")
+        model_entry = dict(context=context, models={}, pairs={})
+        cache = fill_cache_kdsa(config, context)
+        result = time_model_decode(models["KDSA"], cache, args.warmup, args.repeats)
+        del result["first_logits"]
+        record(model_entry, "KDSA", cache, result)
+        del cache
+        advance(f"{fmt_ctx(context)} model KDSA")
+        for family, pair in pairs.items():
+            peer_name = PEER_NAMES[family]
+            estimate = estimate_peer_decode_bytes(pair.peer.config, context)
+            if estimate > args.max_peer_decode_gib * GIB:
+                model_entry["pairs"][family] = dict(
+                    skipped=True,
+                    estimated_bytes=estimate,
+                    reason=f"{peer_name}'s eager decode step would need ~{estimate / GIB:.1f} GiB > "
+                    f"{args.max_peer_decode_gib:g} GiB (--max-peer-decode-gib)",
+                )
+                for _ in range(3):
+                    advance(f"{fmt_ctx(context)} {family} skipped")
+                continue
+            theirs, ours = fill_same_caches(pair, context)
+            peer_result = time_model_decode(pair.peer, theirs, args.warmup, args.repeats, extra_steps)
+            advance(f"{fmt_ctx(context)} model {peer_name}")
+            ours_result = time_model_decode(pair.kdsa, ours, args.warmup, args.repeats, extra_steps)
+            advance(f"{fmt_ctx(context)} model KDSA:{family}")
+            summary = dict(speedup=peer_result["median_s"] / ours_result["median_s"], peer_estimated_bytes=estimate)
+            summary["bf16"] = compare_tokens(peer_result, ours_result)
+            record(model_entry, peer_name, theirs, peer_result)
+            record(model_entry, f"KDSA:{family}", ours, ours_result)
+            del theirs, ours
+            # The same check in fp32 (caches filled with the same seed): bf16 logits tie or nearly tie often enough
+            # that two correct implementations may pick different tokens; fp32 must not.
+            exact = fp32_pairs[family]
+            theirs, ours = fill_same_caches(exact, context, dtype=torch.float32)
+            peer_result = time_model_decode(exact.peer, theirs, 0, args.token_steps)
+            ours_result = time_model_decode(exact.kdsa, ours, 0, args.token_steps)
+            summary["fp32"] = compare_tokens(peer_result, ours_result)
+            del theirs, ours
+            model_entry["pairs"][family] = summary
+            advance(f"{fmt_ctx(context)} fp32 tokens {family}")
         report["model_decode"].append(model_entry)
     report["cache"] = cache_summary
 
@@ -1042,7 +1202,10 @@ def run_all(args, report: dict) -> None:
     warmup_tokens = min(1024, args.prefill_context // 4)
     prefill["peer_attention"] = args.peer_prefill_attn
     for name, model in models.items():
-        if name != "KDSA":
+        if isinstance(model, KDSAForCausalLM):
+            make_cache = lambda model=model: KDSACache(model.config)  # noqa: E731
+        else:
+            make_cache = lambda model=model: DynamicCache(config=model.config.get_text_config())  # noqa: E731
             estimate = estimate_peer_prefill_bytes(name, model.config, args.prefill_context, args.peer_prefill_attn)
             if estimate > args.max_prefill_gib * GIB:
                 prefill["models"][name] = dict(
@@ -1053,19 +1216,33 @@ def run_all(args, report: dict) -> None:
                 )
                 advance(f"prefill {name} skipped")
                 continue
-            if args.peer_prefill_attn != args.peer_attn:
-                backbone = model if isinstance(model, KimiLinearForCausalLM) else model.model
-                backbone.set_attn_implementation(args.peer_prefill_attn)  # same weights, other attention kernel
+            model.set_attn_implementation(args.peer_prefill_attn)  # same weights, maybe another attention kernel
         prefill["models"][name] = time_prefill(
-            model, new_caches[name], args.prefill_context, warmup_tokens, args.prefill_repeats, args.prefill_budget_s
+            model, make_cache, args.prefill_context, warmup_tokens, args.prefill_repeats, args.prefill_budget_s
         )
+        if not isinstance(model, KDSAForCausalLM):
+            model.set_attn_implementation(args.peer_attn)
         advance(f"prefill {name}")
     report["prefill"] = prefill
+
+    report["same_tokens_after_prefill"] = {}
+    for family in FAMILIES:
+        checks = []
+        for pair in (fp32_pairs[family], pairs[family]):
+            checks.append(same_tokens_after_prefill(pair, args.token_prompt, args.token_steps))
+            advance(f"same tokens {family} {checks[-1]['dtype']}")
+        report["same_tokens_after_prefill"][family] = checks
+    del fp32_pairs
     progress.close()
 
     report["graph_mode"] = time_graph_mode(models["KDSA"], config, contexts, args.warmup, args.repeats, args.quick)
     report["dsa_layer_prefill_memory"] = dsa_layer_prefill_memory(config, args.layer_prefill_context)
     report["memory_method"] = _memory_method_text()
+
+
+def name_family(name: str) -> str:
+    """The family of a peer's row name ("KimiLinear" -> "kimi_linear")."""
+    return next(family for family, peer in PEER_NAMES.items() if peer == name)
 
 
 def _memory_method_text() -> str:

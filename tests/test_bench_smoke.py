@@ -1,7 +1,9 @@
-"""Smoke tests of the benchmark scripts. scripts/bench_long_context.py: `--quick` (contexts 256 and 512, prefill
-128) runs end to end in this process and writes JSON with every section and positive numbers (about a minute on an
-idle 2-core machine, most of it the cold/warm compile probes, so it is marked slow). scripts/bench_speculative.py:
-`--quick` with the shipped checkpoints. Timings are never asserted (noisy machines).
+"""Smoke tests of the benchmark scripts. scripts/bench_long_context.py: `--quick` (narrow models, contexts 256 and
+512, prefill 128) runs end to end in this process and writes JSON with every section and positive numbers (about a
+minute on an idle 2-core machine, most of it the cold/warm compile probes, so it is marked slow); its same-weight
+pairs (transformers' model saved, loaded by KDSA) must decode the same fp32 greedy tokens from identical caches, also
+checked quickly past the top-k. scripts/bench_speculative.py: `--quick` with the shipped checkpoints. Timings are
+never asserted (noisy machines).
 """
 
 import importlib.util
@@ -12,9 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_long_context.py"
-MODELS = ("KDSA", "KimiLinear", "Glm5Next")
+MODELS = ("KDSA", "KDSA:kimi_linear", "KimiLinear", "KDSA:glm5_next", "Glm5Next")
+FAMILIES = ("kimi_linear", "glm5_next")
 
 
 def load_bench():
@@ -35,8 +39,11 @@ def test_quick_run_writes_every_section(tmp_path):
     assert report["contexts"] == [256, 512]
     assert report["environment"]["threads"] == 1
     assert report["bandwidth"]["best_gbs"] > 0
-    assert set(report["peers"]["parameters"]) == set(MODELS)
-    assert all(count > 0 for count in report["peers"]["parameters"].values())
+    assert set(report["parameters"]) == set(MODELS)
+    assert all(count > 0 for count in report["parameters"].values())
+    assert set(report["same_weights"]) == set(FAMILIES)
+    for info in report["same_weights"].values():
+        assert info["parameters"]["kdsa"] == info["parameters"]["peer"] > 0 and info["checkpoint_bytes"] > 0
 
     for entry in report["dsa_layer_decode"]:
         for name in ("ours", "ours_dense", "DeepseekV32"):
@@ -49,14 +56,27 @@ def test_quick_run_writes_every_section(tmp_path):
 
     for entry in report["model_decode"]:
         assert set(entry["models"]) == set(MODELS)
-        for result in entry["models"].values():
+        for name, result in entry["models"].items():
             assert result["median_s"] > 0 and result["tokens_per_s"] > 0
             assert result["bytes_needed"]["weight_bytes"] > 0 and result["bytes_needed"]["cache_read_bytes"] > 0
+            assert len(result["tokens"]) == (4 if name == "KDSA" else 8), name  # warm-up + repeats; pairs: 8
+        assert set(entry["pairs"]) == set(FAMILIES)
+        for pair in entry["pairs"].values():
+            assert pair["speedup"] > 0 and pair["bf16"]["steps"] == 8
+            # bf16 logits tie often enough that the bf16 tokens may differ; fp32 ones must not.
+            assert pair["fp32"]["same_tokens"] and pair["fp32"]["steps"] == 8, pair
+            assert pair["fp32"]["first_step_logits_relative_difference"] < 1e-5, pair
 
     assert report["prefill"]["context"] == 128
     for name in MODELS:
         result = report["prefill"]["models"][name]
         assert result.get("skipped") or result["median_s"] > 0, name
+
+    for family in FAMILIES:
+        exact, as_benchmarked = report["same_tokens_after_prefill"][family]
+        assert exact["dtype"] == "float32" and as_benchmarked["dtype"] == "bfloat16"
+        assert exact["same_tokens"] and exact["prompt_logits_relative_difference"] < 1e-5, exact
+        assert len(as_benchmarked["tokens_kdsa"]) == len(as_benchmarked["tokens_peer"]) == 8
 
     for name in MODELS:
         cache = report["cache"][name]
@@ -73,6 +93,23 @@ def test_quick_run_writes_every_section(tmp_path):
     memory = report["dsa_layer_prefill_memory"]
     assert memory["context"] == 512 and memory["seconds"] > 0 and memory["peak_rss_growth_bytes"] >= 0
     assert report["memory_method"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_same_weight_pair_decodes_alike_from_filled_caches(family, tmp_path):
+    """The benchmark's same-weight pair in fp32, caches filled by `fill_same_caches` past the top-k (1502 tokens:
+    the indexer selects 512 of them, k-pools of 4 and an incomplete tail): two decode steps give transformers'
+    logits within 1e-5 of their scale. A cache written differently on either side fails here."""
+    bench = load_bench()
+    pair = bench.to_fp32(bench.build_same_weight_pair(family, bench.kdsa_config(quick=True), tmp_path, "eager"))
+    theirs, ours = bench.fill_same_caches(pair, 1502, dtype=torch.float32)
+    token = torch.tensor([[7]])
+    with torch.inference_mode():
+        for _ in range(2):
+            reference = pair.peer(input_ids=token, cache=theirs, use_cache=True).logits[:, -1]
+            logits = pair.kdsa(input_ids=token, cache=ours, use_cache=True).logits[:, -1]
+            assert float((logits - reference).abs().max() / reference.abs().max()) < 1e-5
+            token = reference.argmax(-1, keepdim=True)
 
 
 def test_bytes_per_decode_step_formula():
