@@ -1,7 +1,7 @@
 """Loading published checkpoints of the family (DeepSeek-V3.2, Kimi-Linear, GLM-5.3-Flash, Kimi K3) into KDSA models.
 
-docs/checkpoint-conversion.md §2 (families §3-§5 and §8, FP8 §6; Kimi K3: docs/kimi-k3.md §1, §4). Two halves per
-family:
+docs/checkpoint-conversion.md §2 (families §3-§5 and §8, FP8 §6 and §9; Kimi K3: docs/kimi-k3.md §1, §4). Two
+halves per family:
 
 - config translation: the raw config.json is parsed by transformers' own config class for its `model_type` (which
   resolves attribute_map aliases, Kimi's 1-based `linear_attn_config` layer lists, GLM's nested `text_config`), then
@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from transformers import CONFIG_MAPPING
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
@@ -34,6 +35,7 @@ from transformers.core_model_loading import (
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 from .configuration_kdsa import DSA_LAYER, KDA_LAYER, MLA_LAYER, KDSAConfig
+from .fp8_linear import KDSAFP8Linear, dequantize_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,10 @@ _SUPPORTED_ROPE_TYPES = ("default", "yarn")
 _FP8_QUANT_METHOD = "fp8"
 # KDSAConfig fields no source config has; a caller may set them as from_pretrained keyword arguments.
 _KDSA_ONLY_FIELDS = ("kernel_backend",)
+# `from_pretrained(folder, fp8_weights=...)` for FP8 checkpoints (docs/checkpoint-conversion.md §9).
+FP8_WEIGHTS_CHOICES = ("dequantize", "hold")
+# Linear layers whose `.weight` is read by code other than their forward (MLA weight absorption): kept dequantized.
+_FP8_WEIGHT_READ_DIRECTLY = ("kv_b_proj",)
 
 
 @dataclass
@@ -65,6 +71,8 @@ class ForeignCheckpointPlan:
     conversions: list = field(default_factory=list)
     # regex over the (renamed) checkpoint keys -> what is skipped, for the one info line logged per entry.
     skipped: dict[str, str] = field(default_factory=dict)
+    # (rows, cols) of the checkpoint's FP8 weight blocks; None for an unquantized checkpoint.
+    fp8_block: tuple[int, int] | None = None
 
 
 class _Fields:
@@ -168,7 +176,8 @@ _FP8_CONFIG_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_si
 def _quantization(fields: _Fields, mapped: dict) -> None:
     """Only the DeepSeek / GLM fine-grained FP8 layout (E4M3 weights, one `weight_scale_inv` per weight block) is
     read, and dequantized while the shards stream in (`BlockFP8Dequantize`); the KDSA model holds the weights in its
-    load dtype and has no quantization_config (docs/checkpoint-conversion.md §6). Sets `mapped["_fp8_block"]`."""
+    load dtype (or keeps the linear layers FP8 with `fp8_weights="hold"`, §9) and has no quantization_config
+    (docs/checkpoint-conversion.md §6). Sets `mapped["_fp8_block"]`."""
     quantization = getattr(fields.source, "quantization_config", None)
     fields.pending.discard("quantization_config")
     if quantization is None:
@@ -771,7 +780,9 @@ def _build(model_type: str, mapped: dict, overrides: dict, **plan) -> ForeignChe
     conversions = plan.pop("conversions", [])
     if fp8_block is not None:
         conversions = _dequantizing(conversions, fp8_block)
-    return ForeignCheckpointPlan(model_type=model_type, config=config, conversions=conversions, **plan)
+    return ForeignCheckpointPlan(
+        model_type=model_type, config=config, conversions=conversions, fp8_block=fp8_block, **plan
+    )
 
 
 # Held while a foreign folder's conversions are registered under the class name, and by native loads of KDSA
@@ -808,7 +819,12 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
     # KDSA-only settings (e.g. kernel_backend="cpu") given as keyword arguments apply to the translated config, as
     # transformers applies them to a loaded one.
     overrides = {name: kwargs.pop(name) for name in list(kwargs) if name in _KDSA_ONLY_FIELDS}
+    fp8_weights = kwargs.pop("fp8_weights", "dequantize")
+    if fp8_weights not in FP8_WEIGHTS_CHOICES:
+        raise ValueError(f"fp8_weights={fp8_weights!r} must be one of {FP8_WEIGHTS_CHOICES}")
     plan = plan_foreign_load(raw_config, keys, overrides)
+    if fp8_weights == "hold" and plan.fp8_block is None:
+        raise ValueError(f"fp8_weights='hold': {path!r} has no FP8 quantization_config (nothing to hold in FP8)")
     want_info = kwargs.pop("output_loading_info", False)
     # Size mismatches come back in the loading info, so that the strict check below names them (transformers'
     # own error does not say which tensor); they are never ignored.
@@ -852,14 +868,67 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
         count = sum(1 for k in keys if re.search(pattern, k))
         if count:
             logger.info("skipped %s: %d tensors", what, count)
+    if fp8_weights == "hold":
+        hold_fp8_linears(model, path, plan, keys)
     return (model, info) if want_info else model
+
+
+def _shard_of(folder: str) -> dict[str, str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
+    return {k: os.path.join(folder, "model.safetensors") for k in checkpoint_keys(folder)}
+
+
+def hold_fp8_linears(model, folder: str, plan: ForeignCheckpointPlan, keys: list[str]) -> list[str]:
+    """Swap every `nn.Linear` that the checkpoint stores as one FP8 weight under a plain rename for a `KDSAFP8Linear`
+    holding that weight's E4M3 values and scale grid read again from the shard (docs/checkpoint-conversion.md §9).
+    Weights a converter merged (stacked routed experts) and `_FP8_WEIGHT_READ_DIRECTLY` stay dequantized. Each
+    swap is checked: the held weight must dequantize bit-exactly to the weight loaded, else a ValueError (a wrong
+    name mapping can never swap in another layer's weight). Returns the swapped module names."""
+    from safetensors import safe_open
+    from transformers.core_model_loading import rename_source_key
+
+    renamings = [WeightRenaming(src, dst) for src, dst in plan.key_mapping.items()]
+    renamings += [c for c in plan.conversions if isinstance(c, WeightRenaming)]
+    # The plan's converters minus the last one, the catch-all that dequantizes every other weight (_dequantizing).
+    converters = [c for c in plan.conversions if isinstance(c, WeightConverter)][:-1]
+    shards = _shard_of(folder)
+    held = []
+    for key in keys:
+        if not key.endswith(".weight") or key + "_scale_inv" not in shards:
+            continue
+        name, converter = rename_source_key(key, renamings, converters)
+        module_name = name.removesuffix(".weight")
+        if converter is not None or module_name.rsplit(".", 1)[-1] in _FP8_WEIGHT_READ_DIRECTLY:
+            continue
+        module = model.get_submodule(module_name)
+        if type(module) is not nn.Linear:
+            raise ValueError(f"FP8 weight {key!r} maps to {module_name!r}, a {type(module).__name__}, not a Linear")
+        with safe_open(shards[key], framework="pt") as f:
+            values = f.get_tensor(key)
+        with safe_open(shards[key + "_scale_inv"], framework="pt") as f:
+            scale_inv = f.get_tensor(key + "_scale_inv")
+        loaded = module.weight
+        # The loader rounds the scales to the load dtype before dequantizing (BlockFP8Dequantize); the held module
+        # keeps them fp32.
+        expected = dequantize_blocks(values, scale_inv.to(loaded.dtype), plan.fp8_block, loaded.dtype)
+        if not torch.equal(expected, loaded.detach().cpu()):
+            raise ValueError(f"FP8 weight {key!r} does not dequantize to the weight loaded into {module_name!r}")
+        fp8 = KDSAFP8Linear(values.to(loaded.device), scale_inv.to(loaded.device), plan.fp8_block, module.bias)
+        model.set_submodule(module_name, fp8)
+        held.append(module_name)
+    return held
 
 
 __all__ = [
     "REGISTRATION_LOCK",
     "FOREIGN_MODEL_TYPES",
     "ForeignCheckpointPlan",
+    "FP8_WEIGHTS_CHOICES",
     "checkpoint_keys",
+    "hold_fp8_linears",
     "load_foreign",
     "plan_foreign_load",
 ]
