@@ -19,6 +19,8 @@ import textwrap
 
 import pytest
 import torch
+from modeling_kdsa.parallel.mesh import ParallelMesh
+from modeling_kdsa.parallel.tensor_parallel import apply_tensor_parallel
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
@@ -32,10 +34,8 @@ from transformers import (
 )
 
 from modeling_kdsa import KDSAConfig, KDSAForCausalLM
-from modeling_kdsa.conversion import checkpoint_keys, hold_fp8_linears, plan_foreign_load
+from modeling_kdsa.conversion import plan_foreign_load
 from modeling_kdsa.fp8_linear import KDSAFP8Linear
-from modeling_kdsa.parallel.mesh import ParallelMesh
-from modeling_kdsa.parallel.tensor_parallel import apply_tensor_parallel
 
 VOCAB = 128
 INDEX_TOPK = 8
@@ -733,6 +733,14 @@ def test_fp8_held_model_gives_the_dequantized_models_logits(fp8_family, tmp_path
     assert len(fp8_layers) >= 4 and all(m.weight.dtype == torch.float8_e4m3fn for m in fp8_layers.values())
     assert not any(n.endswith("kv_b_proj") for n in fp8_layers)
     assert len(fp8_layers) < len(quantized)  # the routed experts' weights are not held
+    by_suffix = {re.sub(r"^model\.(language_model\.)?", "", k): v for k, v in quantized.items()}
+    compared = 0
+    for name, layer in fp8_layers.items():  # the folder's own E4M3 values and fp32 scales, loaded as they are
+        if (stored := by_suffix.get(name.removeprefix("model.") + ".weight")) is not None:
+            assert torch.equal(layer.weight.view(torch.uint8), stored[0].view(torch.uint8)), name
+            assert torch.equal(layer.weight_scale_inv, stored[1]), name
+            compared += 1
+    assert compared >= len(fp8_layers) // 2
     with torch.no_grad():
         for seq_len in (SHORT, LONG):
             ids = fp8_family.ids[:, :seq_len]
@@ -753,18 +761,20 @@ def test_fp8_held_weights_take_half_the_bytes_of_bf16(deepseek, tmp_path):
     assert weight_bytes(held) < weight_bytes(bf16)
 
 
-def test_fp8_held_layer_that_does_not_match_the_loaded_weight_is_refused(deepseek, tmp_path):
-    """The swap re-reads each weight from its shard and must dequantize to exactly what the load put there, so a
-    name mapped to the wrong layer (or a scale applied to the wrong tile) is a ValueError, never a silent swap."""
+def test_fp8_held_layer_without_its_scale_is_refused_by_name(deepseek, tmp_path):
+    """Held layers are built before the weights load and filled by name: an E4M3 tensor whose scale is missing from
+    the folder would load as raw E4M3 values into a plain Linear, so it is a ValueError naming it."""
     fp8_copy(deepseek.folder, tmp_path / "fp8", block=16)
-    model = KDSAForCausalLM.from_pretrained(tmp_path / "fp8")
-    target = model.model.layers[1].self_attn.q_b_proj
-    with torch.no_grad():
-        target.weight[0, 0] += 1e-3
-    raw = json.loads((tmp_path / "fp8" / "config.json").read_text())
-    keys = checkpoint_keys(str(tmp_path / "fp8"))
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.q_b_proj\.weight.* does not dequantize"):
-        hold_fp8_linears(model, str(tmp_path / "fp8"), plan_foreign_load(raw, keys), keys)
+    key = "model.layers.1.self_attn.q_b_proj.weight_scale_inv"
+    index_file = tmp_path / "fp8" / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shard = tmp_path / "fp8" / index["weight_map"].pop(key)
+    tensors = load_file(shard)
+    del tensors[key]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"without weight_scale_inv: .'model\.layers\.1\.self_attn\.q_b_proj\.weight'"):
+        KDSAForCausalLM.from_pretrained(tmp_path / "fp8", fp8_weights="hold")
 
 
 def test_fp8_held_model_refuses_save_and_tensor_parallel_by_name(deepseek, tmp_path):

@@ -20,7 +20,6 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 from transformers import CONFIG_MAPPING
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
@@ -35,7 +34,6 @@ from transformers.core_model_loading import (
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 from .configuration_kdsa import DSA_LAYER, KDA_LAYER, MLA_LAYER, KDSAConfig
-from .fp8_linear import KDSAFP8Linear, dequantize_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -823,8 +821,15 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
     if fp8_weights not in FP8_WEIGHTS_CHOICES:
         raise ValueError(f"fp8_weights={fp8_weights!r} must be one of {FP8_WEIGHTS_CHOICES}")
     plan = plan_foreign_load(raw_config, keys, overrides)
-    if fp8_weights == "hold" and plan.fp8_block is None:
-        raise ValueError(f"fp8_weights='hold': {path!r} has no FP8 quantization_config (nothing to hold in FP8)")
+    held = {}
+    if fp8_weights == "hold":
+        if plan.fp8_block is None:
+            raise ValueError(f"fp8_weights='hold': {path!r} has no FP8 quantization_config (nothing to hold in FP8)")
+        unscaled = _fp8_without_scale(path, keys)
+        if unscaled:
+            raise ValueError(f"{plan.model_type} checkpoint {path!r}: FP8 tensors without weight_scale_inv: {unscaled}")
+        held = dict.fromkeys(fp8_held_layers(plan, keys), plan.fp8_block)
+        plan.conversions = _holding(plan.conversions, plan.fp8_block)
     want_info = kwargs.pop("output_loading_info", False)
     # Size mismatches come back in the loading info, so that the strict check below names them (transformers'
     # own error does not say which tensor); they are never ignored.
@@ -833,6 +838,7 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
         ignored_before = cls._keys_to_ignore_on_load_unexpected
         register_checkpoint_conversion_mapping(cls.__name__, plan.conversions, overwrite=True)
         cls._keys_to_ignore_on_load_unexpected = list(plan.skipped)
+        cls._fp8_held_layers = held  # read by KDSAForCausalLM.__init__: these layers are built as KDSAFP8Linear
         report = _ReportCapture()
         report_logger = logging.getLogger("transformers")  # the load report comes from one of its child loggers
         report_logger.addHandler(report)
@@ -856,6 +862,7 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
         finally:
             report_logger.removeHandler(report)
             cls._keys_to_ignore_on_load_unexpected = ignored_before
+            cls._fp8_held_layers = {}
             register_checkpoint_conversion_mapping(cls.__name__, [], overwrite=True)
     model._keys_to_ignore_on_load_unexpected = set(ignored_before or [])
     model._weight_conversions = []
@@ -868,58 +875,59 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
         count = sum(1 for k in keys if re.search(pattern, k))
         if count:
             logger.info("skipped %s: %d tensors", what, count)
-    if fp8_weights == "hold":
-        hold_fp8_linears(model, path, plan, keys)
     return (model, info) if want_info else model
 
 
-def _shard_of(folder: str) -> dict[str, str]:
+def _fp8_without_scale(folder: str, keys: list[str]) -> list[str]:
+    """Checkpoint tensors stored as E4M3 that have no `_scale_inv`: held layers are filled by name, so such a tensor
+    would otherwise load as raw E4M3 values."""
+    from safetensors import safe_open
+
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
-            return {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
-    return {k: os.path.join(folder, "model.safetensors") for k in checkpoint_keys(folder)}
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        shards = ["model.safetensors"]
+    keys = set(keys)
+    unscaled = []
+    for shard in shards:
+        with safe_open(os.path.join(folder, shard), framework="pt") as f:
+            for key in f.keys():
+                if f.get_slice(key).get_dtype().startswith("F8") and key + "_scale_inv" not in keys:
+                    unscaled.append(key)
+    return sorted(unscaled)
 
 
-def hold_fp8_linears(model, folder: str, plan: ForeignCheckpointPlan, keys: list[str]) -> list[str]:
-    """Swap every `nn.Linear` that the checkpoint stores as one FP8 weight under a plain rename for a `KDSAFP8Linear`
-    holding that weight's E4M3 values and scale grid read again from the shard (docs/checkpoint-conversion.md §9).
-    Weights a converter merged (stacked routed experts) and `_FP8_WEIGHT_READ_DIRECTLY` stay dequantized. Each
-    swap is checked: the held weight must dequantize bit-exactly to the weight loaded, else a ValueError (a wrong
-    name mapping can never swap in another layer's weight). Returns the swapped module names."""
-    from safetensors import safe_open
+def fp8_held_layers(plan: ForeignCheckpointPlan, keys: list[str]) -> list[str]:
+    """The KDSA `nn.Linear`s that `fp8_weights="hold"` keeps FP8: every FP8 checkpoint weight that reaches the model
+    by plain renames (transformers' own `rename_source_key` over the plan's `key_mapping` and renamings), except
+    weights a converter merges (stacked routed experts) and `_FP8_WEIGHT_READ_DIRECTLY` (docs/checkpoint-conversion.md
+    §9)."""
     from transformers.core_model_loading import rename_source_key
 
     renamings = [WeightRenaming(src, dst) for src, dst in plan.key_mapping.items()]
     renamings += [c for c in plan.conversions if isinstance(c, WeightRenaming)]
     # The plan's converters minus the last one, the catch-all that dequantizes every other weight (_dequantizing).
     converters = [c for c in plan.conversions if isinstance(c, WeightConverter)][:-1]
-    shards = _shard_of(folder)
+    scaled = {k.removesuffix("_scale_inv") for k in keys if k.endswith(".weight_scale_inv")}
     held = []
-    for key in keys:
-        if not key.endswith(".weight") or key + "_scale_inv" not in shards:
-            continue
+    for key in sorted(scaled):
         name, converter = rename_source_key(key, renamings, converters)
         module_name = name.removesuffix(".weight")
-        if converter is not None or module_name.rsplit(".", 1)[-1] in _FP8_WEIGHT_READ_DIRECTLY:
-            continue
-        module = model.get_submodule(module_name)
-        if type(module) is not nn.Linear:
-            raise ValueError(f"FP8 weight {key!r} maps to {module_name!r}, a {type(module).__name__}, not a Linear")
-        with safe_open(shards[key], framework="pt") as f:
-            values = f.get_tensor(key)
-        with safe_open(shards[key + "_scale_inv"], framework="pt") as f:
-            scale_inv = f.get_tensor(key + "_scale_inv")
-        loaded = module.weight
-        # The loader rounds the scales to the load dtype before dequantizing (BlockFP8Dequantize); the held module
-        # keeps them fp32.
-        expected = dequantize_blocks(values, scale_inv.to(loaded.dtype), plan.fp8_block, loaded.dtype)
-        if not torch.equal(expected, loaded.detach().cpu()):
-            raise ValueError(f"FP8 weight {key!r} does not dequantize to the weight loaded into {module_name!r}")
-        fp8 = KDSAFP8Linear(values.to(loaded.device), scale_inv.to(loaded.device), plan.fp8_block, module.bias)
-        model.set_submodule(module_name, fp8)
-        held.append(module_name)
+        if converter is None and module_name.rsplit(".", 1)[-1] not in _FP8_WEIGHT_READ_DIRECTLY:
+            held.append(module_name)
     return held
+
+
+def _holding(conversions: list, block: tuple[int, int]) -> list:
+    """`_dequantizing`'s converters with the catch-all narrowed to `_FP8_WEIGHT_READ_DIRECTLY`: every other plainly
+    renamed FP8 weight and its scale load as they are into a `KDSAFP8Linear`."""
+    narrowed = [
+        WeightConverter([f"{name}.weight", f"{name}.weight_scale_inv"], f"{name}.weight", [BlockFP8Dequantize(block)])
+        for name in _FP8_WEIGHT_READ_DIRECTLY
+    ]
+    return [*conversions[:-1], *narrowed]
 
 
 __all__ = [
@@ -928,7 +936,7 @@ __all__ = [
     "ForeignCheckpointPlan",
     "FP8_WEIGHTS_CHOICES",
     "checkpoint_keys",
-    "hold_fp8_linears",
+    "fp8_held_layers",
     "load_foreign",
     "plan_foreign_load",
 ]

@@ -37,6 +37,17 @@ class KDSAFP8Linear(nn.Module):
         self.weight_scale_inv = nn.Parameter(scale_inv.float(), requires_grad=False)
         self.bias = bias
 
+    @classmethod
+    def like(cls, linear: nn.Module, block: tuple[int, int]) -> "KDSAFP8Linear":
+        """An uninitialised FP8 layer of `linear`'s shape, for the checkpoint's values and scales to load into."""
+        if type(linear) is not nn.Linear:
+            raise ValueError(f"only nn.Linear layers can hold FP8 weights, got a {type(linear).__name__}")
+        rows, cols = linear.weight.shape
+        device = linear.weight.device
+        values = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=device)
+        scale_inv = torch.empty(-(-rows // block[0]), -(-cols // block[1]), dtype=torch.float32, device=device)
+        return cls(values, scale_inv, block, linear.bias)
+
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_blocks(self.weight, self.weight_scale_inv, self.block, dtype)
 

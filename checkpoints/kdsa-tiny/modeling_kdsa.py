@@ -467,12 +467,16 @@ class KDSAModel(KDSAPreTrainedModel):
 
 class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # module name -> FP8 block: layers built as KDSAFP8Linear (docs/checkpoint-conversion.md §9); set by load_foreign.
+    _fp8_held_layers: dict = {}
 
     def __init__(self, config: KDSAConfig):
         super().__init__(config)
         self.model = KDSAModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        for name, block in self._fp8_held_layers.items():  # set only while an FP8 folder loads (conversion.py)
+            self.set_submodule(name, KDSAFP8Linear.like(self.get_submodule(name), block))
         self.post_init()
 
     @classmethod
