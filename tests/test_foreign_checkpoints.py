@@ -33,7 +33,7 @@ from transformers import (
     KimiLinearForCausalLM,
 )
 
-from modeling_kdsa import KDSAConfig, KDSAForCausalLM
+from modeling_kdsa import KDSAConfig, KDSAForCausalLM, KDSAQuantizationConfig
 from modeling_kdsa.conversion import plan_foreign_load
 from modeling_kdsa.fp8_linear import KDSAFP8Linear
 
@@ -761,19 +761,26 @@ def test_fp8_held_weights_take_half_the_bytes_of_bf16(deepseek, tmp_path):
     assert weight_bytes(held) < weight_bytes(bf16)
 
 
-def test_fp8_held_layer_without_its_scale_is_refused_by_name(deepseek, tmp_path):
-    """Held layers are built before the weights load and filled by name: an E4M3 tensor whose scale is missing from
-    the folder would load as raw E4M3 values into a plain Linear, so it is a ValueError naming it."""
+@pytest.mark.parametrize("damage", ["no scale", "E8M0 scale"])
+def test_fp8_held_layer_without_an_fp32_scale_is_refused_by_name(deepseek, tmp_path, damage):
+    """Held layers are built before the weights load and filled by name as stored: an E4M3 tensor without its scale
+    would land as raw E4M3 values, an E8M0 (uint8) scale would be cast to fp32 as an integer; both are ValueErrors
+    naming the tensor (the dequantize-at-load path decodes E8M0)."""
     fp8_copy(deepseek.folder, tmp_path / "fp8", block=16)
     key = "model.layers.1.self_attn.q_b_proj.weight_scale_inv"
     index_file = tmp_path / "fp8" / "model.safetensors.index.json"
     index = json.loads(index_file.read_text())
-    shard = tmp_path / "fp8" / index["weight_map"].pop(key)
+    shard = tmp_path / "fp8" / index["weight_map"][key]
     tensors = load_file(shard)
-    del tensors[key]
+    if damage == "no scale":
+        del tensors[key], index["weight_map"][key]
+        expected = r"q_b_proj\.weight \(no weight_scale_inv\)"
+    else:
+        tensors[key] = (tensors[key].log2().round() + 127).to(torch.uint8)
+        expected = r"q_b_proj\.weight_scale_inv \(U8, not F32\)"
     save_file(tensors, shard, metadata={"format": "pt"})
     index_file.write_text(json.dumps(index))
-    with pytest.raises(ValueError, match=r"without weight_scale_inv: .'model\.layers\.1\.self_attn\.q_b_proj\.weight'"):
+    with pytest.raises(ValueError, match=expected):
         KDSAForCausalLM.from_pretrained(tmp_path / "fp8", fp8_weights="hold")
 
 
@@ -796,3 +803,16 @@ def test_fp8_weights_option_is_refused_where_it_does_not_apply(deepseek, tmp_pat
     deepseek.model.save_pretrained(tmp_path / "native")
     with pytest.raises(ValueError, match="fp8_weights= applies to FP8 checkpoints"):
         KDSAForCausalLM.from_pretrained(tmp_path / "native", fp8_weights="hold")
+
+
+def test_fp8_held_weights_combine_with_the_kdsa_cache_quantizer(deepseek, tmp_path):
+    """The FP8 folder's own quantization_config is translated, never handed to transformers, so the one quantizer of
+    the load stays free for KDSA's cache formats (here the bf16 ones, so logits stay bit-identical)."""
+    fp8_copy(deepseek.folder, tmp_path / "fp8", block=16)
+    cache_formats = KDSAQuantizationConfig(indexer="bf16", kv_cache="bf16")
+    held = KDSAForCausalLM.from_pretrained(tmp_path / "fp8", fp8_weights="hold", quantization_config=cache_formats)
+    dequantized = KDSAForCausalLM.from_pretrained(tmp_path / "fp8")
+    assert held.config.quantization_config.quant_method == "kdsa"
+    assert any(isinstance(m, KDSAFP8Linear) for m in held.modules())
+    with torch.no_grad():
+        assert torch.equal(held.eval()(deepseek.ids).logits, dequantized.eval()(deepseek.ids).logits)

@@ -825,9 +825,12 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
     if fp8_weights == "hold":
         if plan.fp8_block is None:
             raise ValueError(f"fp8_weights='hold': {path!r} has no FP8 quantization_config (nothing to hold in FP8)")
-        unscaled = _fp8_without_scale(path, keys)
-        if unscaled:
-            raise ValueError(f"{plan.model_type} checkpoint {path!r}: FP8 tensors without weight_scale_inv: {unscaled}")
+        unholdable = _fp8_unholdable(path, keys)
+        if unholdable:
+            raise ValueError(
+                f"fp8_weights='hold': {plan.model_type} checkpoint {path!r} has tensors it cannot hold as stored: "
+                f"{unholdable}; load with fp8_weights='dequantize'"
+            )
         held = dict.fromkeys(fp8_held_layers(plan, keys), plan.fp8_block)
         plan.conversions = _holding(plan.conversions, plan.fp8_block)
     want_info = kwargs.pop("output_loading_info", False)
@@ -878,9 +881,10 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
     return (model, info) if want_info else model
 
 
-def _fp8_without_scale(folder: str, keys: list[str]) -> list[str]:
-    """Checkpoint tensors stored as E4M3 that have no `_scale_inv`: held layers are filled by name, so such a tensor
-    would otherwise load as raw E4M3 values."""
+def _fp8_unholdable(folder: str, keys: list[str]) -> list[str]:
+    """Checkpoint tensors `fp8_weights="hold"` cannot take as stored: E4M3 tensors without a `_scale_inv` (held
+    layers are filled by name, so one would land as raw E4M3 values) and scales that are not fp32 (E8M0 bytes would
+    be cast to fp32 as integers; the dequantize-at-load path decodes them)."""
     from safetensors import safe_open
 
     index = os.path.join(folder, "model.safetensors.index.json")
@@ -894,8 +898,11 @@ def _fp8_without_scale(folder: str, keys: list[str]) -> list[str]:
     for shard in shards:
         with safe_open(os.path.join(folder, shard), framework="pt") as f:
             for key in f.keys():
-                if f.get_slice(key).get_dtype().startswith("F8") and key + "_scale_inv" not in keys:
-                    unscaled.append(key)
+                dtype = f.get_slice(key).get_dtype()
+                if dtype.startswith("F8") and key + "_scale_inv" not in keys:
+                    unscaled.append(f"{key} (no weight_scale_inv)")
+                if key.endswith("_scale_inv") and dtype != "F32":
+                    unscaled.append(f"{key} ({dtype}, not F32)")
     return sorted(unscaled)
 
 
