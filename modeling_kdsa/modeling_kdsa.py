@@ -27,6 +27,7 @@ from .cache import ROLLBACK_TOKENS, KDSACache
 from .configuration_kdsa import DSA_LAYER, KDA_LAYER, MLA_LAYER, KDSAConfig
 from .conversion import FOREIGN_MODEL_TYPES, REGISTRATION_LOCK, load_foreign
 from .dsa import KDSAIndexer, KDSAMultiLatentAttention, KDSASparseAttention
+from .fp8_linear import KDSAFP8Linear
 from .hyper_connections import HyperConnectionStream, KDSAHyperConnection
 from .kda import KDSAKimiDeltaAttention
 from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter, load_balancing_loss
@@ -466,12 +467,16 @@ class KDSAModel(KDSAPreTrainedModel):
 
 class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # module name -> FP8 block: layers built as KDSAFP8Linear (docs/checkpoint-conversion.md §9); set by load_foreign.
+    _fp8_held_layers: dict = {}
 
     def __init__(self, config: KDSAConfig):
         super().__init__(config)
         self.model = KDSAModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        for name, block in self._fp8_held_layers.items():  # set only while an FP8 folder loads (conversion.py)
+            self.set_submodule(name, KDSAFP8Linear.like(self.get_submodule(name), block))
         self.post_init()
 
     @classmethod
@@ -492,8 +497,23 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
                 raw_config = json.load(f)
             if raw_config.get("model_type") in FOREIGN_MODEL_TYPES:
                 return load_foreign(cls, str(pretrained_model_name_or_path), raw_config, model_args, kwargs)
+        if "fp8_weights" in kwargs:
+            raise ValueError(
+                "fp8_weights= applies to FP8 checkpoints of deepseek_v32 / glm5_next folders only "
+                "(docs/checkpoint-conversion.md §9); this is not one"
+            )
         with REGISTRATION_LOCK:  # never while a foreign load has its conversions registered
             return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Refused for a model holding FP8 weights (`fp8_weights="hold"`): KDSA's native format has no FP8 weight
+        layout (docs/checkpoint-conversion.md §9)."""
+        if any(isinstance(module, KDSAFP8Linear) for module in self.modules()):
+            raise ValueError(
+                "save_pretrained of a model loaded with fp8_weights='hold' is not supported: the native KDSA format "
+                "has no FP8 weights. Load the folder with fp8_weights='dequantize' (the default) to save it"
+            )
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs

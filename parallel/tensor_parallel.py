@@ -27,6 +27,7 @@ values, so the model's own forward (and `generate`) runs unchanged on every rank
 import torch
 from torch import nn
 
+from modeling_kdsa.fp8_linear import KDSAFP8Linear
 from modeling_kdsa.kda import KDSAKimiDeltaAttention
 from modeling_kdsa.moe import KDSAMLP, KDSAMoE
 
@@ -144,6 +145,12 @@ def apply_tensor_parallel(model, mesh: ParallelMesh):
     config = model.config
     if mesh.tp_size == 1:
         return model
+    if any(isinstance(module, KDSAFP8Linear) for module in model.modules()):
+        # Slicing the E4M3 weight would leave its block-scale grid whole (docs/checkpoint-conversion.md §9).
+        raise ValueError(
+            "apply_tensor_parallel does not shard FP8-held weights (fp8_weights='hold'); load the checkpoint with "
+            "fp8_weights='dequantize' (the default) to shard it"
+        )
     error = tensor_parallel_errors(config, mesh.tp_size)
     if error is not None:  # same config on every rank, so every rank raises here: nothing to agree on
         raise ValueError(error)

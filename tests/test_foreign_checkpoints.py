@@ -19,6 +19,8 @@ import textwrap
 
 import pytest
 import torch
+from modeling_kdsa.parallel.mesh import ParallelMesh
+from modeling_kdsa.parallel.tensor_parallel import apply_tensor_parallel
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
@@ -31,8 +33,9 @@ from transformers import (
     KimiLinearForCausalLM,
 )
 
-from modeling_kdsa import KDSAConfig, KDSAForCausalLM
+from modeling_kdsa import KDSAConfig, KDSAForCausalLM, KDSAQuantizationConfig
 from modeling_kdsa.conversion import plan_foreign_load
+from modeling_kdsa.fp8_linear import KDSAFP8Linear
 
 VOCAB = 128
 INDEX_TOPK = 8
@@ -697,3 +700,119 @@ def test_fp8_checkpoint_loads_in_bf16(deepseek, tmp_path):
         expected = dequantize_fp8(*quantized[name], 16)
         assert params[name].dtype == torch.bfloat16
         torch.testing.assert_close(params[name].float(), expected, rtol=2**-7, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- FP8 held in memory
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def test_fp8_linear_dequantizes_partial_edge_tiles_like_the_reference():
+    """A 40 x 24 weight in blocks of 16 has partial tiles on both edges (grid 3 x 2): the forward equals a matmul
+    with the test's own tile-by-tile dequantization, bit for bit."""
+    torch.manual_seed(0)
+    values, scale_inv = quantize_fp8(torch.randn(40, 24) * torch.logspace(-2, 1, 24), 16)
+    assert tuple(scale_inv.shape) == (3, 2)
+    layer = KDSAFP8Linear(values, scale_inv, (16, 16))
+    x = torch.randn(5, 24)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, dequantize_fp8(values, scale_inv, 16)))
+    with pytest.raises(ValueError, match=r"weight_scale_inv shape \(3, 2\).*expected grid \(5, 3\)"):
+        KDSAFP8Linear(values, scale_inv, (8, 8))
+
+
+def test_fp8_held_model_gives_the_dequantized_models_logits(fp8_family, tmp_path):
+    """`fp8_weights="hold"`: every FP8 Linear reached by a plain rename is a `KDSAFP8Linear` (E4M3 + fp32 scales),
+    stacked experts and kv_b_proj are dequantized at load; in fp32 the forward dequantizes to the very weights the
+    default load holds (same fp32 products, same cast), so logits and greedy tokens are bit-identical."""
+    quantized = fp8_copy(fp8_family.folder, tmp_path / "fp8", block=16)
+    dequantized = KDSAForCausalLM.from_pretrained(tmp_path / "fp8").eval()
+    held = KDSAForCausalLM.from_pretrained(tmp_path / "fp8", fp8_weights="hold").eval()
+    fp8_layers = {n: m for n, m in held.named_modules() if isinstance(m, KDSAFP8Linear)}
+    assert len(fp8_layers) >= 4 and all(m.weight.dtype == torch.float8_e4m3fn for m in fp8_layers.values())
+    assert not any(n.endswith("kv_b_proj") for n in fp8_layers)
+    assert len(fp8_layers) < len(quantized)  # the routed experts' weights are not held
+    by_suffix = {re.sub(r"^model\.(language_model\.)?", "", k): v for k, v in quantized.items()}
+    compared = 0
+    for name, layer in fp8_layers.items():  # the folder's own E4M3 values and fp32 scales, loaded as they are
+        if (stored := by_suffix.get(name.removeprefix("model.") + ".weight")) is not None:
+            assert torch.equal(layer.weight.view(torch.uint8), stored[0].view(torch.uint8)), name
+            assert torch.equal(layer.weight_scale_inv, stored[1]), name
+            compared += 1
+    assert compared >= len(fp8_layers) // 2
+    with torch.no_grad():
+        for seq_len in (SHORT, LONG):
+            ids = fp8_family.ids[:, :seq_len]
+            assert torch.equal(held(ids).logits, dequantized(ids).logits)
+    assert torch.equal(greedy(held, fp8_family.ids[:, :SHORT], 8), greedy(dequantized, fp8_family.ids[:, :SHORT], 8))
+
+
+def test_fp8_held_weights_take_half_the_bytes_of_bf16(deepseek, tmp_path):
+    """Parameter + buffer bytes of the held layers: E4M3 values (1 byte) + one fp32 scale per 16 x 16 tile, against
+    the same layers loaded in bf16: 0.5x plus the scale grid (1/128 here, 1/8192 with DeepSeek's 128 x 128 blocks)."""
+    fp8_copy(deepseek.folder, tmp_path / "fp8", block=16)
+    held = KDSAForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16, fp8_weights="hold")
+    bf16 = KDSAForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16)
+    names = [n for n, m in held.named_modules() if isinstance(m, KDSAFP8Linear)]
+    held_bytes = sum(weight_bytes(held.get_submodule(n)) for n in names)
+    bf16_bytes = sum(weight_bytes(bf16.get_submodule(n)) for n in names)
+    assert 0.5 < held_bytes / bf16_bytes < 0.53
+    assert weight_bytes(held) < weight_bytes(bf16)
+
+
+@pytest.mark.parametrize("damage", ["no scale", "E8M0 scale"])
+def test_fp8_held_layer_without_an_fp32_scale_is_refused_by_name(deepseek, tmp_path, damage):
+    """Held layers are built before the weights load and filled by name as stored: an E4M3 tensor without its scale
+    would land as raw E4M3 values, an E8M0 (uint8) scale would be cast to fp32 as an integer; both are ValueErrors
+    naming the tensor (the dequantize-at-load path decodes E8M0)."""
+    fp8_copy(deepseek.folder, tmp_path / "fp8", block=16)
+    key = "model.layers.1.self_attn.q_b_proj.weight_scale_inv"
+    index_file = tmp_path / "fp8" / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shard = tmp_path / "fp8" / index["weight_map"][key]
+    tensors = load_file(shard)
+    if damage == "no scale":
+        del tensors[key], index["weight_map"][key]
+        expected = r"q_b_proj\.weight \(no weight_scale_inv\)"
+    else:
+        tensors[key] = (tensors[key].log2().round() + 127).to(torch.uint8)
+        expected = r"q_b_proj\.weight_scale_inv \(U8, not F32\)"
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=expected):
+        KDSAForCausalLM.from_pretrained(tmp_path / "fp8", fp8_weights="hold")
+
+
+def test_fp8_held_model_refuses_save_and_tensor_parallel_by_name(deepseek, tmp_path):
+    fp8_copy(deepseek.folder, tmp_path / "fp8", block=16)
+    held = KDSAForCausalLM.from_pretrained(tmp_path / "fp8", fp8_weights="hold")
+    with pytest.raises(ValueError, match="fp8_weights='dequantize'"):
+        held.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
+    mesh = ParallelMesh(cp_size=1, tp_size=2, cp_rank=0, tp_rank=0, cp_group=None, tp_group=None, device="cpu")
+    with pytest.raises(ValueError, match="fp8_weights='dequantize'"):
+        apply_tensor_parallel(held, mesh)
+
+
+def test_fp8_weights_option_is_refused_where_it_does_not_apply(deepseek, tmp_path):
+    with pytest.raises(ValueError, match="fp8_weights='hold'.*no FP8 quantization_config"):
+        KDSAForCausalLM.from_pretrained(deepseek.folder, fp8_weights="hold")
+    with pytest.raises(ValueError, match="fp8_weights='keep' must be one of"):
+        KDSAForCausalLM.from_pretrained(deepseek.folder, fp8_weights="keep")
+    deepseek.model.save_pretrained(tmp_path / "native")
+    with pytest.raises(ValueError, match="fp8_weights= applies to FP8 checkpoints"):
+        KDSAForCausalLM.from_pretrained(tmp_path / "native", fp8_weights="hold")
+
+
+def test_fp8_held_weights_combine_with_the_kdsa_cache_quantizer(deepseek, tmp_path):
+    """The FP8 folder's own quantization_config is translated, never handed to transformers, so the one quantizer of
+    the load stays free for KDSA's cache formats (here the bf16 ones, so logits stay bit-identical)."""
+    fp8_copy(deepseek.folder, tmp_path / "fp8", block=16)
+    cache_formats = KDSAQuantizationConfig(indexer="bf16", kv_cache="bf16")
+    held = KDSAForCausalLM.from_pretrained(tmp_path / "fp8", fp8_weights="hold", quantization_config=cache_formats)
+    dequantized = KDSAForCausalLM.from_pretrained(tmp_path / "fp8")
+    assert held.config.quantization_config.quant_method == "kdsa"
+    assert any(isinstance(m, KDSAFP8Linear) for m in held.modules())
+    with torch.no_grad():
+        assert torch.equal(held.eval()(deepseek.ids).logits, dequantized.eval()(deepseek.ids).logits)

@@ -1,7 +1,7 @@
 """Loading published checkpoints of the family (DeepSeek-V3.2, Kimi-Linear, GLM-5.3-Flash, Kimi K3) into KDSA models.
 
-docs/checkpoint-conversion.md §2 (families §3-§5 and §8, FP8 §6; Kimi K3: docs/kimi-k3.md §1, §4). Two halves per
-family:
+docs/checkpoint-conversion.md §2 (families §3-§5 and §8, FP8 §6 and §9; Kimi K3: docs/kimi-k3.md §1, §4). Two
+halves per family:
 
 - config translation: the raw config.json is parsed by transformers' own config class for its `model_type` (which
   resolves attribute_map aliases, Kimi's 1-based `linear_attn_config` layer lists, GLM's nested `text_config`), then
@@ -53,6 +53,10 @@ _SUPPORTED_ROPE_TYPES = ("default", "yarn")
 _FP8_QUANT_METHOD = "fp8"
 # KDSAConfig fields no source config has; a caller may set them as from_pretrained keyword arguments.
 _KDSA_ONLY_FIELDS = ("kernel_backend",)
+# `from_pretrained(folder, fp8_weights=...)` for FP8 checkpoints (docs/checkpoint-conversion.md §9).
+FP8_WEIGHTS_CHOICES = ("dequantize", "hold")
+# Linear layers whose `.weight` is read by code other than their forward (MLA weight absorption): kept dequantized.
+_FP8_WEIGHT_READ_DIRECTLY = ("kv_b_proj",)
 
 
 @dataclass
@@ -65,6 +69,8 @@ class ForeignCheckpointPlan:
     conversions: list = field(default_factory=list)
     # regex over the (renamed) checkpoint keys -> what is skipped, for the one info line logged per entry.
     skipped: dict[str, str] = field(default_factory=dict)
+    # (rows, cols) of the checkpoint's FP8 weight blocks; None for an unquantized checkpoint.
+    fp8_block: tuple[int, int] | None = None
 
 
 class _Fields:
@@ -168,7 +174,8 @@ _FP8_CONFIG_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_si
 def _quantization(fields: _Fields, mapped: dict) -> None:
     """Only the DeepSeek / GLM fine-grained FP8 layout (E4M3 weights, one `weight_scale_inv` per weight block) is
     read, and dequantized while the shards stream in (`BlockFP8Dequantize`); the KDSA model holds the weights in its
-    load dtype and has no quantization_config (docs/checkpoint-conversion.md §6). Sets `mapped["_fp8_block"]`."""
+    load dtype (or keeps the linear layers FP8 with `fp8_weights="hold"`, §9) and has no quantization_config
+    (docs/checkpoint-conversion.md §6). Sets `mapped["_fp8_block"]`."""
     quantization = getattr(fields.source, "quantization_config", None)
     fields.pending.discard("quantization_config")
     if quantization is None:
@@ -771,7 +778,9 @@ def _build(model_type: str, mapped: dict, overrides: dict, **plan) -> ForeignChe
     conversions = plan.pop("conversions", [])
     if fp8_block is not None:
         conversions = _dequantizing(conversions, fp8_block)
-    return ForeignCheckpointPlan(model_type=model_type, config=config, conversions=conversions, **plan)
+    return ForeignCheckpointPlan(
+        model_type=model_type, config=config, conversions=conversions, fp8_block=fp8_block, **plan
+    )
 
 
 # Held while a foreign folder's conversions are registered under the class name, and by native loads of KDSA
@@ -808,7 +817,22 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
     # KDSA-only settings (e.g. kernel_backend="cpu") given as keyword arguments apply to the translated config, as
     # transformers applies them to a loaded one.
     overrides = {name: kwargs.pop(name) for name in list(kwargs) if name in _KDSA_ONLY_FIELDS}
+    fp8_weights = kwargs.pop("fp8_weights", "dequantize")
+    if fp8_weights not in FP8_WEIGHTS_CHOICES:
+        raise ValueError(f"fp8_weights={fp8_weights!r} must be one of {FP8_WEIGHTS_CHOICES}")
     plan = plan_foreign_load(raw_config, keys, overrides)
+    held = {}
+    if fp8_weights == "hold":
+        if plan.fp8_block is None:
+            raise ValueError(f"fp8_weights='hold': {path!r} has no FP8 quantization_config (nothing to hold in FP8)")
+        unholdable = _fp8_unholdable(path, keys)
+        if unholdable:
+            raise ValueError(
+                f"fp8_weights='hold': {plan.model_type} checkpoint {path!r} has tensors it cannot hold as stored: "
+                f"{unholdable}; load with fp8_weights='dequantize'"
+            )
+        held = dict.fromkeys(fp8_held_layers(plan, keys), plan.fp8_block)
+        plan.conversions = _holding(plan.conversions, plan.fp8_block)
     want_info = kwargs.pop("output_loading_info", False)
     # Size mismatches come back in the loading info, so that the strict check below names them (transformers'
     # own error does not say which tensor); they are never ignored.
@@ -817,6 +841,7 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
         ignored_before = cls._keys_to_ignore_on_load_unexpected
         register_checkpoint_conversion_mapping(cls.__name__, plan.conversions, overwrite=True)
         cls._keys_to_ignore_on_load_unexpected = list(plan.skipped)
+        cls._fp8_held_layers = held  # read by KDSAForCausalLM.__init__: these layers are built as KDSAFP8Linear
         report = _ReportCapture()
         report_logger = logging.getLogger("transformers")  # the load report comes from one of its child loggers
         report_logger.addHandler(report)
@@ -840,6 +865,7 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
         finally:
             report_logger.removeHandler(report)
             cls._keys_to_ignore_on_load_unexpected = ignored_before
+            cls._fp8_held_layers = {}
             register_checkpoint_conversion_mapping(cls.__name__, [], overwrite=True)
     model._keys_to_ignore_on_load_unexpected = set(ignored_before or [])
     model._weight_conversions = []
@@ -855,11 +881,69 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
     return (model, info) if want_info else model
 
 
+def _fp8_unholdable(folder: str, keys: list[str]) -> list[str]:
+    """Checkpoint tensors `fp8_weights="hold"` cannot take as stored: E4M3 tensors without a `_scale_inv` (held
+    layers are filled by name, so one would land as raw E4M3 values) and scales that are not fp32 (E8M0 bytes would
+    be cast to fp32 as integers; the dequantize-at-load path decodes them)."""
+    from safetensors import safe_open
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        shards = ["model.safetensors"]
+    keys = set(keys)
+    unscaled = []
+    for shard in shards:
+        with safe_open(os.path.join(folder, shard), framework="pt") as f:
+            for key in f.keys():
+                dtype = f.get_slice(key).get_dtype()
+                if dtype.startswith("F8") and key + "_scale_inv" not in keys:
+                    unscaled.append(f"{key} (no weight_scale_inv)")
+                if key.endswith("_scale_inv") and dtype != "F32":
+                    unscaled.append(f"{key} ({dtype}, not F32)")
+    return sorted(unscaled)
+
+
+def fp8_held_layers(plan: ForeignCheckpointPlan, keys: list[str]) -> list[str]:
+    """The KDSA `nn.Linear`s that `fp8_weights="hold"` keeps FP8: every FP8 checkpoint weight that reaches the model
+    by plain renames (transformers' own `rename_source_key` over the plan's `key_mapping` and renamings), except
+    weights a converter merges (stacked routed experts) and `_FP8_WEIGHT_READ_DIRECTLY` (docs/checkpoint-conversion.md
+    §9)."""
+    from transformers.core_model_loading import rename_source_key
+
+    renamings = [WeightRenaming(src, dst) for src, dst in plan.key_mapping.items()]
+    renamings += [c for c in plan.conversions if isinstance(c, WeightRenaming)]
+    # The plan's converters minus the last one, the catch-all that dequantizes every other weight (_dequantizing).
+    converters = [c for c in plan.conversions if isinstance(c, WeightConverter)][:-1]
+    scaled = {k.removesuffix("_scale_inv") for k in keys if k.endswith(".weight_scale_inv")}
+    held = []
+    for key in sorted(scaled):
+        name, converter = rename_source_key(key, renamings, converters)
+        module_name = name.removesuffix(".weight")
+        if converter is None and module_name.rsplit(".", 1)[-1] not in _FP8_WEIGHT_READ_DIRECTLY:
+            held.append(module_name)
+    return held
+
+
+def _holding(conversions: list, block: tuple[int, int]) -> list:
+    """`_dequantizing`'s converters with the catch-all narrowed to `_FP8_WEIGHT_READ_DIRECTLY`: every other plainly
+    renamed FP8 weight and its scale load as they are into a `KDSAFP8Linear`."""
+    narrowed = [
+        WeightConverter([f"{name}.weight", f"{name}.weight_scale_inv"], f"{name}.weight", [BlockFP8Dequantize(block)])
+        for name in _FP8_WEIGHT_READ_DIRECTLY
+    ]
+    return [*conversions[:-1], *narrowed]
+
+
 __all__ = [
     "REGISTRATION_LOCK",
     "FOREIGN_MODEL_TYPES",
     "ForeignCheckpointPlan",
+    "FP8_WEIGHTS_CHOICES",
     "checkpoint_keys",
+    "fp8_held_layers",
     "load_foreign",
     "plan_foreign_load",
 ]

@@ -1,0 +1,61 @@
+"""FP8-held linear layers for checkpoints published with block-scaled E4M3 weights (DeepSeek-V3.2, GLM-5.3-Flash):
+the E4M3 values and their fp32 `weight_scale_inv` block grid stay in memory (about half the bytes of BF16), and
+every forward dequantizes the weight to the activation dtype before the matmul (docs/checkpoint-conversion.md §9).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def dequantize_blocks(values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype) -> torch.Tensor:
+    """`values * scale_inv` tile by tile, in fp32, then cast to `dtype`: the same arithmetic as the dequantize-at-load
+    path, so both give bit-identical weights. The scale grid rounds up; edge tiles are partial (cropped here)."""
+    rows, cols = values.shape
+    block_rows, block_cols = block
+    scales = scale_inv.float().repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
+    return (values.float() * scales).to(dtype)
+
+
+class KDSAFP8Linear(nn.Module):
+    """`nn.Linear` whose `weight` is float8_e4m3fn with one fp32 `weight_scale_inv` per `block` tile."""
+
+    def __init__(self, values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], bias=None):
+        super().__init__()
+        if values.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"KDSAFP8Linear weight must be float8_e4m3fn, got {values.dtype}")
+        rows, cols = values.shape
+        grid = (-(-rows // block[0]), -(-cols // block[1]))
+        if tuple(scale_inv.shape) != grid:
+            raise ValueError(
+                f"weight_scale_inv shape {tuple(scale_inv.shape)} does not match weight {tuple(values.shape)} in "
+                f"blocks of {tuple(block)} (expected grid {grid})"
+            )
+        self.block = tuple(block)
+        self.in_features, self.out_features = cols, rows
+        self.weight = nn.Parameter(values, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scale_inv.float(), requires_grad=False)
+        self.bias = bias
+
+    @classmethod
+    def like(cls, linear: nn.Module, block: tuple[int, int]) -> "KDSAFP8Linear":
+        """An uninitialised FP8 layer of `linear`'s shape, for the checkpoint's values and scales to load into."""
+        if type(linear) is not nn.Linear:
+            raise ValueError(f"only nn.Linear layers can hold FP8 weights, got a {type(linear).__name__}")
+        rows, cols = linear.weight.shape
+        device = linear.weight.device
+        values = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=device)
+        scale_inv = torch.empty(-(-rows // block[0]), -(-cols // block[1]), dtype=torch.float32, device=device)
+        return cls(values, scale_inv, block, linear.bias)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_blocks(self.weight, self.weight_scale_inv, self.block, dtype)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden_states, self.dequantized_weight(hidden_states.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block={self.block}"
+
+
+__all__ = ["KDSAFP8Linear", "dequantize_blocks"]
