@@ -34,6 +34,7 @@ from transformers.core_model_loading import (
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 from .configuration_kdsa import DSA_LAYER, KDA_LAYER, MLA_LAYER, KDSAConfig
+from .fp8_linear import check_tile_grid, dequantize_tiles
 
 logger = logging.getLogger(__name__)
 
@@ -215,17 +216,9 @@ class BlockFP8Dequantize(Fp8Dequantize):
     def _dequantize_one(self, quantized, scales, output_dtype=None):
         # Without a quantizer the loader has already cast the E4M3 values to the load dtype; E4M3 -> fp32 / bf16 is
         # exact, the scales are rounded to bf16 in a bf16 load (2^-9 relative, far below E4M3's 2^-4).
-        rows, cols = quantized.shape[-2:]
-        block_rows, block_cols = self.block_size
-        grid = (-(-rows // block_rows), -(-cols // block_cols))
-        if tuple(scales.shape[-2:]) != grid:
-            raise ValueError(
-                f"weight_scale_inv shape {tuple(scales.shape)} does not match weight {tuple(quantized.shape)} in "
-                f"blocks of {self.block_size} (expected grid {grid})"
-            )
-        scales = (scales.float() - 127.0).exp2() if scales.dtype == torch.uint8 else scales.float()  # E8M0 bytes
-        scales = scales.repeat_interleave(block_rows, -2)[..., :rows, :].repeat_interleave(block_cols, -1)
-        return (quantized.float() * scales[..., :cols]).to(output_dtype or torch.float32)
+        check_tile_grid(quantized, scales, self.block_size)
+        scales = (scales.float() - 127.0).exp2() if scales.dtype == torch.uint8 else scales  # E8M0 bytes
+        return dequantize_tiles(quantized, scales, self.block_size, output_dtype or torch.float32)
 
 
 def _dequantizing(conversions: list, block: tuple[int, int]) -> list:

@@ -8,13 +8,26 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def dequantize_blocks(values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype) -> torch.Tensor:
-    """`values * scale_inv` tile by tile, in fp32, then cast to `dtype`: the same arithmetic as the dequantize-at-load
-    path, so both give bit-identical weights. The scale grid rounds up; edge tiles are partial (cropped here)."""
-    rows, cols = values.shape
+def check_tile_grid(values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
+    """One scale per `block` tile of the last two dims (leading dims alike), the grid rounded up: edge tiles may be
+    partial."""
+    rows, cols = values.shape[-2:]
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_inv.shape) != (*values.shape[:-2], *grid):
+        raise ValueError(
+            f"weight_scale_inv shape {tuple(scale_inv.shape)} does not match weight {tuple(values.shape)} in "
+            f"blocks of {tuple(block)} (expected grid {grid})"
+        )
+
+
+def dequantize_tiles(values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype) -> torch.Tensor:
+    """`values * scale_inv` tile by tile over the last two dims, in fp32, then cast to `dtype`; the held layers and
+    the dequantize-at-load path both call this, so both give bit-identical weights. Partial edge tiles are cropped.
+    (numeric_formats.dequantize_blocks is the 1-D per-row-block counterpart used by the KV-cache formats.)"""
+    rows, cols = values.shape[-2:]
     block_rows, block_cols = block
-    scales = scale_inv.float().repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
-    return (values.float() * scales).to(dtype)
+    scales = scale_inv.float().repeat_interleave(block_rows, -2)[..., :rows, :].repeat_interleave(block_cols, -1)
+    return (values.float() * scales[..., :cols]).to(dtype)
 
 
 class KDSAFP8Linear(nn.Module):
@@ -24,13 +37,8 @@ class KDSAFP8Linear(nn.Module):
         super().__init__()
         if values.dtype != torch.float8_e4m3fn:
             raise ValueError(f"KDSAFP8Linear weight must be float8_e4m3fn, got {values.dtype}")
+        check_tile_grid(values, scale_inv, block)
         rows, cols = values.shape
-        grid = (-(-rows // block[0]), -(-cols // block[1]))
-        if tuple(scale_inv.shape) != grid:
-            raise ValueError(
-                f"weight_scale_inv shape {tuple(scale_inv.shape)} does not match weight {tuple(values.shape)} in "
-                f"blocks of {tuple(block)} (expected grid {grid})"
-            )
         self.block = tuple(block)
         self.in_features, self.out_features = cols, rows
         self.weight = nn.Parameter(values, requires_grad=False)
@@ -49,7 +57,7 @@ class KDSAFP8Linear(nn.Module):
         return cls(values, scale_inv, block, linear.bias)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_blocks(self.weight, self.weight_scale_inv, self.block, dtype)
+        return dequantize_tiles(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden_states, self.dequantized_weight(hidden_states.dtype), self.bias)
@@ -58,4 +66,4 @@ class KDSAFP8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block={self.block}"
 
 
-__all__ = ["KDSAFP8Linear", "dequantize_blocks"]
+__all__ = ["KDSAFP8Linear", "check_tile_grid", "dequantize_tiles"]
