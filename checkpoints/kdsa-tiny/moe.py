@@ -196,16 +196,19 @@ class KDSAExperts(nn.Module):
         for expert, count in enumerate(tokens_per_expert):
             if count == 0:
                 continue
-            inputs = grouped_inputs[start : start + count]
-            gate_up_weight, down_weight = self.expert_weights(expert, inputs.dtype)
-            gate, up = F.linear(inputs, gate_up_weight).chunk(2, dim=-1)
-            expert_outputs.append(F.linear(self.activation(gate, up), down_weight))
+            expert_outputs.append(self._run_expert(grouped_inputs[start : start + count], expert))
             start += count
 
         weighted = torch.cat(expert_outputs).float() * weight_of_pair.unsqueeze(-1)  # [N·k, D] fp32
         output = hidden_states.new_zeros(hidden_states.shape, dtype=torch.float32)
         output.index_add_(0, token_of_pair, weighted)  # sum each token's k weighted expert outputs in fp32
         return output.to(hidden_states.dtype)
+
+    def _run_expert(self, inputs: torch.Tensor, expert: int) -> torch.Tensor:
+        """Expert `expert`'s gated MLP on `inputs: [n, D]` → `[n, D]`, in the inputs' dtype."""
+        gate_up_weight, down_weight = self.expert_weights(expert, inputs.dtype)
+        gate, up = F.linear(inputs, gate_up_weight).chunk(2, dim=-1)
+        return F.linear(self.activation(gate, up), down_weight)
 
     def _expert_mlp(self, inputs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         gate, up = torch.matmul(gate_up, inputs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
@@ -233,10 +236,7 @@ class KDSAExperts(nn.Module):
         combine.scatter_(1, topk_indices, topk_weights.float())
         output = hidden_states.new_zeros(hidden_states.shape, dtype=torch.float32)
         for expert in range(self.num_experts):
-            gate_up_weight, down_weight = self.expert_weights(expert, hidden_states.dtype)
-            gate, up = F.linear(hidden_states, gate_up_weight).chunk(2, dim=-1)
-            expert_output = F.linear(self.activation(gate, up), down_weight)
-            output = output + expert_output.float() * combine[:, expert, None]
+            output = output + self._run_expert(hidden_states, expert).float() * combine[:, expert, None]
         return output.to(hidden_states.dtype)
 
 
