@@ -217,7 +217,6 @@ class BlockFP8Dequantize(Fp8Dequantize):
         # Without a quantizer the loader has already cast the E4M3 values to the load dtype; E4M3 -> fp32 / bf16 is
         # exact, the scales are rounded to bf16 in a bf16 load (2^-9 relative, far below E4M3's 2^-4).
         check_tile_grid(quantized, scales, self.block_size)
-        scales = (scales.float() - 127.0).exp2() if scales.dtype == torch.uint8 else scales  # E8M0 bytes
         return dequantize_tiles(quantized, scales, self.block_size, output_dtype or torch.float32)
 
 
@@ -814,16 +813,17 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
     if fp8_weights not in FP8_WEIGHTS_CHOICES:
         raise ValueError(f"fp8_weights={fp8_weights!r} must be one of {FP8_WEIGHTS_CHOICES}")
     plan = plan_foreign_load(raw_config, keys, overrides)
+    if plan.fp8_block is not None:
+        unreadable = _fp8_unreadable(path, keys)
+        if unreadable:
+            raise ValueError(
+                f"{plan.model_type} checkpoint {path!r} has FP8 tensors KDSA cannot read as stored: {unreadable} "
+                "(each E4M3 weight needs an F32 weight_scale_inv)"
+            )
     held = {}
     if fp8_weights == "hold":
         if plan.fp8_block is None:
             raise ValueError(f"fp8_weights='hold': {path!r} has no FP8 quantization_config (nothing to hold in FP8)")
-        unholdable = _fp8_unholdable(path, keys)
-        if unholdable:
-            raise ValueError(
-                f"fp8_weights='hold': {plan.model_type} checkpoint {path!r} has tensors it cannot hold as stored: "
-                f"{unholdable}; load with fp8_weights='dequantize'"
-            )
         held = dict.fromkeys(fp8_held_layers(plan, keys), plan.fp8_block)
         plan.conversions = _holding(plan.conversions, plan.fp8_block)
     want_info = kwargs.pop("output_loading_info", False)
@@ -874,10 +874,11 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
     return (model, info) if want_info else model
 
 
-def _fp8_unholdable(folder: str, keys: list[str]) -> list[str]:
-    """Checkpoint tensors `fp8_weights="hold"` cannot take as stored: E4M3 tensors without a `_scale_inv` (held
-    layers are filled by name, so one would land as raw E4M3 values) and scales that are not fp32 (E8M0 bytes would
-    be cast to fp32 as integers; the dequantize-at-load path decodes them)."""
+def _fp8_unreadable(folder: str, keys: list[str]) -> list[str]:
+    """FP8 checkpoint tensors that would load silently wrong, in either `fp8_weights` mode: E4M3 tensors without a
+    `_scale_inv` (held layers are filled by name, so one would land as raw E4M3 values) and scales that are not F32
+    (the loader casts a tensor to the load dtype before any conversion op sees it, so E8M0 bytes would become their
+    integer values)."""
     from safetensors import safe_open
 
     index = os.path.join(folder, "model.safetensors.index.json")

@@ -761,11 +761,12 @@ def test_fp8_held_weights_take_half_the_bytes_of_bf16(deepseek, tmp_path):
     assert weight_bytes(held) < weight_bytes(bf16)
 
 
+@pytest.mark.parametrize("fp8_weights", ["hold", "dequantize"])
 @pytest.mark.parametrize("damage", ["no scale", "E8M0 scale"])
-def test_fp8_held_layer_without_an_fp32_scale_is_refused_by_name(deepseek, tmp_path, damage):
-    """Held layers are built before the weights load and filled by name as stored: an E4M3 tensor without its scale
-    would land as raw E4M3 values, an E8M0 (uint8) scale would be cast to fp32 as an integer; both are ValueErrors
-    naming the tensor (the dequantize-at-load path decodes E8M0)."""
+def test_fp8_weight_without_an_fp32_scale_is_refused_by_name(deepseek, tmp_path, damage, fp8_weights):
+    """An E4M3 tensor without its scale would land as raw E4M3 values in a held layer; an E8M0 (uint8) scale reaches
+    either path already cast to the load dtype as an integer (x 2^(127+e) too large). Both are ValueErrors naming the
+    tensor, whichever way the weights are loaded."""
     fp8_copy(deepseek.folder, tmp_path / "fp8", block=16)
     key = "model.layers.1.self_attn.q_b_proj.weight_scale_inv"
     index_file = tmp_path / "fp8" / "model.safetensors.index.json"
@@ -781,7 +782,7 @@ def test_fp8_held_layer_without_an_fp32_scale_is_refused_by_name(deepseek, tmp_p
     save_file(tensors, shard, metadata={"format": "pt"})
     index_file.write_text(json.dumps(index))
     with pytest.raises(ValueError, match=expected):
-        KDSAForCausalLM.from_pretrained(tmp_path / "fp8", fp8_weights="hold")
+        KDSAForCausalLM.from_pretrained(tmp_path / "fp8", fp8_weights=fp8_weights)
 
 
 def test_fp8_held_model_refuses_save_and_tensor_parallel_by_name(deepseek, tmp_path):
