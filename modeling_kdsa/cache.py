@@ -107,15 +107,20 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         self.reserved_tokens = 0  # pages already prepared by `reserve` for the next write of this many tokens
 
     @classmethod
-    def from_config(cls, config, page_size: int = PAGE_SIZE) -> "KDSAPagedMLALayer":
-        """The store of a dense MLA layer of `config`, in the formats `config.quantization_config` asks for."""
-        return cls(
+    def config_kwargs(cls, config, page_size: int = PAGE_SIZE) -> dict:
+        """The constructor arguments of this store for `config` (subclasses add their own fields)."""
+        return dict(
             kv_width=config.kv_lora_rank + config.qk_rope_head_dim,
             kernel_backend=config.kernel_backend,
             page_size=page_size,
             formats=CacheFormats.from_config(config),
             latent_width=config.kv_lora_rank,
         )
+
+    @classmethod
+    def from_config(cls, config, page_size: int = PAGE_SIZE) -> "KDSAPagedMLALayer":
+        """The store of a layer of `config`, in the formats `config.quantization_config` asks for."""
+        return cls(**cls.config_kwargs(config, page_size))
 
     # ---------------------------------------------------------------------------------------------- bookkeeping
     @property
@@ -380,16 +385,8 @@ class KDSAPagedLayer(KDSAPagedMLALayer):
         self.index_pages: torch.Tensor | None = None
 
     @classmethod
-    def from_config(cls, config, page_size: int = PAGE_SIZE) -> "KDSAPagedLayer":
-        """The store of a DSA layer of `config`, in the formats `config.quantization_config` asks for."""
-        return cls(
-            kv_width=config.kv_lora_rank + config.qk_rope_head_dim,
-            index_width=config.index_head_dim,
-            kernel_backend=config.kernel_backend,
-            page_size=page_size,
-            formats=CacheFormats.from_config(config),
-            latent_width=config.kv_lora_rank,
-        )
+    def config_kwargs(cls, config, page_size: int = PAGE_SIZE) -> dict:
+        return {**super().config_kwargs(config, page_size), "index_width": config.index_head_dim}
 
     @property
     def row_widths(self) -> tuple[int, ...]:
@@ -469,16 +466,8 @@ class KDSAPagedKPoolLayer(KDSAPagedLayer):
         self.pool_origin: torch.Tensor | None = None
 
     @classmethod
-    def from_config(cls, config, page_size: int = PAGE_SIZE) -> "KDSAPagedKPoolLayer":
-        return cls(
-            kv_width=config.kv_lora_rank + config.qk_rope_head_dim,
-            index_width=config.index_head_dim,
-            kernel_backend=config.kernel_backend,
-            page_size=page_size,
-            formats=CacheFormats.from_config(config),
-            latent_width=config.kv_lora_rank,
-            index_kpool=config.index_kpool,
-        )
+    def config_kwargs(cls, config, page_size: int = PAGE_SIZE) -> dict:
+        return {**super().config_kwargs(config, page_size), "index_kpool": config.index_kpool}
 
     @property
     def row_widths(self) -> tuple[int, ...]:

@@ -107,6 +107,21 @@ def _sparse_count(wanted: int) -> int:
     )
 
 
+def _check_indexer_op(q_index: torch.Tensor, pages, num_keys: int, query_start: int) -> None:
+    """What npu_lightning_indexer takes (module doc), for the plain and the k-pool indexer; `pages` is the plane the
+    op reads as its PA_BSND pool."""
+    _require_plain(pages, "index_cache")
+    num_queries, num_heads, head_dim = q_index.shape[1:]
+    _require(head_dim == INDEXER_HEAD_DIM, f"index_head_dim must be {INDEXER_HEAD_DIM}, got {head_dim}")
+    _require(num_heads <= INDEXER_MAX_HEADS, f"index_n_heads must be <= {INDEXER_MAX_HEADS}, got {num_heads}")
+    _require(q_index.dtype in OP_DTYPES, f"the indexer runs in bf16 or fp16, got q_index {q_index.dtype}")
+    _check_page_size(page_geometry(pages)[1])
+    _require(
+        query_start + num_queries <= num_keys,
+        f"queries at {query_start}..{query_start + num_queries - 1} must lie inside the {num_keys} cached keys",
+    )
+
+
 def paged_indexer_topk_npu(
     q_index: torch.Tensor,
     weights: torch.Tensor,
@@ -123,16 +138,8 @@ def paged_indexer_topk_npu(
     _check_indexer_inputs(
         q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask
     )
-    _require_plain(index_pages, "index_cache")
+    _check_indexer_op(q_index, index_pages, num_keys, query_start)
     batch, num_queries, num_heads, head_dim = q_index.shape
-    _require(head_dim == INDEXER_HEAD_DIM, f"index_head_dim must be {INDEXER_HEAD_DIM}, got {head_dim}")
-    _require(num_heads <= INDEXER_MAX_HEADS, f"index_n_heads must be <= {INDEXER_MAX_HEADS}, got {num_heads}")
-    _require(q_index.dtype in OP_DTYPES, f"the indexer runs in bf16 or fp16, got q_index {q_index.dtype}")
-    _check_page_size(page_geometry(index_pages)[1])
-    _require(
-        query_start + num_queries <= num_keys,
-        f"queries at {query_start}..{query_start + num_queries - 1} must lie inside the {num_keys} cached keys",
-    )
     num_selected = min(index_topk, query_start + num_queries)
     extra = 0
     if key_padding_mask is not None:
@@ -302,17 +309,9 @@ def paged_kpool_indexer_topk_npu(
         q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
         key_padding_mask, ape,
     )  # fmt: skip
-    _require_plain(pool_pages, "index_cache")
+    _check_indexer_op(q_index, pool_pages, num_keys, query_start)  # pool_pages: block size P / kp
     batch, num_queries, num_heads, head_dim = q_index.shape
     kpool = ape.shape[0]
-    _require(head_dim == INDEXER_HEAD_DIM, f"index_head_dim must be {INDEXER_HEAD_DIM}, got {head_dim}")
-    _require(num_heads <= INDEXER_MAX_HEADS, f"index_n_heads must be <= {INDEXER_MAX_HEADS}, got {num_heads}")
-    _require(q_index.dtype in OP_DTYPES, f"the indexer runs in bf16 or fp16, got q_index {q_index.dtype}")
-    _check_page_size(page_geometry(pool_pages)[1])  # the pooled plane's block size P / kp
-    _require(
-        query_start + num_queries <= num_keys,
-        f"queries at {query_start}..{query_start + num_queries - 1} must lie inside the {num_keys} cached keys",
-    )
     device = q_index.device
     num_visible = query_start + num_queries
     origin = kpool_origin(key_padding_mask, batch, num_visible, device)

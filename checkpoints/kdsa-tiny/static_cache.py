@@ -314,7 +314,7 @@ class StaticPagedMLALayer(_StaticPagedMixin, KDSAPagedMLALayer):
 
     @classmethod
     def from_config(cls, config, max_cache_len: int, page_size: int = PAGE_SIZE) -> "StaticPagedMLALayer":
-        return cls(max_cache_len, **_store_kwargs(KDSAPagedMLALayer, config, page_size))
+        return cls(max_cache_len, **KDSAPagedMLALayer.config_kwargs(config, page_size))
 
 
 class StaticPagedLayer(_StaticPagedMixin, KDSAPagedLayer):
@@ -328,7 +328,7 @@ class StaticPagedLayer(_StaticPagedMixin, KDSAPagedLayer):
 
     @classmethod
     def from_config(cls, config, max_cache_len: int, page_size: int = PAGE_SIZE) -> "StaticPagedLayer":
-        return cls(max_cache_len, **_store_kwargs(KDSAPagedLayer, config, page_size))
+        return cls(max_cache_len, **KDSAPagedLayer.config_kwargs(config, page_size))
 
     def indexer_topk(self, q_index, weights, query_start, index_topk, key_padding_mask=None) -> torch.Tensor:
         q_index = self.formats.quantize_index_queries(q_index)
@@ -341,21 +341,6 @@ class StaticPagedLayer(_StaticPagedMixin, KDSAPagedLayer):
         return self.indexer_kernel(
             q_index, weights, self.index_pages, self.block_table, num_keys, index_topk, start, mask
         )
-
-
-def _store_kwargs(store_class, config, page_size: int) -> dict:
-    """The constructor arguments `store_class.from_config` would use (one source for the geometry and formats)."""
-    store = store_class.from_config(config, page_size)
-    kwargs = dict(
-        kv_width=store.kv_width,
-        kernel_backend=store.kernel_backend,
-        page_size=store.page_size,
-        formats=store.formats,
-        latent_width=store.latent_width,
-    )
-    if store_class is KDSAPagedLayer:
-        kwargs["index_width"] = store.index_width
-    return kwargs
 
 
 class KDSAStaticCache(KDSACache):
