@@ -35,7 +35,7 @@ Our side of the contract (same signatures and results as dsa_paged_ops' `cpu` ke
 - Dense MLA (`"full_attention"` layers) is the same op selecting every key (`paged_dense_mla_npu`), with
   rightDownCausal masking. NoPE models (`qk_rope_head_dim = 0`) pass zero RoPE columns (the op needs 64).
 - The k-pool indexer (GLM-5.3-Flash, docs/dsa.md §9) is the indexer op over the stored pooled keys, one batch entry
-  per query (`paged_kpool_indexer_topk_npu`). KDA runs the torch kernels (docs/backends.md §2).
+  per query (`paged_kpool_indexer_topk_npu`). KDA decode is in kda_device_ops (docs/backends.md §2).
 - Quantized stores (FP8 latent, MXFP8 indexer keys) are refused: the quantized ops read other packed layouts.
 """
 
@@ -345,32 +345,10 @@ def paged_kpool_indexer_topk_npu(
     return kpool_expand(pool_ends, kpool, query_start, origin, select_tail)
 
 
-def npu_dsa_kernels():
-    """`(indexer_topk, sparse_mla)` of the npu backend; ValueError unless torch_npu and an NPU are available."""
-    torch_npu_module()
-    return paged_indexer_topk_npu, paged_sparse_mla_npu
-
-
-def npu_kpool_indexer_kernel():
-    """k-pool indexer of the npu backend (`paged_kpool_indexer_topk_npu`); ValueError unless torch_npu and an NPU are
-    available."""
-    torch_npu_module()
-    return paged_kpool_indexer_topk_npu
-
-
-def npu_dense_mla_kernel():
-    """Dense MLA of the npu backend (`paged_dense_mla_npu`); ValueError unless torch_npu and an NPU are available."""
-    torch_npu_module()
-    return paged_dense_mla_npu
-
-
 __all__ = [
-    "npu_dsa_kernels",
-    "npu_dense_mla_kernel",
     "paged_dense_mla_npu",
     "paged_indexer_topk_npu",
     "paged_kpool_indexer_topk_npu",
-    "npu_kpool_indexer_kernel",
     "paged_sparse_mla_npu",
     "torch_npu_module",
 ]

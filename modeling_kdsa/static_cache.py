@@ -32,10 +32,18 @@ from .cache import (
     _map_planes,
     _planes,
     attention_store_class,
-    resolve_kernel_backend,
 )
 from .configuration_kdsa import DSA_LAYER, MLA_LAYER
-from .dsa_paged_ops import _attend, _dense_block, _score_block, _unpack_indices, read_pages
+from .dsa_paged_ops import (
+    _attend,
+    _dense_block,
+    _dense_softmax_output,
+    _dense_softmax_start,
+    _score_block,
+    _unpack_indices,
+    read_pages,
+)
+from .kernels import kernel_set
 
 
 def _compiling() -> bool:
@@ -112,15 +120,9 @@ def static_dense_mla(
     visible = (key_positions[None, :] <= limit[:, None])[None]
     if key_padding_mask is not None:
         visible = visible & key_padding_mask.bool()[:, None, :]
-    running_max = torch.full(
-        (batch, num_queries, num_heads, 1), torch.finfo(torch.float32).min, dtype=torch.float32, device=query.device
-    )
-    running_sum = torch.zeros_like(running_max)
-    accumulator = q_latent.new_zeros(batch, num_queries, num_heads, latent_width, dtype=torch.float32)
-    _, running_sum, accumulator = _dense_block(
-        query, rows, visible, softmax_scale, running_max, running_sum, accumulator
-    )
-    return (accumulator / running_sum.clamp(min=torch.finfo(torch.float32).tiny)).to(q_latent.dtype)
+    start = _dense_softmax_start(batch, num_queries, num_heads, latent_width, query.device)
+    _, running_sum, accumulator = _dense_block(query, rows, visible, softmax_scale, *start)
+    return _dense_softmax_output(running_sum, accumulator).to(q_latent.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -134,8 +136,8 @@ class StaticKDALayer(KDAReplayLayer):
     is_compileable = True
     is_croppable = False
 
-    def __init__(self, conv_kernel_size: int):
-        super().__init__(conv_kernel_size, rollback_tokens=0)
+    def __init__(self, conv_kernel_size: int, kernel_backend: str):
+        super().__init__(conv_kernel_size, rollback_tokens=0, kernel_backend=kernel_backend)
 
     def record(self, *args) -> None:
         """Nothing to record: a static cache never rolls back (and a Python counter would recompile every step)."""
@@ -222,11 +224,8 @@ class _StaticPagedMixin:
         for tensor in (*self._all_planes(), self.block_table, self.num_tokens):
             _mark_static(tensor)
         self.page_refcount = [1] * num_pages
-        self._bind_kernels(self._eager_backend())
+        self._bind_kernels(kernel_set(self.kernel_backend, self.device))
         self.is_initialized = True
-
-    def _eager_backend(self) -> str:
-        return resolve_kernel_backend(self.kernel_backend, self.device)
 
     def _write(self, *rows: torch.Tensor) -> torch.Tensor:
         """Store rows `[B, T, width]` at positions `num_tokens …` in place; returns the 0-d count before them."""
@@ -365,7 +364,7 @@ class KDSAStaticCache(KDSACache):
         layers = []
         for layer_idx, layer_type in enumerate(config.layer_types):
             if layer_type not in (DSA_LAYER, MLA_LAYER):
-                layers.append(StaticKDALayer(config.linear_conv_kernel_dim))
+                layers.append(StaticKDALayer(config.linear_conv_kernel_dim, config.kernel_backend))
             elif attention_store_class(config, layer_idx) is KDSAPagedLayer:
                 layers.append(StaticPagedLayer.from_config(config, max_cache_len, page_size))
             else:  # dense MLA, or a shared-indexer DSA layer: latent rows only
