@@ -16,7 +16,7 @@ from test_kernel_registry import KDA_REL_FRO, kda_case, rel_fro
 
 from modeling_kdsa import kda_device_ops, kda_ops
 
-FLA_FLAGS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel")
+fla_calls: list[str] = []  # which fla kernel each adapter call reached
 
 
 def fla_signature(naive):
@@ -25,6 +25,7 @@ def fla_signature(naive):
     fp32-state assertion holds."""
 
     def kernel(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, **flags):
+        fla_calls.append({naive_chunk_kda: "chunk_kda", naive_recurrent_kda: "fused_recurrent_kda"}[naive])
         if flags.get("use_gate_in_kernel"):
             raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True`")  # as fla's chunk_kda
         assert initial_state is None or initial_state.dtype == torch.float32, "initial_state must be in float32."
@@ -59,6 +60,7 @@ def fla_naive(monkeypatch):
     ],
 )
 def test_fla_adapters_map_our_contract_onto_fla(fla_naive, adapter, reference, seq_len, dtype):
+    fla_calls.clear()
     for with_state, scale in ((True, None), (False, 0.3)):
         q, k, v, g, beta, state = kda_case(seq_len, seed=seq_len, with_state=with_state)
         v = v.to(dtype)
@@ -71,6 +73,8 @@ def test_fla_adapters_map_our_contract_onto_fla(fla_naive, adapter, reference, s
         assert rel_fro(got, expected) < tolerance
         assert rel_fro(got_state, expected_state) < tolerance
         assert adapter(q, k, v, g, beta, scale, state)[1] is None
+    expected_kernel = "chunk_kda" if reference is kda_ops.chunk_kda else "fused_recurrent_kda"
+    assert fla_calls == [expected_kernel] * 4  # prefill on the chunked kernel, decode on the recurrent one
 
 
 def test_fla_adapters_check_shapes_and_need_fla(monkeypatch):

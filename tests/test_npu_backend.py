@@ -396,6 +396,25 @@ def test_npu_kda_decode_follows_the_cpu_backend(npu, monkeypatch):
         assert error < 2e-2, error
 
 
+@torch.no_grad()
+def test_npu_kda_rollback_replays_with_the_npu_decode_kernel(npu):
+    """A speculative crop rebuilds the KDA state by replaying the recorded steps with the backend's decode kernel, so
+    on `npu` the rolled-back state is bit for bit the one decoding gave (the op rounds the state to bf16 each step;
+    a replay on the torch kernel would not)."""
+    model = npu_shaped_model("npu")
+    cache = KDSACache(model.config, rollback_tokens=8)
+    ids = torch.randint(3, 128, (2, 74), generator=torch.Generator().manual_seed(3))
+    model(ids[:, :70], cache=cache)
+    states = []
+    for t in range(70, 74):
+        model(ids[:, t : t + 1], cache=cache)
+        states.append(cache.layers[0].recurrent_states[0].clone())
+    fake_torch_npu.calls.clear()
+    cache.crop(72)
+    assert fake_torch_npu.calls.count("npu_recurrent_gated_delta_rule") == 2  # the two kept steps, replayed
+    assert torch.equal(cache.layers[0].recurrent_states[0], states[1])
+
+
 def test_gathered_pages_match_what_the_fake_reads(npu):
     """The view the backend hands the indexer (`[N, P, 1, DI]`) addresses the same rows as gather_pages."""
     _, _, k_index, index_pages, block_table = indexer_case(40, 1, seed=4)
