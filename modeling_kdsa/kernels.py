@@ -11,6 +11,8 @@ Kernels and their contracts:
   (signatures of `dsa_paged_ops.paged_*_reference`, docs/dsa.md §4, §8, §9).
 - `kda_chunk` (prefill) and `kda_recurrent` (decode, and the replay of a rollback): the KDA delta rule (signatures of
   `kda_ops.chunk_kda` / `kda_ops.recurrent_kda`, docs/kda.md §3, §5).
+- `static_indexer_topk`, `static_sparse_mla`, `static_dense_mla`: the fixed-shape reads of a compiled static-cache
+  step (`dsa_paged_ops.static_*`, docs/graph-mode.md §3); the torch ones for every backend so far.
 """
 
 import dataclasses
@@ -31,6 +33,9 @@ from .dsa_paged_ops import (
     paged_sparse_mla_compiled,
     paged_sparse_mla_fused,
     paged_sparse_mla_reference,
+    static_dense_mla,
+    static_indexer_topk,
+    static_sparse_mla,
 )
 from .kda_ops import chunk_kda, recurrent_kda
 
@@ -46,6 +51,9 @@ class KernelSet:
     dense_mla: Callable | None = paged_dense_mla_reference
     kda_chunk: Callable | None = chunk_kda
     kda_recurrent: Callable | None = recurrent_kda
+    static_indexer_topk: Callable | None = static_indexer_topk
+    static_sparse_mla: Callable | None = static_sparse_mla
+    static_dense_mla: Callable | None = static_dense_mla
 
     def require(self, kernel: str) -> Callable:
         """The kernel named `kernel` (a field name); ValueError when this backend does not implement it."""

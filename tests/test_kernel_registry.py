@@ -98,6 +98,7 @@ def test_every_config_backend_is_registered_and_fields_default_to_the_torch_refe
     assert TORCH_KERNELS.kda_chunk is kda_ops.chunk_kda and TORCH_KERNELS.kda_recurrent is kda_ops.recurrent_kda
     assert set(KERNEL_NAMES) == {
         "indexer_topk", "sparse_mla", "kpool_indexer_topk", "dense_mla", "kda_chunk", "kda_recurrent",
+        "static_indexer_topk", "static_sparse_mla", "static_dense_mla",
     }  # fmt: skip
     with pytest.raises(ValueError, match="unknown kernel_backend 'cuda'"):
         kernel_set("cuda")
@@ -247,3 +248,40 @@ def test_kda_kernels(kernels, name, seq_len):
         assert rel_fro(got, expected) < KDA_REL_FRO
         assert rel_fro(got_state, expected_state) < KDA_REL_FRO
         assert run(kernels, name, q, k, v, g, beta)[1] is None  # no final state unless asked
+
+
+def test_static_kernels(kernels):
+    """The fixed-shape kernels a compiled static-cache step runs (docs/graph-mode.md §3) score / attend over every slot
+    of the block table under a mask (0-d tensor lengths, a mask as wide as the capacity); they select what the paged
+    reference selects (extra slots -1) and attend to the same keys. fp32, so the selections are equal as lists."""
+    generator = torch.Generator().manual_seed(3)
+    batch, page_size, pages_per_row, num_keys, topk = 2, 4, 5, 13, 6
+    pool = batch * pages_per_row
+    table = torch.randperm(pool, generator=generator).view(batch, pages_per_row)  # any mapping, not just arange
+    index_pages = torch.randn(pool, page_size, 16, generator=generator)
+    kv_pages = torch.randn(pool, page_size, 24, generator=generator)
+    padding = torch.ones(batch, pages_per_row * page_size, dtype=torch.bool)
+    padding[0, :3] = False
+    for num_queries in (1, 3):
+        query_start = num_keys - num_queries
+        lengths = (torch.tensor(num_keys), torch.tensor(query_start))
+        q_index = torch.randn(batch, num_queries, 2, 16, generator=generator)
+        weights = torch.randn(batch, num_queries, 2, generator=generator)
+        paged_args = (q_index, weights, index_pages, table, num_keys, topk, query_start, padding[:, :num_keys])
+        expected = TORCH_KERNELS.indexer_topk(*paged_args)
+        got = run(kernels, "static_indexer_topk", q_index, weights, index_pages, table, lengths[0], topk, lengths[1],
+                  padding)  # fmt: skip
+        assert got.shape[-1] == topk
+        assert torch.equal(got[..., : expected.shape[-1]], expected)
+        assert bool((got[..., expected.shape[-1] :] == -1).all())
+
+        q_latent = torch.randn(batch, num_queries, 3, 16, generator=generator)
+        q_pe = torch.randn(batch, num_queries, 3, 8, generator=generator)
+        got = run(kernels, "static_sparse_mla", q_latent, q_pe, kv_pages, table, expected, 0.3)
+        torch.testing.assert_close(got, TORCH_KERNELS.sparse_mla(q_latent, q_pe, kv_pages, table, expected, 0.3))
+
+        reference = TORCH_KERNELS.dense_mla(
+            q_latent, q_pe, kv_pages, table, num_keys, query_start, 0.3, padding[:, :num_keys]
+        )
+        got = run(kernels, "static_dense_mla", q_latent, q_pe, kv_pages, table, *lengths, 0.3, padding)
+        torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)

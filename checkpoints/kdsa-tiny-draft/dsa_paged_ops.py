@@ -883,6 +883,75 @@ def paged_dense_mla_compiled(
     )
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Fixed-shape kernels of a compiled static-cache step (docs/graph-mode.md §3): every slot of the block table under a
+# mask, so that shapes depend on the capacity `L` (pages per row · P), never on the context.
+
+
+def _visible_limit(query_start: torch.Tensor, num_queries: int, num_keys: torch.Tensor) -> torch.Tensor:
+    """int64 `[T]`: query `t` (at position `query_start + t`) sees the keys `<= limit[t]` (causal, and the context's
+    end `num_keys - 1`). Both inputs are 0-d tensors, so nothing here depends on their values at trace time."""
+    positions = query_start + torch.arange(num_queries, device=query_start.device)
+    return torch.minimum(positions, num_keys - 1)
+
+
+def static_indexer_topk(
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    index_pages,
+    block_table: torch.Tensor,
+    num_keys: torch.Tensor,
+    index_topk: int,
+    query_start: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Indexer top-k over every slot of the block table: q_index `[B, T, HI, DI]`, weights `[B, T, HI]` fp32,
+    index_pages `[N, P, DI]` (or quantized), block_table `[B, n]` fully mapped, num_keys / query_start 0-d int64
+    tensors, key_padding_mask bool `[B, L]` or None. Returns int64 `[B, T, min(index_topk, L)]`, best first, -1 = no
+    key. The selection equals `paged_indexer_topk_*`'s (same scores, same tie rule: `_pack_scores`); only the width
+    differs, the extra slots being -1."""
+    batch, num_queries, num_heads, head_dim = q_index.shape
+    keys = read_pages(index_pages, block_table.reshape(-1), q_index.dtype).view(batch, -1, head_dim)
+    capacity = keys.shape[1]
+    scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
+    key_positions = torch.arange(capacity, device=q_index.device)
+    limit = _visible_limit(query_start, num_queries, num_keys)
+    padding = None if key_padding_mask is None else key_padding_mask.bool()
+    packed = _score_block(q_index.contiguous(), scaled_weights, keys, key_positions, limit, padding)
+    return _unpack_indices(packed.topk(min(index_topk, capacity), dim=-1).values)
+
+
+def static_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale: float) -> torch.Tensor:
+    """Sparse absorbed MLA over the selected slots: `_attend` (already fixed-shape for a fixed K)."""
+    return _attend(q_latent.contiguous(), q_pe.contiguous(), kv_pages, block_table, indices, softmax_scale)
+
+
+def static_dense_mla(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_pages,
+    block_table: torch.Tensor,
+    num_keys: torch.Tensor,
+    query_start: torch.Tensor,
+    softmax_scale: float,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense causal absorbed MLA over every slot of the block table under the visibility mask: one `_dense_block`
+    step (the online-softmax block the paged kernels use) over all `L` rows.
+    Shapes as `paged_dense_mla_fused`; returns `[B, T, H, C]`."""
+    batch, num_queries, num_heads, latent_width = q_latent.shape
+    query = torch.cat([q_latent, q_pe], dim=-1).contiguous()
+    rows = read_pages(kv_pages, block_table.reshape(-1), query.dtype).view(batch, -1, query.shape[-1])
+    key_positions = torch.arange(rows.shape[1], device=query.device)
+    limit = _visible_limit(query_start, num_queries, num_keys)
+    visible = (key_positions[None, :] <= limit[:, None])[None]
+    if key_padding_mask is not None:
+        visible = visible & key_padding_mask.bool()[:, None, :]
+    start = _dense_softmax_start(batch, num_queries, num_heads, latent_width, query.device)
+    _, running_sum, accumulator = _dense_block(query, rows, visible, softmax_scale, *start)
+    return _dense_softmax_output(running_sum, accumulator).to(q_latent.dtype)
+
+
 __all__ = [
     "paged_kpool_indexer_topk_reference",
     "paged_kpool_indexer_topk_fused",
@@ -901,4 +970,7 @@ __all__ = [
     "paged_dense_mla_reference",
     "paged_dense_mla_fused",
     "paged_dense_mla_compiled",
+    "static_dense_mla",
+    "static_indexer_topk",
+    "static_sparse_mla",
 ]
