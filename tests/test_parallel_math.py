@@ -375,3 +375,63 @@ def test_cp_ranks_run_glm_kpool_and_shared_indexer_layers(layout, backend):
     for out in outputs:
         assert (out.logits - reference).abs().max() < CP_TOLERANCE
         assert (_continue(model, out.cache, "plain", steps) - expected).abs().max() < CP_TOLERANCE
+
+
+# ------------------------------------------------------------------- one layer under CP against transformers' layers
+
+
+def _layer_under_cp(cp: int, layout: str, x: torch.Tensor, run_local) -> torch.Tensor:
+    """`run_local(context, local_x)` on `cp` simulated ranks, each holding its share of `x` `[B, T, D]`; returns the
+    ranks' outputs put back in sequence order `[B, T, D]`."""
+    from modeling_kdsa.parallel import MeshSequenceContext, PrefillStats
+
+    sequence = SequenceLayout(x.shape[1], cp, layout)
+
+    def rank(mesh):
+        context = MeshSequenceContext(mesh, sequence, PrefillStats())
+        return run_local(context, sequence.shard(x, mesh.cp_rank))
+
+    return sequence.unshard(torch.cat(_run_cp_ranks(cp, rank), dim=1))
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@torch.no_grad()
+def test_kda_layer_under_cp_matches_transformers_kimi_linear(layout):
+    """The KDA layer run with a sequence-parallel context (cp = 2, 37 tokens) against transformers' KimiLinear layer:
+    a change to the layer's math is seen from the CP side too, not only as a CP-vs-single difference. fp32; bound
+    as tests/test_kda.py (evaluation order only, ~1e-6)."""
+    from test_kda import HIDDEN, kimi_pair
+
+    theirs, ours, _ = kimi_pair()
+    x = torch.randn(2, 37, HIDDEN, generator=torch.Generator().manual_seed(1))
+
+    def run_local(context, local_x):
+        mask = context.token_mask()[None].expand(local_x.shape[0], -1)
+        return ours(local_x, attention_mask=mask, sequence_parallel=context)
+
+    torch.testing.assert_close(_layer_under_cp(2, layout, x, run_local), theirs(x), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@torch.no_grad()
+def test_dsa_layer_under_cp_matches_transformers_deepseek_v32(layout):
+    """The DSA layer run with a sequence-parallel context (cp = 2, 13 tokens <= index_topk: every visible key is
+    selected, so no near-tie filtering is needed) against transformers' DeepseekV32 attention: the gathered keys,
+    the query segments at their own positions and the layer's block loop. fp32; bound as tests/test_dsa.py."""
+    from test_dsa import hf_attention_from, make_layer, max_rel_err, rope_for
+    from test_dsa import tiny_config as dsa_config
+
+    config = dsa_config()
+    ours = make_layer(config)
+    theirs = hf_attention_from(ours, config)
+    batch, seq_len = 2, 13
+    x = torch.randn(batch, seq_len, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    additive_mask = torch.zeros(batch, 1, seq_len, seq_len).masked_fill(~causal, torch.finfo(torch.float32).min)
+    expected, _ = theirs(x, rope_for(config, x, torch.arange(seq_len).expand(batch, -1)), additive_mask)
+
+    def run_local(context, local_x):
+        positions = context.positions.clamp(min=0)[None].expand(batch, -1)
+        return ours(local_x, rope_for(config, local_x, positions), sequence_parallel=context)
+
+    assert max_rel_err(_layer_under_cp(2, layout, x, run_local), expected) < 1e-5
