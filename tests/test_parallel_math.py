@@ -174,6 +174,28 @@ def test_cp_path_rejects_short_prompt_and_used_cache():
         context_parallel_prefill(model, torch.tensor([[5, 6, 7]]), single_process_mesh(), cache=static)
 
 
+def test_model_refuses_what_a_sequence_parallel_forward_cannot_take():
+    """`KDSAModel.forward(..., sequence_parallel=)` starts a sequence without padding: a padding mask, position ids,
+    a used or static cache, or an input of another length than the context's share raise a ValueError naming them."""
+    from modeling_kdsa.parallel import MeshSequenceContext, PrefillStats
+
+    model = tiny_model()
+    context = MeshSequenceContext(single_process_mesh(), SequenceLayout(9, 1), PrefillStats())
+    ids = torch.randint(3, 128, (1, context.positions.numel()), generator=torch.Generator().manual_seed(0))
+    used = KDSACache(model.config)
+    model(ids[:, :3], cache=used)
+    for kwargs, words in (
+        (dict(attention_mask=torch.ones_like(ids)), "no attention_mask or position_ids"),
+        (dict(position_ids=torch.arange(ids.shape[1])[None]), "no attention_mask or position_ids"),
+        (dict(cache=used), "empty KDSACache"),
+        (dict(cache=KDSAStaticCache(model.config, max_cache_len=16)), "KDSAStaticCache is not supported"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            model.model(ids, sequence_parallel=context, **kwargs)
+    with pytest.raises(ValueError, match="holds 10 local tokens, the input has 9"):
+        model.model(ids[:, :9], sequence_parallel=context)
+
+
 def test_cp_path_refuses_router_logits():
     model = tiny_model(output_router_logits=True)
     with pytest.raises(ValueError, match="output_router_logits"):
