@@ -28,8 +28,8 @@ Our side of the contract (same signatures and results as dsa_paged_ops' `cpu` ke
   `topk + (most padded keys of a row)` keys, padded ones are dropped and the rest moved to the front, which keeps
   exactly the top-k real keys (a real key of the real top-k has at most `pads` padded keys above it).
 - Sparse attention: the op reads the latent and RoPE parts as two contiguous pools `[N, P, 1, C]` / `[N, P, 1, R]`
-  while our store keeps `[c | k_pe]` rows, so each call copies the pool into the two layouts (O(pool) per call; a
-  store that keeps the two planes, as vllm-ascend's `kv_cache[0]` / `kv_cache[1]`, removes it). `sparse_mode=0`:
+  ("key", "key_rope": not non-contiguous), so on this backend the store keeps them as two planes (`SplitRows`, as
+  vllm-ascend's `kv_cache[0]` / `kv_cache[1]`) and the op reads the pages in place, no copy per call. `sparse_mode=0`:
   our indices are already causal and the kernel's contract is "attend exactly these keys", so `actual_seq_lengths_kv`
   covers every mapped page of the sequence and no mask is added.
 - Dense MLA (`"full_attention"` layers) is the same op selecting every key (`paged_dense_mla_npu`), with
@@ -38,6 +38,8 @@ Our side of the contract (same signatures and results as dsa_paged_ops' `cpu` ke
   per query (`paged_kpool_indexer_topk_npu`). KDA runs the torch kernels (docs/backends.md §2).
 - Quantized stores (FP8 latent, MXFP8 indexer keys) are refused: the quantized ops read other packed layouts.
 """
+
+import functools
 
 import torch
 
@@ -49,7 +51,7 @@ from .dsa_paged_ops import (
     _check_sparse_inputs,
     page_geometry,
 )
-from .numeric_formats import QuantizedRows
+from .numeric_formats import QuantizedRows, SplitRows
 
 INDEXER_HEAD_DIM = 128  # npu_lightning_indexer: D of query and key
 INDEXER_MAX_HEADS = 64  # npu_lightning_indexer: N1 <= 64 (A2/A3)
@@ -170,28 +172,41 @@ def paged_indexer_topk_npu(
 def _check_attention_shapes(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_pages) -> int:
     """What npu_sparse_flash_attention takes (module doc); returns the page size."""
     _require_plain(kv_pages, "kv_cache")
+    _require(
+        isinstance(kv_pages, SplitRows),
+        "kv pages must be SplitRows (latent and RoPE planes: the npu store's layout, which the attention op reads "
+        "in place); got one [N, P, C + R] tensor",
+    )
     latent_width, rope_width, num_heads = q_latent.shape[-1], q_pe.shape[-1], q_latent.shape[2]
     _require(latent_width == LATENT_DIM, f"kv_lora_rank must be {LATENT_DIM}, got {latent_width}")
     _require(rope_width in (0, ROPE_DIM), f"qk_rope_head_dim must be {ROPE_DIM} or 0 (NoPE), got {rope_width}")
     _require(num_heads in ATTENTION_HEADS, f"num_attention_heads must be one of {ATTENTION_HEADS}, got {num_heads}")
     _require(q_latent.dtype in OP_DTYPES, f"attention runs in bf16 or fp16, got {q_latent.dtype}")
-    _require(kv_pages.dtype == q_latent.dtype, f"kv pages {kv_pages.dtype} and queries {q_latent.dtype} must agree")
+    dtype = kv_pages.latent.dtype
+    _require(dtype == q_latent.dtype, f"kv pages {dtype} and queries {q_latent.dtype} must agree")
     page_size = page_geometry(kv_pages)[1]
     _check_page_size(page_size)
     return page_size
 
 
+@functools.lru_cache(maxsize=8)
+def _zero_rope_pages(num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zero key RoPE pool `[N, P, 1, 64]` for NoPE models, made once per pool size (the pool doubles when it grows),
+    not on every call."""
+    return torch.zeros(num_pages, page_size, 1, ROPE_DIM, dtype=dtype, device=device)
+
+
 def _sparse_flash_attention(q_latent, q_pe, kv_pages, block_table, sparse_indices, softmax_scale, **kwargs):
-    """One npu_sparse_flash_attention call in MLA-absorb mode over our `[c | k_pe]` pages: `sparse_indices` int32
+    """One npu_sparse_flash_attention call in MLA-absorb mode over the store's `SplitRows` pages, read in place: the
+    latent plane `[N, P, C]` and the RoPE plane `[N, P, R]` viewed as the op's PA_BSND pools `[N, P, 1, C]` /
+    `[N, P, 1, R]` (free views of contiguous planes; the op refuses non-contiguous keys). `sparse_indices` int32
     `[B, T, 1, K]`; kwargs: lengths, sparse_block_size, sparse_mode. Returns `[B, T, H, C]`."""
     torch_npu = torch_npu_module()
-    latent_width = q_latent.shape[-1]
-    # The op takes the latent and RoPE pools as separate contiguous tensors (module doc: the copy per call).
-    latent_pages = kv_pages[..., :latent_width].unsqueeze(2).contiguous()
-    rope_pages = kv_pages[..., latent_width:].unsqueeze(2).contiguous()
+    latent_pages = kv_pages.latent.unsqueeze(2)
+    rope_pages = kv_pages.rope.unsqueeze(2)
     if q_pe.shape[-1] == 0:  # NoPE: the op needs a 64-wide RoPE part; zeros add nothing to the scores
         q_pe = q_pe.new_zeros(*q_pe.shape[:-1], ROPE_DIM)
-        rope_pages = kv_pages.new_zeros(*kv_pages.shape[:2], 1, ROPE_DIM)
+        rope_pages = _zero_rope_pages(*latent_pages.shape[:2], latent_pages.dtype, latent_pages.device)
     out, _, _ = torch_npu.npu_sparse_flash_attention(
         q_latent.contiguous(),
         latent_pages,

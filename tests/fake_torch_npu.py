@@ -25,6 +25,7 @@ _SPARSE_COUNTS = set(range(1, 2049)) | {3072, 4096, 5120, 6144, 7168, 8192}
 _DEFAULT_TOKENS = 2**63 - 1
 
 calls: list[str] = []  # names of the ops called, in order (tests check that the backend really used them)
+inputs: dict[str, dict] = {}  # op name -> the tensors of its last call (tests check they are views of the cache)
 
 
 def _fail(condition: bool, message: str) -> None:
@@ -94,6 +95,7 @@ def npu_lightning_indexer(
     """`Indices = Top-k_j Σ_h w[i,h]·ReLU(q[i,h]·k[j])` over the keys visible to each query. Returns
     (int32 `[B, S1, 1, sparse_count]` positions by descending score, -1 after the last visible key; values)."""
     calls.append("npu_lightning_indexer")
+    inputs["npu_lightning_indexer"] = dict(key=key)
     _fail(layout_query == "BSND" and layout_key == "PA_BSND", "the fake implements layout_query=BSND, PA_BSND keys")
     _fail(query.dim() == 4, f"query must be [B, S1, N1, D], got {tuple(query.shape)}")
     batch, num_queries, num_heads, head_dim = query.shape
@@ -159,6 +161,7 @@ def npu_sparse_flash_attention(
     tokens (index b selects `[b·blk, (b+1)·blk)`, clipped to the visible threshold). Returns (out `[B, S1, N1, 512]`
     in the query dtype, empty softmax_max, empty softmax_sum)."""
     calls.append("npu_sparse_flash_attention")
+    inputs["npu_sparse_flash_attention"] = dict(key=key, value=value, key_rope=key_rope)
     _fail(layout_query == "BSND" and layout_kv == "PA_BSND", "the fake implements layout_query=BSND, PA_BSND kv")
     _fail(attention_mode == 2, f"attention_mode supports only 2 (MLA-absorb), got {attention_mode}")
     _fail(query.dim() == 4, f"query must be [B, S1, N1, D], got {tuple(query.shape)}")
@@ -221,6 +224,7 @@ def npu_sparse_flash_attention(
 def install(monkeypatch, available: bool = True) -> types.ModuleType:
     """Make `import torch_npu` return this module and `torch.npu.is_available()` return `available`."""
     calls.clear()
+    inputs.clear()
     monkeypatch.setitem(sys.modules, "torch_npu", sys.modules[__name__])
     monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: available), raising=False)
     return sys.modules[__name__]

@@ -34,7 +34,7 @@ from modeling_kdsa.npu_kernels import (
     paged_kpool_indexer_topk_npu,
     paged_sparse_mla_npu,
 )
-from modeling_kdsa.numeric_formats import CacheFormats
+from modeling_kdsa.numeric_formats import CacheFormats, SplitRows
 
 REPO = Path(__file__).resolve().parents[1]
 # Dims the fused ops accept (npu_kernels constants) and a page size they accept (a multiple of 16).
@@ -140,7 +140,7 @@ def sparse_case(num_keys, num_queries, seed, heads=2, num_selected=8):
 @pytest.mark.parametrize(("num_keys", "num_queries"), [(40, 12), (97, 1)])
 def test_npu_sparse_attention_equals_cpu(npu, num_keys, num_queries):
     args = (*sparse_case(num_keys, num_queries, seed=num_keys), 0.07)
-    got = paged_sparse_mla_npu(*args)
+    got = paged_sparse_mla_npu(*args[:2], SplitRows.split(args[2], LATENT), *args[3:])
     assert fake_torch_npu.calls == ["npu_sparse_flash_attention"]
     assert got.dtype == torch.bfloat16 and got.shape == args[0].shape
     assert (got[1, -1] == 0).all()
@@ -160,7 +160,7 @@ def test_npu_dense_attention_equals_cpu(npu, num_keys, num_queries, query_start,
     q_latent, q_pe, kv_pages, block_table, _ = sparse_case(num_keys, num_queries, seed=num_keys + num_queries)
     padding = left_padding(2, num_keys, pad=5) if padded else None
     args = (q_latent, q_pe, kv_pages, block_table, num_keys, query_start, 0.07, padding)
-    got = paged_dense_mla_npu(*args)
+    got = paged_dense_mla_npu(q_latent, q_pe, SplitRows.split(kv_pages, LATENT), *args[3:])
     assert fake_torch_npu.calls == ["npu_sparse_flash_attention"]
     assert not got.isnan().any()  # never reads the NaN slots after the last key
     # The cpu kernel reads whole pages and masks the scores, so it needs finite values there (zeros, as in a cache).
@@ -330,11 +330,15 @@ def test_npu_backend_refuses_shapes_the_ops_do_not_take(npu):
     with pytest.raises(ValueError, match="index_head_dim must be 128"):
         paged_indexer_topk_npu(q_index[..., :64].contiguous(), weights, small_pages, *args[2:])
     q_latent, q_pe, kv_pages, block_table, indices = sparse_case(40, 2, seed=0)
+    with pytest.raises(ValueError, match="must be SplitRows"):
+        paged_sparse_mla_npu(q_latent, q_pe, kv_pages, block_table, indices, 0.1)  # one [N, P, C + R] tensor
     with pytest.raises(ValueError, match="kv_lora_rank must be 512"):
-        paged_sparse_mla_npu(q_latent[..., :256], q_pe, kv_pages[..., 256:].contiguous(), block_table, indices, 0.1)
+        small = SplitRows.split(kv_pages[..., 256:], 256)
+        paged_sparse_mla_npu(q_latent[..., :256], q_pe, small, block_table, indices, 0.1)
     three_heads = q_latent[:, :, :1].expand(-1, -1, 3, -1)
     with pytest.raises(ValueError, match="num_attention_heads"):
-        paged_sparse_mla_npu(three_heads, q_pe[:, :, :1].expand(-1, -1, 3, -1), kv_pages, block_table, indices, 0.1)
+        split = SplitRows.split(kv_pages, LATENT)
+        paged_sparse_mla_npu(three_heads, q_pe[:, :, :1].expand(-1, -1, 3, -1), split, block_table, indices, 0.1)
     assert fake_torch_npu.calls == []
 
 
@@ -346,6 +350,48 @@ def test_npu_backend_refuses_quantized_pages(npu):
     q_latent, q_pe = torch.randn(2, 1, 2, LATENT).bfloat16(), torch.randn(2, 1, 2, ROPE).bfloat16()
     with pytest.raises(ValueError, match="quantized"):
         store.sparse_attention(q_latent, q_pe, torch.zeros(2, 1, 4, dtype=torch.long), 0.1)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("rope", [ROPE, 0], ids=["rope", "nope"])
+def test_npu_attention_reads_the_store_pages_in_place(npu, rope):
+    """The npu store keeps the latent and RoPE parts as two planes (SplitRows) and every attention call hands the op
+    views of those planes: no per-call copy of the pool (O(context) bytes per decode step). Other backends keep one
+    `[N, P, C + R]` plane."""
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(2, 40, LATENT + rope, generator=generator).to(torch.bfloat16)
+    keys = torch.randn(2, 40, INDEX_DIM, generator=generator).to(torch.bfloat16)
+    stores = {}
+    for backend in ("npu", "cpu"):
+        store = KDSAPagedLayer(LATENT + rope, INDEX_DIM, backend, page_size=PAGE, latent_width=LATENT)
+        store.append(rows[:, :39], keys[:, :39])  # prefill, then one decode step's row
+        store.append(rows[:, 39:], keys[:, 39:])
+        assert torch.equal(gather_pages(store.kv_pages, store.block_table, 40), rows)
+        stores[backend] = store
+    assert isinstance(stores["npu"].kv_pages, SplitRows) and isinstance(stores["cpu"].kv_pages, torch.Tensor)
+    planes = stores["npu"].kv_pages
+    q_latent = (torch.randn(2, 1, 2, LATENT, generator=generator) / 8).to(torch.bfloat16)
+    q_pe = (torch.randn(2, 1, 2, rope, generator=generator) / 8).to(torch.bfloat16)
+    indices = torch.randint(0, 40, (2, 1, 8), generator=generator)
+    zero_rope = None
+    for read in ("sparse", "dense"):
+        outputs = {}
+        for backend, store in stores.items():
+            if read == "sparse":
+                outputs[backend] = store.sparse_attention(q_latent, q_pe, indices, 0.1)
+            else:
+                outputs[backend] = store.dense_attention(q_latent, q_pe, 39, 0.1)
+        seen = fake_torch_npu.inputs["npu_sparse_flash_attention"]
+        assert _same_storage(seen["key"], planes.latent) and _same_storage(seen["value"], planes.latent)
+        if rope:
+            assert _same_storage(seen["key_rope"], planes.rope)
+        else:  # NoPE: one zero RoPE pool per pool size, not one per call
+            assert zero_rope is None or seen["key_rope"] is zero_rope
+            zero_rope = seen["key_rope"]
+        torch.testing.assert_close(outputs["npu"].float(), outputs["cpu"].float(), atol=BF16_ATOL, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------

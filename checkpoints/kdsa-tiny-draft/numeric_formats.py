@@ -248,6 +248,34 @@ class QuantizedRows(NamedTuple):
         return torch.cat([values, self.unquantized.to(dtype)], dim=-1) if self.unquantized.shape[-1] else values
 
 
+class SplitRows(NamedTuple):
+    """Model-dtype rows `[..., C + R]` kept as two planes, the latent `[..., C]` and the RoPE part `[..., R]`: the
+    layout torch_npu's sparse attention reads in place (two contiguous page pools, docs/backends.md §2). The same
+    interface as `QuantizedRows`, so the store and the kernels treat both alike; reading rows concatenates them."""
+
+    latent: torch.Tensor
+    rope: torch.Tensor
+
+    @classmethod
+    def split(cls, rows: torch.Tensor, latent_width: int) -> "SplitRows":
+        """Contiguous planes copied from rows `[..., C + R]` (tests and scripts; the store writes its planes)."""
+        return cls(rows[..., :latent_width].contiguous(), rows[..., latent_width:].contiguous())
+
+    @property
+    def width(self) -> int:
+        return self.latent.shape[-1] + self.rope.shape[-1]
+
+    def map(self, function) -> "SplitRows":
+        return SplitRows(*(function(part) for part in self))
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows `[..., C + R]` as stored (`dtype` is ignored, as for plain pages: nothing to dequantize)."""
+        return torch.cat([self.latent, self.rope], dim=-1)
+
+
+PLANAR_ROWS = (QuantizedRows, SplitRows)  # rows stored as several planes of the same leading shape
+
+
 # ------------------------------------------------------------------------------------------- cache formats
 
 QUANT_METHOD = "kdsa"
@@ -371,7 +399,9 @@ __all__ = [
     "MX_BLOCK_SIZE",
     "MX_SCALE_RULES",
     "QUANT_METHOD",
+    "PLANAR_ROWS",
     "QuantizedRows",
+    "SplitRows",
     "dequantize_blocks",
     "e8m0_to_float",
     "fp8_tile_dequantize",
