@@ -226,5 +226,147 @@ def install(monkeypatch, available: bool = True) -> types.ModuleType:
     calls.clear()
     inputs.clear()
     monkeypatch.setitem(sys.modules, "torch_npu", sys.modules[__name__])
-    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: available), raising=False)
+    monkeypatch.setattr(torch, "npu", _npu_namespace(available), raising=False)
+    monkeypatch.setattr(torch.Tensor, "record_stream", _record_stream)
+    _reset_streams()
     return sys.modules[__name__]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Streams and events (the three-stream prolog, npu_kernels.three_stream_prolog)
+#
+# torch_npu's stream API as torch.cuda's (Ascend/pytorch torch_npu/npu/streams.py): `torch.npu.Stream(device)`,
+# `torch.npu.Event()`, `Event.record(stream)` captures the work submitted to the stream so far, `Stream.wait_event(e)`
+# makes later work on the stream wait for it, `torch.npu.stream(s)` makes `s` current, `torch.npu.current_stream()`.
+# The fake runs everything at once on the CPU, so it cannot show a race; it checks the discipline instead, inside
+# `check_streams()`: every op is counted on the current stream (a vector clock per stream, copied by `record` and
+# merged by `wait_event`), every tensor remembers the stream and count that produced it and the stream that
+# allocated its storage, and an op fails with a RuntimeError when it reads
+# - a tensor produced on another stream whose producing op the current stream has not waited for (a missing
+#   `wait_event`), or
+# - a tensor allocated on another stream that was not `record_stream`ed to this one (the caching allocator could
+#   hand its memory out again while this stream still reads it; parameters are never freed and are exempt).
+
+
+class Stream:
+    def __init__(self, device=None, priority=0):
+        self.clock = {self: 0}  # stream -> how many of its ops this stream has seen (its own: submitted)
+        _streams.created += 1
+
+    def wait_event(self, event):
+        event.wait(self)
+
+
+class Event:
+    def __init__(self, enable_timing=False):
+        self.clock = None
+
+    def record(self, stream=None):
+        self.clock = dict((stream or _streams.current).clock)
+
+    def wait(self, stream=None):
+        stream = stream or _streams.current
+        for other, count in (self.clock or {}).items():  # an event never recorded: nothing to wait for
+            stream.clock[other] = max(stream.clock.get(other, 0), count)
+
+
+class _StreamState:
+    def __init__(self):
+        self.default = self.current = None
+        self.created = 0
+
+    def reset(self):
+        self.created = 0
+        self.default = self.current = Stream()
+        self.created = 0
+
+
+_streams = _StreamState()
+
+
+def _reset_streams() -> None:
+    _streams.reset()
+
+
+def current_stream(device=None) -> Stream:
+    return _streams.current
+
+
+class stream:  # noqa: N801 (torch.npu.stream, a context manager)
+    def __init__(self, target):
+        self.target = target
+
+    def __enter__(self):
+        self.previous, _streams.current = _streams.current, self.target
+        return self.target
+
+    def __exit__(self, *exc):
+        _streams.current = self.previous
+
+
+def _record_stream(tensor, target) -> None:
+    with torch._C.DisableTorchFunction():  # bookkeeping, not an op
+        base = tensor if tensor._base is None else tensor._base
+        base._fake_recorded = getattr(base, "_fake_recorded", set()) | {target}
+
+
+def _check_read(tensor, current) -> None:
+    if isinstance(tensor, torch.nn.Parameter):
+        return
+    producer = getattr(tensor, "_fake_produced", None)
+    if producer is not None and producer[0] is not current and current.clock.get(producer[0], 0) < producer[1]:
+        raise RuntimeError("a tensor produced on another stream is read without waiting for it (wait_event missing)")
+    base = tensor if tensor._base is None else tensor._base
+    allocator = getattr(base, "_fake_allocated", _streams.default)
+    if allocator is not current and current not in getattr(base, "_fake_recorded", ()):
+        raise RuntimeError("a tensor allocated on another stream is used without record_stream on this one")
+
+
+_IN_PLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"}
+
+
+class _StreamChecker(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # metadata (shape, dtype, ...): no data read
+            return func(*args, **kwargs)
+        current = _streams.current
+        inputs = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        for tensor in inputs:
+            _check_read(tensor, current)
+        result = func(*args, **kwargs)
+        current.clock[current] += 1
+        stamp = (current, current.clock[current])
+        in_place = (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
+        written = [args[0]] if inputs and in_place else []
+        for tensor in torch.utils._pytree.tree_leaves(result):
+            if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
+                if tensor._base is None and not hasattr(tensor, "_fake_allocated"):
+                    tensor._fake_allocated = current
+                    tensor._fake_produced = stamp
+                elif tensor._base is not None:  # a view: its data is its base's
+                    source = getattr(tensor._base, "_fake_produced", None)
+                    if source is not None:
+                        tensor._fake_produced = source
+        for tensor in written:  # an in-place op writes its first argument (and the storage under it)
+            if isinstance(tensor, torch.Tensor):
+                tensor._fake_produced = stamp
+                if tensor._base is not None:
+                    tensor._base._fake_produced = stamp
+        return result
+
+
+def check_streams():
+    """Context manager: check the stream discipline of every torch op run inside it (section doc)."""
+    return _StreamChecker()
+
+
+def _npu_namespace(available: bool) -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        is_available=lambda: available,
+        Stream=Stream,
+        Event=Event,
+        current_stream=current_stream,
+        stream=stream,
+    )

@@ -15,7 +15,7 @@ from conftest import tiny_config, tiny_model
 from modeling_kdsa.parallel import context_parallel_prefill, single_process_mesh
 from test_dsa_paged_ops import left_padding, paged
 
-from modeling_kdsa import dsa_ops, triton_kernels
+from modeling_kdsa import dsa, dsa_ops, npu_kernels, triton_kernels
 from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer, KDSAPagedLayer
 from modeling_kdsa.dsa_paged_ops import (
     KPOOL_INDEXER_KERNELS,
@@ -45,6 +45,7 @@ BF16_REL_FRO, BF16_ATOL = 8e-3, 3e-2
 
 @pytest.fixture
 def npu(monkeypatch):
+    monkeypatch.setattr(npu_kernels, "_PROLOG_STREAMS", {})  # side streams of this test's fake, made on first use
     return fake_torch_npu.install(monkeypatch, available=True)
 
 
@@ -392,6 +393,96 @@ def test_npu_attention_reads_the_store_pages_in_place(npu, rope):
             assert zero_rope is None or seen["key_rope"] is zero_rope
             zero_rope = seen["key_rope"]
         torch.testing.assert_close(outputs["npu"].float(), outputs["cpu"].float(), atol=BF16_ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Three-stream prolog (npu_kernels.three_stream_prolog) under the fake's stream checks
+
+
+def decode_step_inputs(model, seed: int):
+    """The DSA layer of `npu_shaped_model` and a decode step's inputs: hidden states `[2, 1, D]`, (cos, sin)."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 1, model.config.hidden_size, generator=generator).to(torch.bfloat16)
+    position_embeddings = model.model.rotary_emb(hidden, torch.tensor([[70], [70]]))
+    return model.model.layers[1].self_attn, hidden, position_embeddings
+
+
+def sequential_projections(layer, hidden, position_embeddings):
+    q_nope, q_pe, query_input = layer.project_queries(hidden, position_embeddings)
+    latent, k_pe = layer.project_latent(hidden, position_embeddings)
+    return q_nope, q_pe, latent, k_pe, layer.indexer(hidden, query_input, position_embeddings)
+
+
+def test_three_stream_prolog_equals_the_single_stream_path(npu):
+    """Same tensors as the sequential projections; the side streams ran the indexer query and weights, are made
+    once per device, and every cross-stream read waited and was recorded (else the fake raises)."""
+    model = npu_shaped_model("npu")
+    layer, hidden, position_embeddings = decode_step_inputs(model, seed=0)
+    with torch.no_grad():
+        expected = sequential_projections(layer, hidden, position_embeddings)
+        for _ in range(2):
+            with fake_torch_npu.check_streams():  # the comparison reads the outputs on the main stream
+                got = npu_kernels.three_stream_prolog(layer, hidden, position_embeddings)
+                for got_tensor, expected_tensor in zip([*got[:4], *got[4]], [*expected[:4], *expected[4]], strict=True):
+                    assert torch.equal(got_tensor, expected_tensor)
+    query_stream, weights_stream = npu_kernels._prolog_streams(hidden.device)
+    assert query_stream.clock[query_stream] > 0 and weights_stream.clock[weights_stream] > 0
+    assert fake_torch_npu._streams.created == 2  # two side streams, once for both calls
+
+
+def test_the_fake_catches_a_missing_wait_or_record_stream(npu):
+    x = torch.ones(4)
+    side = torch.npu.Stream()
+    with fake_torch_npu.check_streams():
+        with torch.npu.stream(side):
+            with pytest.raises(RuntimeError, match="record_stream"):
+                x * 2  # x belongs to the main stream's allocator
+            x.record_stream(side)
+            y = x * 2
+            done = torch.npu.Event()
+            done.record(side)
+        with pytest.raises(RuntimeError, match="wait_event missing"):
+            y + 1
+        torch.npu.current_stream().wait_event(done)
+        with pytest.raises(RuntimeError, match="record_stream"):
+            y + 1
+        y.record_stream(torch.npu.current_stream())
+        assert torch.equal(y + 1, torch.full((4,), 3.0))
+
+
+@pytest.mark.parametrize("dropped", ["wait_event", "record_stream"])
+def test_a_prolog_that_drops_a_wait_or_a_record_fails(npu, monkeypatch, dropped):
+    model = npu_shaped_model("npu")
+    layer, hidden, position_embeddings = decode_step_inputs(model, seed=1)
+    if dropped == "wait_event":
+        monkeypatch.setattr(fake_torch_npu.Stream, "wait_event", lambda self, event: None)
+    else:
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, target: None)
+    with torch.no_grad(), fake_torch_npu.check_streams(), pytest.raises(RuntimeError, match=dropped):
+        npu_kernels.three_stream_prolog(layer, hidden, position_embeddings)
+
+
+def test_decode_steps_run_the_prolog_on_streams(npu):
+    """A generate on the npu backend: decode steps (one token) go through the three-stream prolog, prefill does
+    not, under the stream checks; tokens equal the cpu backend's."""
+    generator = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 128, (2, 20), generator=generator)
+    kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    calls = []
+    original = npu_kernels.three_stream_prolog
+
+    def counted(layer, hidden, position_embeddings):
+        calls.append(hidden.shape[1])
+        return original(layer, hidden, position_embeddings)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dsa, "three_stream_prolog", counted)
+        model = npu_shaped_model("npu")
+        with fake_torch_npu.check_streams():
+            got = model.generate(prompt, cache=KDSACache(model.config), **kwargs)
+    assert calls == [1, 1]  # the two decode steps of the one DSA layer; the prefill runs on one stream
+    cpu_model = npu_shaped_model("cpu")
+    assert torch.equal(got, cpu_model.generate(prompt, cache=KDSACache(cpu_model.config), **kwargs))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ Our side of the contract (same signatures and results as dsa_paged_ops' `cpu` ke
 - The k-pool indexer (GLM-5.3-Flash, docs/dsa.md §9) is the indexer op over the stored pooled keys, one batch entry
   per query (`paged_kpool_indexer_topk_npu`). KDA runs the torch kernels (docs/backends.md §2).
 - Quantized stores (FP8 latent, MXFP8 indexer keys) are refused: the quantized ops read other packed layouts.
+- A decode step's projections run on three streams (`three_stream_prolog`, called from the DSA layer's `project`).
 """
 
 import functools
@@ -360,6 +361,69 @@ def paged_kpool_indexer_topk_npu(
     return kpool_expand(pool_ends, kpool, query_start, origin, select_tail)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Three-stream prolog of a DSA decode step (docs/backends.md §2)
+#
+# As the CANN recipe's DeepSeek-V3.2 decode (hicann/cann-recipes-infer, models/deepseek_v3_2_exp/models/indexer.py):
+# the indexer's query branch (wq_b + RoPE) on one side stream, its head-weights projection on another, the keys on
+# the main stream, ordered by events. Stream semantics (Ascend/pytorch torch_npu/npu/streams.py, as torch.cuda's):
+# `Stream.wait_event(e)` makes the work submitted to the stream afterwards wait for the work `e` captured when it was
+# recorded. Allocator safety (PyTorch's CUDA semantics, "use of multiple streams"): memory is reused per allocating
+# stream, so a tensor used on another stream than the one that allocated it is marked with `record_stream` there.
+
+_PROLOG_STREAMS: dict[str, tuple] = {}
+
+
+def _prolog_streams(device: torch.device) -> tuple:
+    """The two side streams of the prolog on `device`, created once per device."""
+    key = str(device)
+    if key not in _PROLOG_STREAMS:
+        _PROLOG_STREAMS[key] = (torch.npu.Stream(device), torch.npu.Stream(device))
+    return _PROLOG_STREAMS[key]
+
+
+def _event_on(stream):
+    event = torch.npu.Event()
+    event.record(stream)
+    return event
+
+
+def three_stream_prolog(layer, hidden_states: torch.Tensor, position_embeddings):
+    """The projections of `KDSASparseAttention.project` (same values, same return) with the indexer's query branch
+    and head weights on side streams: the weights stream starts once `hidden_states` is ready, the query stream
+    once the MLA query latent is; the main stream computes the MLA queries, the latent and the indexer key
+    meanwhile, and waits for both side streams before returning their outputs."""
+    indexer = layer.indexer
+    main = torch.npu.current_stream(hidden_states.device)
+    query_stream, weights_stream = _prolog_streams(hidden_states.device)
+    rope = () if position_embeddings is None else tuple(position_embeddings)
+
+    inputs_ready = _event_on(main)
+    hidden_states.record_stream(weights_stream)
+    with torch.npu.stream(weights_stream):
+        weights_stream.wait_event(inputs_ready)
+        weights = indexer.project_weights(hidden_states)
+        weights_done = _event_on(weights_stream)
+
+    q_nope, q_pe, query_input = layer.project_queries(hidden_states, position_embeddings)
+    query_ready = _event_on(main)
+    for tensor in (query_input, *rope):
+        tensor.record_stream(query_stream)
+    with torch.npu.stream(query_stream):
+        query_stream.wait_event(query_ready)
+        q_index = indexer.project_query(query_input, position_embeddings)
+        query_done = _event_on(query_stream)
+
+    latent, k_pe = layer.project_latent(hidden_states, position_embeddings)
+    k_index = indexer.project_key(hidden_states, position_embeddings)
+
+    main.wait_event(weights_done)
+    main.wait_event(query_done)
+    weights.record_stream(main)
+    q_index.record_stream(main)
+    return q_nope, q_pe, latent, k_pe, (q_index, weights, k_index)
+
+
 def npu_dsa_kernels():
     """`(indexer_topk, sparse_mla)` of the npu backend; ValueError unless torch_npu and an NPU are available."""
     torch_npu_module()
@@ -387,5 +451,6 @@ __all__ = [
     "paged_kpool_indexer_topk_npu",
     "npu_kpool_indexer_kernel",
     "paged_sparse_mla_npu",
+    "three_stream_prolog",
     "torch_npu_module",
 ]
