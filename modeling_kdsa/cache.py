@@ -35,7 +35,7 @@ from .configuration_kdsa import DSA_LAYER, MLA_LAYER
 from .dsa_ops import kpool_keys, kpool_origin
 from .dsa_paged_ops import dense_mla_kernel, dsa_kernels, kpool_indexer_kernel, read_rows
 from .kda_ops import chunk_kda, recurrent_kda
-from .numeric_formats import PLANAR_ROWS, CacheFormats, SplitRows
+from .numeric_formats import PLANAR_ROWS, CacheFormats, PackedKVRows, SplitRows, stored_planes
 
 PAGE_SIZE = 64  # tokens per page: the CUDA DSA kernels' block size (docs/dsa.md §4)
 
@@ -48,9 +48,7 @@ def resolve_kernel_backend(backend: str, device: torch.device) -> str:
     return {"cpu": "cpu", "npu": "npu"}.get(device.type, "torch")
 
 
-def _planes(pages) -> tuple[torch.Tensor, ...]:
-    """The tensors a store is made of: one for model-dtype pages, three for `QuantizedRows`, two for `SplitRows`."""
-    return tuple(pages) if isinstance(pages, PLANAR_ROWS) else (pages,)
+_planes = stored_planes  # the tensors a store is made of
 
 
 def _bytes_view(plane: torch.Tensor) -> torch.Tensor:
@@ -68,8 +66,8 @@ class KDSAPagedMLALayer(CacheLayerMixin):
     """Paged latent store of one dense MLA layer (`"full_attention"`, docs/dsa.md §8); the base of the DSA store.
 
     kv_pages: `[P, page_size, C + R]` rows `[normalised latent c | k_pe]` — a model-dtype tensor, or `QuantizedRows` of
-    that geometry when `formats` quantizes it (module doc), or on the `npu` backend `SplitRows` (the latent and RoPE
-    parts as two planes, `_encode_kv`); block_table: int64 `[B, pages per sequence]` (-1 =
+    that geometry when `formats` quantizes it (module doc); on the `npu` backend `SplitRows` / `PackedKVRows` instead
+    (`_encode_kv`); block_table: int64 `[B, pages per sequence]` (-1 =
     unused), `num_tokens`: cached tokens per sequence. Physical pages come from a pool that doubles when it runs out;
     `page_refcount[p]` counts the block-table entries pointing at page `p`. `latent_width` (C) is the part of a kv
     row that `kv_cache="fp8"` quantizes; the rest (RoPE slice) stays in the model dtype. Subclasses add planes of
@@ -146,13 +144,15 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         return (self._encode_kv(kv_rows),)
 
     def _encode_kv(self, kv_rows: torch.Tensor):
-        """Latent rows in the stored format. The `npu` backend keeps model-dtype rows as `SplitRows` (latent and RoPE
-        planes): torch_npu's sparse attention reads the two as separate contiguous page pools, so a step reads the
-        pages in place instead of splitting a copy of the whole pool (docs/backends.md §2). Others keep one plane."""
+        """Latent rows in the stored format. The `npu` backend keeps them in the layouts torch_npu's attention ops read
+        in place (docs/backends.md §2): model-dtype rows as `SplitRows` (latent and RoPE planes, two contiguous page
+        pools), FP8 rows as `PackedKVRows` (one packed byte row per token). Other backends: one plane per part."""
         rows = kv_rows.to(self.dtype)
-        if self.formats.kv_cache == "bf16" and resolve_kernel_backend(self.kernel_backend, self.device) == "npu":
+        if resolve_kernel_backend(self.kernel_backend, self.device) != "npu":
+            return self.formats.encode_kv_rows(rows, self.latent_width)
+        if self.formats.kv_cache == "bf16":
             return SplitRows(rows[..., : self.latent_width], rows[..., self.latent_width :])
-        return self.formats.encode_kv_rows(rows, self.latent_width)
+        return PackedKVRows.pack(self.formats.encode_kv_rows(rows, self.latent_width))
 
     def _bind_kernels(self, backend: str) -> None:
         self.dense_kernel = dense_mla_kernel(backend)

@@ -197,7 +197,17 @@ def npu_sparse_flash_attention(
     kv_lengths = _check_lengths("actual_seq_lengths_kv", actual_seq_lengths_kv, batch, key.shape[0] * block_size)
     _check_block_table(block_table, batch, key.shape[0], block_size, kv_lengths)
 
-    out = torch.zeros(batch, num_queries, num_heads, latent_dim)
+    out = _attend(query, query_rope, key, key_rope, value, sparse_indices, scale_value, block_table, query_lengths,
+                  kv_lengths, sparse_block_size, sparse_mode)  # fmt: skip
+    empty = torch.empty(0)
+    return out.to(query.dtype), empty, empty
+
+
+def _attend(query, query_rope, key, key_rope, value, sparse_indices, scale, block_table, query_lengths, kv_lengths,
+            sparse_block_size, sparse_mode):  # fmt: skip
+    """MLA-absorb attention per query over the selected tokens (fp32 `[B, S1, N1, D]`); D is value's."""
+    batch, num_queries, num_heads, _ = query.shape
+    out = torch.zeros(batch, num_queries, num_heads, value.shape[-1])
     num_slots = sparse_indices.shape[-1]
     for b in range(batch):
         num_q, num_kv = query_lengths[b], kv_lengths[b]
@@ -215,10 +225,9 @@ def npu_sparse_flash_attention(
             latent = _gather_tokens(key, block_table, b, positions)  # [n, 512]
             rope = _gather_tokens(key_rope, block_table, b, positions)  # [n, 64]
             scores = query[b, i].float() @ latent.T + query_rope[b, i].float() @ rope.T  # [N1, n]
-            probs = torch.softmax(scores * scale_value, dim=-1)
+            probs = torch.softmax(scores * scale, dim=-1)
             out[b, i] = probs @ _gather_tokens(value, block_table, b, positions)
-    empty = torch.empty(0)
-    return out.to(query.dtype), empty, empty
+    return out
 
 
 def install(monkeypatch, available: bool = True) -> types.ModuleType:
@@ -370,3 +379,91 @@ def _npu_namespace(available: bool) -> types.SimpleNamespace:
         current_stream=current_stream,
         stream=stream,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KV-quant sparse attention (Ascend/op-plugin docs/zh/custom_APIs/torch_npu/
+# torch_npu-npu_kv_quant_sparse_flash_attention.md): the SFA contract with a quantized key = value whose rows pack
+# `[512 quantized nope | 64 RoPE values in the query dtype | 4 fp32 per-tile dequant scales]` (KV_D = 656 =
+# 512 + 64·2 + 4·4), query = `[q_nope | q_rope]` (Q_D = 576), key/value_quant_mode 2 (per tile), tile_size 128,
+# rope_head_dim 64, quant_scale_repo_mode 1 (scales stored with the data), key_dequant_scale only its default. Key
+# dtypes int8 (A2/A3) or float8_e4m3fn (950, where sparse_block_size is 1 only). Dequantization `element · scale`
+# per tile (the doc writes `Dequant(K, Scale_K)`). Output D = 512 (vllm-ascend's infershape of the op; the doc says
+# "the query's shape").
+
+
+def npu_kv_quant_sparse_flash_attention(
+    query,
+    key,
+    value,
+    sparse_indices,
+    scale_value,
+    key_quant_mode,
+    value_quant_mode,
+    *,
+    key_dequant_scale=None,
+    value_dequant_scale=None,
+    block_table=None,
+    actual_seq_lengths_query=None,
+    actual_seq_lengths_kv=None,
+    sparse_block_size=1,
+    layout_query="BSND",
+    layout_kv="BSND",
+    sparse_mode=3,
+    pre_tokens=_DEFAULT_TOKENS,
+    next_tokens=_DEFAULT_TOKENS,
+    attention_mode=0,
+    quant_scale_repo_mode=1,
+    tile_size=128,
+    rope_head_dim=64,
+    key_dtype=None,
+    value_dtype=None,
+):
+    calls.append("npu_kv_quant_sparse_flash_attention")
+    inputs["npu_kv_quant_sparse_flash_attention"] = dict(key=key, value=value)
+    _fail(layout_query == "BSND" and layout_kv == "PA_BSND", "the fake implements layout_query=BSND, PA_BSND kv")
+    _fail(attention_mode == 2, f"attention_mode supports only 2 (MLA-absorb), got {attention_mode}")
+    _fail(key_quant_mode == 2 and value_quant_mode == 2, "key_quant_mode and value_quant_mode support only 2")
+    _fail(quant_scale_repo_mode == 1, "quant_scale_repo_mode supports only 1 (combine)")
+    _fail(tile_size == 128 and rope_head_dim == 64, "tile_size supports only 128, rope_head_dim only 64")
+    _fail(key_dequant_scale is None and value_dequant_scale is None, "key/value_dequant_scale: reserved, default only")
+    _fail(query.dim() == 4 and query.shape[-1] == 576, f"query must be [B, S1, N1, 576], got {tuple(query.shape)}")
+    _fail(query.dtype in _OP_DTYPES, f"query must be bfloat16 or float16, got {query.dtype}")
+    batch, num_queries, num_heads, _ = query.shape
+    _fail(
+        num_heads in (1, 2, 4, 8, 16, 32, 48, 64, 128), f"query N must be in 1..128 (powers of 2, 48), got {num_heads}"
+    )
+    _fail(key.dtype in (torch.int8, torch.float8_e4m3fn), f"key must be int8 or float8_e4m3fn, got {key.dtype}")
+    _fail(key.dim() == 4 and key.shape[2] == 1 and key.shape[3] == 656, "key must be [blocks, block_size, 1, 656]")
+    block_size = key.shape[1]
+    _fail(block_size % 16 == 0 and block_size <= 1024, f"key: block_size {block_size} must be 16k, <= 1024")
+    _fail(value.shape == key.shape and value.dtype == key.dtype, "value must have the shape and dtype of key")
+    _check_contiguous(query=query, sparse_indices=sparse_indices)  # key: axis 0 may be strided on the 950
+    _fail(key[0].is_contiguous(), "key must be contiguous within a block")
+    _fail(sparse_indices.dtype == torch.int32, f"sparse_indices must be int32, got {sparse_indices.dtype}")
+    _fail(
+        sparse_indices.dim() == 4 and tuple(sparse_indices.shape[:3]) == (batch, num_queries, 1),
+        f"sparse_indices must be [B, S1, 1, K], got {tuple(sparse_indices.shape)}",
+    )
+    if key.dtype == torch.float8_e4m3fn:
+        _fail(sparse_block_size == 1, "sparse_block_size supports only 1 with float8_e4m3fn keys (950)")
+    else:
+        power_of_two = sparse_block_size > 0 and sparse_block_size & (sparse_block_size - 1) == 0
+        _fail(power_of_two and sparse_block_size <= 16, "sparse_block_size must be a power of 2 in [1, 16] (A2/A3)")
+    _fail(block_size % sparse_block_size == 0, "sparse_block_size must divide block_size")
+    _fail(sparse_mode in (0, 3), f"sparse_mode must be 0 or 3, got {sparse_mode}")
+    _fail(pre_tokens == _DEFAULT_TOKENS and next_tokens == _DEFAULT_TOKENS, "pre/next_tokens accept only defaults")
+    query_lengths = [num_queries] * batch
+    if actual_seq_lengths_query is not None:
+        query_lengths = _check_lengths("actual_seq_lengths_query", actual_seq_lengths_query, batch, num_queries)
+    kv_lengths = _check_lengths("actual_seq_lengths_kv", actual_seq_lengths_kv, batch, key.shape[0] * block_size)
+    _check_block_table(block_table, batch, key.shape[0], block_size, kv_lengths)
+
+    packed = key.contiguous().view(torch.uint8)  # [blocks, block_size, 1, 656] bytes
+    nope = packed[..., :512].view(key.dtype).float()
+    rope = packed[..., 512:640].view(query.dtype).float()
+    scales = packed[..., 640:].view(torch.float32)  # [blocks, block_size, 1, 4]
+    latent = nope * scales.repeat_interleave(128, dim=-1)
+    out = _attend(query[..., :512], query[..., 512:], latent, rope, latent, sparse_indices, scale_value, block_table,
+                  query_lengths, kv_lengths, sparse_block_size, sparse_mode)  # fmt: skip
+    return out.to(query.dtype)

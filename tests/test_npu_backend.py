@@ -34,7 +34,7 @@ from modeling_kdsa.npu_kernels import (
     paged_kpool_indexer_topk_npu,
     paged_sparse_mla_npu,
 )
-from modeling_kdsa.numeric_formats import CacheFormats, SplitRows
+from modeling_kdsa.numeric_formats import CacheFormats, PackedKVRows, SplitRows
 
 REPO = Path(__file__).resolve().parents[1]
 # Dims the fused ops accept (npu_kernels constants) and a page size they accept (a multiple of 16).
@@ -343,14 +343,67 @@ def test_npu_backend_refuses_shapes_the_ops_do_not_take(npu):
     assert fake_torch_npu.calls == []
 
 
-def test_npu_backend_refuses_quantized_pages(npu):
+def test_npu_backend_refuses_mxfp8_indexer_keys(npu):
+    """npu_quant_lightning_indexer takes one scale per key row (per-token-head), not MXFP8's E8M0 per 32 values."""
     store = KDSAPagedLayer(
-        LATENT + ROPE, INDEX_DIM, "npu", page_size=PAGE, formats=CacheFormats(kv_cache="fp8"), latent_width=LATENT
+        LATENT + ROPE, INDEX_DIM, "npu", page_size=PAGE, formats=CacheFormats(indexer="mxfp8"), latent_width=LATENT
     )
     store.append(torch.randn(2, 20, LATENT + ROPE).to(torch.bfloat16), torch.randn(2, 20, INDEX_DIM).bfloat16())
-    q_latent, q_pe = torch.randn(2, 1, 2, LATENT).bfloat16(), torch.randn(2, 1, 2, ROPE).bfloat16()
-    with pytest.raises(ValueError, match="quantized"):
-        store.sparse_attention(q_latent, q_pe, torch.zeros(2, 1, 4, dtype=torch.long), 0.1)
+    q_index, weights = torch.randn(2, 1, 4, INDEX_DIM).bfloat16(), torch.randn(2, 1, 4)
+    with pytest.raises(ValueError, match="MXFP8 indexer keys.*per-token-head"):
+        store.indexer_topk(q_index, weights, 19, 8)
+    assert fake_torch_npu.calls == []
+
+
+def fp8_stores(rope: int, generator):
+    """The same rows in an fp8 store on the npu backend (packed rows) and on the cpu backend (three planes)."""
+    rows = torch.randn(2, 40, LATENT + rope, generator=generator).to(torch.bfloat16)
+    keys = torch.randn(2, 40, INDEX_DIM, generator=generator).to(torch.bfloat16)
+    stores = {}
+    for backend in ("npu", "cpu"):
+        formats = CacheFormats(kv_cache="fp8")
+        store = KDSAPagedLayer(LATENT + rope, INDEX_DIM, backend, page_size=PAGE, formats=formats, latent_width=LATENT)
+        store.append(rows[:, :39], keys[:, :39])
+        store.append(rows[:, 39:], keys[:, 39:])
+        stores[backend] = store
+    return stores
+
+
+def test_npu_fp8_cache_through_the_kv_quant_attention_op(npu):
+    """kv_cache="fp8" on the npu backend: the store packs each row as the KV-quant op's 656 bytes (E4M3 latent,
+    bf16 RoPE part, fp32 tile scales), holding exactly the cpu store's values; sparse and dense attention run
+    npu_kv_quant_sparse_flash_attention over the pool in place and equal the cpu backend's fp8 attention."""
+    generator = torch.Generator().manual_seed(6)
+    stores = fp8_stores(ROPE, generator)
+    packed = stores["npu"].kv_pages
+    assert isinstance(packed, PackedKVRows) and packed.buffer.dtype == torch.uint8 and packed.buffer.shape[-1] == 656
+    assert stores["npu"].bytes_per_token() == stores["cpu"].bytes_per_token()  # the same bytes, packed
+    for part, reference in zip(packed.rows(), stores["cpu"].kv_pages, strict=True):
+        got = gather_pages(part, stores["npu"].block_table, 40).view(torch.uint8)
+        assert torch.equal(got, gather_pages(reference, stores["cpu"].block_table, 40).view(torch.uint8))
+    q_latent = (torch.randn(2, 1, 2, LATENT, generator=generator) / 8).to(torch.bfloat16)
+    q_pe = (torch.randn(2, 1, 2, ROPE, generator=generator) / 8).to(torch.bfloat16)
+    indices = torch.randint(0, 40, (2, 1, 8), generator=generator)
+    for read in ("sparse", "dense"):
+        fake_torch_npu.calls.clear()
+        outputs = {}
+        for backend, store in stores.items():
+            if read == "sparse":
+                outputs[backend] = store.sparse_attention(q_latent, q_pe, indices, 0.1)
+            else:
+                outputs[backend] = store.dense_attention(q_latent, q_pe, 39, 0.1)
+        assert fake_torch_npu.calls == ["npu_kv_quant_sparse_flash_attention"]
+        seen = fake_torch_npu.inputs["npu_kv_quant_sparse_flash_attention"]
+        assert _same_storage(seen["key"], packed.buffer) and seen["key"].dtype == torch.float8_e4m3fn
+        assert outputs["npu"].shape == outputs["cpu"].shape == q_latent.shape
+        torch.testing.assert_close(outputs["npu"].float(), outputs["cpu"].float(), atol=BF16_ATOL, rtol=0)
+
+
+def test_npu_fp8_cache_refuses_nope(npu):
+    stores = fp8_stores(0, torch.Generator().manual_seed(7))
+    q_latent, q_pe = torch.randn(2, 1, 2, LATENT).bfloat16(), torch.randn(2, 1, 2, 0).bfloat16()
+    with pytest.raises(ValueError, match="kv_cache='fp8' needs qk_rope_head_dim=64"):
+        stores["npu"].sparse_attention(q_latent, q_pe, torch.zeros(2, 1, 4, dtype=torch.long), 0.1)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -536,6 +589,27 @@ def test_generate_over_the_npu_ops_equals_cpu(npu, layers):
             assert cache.layers[1].indexer_kernel is paged_indexer_topk_npu
             assert all(cache.layers[i].sparse_kernel is paged_sparse_mla_npu for i in (1, 2))
             assert cache.layers[2].dense_kernel is paged_dense_mla_npu
+    assert torch.equal(outputs["npu"], outputs["cpu"])
+
+
+def test_generate_with_the_fp8_cache_over_the_npu_ops_equals_cpu(npu):
+    """kv_cache="fp8": the DSA and dense-MLA layers read their packed FP8 pages through the KV-quant attention op;
+    left-padded greedy generate equals the cpu backend's on the same FP8 cache."""
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 128, (2, 70), generator=generator)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :6] = 0
+    prompt[1, :6] = 0
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    outputs = {}
+    for backend in ("npu", "cpu"):
+        model = npu_shaped_model(backend, quantization_config={"quant_method": "kdsa", "kv_cache": "fp8"})
+        cache = KDSACache(model.config)
+        outputs[backend] = model.generate(prompt, cache=cache, **kwargs)
+        if backend == "npu":
+            assert all(isinstance(cache.layers[i].kv_pages, PackedKVRows) for i in (1, 2))
+            assert "npu_kv_quant_sparse_flash_attention" in fake_torch_npu.calls
+            assert "npu_sparse_flash_attention" not in fake_torch_npu.calls
     assert torch.equal(outputs["npu"], outputs["cpu"])
 
 

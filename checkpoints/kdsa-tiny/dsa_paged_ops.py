@@ -44,7 +44,7 @@ from .dsa_ops import (
     kpool_origin,
     sparse_mla_attention,
 )
-from .numeric_formats import PLANAR_ROWS
+from .numeric_formats import PLANAR_ROWS, stored_planes
 
 # Bound on what the indexer holds per key block and sequence, the gathered keys `[n, DI]` plus the products
 # `[T, HI, n]`: 2M elements whatever the context length. Blocks are as large as this allows because every block
@@ -175,8 +175,7 @@ def _check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices):
         raise ValueError(
             f"kv_pages must be [num_pages, page_size, C + R = {width}] (kv_lora_rank + qk_rope_head_dim), got {shape}"
         )
-    parts = kv_pages if isinstance(kv_pages, PLANAR_ROWS) else (kv_pages,)
-    if not all(part.is_contiguous() for part in parts):
+    if not all(part.is_contiguous() for part in stored_planes(kv_pages)):
         raise ValueError("kv_pages must be contiguous: the fused kernel reads its rows by flat slot id")
     _check_block_table(kv_pages, block_table, 0, q_latent.shape[0], "kv_pages")
     if torch.compiler.is_compiling():
