@@ -210,10 +210,10 @@ def _check_attention_shapes(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_pages
     return page_size
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=2)
 def _zero_rope_pages(num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zero key RoPE pool `[N, P, 1, 64]` for NoPE models, made once per pool size (the pool doubles when it grows),
-    not on every call."""
+    not on every call; the last two sizes are kept (an eighth of the latent pool's bytes each)."""
     return torch.zeros(num_pages, page_size, 1, ROPE_DIM, dtype=dtype, device=device)
 
 
