@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KDSAPagedMLALayer, attention_store_class
+from .cache import KDSAPagedMLALayer, attention_store_class, resolve_kernel_backend
 from .dsa_ops import QUERY_BLOCK_SIZE
 from .norms import KDSARMSNorm
+from .npu_kernels import three_stream_prolog
 from .rotary import apply_rotary_half, apply_rotary_interleaved
 from .sequence_parallel import SequenceParallelContext
 
@@ -83,8 +84,29 @@ class KDSAIndexer(nn.Module):
         Returns `q_index` `[B, T, HI, DI]`, `weights` `[B, T, HI]` fp32, `k_index` `[B, T, DI]` (to be cached; with
         the k-pool indexer `[B, T, 2·DI]`: the key, then its gate scores).
         """
-        batch, seq_len, _ = hidden_states.shape
+        return (
+            self.project_query(query_input, position_embeddings),
+            self.project_weights(hidden_states),
+            self.project_key(hidden_states, position_embeddings),
+        )
+
+    # The three branches of `forward`, separately: the npu backend runs them on different streams
+    # (npu_kernels.three_stream_prolog).
+    def project_query(self, query_input: torch.Tensor, position_embeddings) -> torch.Tensor:
+        """`q_index` `[B, T, HI, DI]` from the query input, RoPE'd."""
+        batch, seq_len, _ = query_input.shape
         q_index = self.wq_b(query_input).view(batch, seq_len, self.n_heads, self.head_dim)
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            q_index = self._rotate(q_index, cos[:, :, None], sin[:, :, None])
+        return q_index
+
+    def project_weights(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Head weights `[B, T, HI]` in fp32 (docs/dsa.md §1); the model keeps `weights_proj` in fp32 too."""
+        return F.linear(hidden_states.float(), self.weights_proj.weight.float())
+
+    def project_key(self, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
+        """`k_index` `[B, T, DI]` (k-pool indexer: `[B, T, 2·DI]`, the key then its gate scores)."""
         k_index = self.wk(hidden_states)
         # LayerNorm statistics in fp32 whatever the parameter dtype (docs/dsa.md §1).
         k_index = F.layer_norm(
@@ -96,14 +118,11 @@ class KDSAIndexer(nn.Module):
         ).to(hidden_states.dtype)
         if position_embeddings is not None:
             cos, sin = position_embeddings
-            q_index = self._rotate(q_index, cos[:, :, None], sin[:, :, None])
             k_index = self._rotate(k_index, cos, sin)
-        # Head weights in fp32 (docs/dsa.md §1); the model keeps `weights_proj` in fp32 too.
-        weights = F.linear(hidden_states.float(), self.weights_proj.weight.float())
         if self.index_kpool > 1:
             gate_scores = F.linear(hidden_states, self.index_kpool_compress_gate.to(hidden_states.dtype))
             k_index = torch.cat([k_index, gate_scores], dim=-1)
-        return q_index, weights, k_index
+        return k_index
 
 
 class KDSAMultiLatentAttention(nn.Module):
@@ -351,6 +370,22 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
             return self.rotates
         return self.qk_rope_head_dim > 0  # the indexer rotates whatever MLA does
 
+    def project(self, hidden_states: torch.Tensor, position_embeddings):
+        """The projections of a step: `q_nope`, `q_pe`, the latent and `k_pe` to cache, and the indexer's `(q_index,
+        weights, k_index)` (None for a shared-indexer layer). A decode step on the npu backend runs them on three
+        streams (npu_kernels.three_stream_prolog, docs/backends.md §2), with the same values."""
+        if (
+            self.indexer is not None
+            and hidden_states.shape[1] == 1
+            and not torch.compiler.is_compiling()
+            and resolve_kernel_backend(self.kernel_backend, hidden_states.device) == "npu"
+        ):
+            return three_stream_prolog(self, hidden_states, position_embeddings)
+        q_nope, q_pe, query_input = self.project_queries(hidden_states, position_embeddings)
+        latent, k_pe = self.project_latent(hidden_states, position_embeddings)
+        indexed = None if self.indexer is None else self.indexer(hidden_states, query_input, position_embeddings)
+        return q_nope, q_pe, latent, k_pe, indexed
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -381,8 +416,7 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
             )
         if topk_indices is not None and (topk_indices.dim() != 3 or tuple(topk_indices.shape[:2]) != (batch, seq_len)):
             raise ValueError(f"topk_indices must be [batch={batch}, {seq_len}, K], got {tuple(topk_indices.shape)}")
-        q_nope, q_pe, query_input = self.project_queries(hidden_states, position_embeddings)
-        latent, k_pe = self.project_latent(hidden_states, position_embeddings)
+        q_nope, q_pe, latent, k_pe, indexed = self.project(hidden_states, position_embeddings)
         kv_rows = torch.cat([latent, k_pe], dim=-1)
         # Validate everything before the cache is written, so that bad input never leaves it half-updated.
         store = self._store(cache)
@@ -394,7 +428,7 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
                 (kv_rows,) = sequence_parallel.gather_sequence([kv_rows], "mla_latent")
             past_len = store.append(kv_rows)
         else:
-            q_index, index_weights, k_index = self.indexer(hidden_states, query_input, position_embeddings)
+            q_index, index_weights, k_index = indexed
             if sequence_parallel is not None:
                 kv_rows, k_index = sequence_parallel.gather_sequence([kv_rows, k_index], "dsa_latent_and_index_keys")
             ape = getattr(self.indexer, "index_kpool_compress_ape", None)
