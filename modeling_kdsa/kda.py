@@ -14,6 +14,7 @@ from .cache import KDSACache
 from .configuration_kdsa import KDA_LAYER
 from .kda_ops import causal_short_conv, causal_short_conv_step, kda_gate, l2norm
 from .kernels import kernel_set
+from .sequence_parallel import SequenceParallelContext
 
 
 class KDSAGatedRMSNorm(nn.Module):
@@ -101,12 +102,16 @@ class KDSAKimiDeltaAttention(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        sequence_parallel: SequenceParallelContext | None = None,
     ) -> torch.Tensor:
         """hidden_states: `[B, T, D]`; attention_mask: `[B, T]` over the current tokens only (1 = token, 0 = padding;
         generate left-pads); cache: read and updated in place when given. Returns `[B, T, D]`.
 
         Padding is zeroed before the conv and runs as identity steps of the recurrence (β = 0, g = 0), so a
         left-padded row gives what the unpadded prompt gives.
+
+        sequence_parallel: the T tokens are this process's share of a longer sequence that starts here (empty cache;
+        docs/parallel.md §7): the conv and the recurrence run through its hooks, the rest is position-wise.
         """
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(
@@ -133,8 +138,11 @@ class KDSAKimiDeltaAttention(nn.Module):
             [self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1
         ).transpose(1, 2)
         conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
+        conv_window = qkv  # the cache keeps the last W of these
         if decoding:
             qkv_conv = causal_short_conv_step(qkv, conv_weight, conv_state)
+        elif sequence_parallel is not None:
+            qkv_conv, conv_window = sequence_parallel.short_conv(qkv, conv_weight, keep_window=cache is not None)
         else:
             qkv_conv = causal_short_conv(qkv, conv_weight, left_context=conv_state)
 
@@ -153,16 +161,25 @@ class KDSAKimiDeltaAttention(nn.Module):
             g = g.masked_fill(~mask[:, :, None, None], 0.0)
             beta = beta.masked_fill(~mask[:, :, None], 0.0)
 
-        kernel = kernel_set(self.kernel_backend, v.device).require("kda_recurrent" if decoding else "kda_chunk")
-        o, final_state = kernel(q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None)
+        if sequence_parallel is not None:
+            o, final_state = sequence_parallel.kda_recurrence(q, k, v, g, beta)
+        else:
+            kernel = kernel_set(self.kernel_backend, v.device).require("kda_recurrent" if decoding else "kda_chunk")
+            o, final_state = kernel(
+                q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None
+            )
         if cache is not None:
-            if isinstance(cache, KDSACache):
+            if isinstance(cache, KDSACache) and sequence_parallel is None:
                 # Speculative decoding: the cache keeps these tokens' conv columns and recurrence inputs so that
                 # `crop` can replay them exactly. It must see the state from before this forward, so this comes
                 # before the two updates below.
                 cache.record_kda_inputs(self.layer_idx, qkv, k, v, g, beta)
-            cache.update_conv_state(qkv, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+            cache.update_conv_state(conv_window, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
             cache.update_recurrent_state(final_state, self.layer_idx)
+            if isinstance(cache, KDSACache) and sequence_parallel is not None:
+                # This process holds only some of the tokens' replay inputs: the whole sequence is committed (a later
+                # crop can reach back to its end, not into it).
+                cache.layers[self.layer_idx].commit_unrecorded(sequence_parallel.seq_len)
 
         o = self.o_norm(o, self.output_gate(hidden_states).reshape(heads_v)).reshape(batch_size, seq_len, -1)
         return self.o_proj(o)

@@ -248,6 +248,80 @@ class QuantizedRows(NamedTuple):
         return torch.cat([values, self.unquantized.to(dtype)], dim=-1) if self.unquantized.shape[-1] else values
 
 
+class SplitRows(NamedTuple):
+    """Model-dtype rows `[..., C + R]` kept as two planes, the latent `[..., C]` and the RoPE part `[..., R]`: the
+    layout torch_npu's sparse attention reads in place (two contiguous page pools, docs/backends.md §2). The same
+    interface as `QuantizedRows`, so the store and the kernels treat both alike; reading rows concatenates them."""
+
+    latent: torch.Tensor
+    rope: torch.Tensor
+
+    @classmethod
+    def split(cls, rows: torch.Tensor, latent_width: int) -> "SplitRows":
+        """Contiguous planes copied from rows `[..., C + R]` (tests and scripts; the store writes its planes)."""
+        return cls(rows[..., :latent_width].contiguous(), rows[..., latent_width:].contiguous())
+
+    @property
+    def width(self) -> int:
+        return self.latent.shape[-1] + self.rope.shape[-1]
+
+    def map(self, function) -> "SplitRows":
+        return SplitRows(*(function(part) for part in self))
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows `[..., C + R]` as stored (`dtype` is ignored, as for plain pages: nothing to dequantize)."""
+        return torch.cat([self.latent, self.rope], dim=-1)
+
+
+class PackedKVRows(NamedTuple):
+    """FP8 latent rows (`QuantizedRows` of `kv_cache="fp8"`) packed into one byte row per token: `[E4M3 latent (C
+    bytes) | RoPE part (R values of `rope_dtype`) | fp32 tile scales (4·C/tile bytes)]`, the row layout of torch_npu's
+    `npu_kv_quant_sparse_flash_attention` (656 bytes for C = 512, R = 64, bf16, tile 128; docs/backends.md §2), which
+    then reads the pages in place. `buffer`: uint8 `[..., row bytes]`, the one stored plane; `rows()` views its three
+    parts as `QuantizedRows` (no copy). Otherwise the interface of `QuantizedRows`; `map` applies to the buffer."""
+
+    buffer: torch.Tensor
+    latent_width: int
+    rope_width: int
+    rope_dtype: torch.dtype
+
+    @classmethod
+    def pack(cls, rows: QuantizedRows) -> "PackedKVRows":
+        parts = (rows.elements, rows.unquantized, rows.scales)
+        buffer = torch.cat([part.contiguous().view(torch.uint8) for part in parts], dim=-1)
+        return cls(buffer, rows.elements.shape[-1], rows.unquantized.shape[-1], rows.unquantized.dtype)
+
+    def rows(self) -> QuantizedRows:
+        """The three parts as views of the buffer."""
+        rope_end = self.latent_width + self.rope_width * self.rope_dtype.itemsize
+        return QuantizedRows(
+            self.buffer[..., : self.latent_width].view(torch.float8_e4m3fn),
+            self.buffer[..., rope_end:].view(torch.float32),
+            self.buffer[..., self.latent_width : rope_end].view(self.rope_dtype),
+        )
+
+    @property
+    def width(self) -> int:
+        return self.latent_width + self.rope_width
+
+    def map(self, function) -> "PackedKVRows":
+        return self._replace(buffer=function(self.buffer))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.rows().dequantize(dtype)
+
+
+def stored_planes(pages) -> tuple[torch.Tensor, ...]:
+    """The tensors pages are stored in: one for model-dtype pages, three for `QuantizedRows`, two for `SplitRows`,
+    the byte buffer of `PackedKVRows`."""
+    if isinstance(pages, PackedKVRows):
+        return (pages.buffer,)
+    return tuple(pages) if isinstance(pages, (QuantizedRows, SplitRows)) else (pages,)
+
+
+PLANAR_ROWS = (QuantizedRows, SplitRows, PackedKVRows)  # rows stored as several planes of the same leading shape
+
+
 # ------------------------------------------------------------------------------------------- cache formats
 
 QUANT_METHOD = "kdsa"
@@ -371,7 +445,10 @@ __all__ = [
     "MX_BLOCK_SIZE",
     "MX_SCALE_RULES",
     "QUANT_METHOD",
+    "PLANAR_ROWS",
+    "PackedKVRows",
     "QuantizedRows",
+    "SplitRows",
     "dequantize_blocks",
     "e8m0_to_float",
     "fp8_tile_dequantize",
@@ -381,4 +458,5 @@ __all__ = [
     "mxfp4_unpack",
     "mxfp8_dequantize",
     "mxfp8_quantize",
+    "stored_planes",
 ]

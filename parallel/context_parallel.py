@@ -1,38 +1,39 @@
-"""Context-parallel prefill of a whole KDSA model: every rank runs the layers on its own tokens only.
+"""Context-parallel prefill of a whole KDSA model: every rank runs the model's own forward on its own tokens only.
 
 docs/parallel.md §2 (zigzag layout), §3 (KDA state passing with zigzag, halo tokens for the short conv), §4 (DSA
 under CP: all-gather the latent and indexer keys, restore the causal order, each rank runs the indexer and sparse
-attention for its own queries with per-segment causal limits).
+attention for its own queries with per-segment causal limits), §7 (the hooks).
 
-One forward, per rank, composed from the layers' public pieces (nothing in the model files changes):
-- embeddings of the local tokens, rotary tables at their original positions;
-- KDA layer: projections and gates on the local tokens; the short conv gets its `W−1` halo tokens before each
-  segment from the ranks that hold them; every segment is summarised as an affine map of its start state
-  (state_passing.py); one all-gather of the `2·cp` summaries; each rank folds the prefix in fp32 and finishes its
-  segments locally (no rank-to-rank chain);
-- DSA layer: queries, latent `[c | k_pe]` and indexer keys on the local tokens; one all-gather of the keys, put back
-  in sequence order into a paged store (the `KDSACache` layer when a cache is built); each segment's queries run the
-  indexer top-k and the sparse attention with the causal limit of their own positions. Under tensor parallelism
-  the tp ranks split those queries for the indexer and all-gather the selected indices;
-- dense MLA layer (`"full_attention"`): the same with the latent rows only and no indexer: each segment's queries
-  attend densely to every gathered key up to their own position (docs/dsa.md §8);
-- MoE / MLP (SwiGLU clamp included) / AttnRes / mHC hyper-connections / norms are position-wise: they run on the
-  local tokens as they are (the model's own `residual_stream`);
-- final norm and head on the local tokens, logits gathered and put back in order (or only the last token's).
+There is no layer code here: `context_parallel_prefill` shards the ids, builds a `MeshSequenceContext` and calls the
+model (`KDSAModel.forward(..., sequence_parallel=context)`), whose layers call the context's hooks
+(`modeling_kdsa/sequence_parallel.py`) where a step needs other ranks' tokens:
+- KDA short conv: the `W−1` inputs before each segment (halo) and the sequence's last `W` inputs (the cache's conv
+  window), one all-reduce of a buffer each rank fills with the positions it holds;
+- KDA recurrence: every segment summarised as an affine map of its start state (state_passing.py); one all-gather
+  of the `2·cp` summaries; each rank folds the prefix in fp32 and finishes its segments locally (no rank chain);
+- DSA / dense MLA keys: one all-gather of the latent rows (and indexer keys), put back in sequence order; the layer
+  appends them to its store (the cache's, or its private one with the config's formats) and runs its own query-block
+  loop over this rank's segments at their positions;
+- indexer top-k: under tensor parallelism the tp ranks split each block's queries and all-gather the selected
+  indices; the pairs the kernels score are counted (`ScoredPairs`).
+Position-wise parts (MoE / MLP, norms, AttnRes, mHC) run on the local tokens as they are. After the model, the head
+runs on the local tokens and the logits are gathered and put back in order (or only the last token's).
 
 Limits: batches of equal-length prompts without padding mask (prefill from an empty cache); no autograd.
 """
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from modeling_kdsa.cache import KDSACache, KDSAPagedLayer, KDSAPagedMLALayer
+from modeling_kdsa.cache import KDSACache
 from modeling_kdsa.configuration_kdsa import DSA_LAYER, KDA_LAYER
 from modeling_kdsa.dsa_ops import ScoredPairs
-from modeling_kdsa.kda_ops import causal_short_conv, kda_gate, l2norm
+from modeling_kdsa.kda_ops import causal_short_conv
+from modeling_kdsa.sequence_parallel import QuerySegment, SequenceParallelContext
 from modeling_kdsa.static_cache import KDSAStaticCache
 
 from .mesh import ParallelMesh, raise_on_all_ranks
@@ -65,21 +66,6 @@ class PrefillOutput:
     stats: PrefillStats
 
 
-@dataclass
-class _RankView:
-    """What the layer functions need to know about this rank's share of the sequence."""
-
-    mesh: ParallelMesh
-    layout: SequenceLayout
-    positions: torch.Tensor  # [L] original positions of the local tokens, -1 for padding slots
-    real: torch.Tensor  # [L] bool, False for padding slots
-    stats: PrefillStats
-
-    @property
-    def segments(self):
-        return self.layout.segments_of(self.mesh.cp_rank)
-
-
 # ------------------------------------------------------------------------------------------------------ checks
 
 
@@ -102,12 +88,6 @@ def _prefill_error(model, input_ids: torch.Tensor, mesh: ParallelMesh, layout: s
             "context-parallel prefill does not return router logits (output_router_logits=True): it returns the "
             "logits only; set config.output_router_logits=False for the prefill"
         )
-    if config.index_kpool > 1:
-        return f"context-parallel prefill does not support the k-pool indexer (index_kpool={config.index_kpool})"
-    layer_kinds = zip(config.layer_types, config.indexer_types, strict=True)
-    shared = [i for i, kinds in enumerate(layer_kinds) if kinds == (DSA_LAYER, "shared")]
-    if shared:
-        return f"context-parallel prefill does not support shared-indexer DSA layers (indexer_types 'shared': {shared})"
     tp_error = tensor_parallel_errors(config, mesh.tp_size)
     if tp_error is not None:
         return tp_error
@@ -146,170 +126,132 @@ def _check_all_ranks(model, input_ids, mesh: ParallelMesh, layout: str, cache) -
         raise ValueError(f"input_ids must have the same shape on every rank, got {shapes}")
 
 
-# --------------------------------------------------------------------------------------------------- KDA layer
+# ------------------------------------------------------------------------------------------------------ context
 
 
-def _values_at_positions(x: torch.Tensor, view: _RankView, wanted: torch.Tensor) -> torch.Tensor:
-    """`x[..., p]` for the original positions `wanted` `[N]`, wherever they live: `x` `[B, C, L]` holds this rank's
-    tokens. Each rank writes the positions it holds into a zero buffer and the buffers are summed over cp (every
-    position is held by one rank; negative positions, before the sequence, stay 0). Returns `[B, C, N]`."""
-    lookup = torch.full((view.layout.seq_len,), -1, dtype=torch.long, device=x.device)
-    lookup[view.positions[view.real]] = view.real.nonzero().squeeze(1)
-    local_index = torch.where(wanted >= 0, lookup[wanted.clamp(min=0)], -1)
-    buffer = x.new_zeros(*x.shape[:-1], wanted.numel())
-    held = local_index >= 0
-    buffer[..., held] = x[..., local_index[held]]
-    return view.mesh.all_reduce(buffer, "cp", "cp.kda_conv_halo")
+class MeshSequenceContext(SequenceParallelContext):
+    """The model's sequence-parallel hooks (`modeling_kdsa/sequence_parallel.py`, docs/parallel.md §7) over the cp
+    ranks of a mesh: this rank holds its two chunks of `layout`; tp ranks split the indexer's queries."""
 
+    def __init__(self, mesh: ParallelMesh, layout: SequenceLayout, stats: PrefillStats):
+        self.mesh, self.layout, self.stats = mesh, layout, stats
+        self.seq_len = layout.seq_len
+        self.positions = layout.positions_of(mesh.cp_rank).to(mesh.device)
+        self.segments = layout.segments_of(mesh.cp_rank)
 
-def _kda_forward(attn, hidden: torch.Tensor, view: _RankView, cache: KDSACache | None) -> torch.Tensor:
-    """KDA layer on the local tokens `[B, L, D]` with state passing over the cp ranks (same math as the layer's own
-    forward, `modeling_kdsa/kda.py`)."""
-    batch, local_len, _ = hidden.shape
-    width = attn.conv_kernel_size
-    layout = view.layout
-    # Padding tokens are zeroed before the conv and run as identity steps (β = 0, g = 0), as the layer does.
-    hidden = hidden * view.real[None, :, None].to(hidden.dtype)
-    qkv = torch.cat([attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)], dim=-1).transpose(1, 2)
-    conv_weight = torch.cat([attn.q_conv1d.weight, attn.k_conv1d.weight, attn.v_conv1d.weight], dim=0)
+    def query_segments(self) -> list[QuerySegment]:
+        return [QuerySegment(s.start, s.num_real, self.layout.chunk_len - s.num_real) for s in self.segments]
 
-    # Halo: the W−1 inputs before every chunk start; with a cache also the last W inputs (its conv window).
-    halo_offsets = torch.arange(-(width - 1), 0)
-    wanted = [layout.chunk_start(chunk) + halo_offsets for chunk in range(layout.num_chunks)]
-    if cache is not None:
-        wanted.append(torch.arange(layout.seq_len - width, layout.seq_len))
-    context = _values_at_positions(qkv, view, torch.cat(wanted).to(hidden.device))
+    def _values_at_positions(self, x: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
+        """`x[..., p]` for the original positions `wanted` `[N]`, wherever they live: `x` `[B, C, L]` holds this
+        rank's tokens. Each rank writes the positions it holds into a zero buffer and the buffers are summed over cp
+        (every position is held by one rank; negative positions, before the sequence, stay 0). Returns `[B, C, N]`."""
+        real = self.token_mask()
+        lookup = torch.full((self.seq_len,), -1, dtype=torch.long, device=x.device)
+        lookup[self.positions[real]] = real.nonzero().squeeze(1)
+        local_index = torch.where(wanted >= 0, lookup[wanted.clamp(min=0)], -1)
+        buffer = x.new_zeros(*x.shape[:-1], wanted.numel())
+        held = local_index >= 0
+        buffer[..., held] = x[..., local_index[held]]
+        return self.mesh.all_reduce(buffer, "cp", "cp.kda_conv_halo")
 
-    conv_parts = []
-    for segment in view.segments:
-        tokens = slice(segment.local_offset, segment.local_offset + layout.chunk_len)
-        halo = context[..., segment.chunk * (width - 1) : (segment.chunk + 1) * (width - 1)]
-        conv_parts.append(causal_short_conv(qkv[..., tokens], conv_weight, left_context=halo))
-    qkv_conv = torch.cat(conv_parts, dim=-1).transpose(1, 2)
+    def short_conv(self, x, weight, keep_window):
+        """Halo: the `W−1` inputs before every chunk start (and with `keep_window` the last `W` inputs), one
+        all-reduce; then each segment's conv continues from its halo."""
+        width = weight.shape[-1]
+        halo_offsets = torch.arange(-(width - 1), 0)
+        wanted = [self.layout.chunk_start(chunk) + halo_offsets for chunk in range(self.layout.num_chunks)]
+        if keep_window:
+            wanted.append(torch.arange(self.seq_len - width, self.seq_len))
+        context = self._values_at_positions(x, torch.cat(wanted).to(x.device))
+        parts = []
+        for segment in self.segments:
+            tokens = slice(segment.local_offset, segment.local_offset + self.layout.chunk_len)
+            halo = context[..., segment.chunk * (width - 1) : (segment.chunk + 1) * (width - 1)]
+            parts.append(causal_short_conv(x[..., tokens], weight, left_context=halo))
+        return torch.cat(parts, dim=-1), context[..., -width:] if keep_window else None
 
-    heads_k = (batch, local_len, attn.num_heads, attn.head_k_dim)
-    heads_v = (batch, local_len, attn.num_heads, attn.head_v_dim)
-    q, k, v = qkv_conv.split([attn.key_dim, attn.key_dim, attn.value_dim], dim=-1)
-    q = l2norm(q.reshape(heads_k).float())
-    k = l2norm(k.reshape(heads_k).float())
-    v = v.reshape(heads_v)
-    g = kda_gate(attn.f_b_proj(attn.f_a_proj(hidden)).reshape(heads_k), attn.A_log, attn.dt_bias, attn.lower_bound)
-    beta = attn.b_proj(hidden).float().sigmoid()
-    g = g.masked_fill(~view.real[None, :, None, None], 0.0)
-    beta = beta.masked_fill(~view.real[None, :, None], 0.0)
+    def kda_recurrence(self, q, k, v, g, beta):
+        """State passing (docs/parallel.md §3): an affine summary of each local segment, one all-gather of all `2·cp`
+        summaries, the prefix fold in fp32, then each segment's outputs from its start state."""
+        chunk_len, head_k_dim = self.layout.chunk_len, k.shape[-1]
+        summaries = []
+        for segment in self.segments:
+            tokens = slice(segment.local_offset, segment.local_offset + chunk_len)
+            summaries.append(summarize_segment(q[:, tokens], k[:, tokens], v[:, tokens], g[:, tokens], beta[:, tokens]))
+        payload = torch.stack([torch.cat([s.transition, s.state_ext], dim=-1) for s in summaries])  # [2, B, H, K, K+V]
+        gathered = self.mesh.all_gather(payload, "cp", "cp.kda_state_summaries")
+        by_chunk = {}
+        for rank, rank_payload in enumerate(gathered):
+            for i, chunk in enumerate(self.layout.chunks_of(rank)):
+                by_chunk[chunk] = rank_payload[i]
+        ordered = [by_chunk[chunk] for chunk in range(self.layout.num_chunks)]
+        start_states = fold_start_states([p[..., :head_k_dim] for p in ordered], [p[..., head_k_dim:] for p in ordered])
+        outputs = [s.outputs(start_states[seg.chunk]) for s, seg in zip(summaries, self.segments, strict=True)]
+        return torch.cat(outputs, dim=1).to(v.dtype), start_states[-1]
 
-    # Affine summary of each local segment, one all-gather of all 2·cp summaries, prefix fold in fp32.
-    summaries = []
-    for segment in view.segments:
-        tokens = slice(segment.local_offset, segment.local_offset + layout.chunk_len)
-        summaries.append(summarize_segment(q[:, tokens], k[:, tokens], v[:, tokens], g[:, tokens], beta[:, tokens]))
-    payload = torch.stack([torch.cat([s.transition, s.state_ext], dim=-1) for s in summaries])  # [2, B, H, K, K+V]
-    gathered = view.mesh.all_gather(payload, "cp", "cp.kda_state_summaries")
-    by_chunk = {}
-    for rank, rank_payload in enumerate(gathered):
-        for i, chunk in enumerate(layout.chunks_of(rank)):
-            by_chunk[chunk] = rank_payload[i]
-    ordered = [by_chunk[chunk] for chunk in range(layout.num_chunks)]
-    start_states = fold_start_states(
-        [p[..., : attn.head_k_dim] for p in ordered], [p[..., attn.head_k_dim :] for p in ordered]
-    )
-    o = torch.cat([s.outputs(start_states[seg.chunk]) for s, seg in zip(summaries, view.segments, strict=True)], 1)
+    def gather_sequence(self, parts, name):
+        """One all-gather over cp of the parts side by side (in the first part's dtype), put back in sequence order."""
+        widths = [part.shape[-1] for part in parts]
+        local = torch.cat([part.to(parts[0].dtype) for part in parts], dim=-1)
+        gathered = self.layout.unshard(torch.cat(self.mesh.all_gather(local, "cp", f"cp.{name}"), dim=1))
+        return [whole.to(part.dtype) for whole, part in zip(gathered.split(widths, dim=-1), parts, strict=True)]
 
-    if cache is not None:
-        cache.update_conv_state(context[..., -width:], attn.layer_idx, conv_kernel_size=width)
-        cache.update_recurrent_state(start_states[-1], attn.layer_idx)
-        # No replay inputs are recorded here: the prefilled tokens are committed (a later crop reaches back to them).
-        cache.layers[attn.layer_idx].commit_unrecorded(layout.seq_len)
-
-    o = attn.o_norm(o.to(v.dtype), attn.output_gate(hidden).reshape(heads_v)).reshape(batch, local_len, -1)
-    return attn.o_proj(o)
-
-
-# --------------------------------------------------------------------------------------------------- DSA layer
-
-
-def _indexer_topk(attn, store: KDSAPagedLayer, q_index, weights, query_start: int, view: _RankView):
-    """Top-k indices `[B, n, k']` for a block of `n` queries at positions `query_start + i`. With tp > 1 each tp rank
-    scores a slice of the queries and the slices' indices (padded to `index_topk` with -1, which the attention
-    ignores) are all-gathered: sequence parallelism inside the tp group for the indexer."""
-    mesh, num_queries = view.mesh, q_index.shape[1]
-    piece = -(-num_queries // mesh.tp_size)
-    first, last = min(mesh.tp_rank * piece, num_queries), min((mesh.tp_rank + 1) * piece, num_queries)
-    started = time.perf_counter()
-    selected = None
-    if last > first:
-        with ScoredPairs() as scored:
-            selected = store.indexer_topk(
-                q_index[:, first:last], weights[:, first:last], query_start + first, attn.index_topk
-            )
-        view.stats.indexer_pairs += scored.pairs
-    view.stats.indexer_seconds += time.perf_counter() - started
-    if mesh.tp_size == 1:
-        return selected
-    # int32 on the wire: positions are < 2^31, and it halves the bytes.
-    local = torch.full((q_index.shape[0], piece, attn.index_topk), -1, dtype=torch.int32, device=q_index.device)
-    if selected is not None:
-        local[:, : last - first, : selected.shape[-1]] = selected
-    return torch.cat(mesh.all_gather(local, "tp", "tp.indexer_indices"), dim=1)[:, :num_queries].long()
-
-
-def _dsa_forward(attn, hidden, position_embeddings, view: _RankView, cache: KDSACache | None) -> torch.Tensor:
-    """DSA layer on the local tokens `[B, L, D]`: all-gathered keys, local queries (same math as `dsa.py`)."""
-    batch, local_len, _ = hidden.shape
-    q_nope, q_pe, query_input = attn.project_queries(hidden, position_embeddings)
-    latent, k_pe = attn.project_latent(hidden, position_embeddings)
-    q_index, index_weights, k_index = attn.indexer(hidden, query_input, position_embeddings)
-
-    local_keys = torch.cat([latent, k_pe, k_index.to(latent.dtype)], dim=-1)  # [B, L, C + R + DI]
-    gathered = torch.cat(view.mesh.all_gather(local_keys, "cp", "cp.dsa_latent_and_index_keys"), dim=1)
-    keys = view.layout.unshard(gathered)  # [B, T, C + R + DI], sequence order, padding dropped
-    kv_width = attn.kv_lora_rank + attn.qk_rope_head_dim
-    if cache is not None:
-        store = cache.layers[attn.layer_idx]
-    else:
-        store = KDSAPagedLayer.from_config(attn.config)  # the config's formats, as the layer's private store
-    store.append(keys[..., :kv_width], keys[..., kv_width:].to(k_index.dtype))
-
-    w_uk, w_uv = attn.absorbed_weights()
-    out = hidden.new_zeros(batch, local_len, attn.num_heads, attn.v_head_dim)
-    for segment in view.segments:
-        for block_start in range(0, segment.num_real, attn.query_block_size):
-            count = min(attn.query_block_size, segment.num_real - block_start)
-            rows = slice(segment.local_offset + block_start, segment.local_offset + block_start + count)
-            indices = _indexer_topk(
-                attn, store, q_index[:, rows], index_weights[:, rows], segment.start + block_start, view
-            )
-            q_latent = torch.einsum("bthd,hdc->bthc", q_nope[:, rows], w_uk)
-            out_latent = store.sparse_attention(q_latent, q_pe[:, rows], indices, attn.softmax_scale)
-            out[:, rows] = torch.einsum("bthc,hvc->bthv", out_latent, w_uv)
-    return attn.output(out.reshape(batch, local_len, -1), hidden)
-
-
-def _mla_forward(attn, hidden, position_embeddings, view: _RankView, cache: KDSACache | None) -> torch.Tensor:
-    """Dense MLA layer on the local tokens `[B, L, D]`: all-gathered latent rows, local queries that attend to every
-    key up to their own position (same math as `dsa.py`'s `KDSAMultiLatentAttention`)."""
-    batch, local_len, _ = hidden.shape
-    q_nope, q_pe, _ = attn.project_queries(hidden, position_embeddings)
-    latent, k_pe = attn.project_latent(hidden, position_embeddings)
-    gathered = torch.cat(view.mesh.all_gather(torch.cat([latent, k_pe], dim=-1), "cp", "cp.mla_latent"), dim=1)
-    store = cache.layers[attn.layer_idx] if cache is not None else KDSAPagedMLALayer.from_config(attn.config)
-    store.append(view.layout.unshard(gathered))  # [B, T, C + R], sequence order, padding dropped
-
-    w_uk, w_uv = attn.absorbed_weights()
-    out = hidden.new_zeros(batch, local_len, attn.num_heads, attn.v_head_dim)
-    for segment in view.segments:
-        for block_start in range(0, segment.num_real, attn.query_block_size):
-            count = min(attn.query_block_size, segment.num_real - block_start)
-            rows = slice(segment.local_offset + block_start, segment.local_offset + block_start + count)
-            q_latent = torch.einsum("bthd,hdc->bthc", q_nope[:, rows], w_uk)
-            out_latent = store.dense_attention(
-                q_latent, q_pe[:, rows].contiguous(), segment.start + block_start, attn.softmax_scale
-            )
-            out[:, rows] = torch.einsum("bthc,hvc->bthv", out_latent, w_uv)
-    return attn.output(out.reshape(batch, local_len, -1), hidden)
+    def indexer_topk(self, select, q_index, weights, position, width):
+        """With tp > 1 each tp rank scores a slice of the queries and the slices' indices (padded to a common width
+        with -1, which the attention ignores) are all-gathered: sequence parallelism inside the tp group. Counts the
+        pairs the kernels score (`ScoredPairs`) and the time."""
+        mesh, num_queries = self.mesh, q_index.shape[1]
+        piece = -(-num_queries // mesh.tp_size)
+        first, last = min(mesh.tp_rank * piece, num_queries), min((mesh.tp_rank + 1) * piece, num_queries)
+        started = time.perf_counter()
+        selected = None
+        if last > first:
+            with ScoredPairs() as scored:
+                selected = select(q_index[:, first:last], weights[:, first:last], position + first)
+            self.stats.indexer_pairs += scored.pairs
+        self.stats.indexer_seconds += time.perf_counter() - started
+        if mesh.tp_size == 1:
+            return selected
+        # int32 on the wire: positions are < 2^31, and it halves the bytes.
+        local = torch.full((q_index.shape[0], piece, width), -1, dtype=torch.int32, device=q_index.device)
+        if selected is not None:
+            local[:, : last - first, : selected.shape[-1]] = selected
+        return torch.cat(mesh.all_gather(local, "tp", "tp.indexer_indices"), dim=1)[:, :num_queries].long()
 
 
 # ------------------------------------------------------------------------------------------------------- model
+
+
+class _SublayerTimer:
+    """`PrefillStats.seconds_by_kind` from forward hooks on one kind of sublayer (a token mixer or a feed-forward):
+    the seconds inside its forward, its collectives included (the norms and residual additions between sublayers
+    are not counted). Host time: on an accelerator it is the launch time unless the kernels synchronise."""
+
+    def __init__(self, stats: PrefillStats, kind: str):
+        self.stats, self.kind, self.started = stats, kind, 0.0
+
+    def start(self, module, args) -> None:
+        self.started = time.perf_counter()
+
+    def stop(self, module, args, output) -> None:
+        self.stats.add_time(self.kind, time.perf_counter() - self.started)
+
+
+@contextmanager
+def _timed_sublayers(base, stats: PrefillStats):
+    kinds = {KDA_LAYER: "kda", DSA_LAYER: "dsa"}
+    handles = []
+    try:
+        for layer in base.layers:
+            mixer = layer.linear_attn if layer.layer_type == KDA_LAYER else layer.self_attn
+            for module, kind in ((mixer, kinds.get(layer.layer_type, "mla")), (layer.mlp, "mlp")):
+                timer = _SublayerTimer(stats, kind)
+                handles += [module.register_forward_pre_hook(timer.start), module.register_forward_hook(timer.stop)]
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @torch.no_grad()
@@ -329,48 +271,28 @@ def context_parallel_prefill(
     Bad sizes raise the same `ValueError` on every rank before any layer runs.
     """
     _check_all_ranks(model, input_ids, mesh, layout, cache)
-    config, base = model.config, model.model
+    config = model.config
     batch, seq_len = input_ids.shape
     sequence = SequenceLayout(seq_len, mesh.cp_size, layout)
-    input_ids = input_ids.to(mesh.device)
-    positions = sequence.positions_of(mesh.cp_rank).to(mesh.device)
-    view = _RankView(mesh, sequence, positions, positions >= 0, PrefillStats())
-
+    stats = PrefillStats()
+    context = MeshSequenceContext(mesh, sequence, stats)
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
-    hidden = base.embed_tokens(sequence.shard(input_ids, mesh.cp_rank, pad_value=pad_id))
-    position_ids = positions.clamp(min=0).unsqueeze(0).expand(batch, -1)  # padding slots: any position
-    position_embeddings = base.rotary_emb(hidden, position_ids) if base.rotary_emb is not None else None
-    if cache is not None:
-        cache.begin_forward(seq_len)
-
-    stream = base.residual_stream(hidden)
-    for layer in base.layers:
-        started = time.perf_counter()
-        mixer_input = layer.input_layernorm(stream.input_for(2 * layer.layer_idx))
-        if layer.layer_type == KDA_LAYER:
-            mixed, kind = _kda_forward(layer.linear_attn, mixer_input, view, cache), "kda"
-        elif layer.layer_type == DSA_LAYER:
-            mixed, kind = _dsa_forward(layer.self_attn, mixer_input, position_embeddings, view, cache), "dsa"
-        else:
-            mixed, kind = _mla_forward(layer.self_attn, mixer_input, position_embeddings, view, cache), "mla"
-        stream.add_output(2 * layer.layer_idx, mixed)
-        view.stats.add_time(kind, time.perf_counter() - started)
-        started = time.perf_counter()
-        mlp_input = layer.post_attention_layernorm(stream.input_for(2 * layer.layer_idx + 1))
-        stream.add_output(2 * layer.layer_idx + 1, layer.mlp(mlp_input))
-        view.stats.add_time("mlp", time.perf_counter() - started)
-    hidden = base.norm(stream.final(getattr(base, "output_attn_res", None)))
+    local_ids = sequence.shard(input_ids.to(mesh.device), mesh.cp_rank, pad_value=pad_id)
+    with _timed_sublayers(model.model, stats):
+        hidden = model.model(
+            local_ids, cache=cache, use_cache=cache is not None, output_router_logits=False, sequence_parallel=context
+        ).last_hidden_state
 
     if last_token_only:
         last = hidden.new_zeros(batch, 1, hidden.shape[-1])
-        held = (positions == seq_len - 1).nonzero()
+        held = (context.positions == seq_len - 1).nonzero()
         if held.numel():
             last[:, 0] = hidden[:, int(held[0, 0])]
         logits = model.lm_head(mesh.all_reduce(last, "cp", "cp.last_hidden"))
     else:
         local_logits = model.lm_head(hidden)
         logits = sequence.unshard(torch.cat(mesh.all_gather(local_logits, "cp", "cp.logits"), dim=1))
-    return PrefillOutput(logits=logits, cache=cache, stats=view.stats)
+    return PrefillOutput(logits=logits, cache=cache, stats=stats)
 
 
-__all__ = ["PrefillOutput", "PrefillStats", "context_parallel_prefill"]
+__all__ = ["MeshSequenceContext", "PrefillOutput", "PrefillStats", "context_parallel_prefill"]

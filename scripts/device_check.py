@@ -37,6 +37,7 @@ from modeling_kdsa import KDSAConfig, KDSAForCausalLM, kernels  # noqa: E402
 from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer  # noqa: E402
 from modeling_kdsa.kda_ops import chunk_kda, l2norm, recurrent_kda  # noqa: E402
 from modeling_kdsa.kernels import CPU_KERNELS, TORCH_KERNELS, kernel_set  # noqa: E402
+from modeling_kdsa.numeric_formats import SplitRows  # noqa: E402
 
 DTYPE = torch.bfloat16
 PAGE_SIZE = 64
@@ -94,6 +95,14 @@ def paged_inputs(num_keys: int, num_queries: int, heads: int, index_heads: int, 
 
 def to_device(inputs: dict, device: str) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def store_layout(inputs: dict, backend: str) -> dict:
+    """`inputs` with `kv_pages` as the backend's store keeps them: latent and RoPE planes on `npu` (docs/backends.md
+    §2), one `[N, P, C + R]` tensor elsewhere."""
+    if backend != "npu":
+        return inputs
+    return {**inputs, "kv_pages": SplitRows.split(inputs["kv_pages"], LATENT)}
 
 
 def run_kernels(backend: str, inputs: dict, index_topk: int):
@@ -156,7 +165,7 @@ def check_kernels(backend: str, device: str, cases, index_topk: int) -> list[dic
     scale = (128 + ROPE) ** -0.5
     for kind, num_keys, num_queries in cases:
         cpu_inputs = paged_inputs(num_keys, num_queries, heads=4, index_heads=8, seed=num_keys + num_queries)
-        dev_inputs = to_device(cpu_inputs, device)
+        dev_inputs = store_layout(to_device(cpu_inputs, device), backend)
         expected_indices, cpu_sparse, cpu_dense = run_kernels("cpu", cpu_inputs, index_topk)
         indices, sparse_mla, dense = run_kernels(backend, dev_inputs, index_topk)
         c, d = cpu_inputs, dev_inputs
@@ -244,7 +253,7 @@ def time_decode(backend: str, device: str, contexts, repeats: int, heads: int, i
     indexer, sparse_mla = kernels.require("indexer_topk"), kernels.require("sparse_mla")
     scale = (128 + ROPE) ** -0.5
     for num_keys in contexts:
-        i = to_device(paged_inputs(num_keys, 1, heads, index_heads, seed=7, batch=1), device)
+        i = store_layout(to_device(paged_inputs(num_keys, 1, heads, index_heads, seed=7, batch=1), device), backend)
 
         def step(i=i, num_keys=num_keys):
             indices = indexer(

@@ -25,6 +25,7 @@ _SPARSE_COUNTS = set(range(1, 2049)) | {3072, 4096, 5120, 6144, 7168, 8192}
 _DEFAULT_TOKENS = 2**63 - 1
 
 calls: list[str] = []  # names of the ops called, in order (tests check that the backend really used them)
+inputs: dict[str, dict] = {}  # op name -> the tensors of its last call (tests check they are views of the cache)
 
 
 def _fail(condition: bool, message: str) -> None:
@@ -94,6 +95,7 @@ def npu_lightning_indexer(
     """`Indices = Top-k_j Σ_h w[i,h]·ReLU(q[i,h]·k[j])` over the keys visible to each query. Returns
     (int32 `[B, S1, 1, sparse_count]` positions by descending score, -1 after the last visible key; values)."""
     calls.append("npu_lightning_indexer")
+    inputs["npu_lightning_indexer"] = dict(key=key)
     _fail(layout_query == "BSND" and layout_key == "PA_BSND", "the fake implements layout_query=BSND, PA_BSND keys")
     _fail(query.dim() == 4, f"query must be [B, S1, N1, D], got {tuple(query.shape)}")
     batch, num_queries, num_heads, head_dim = query.shape
@@ -159,6 +161,7 @@ def npu_sparse_flash_attention(
     tokens (index b selects `[b·blk, (b+1)·blk)`, clipped to the visible threshold). Returns (out `[B, S1, N1, 512]`
     in the query dtype, empty softmax_max, empty softmax_sum)."""
     calls.append("npu_sparse_flash_attention")
+    inputs["npu_sparse_flash_attention"] = dict(key=key, value=value, key_rope=key_rope)
     _fail(layout_query == "BSND" and layout_kv == "PA_BSND", "the fake implements layout_query=BSND, PA_BSND kv")
     _fail(attention_mode == 2, f"attention_mode supports only 2 (MLA-absorb), got {attention_mode}")
     _fail(query.dim() == 4, f"query must be [B, S1, N1, D], got {tuple(query.shape)}")
@@ -194,7 +197,17 @@ def npu_sparse_flash_attention(
     kv_lengths = _check_lengths("actual_seq_lengths_kv", actual_seq_lengths_kv, batch, key.shape[0] * block_size)
     _check_block_table(block_table, batch, key.shape[0], block_size, kv_lengths)
 
-    out = torch.zeros(batch, num_queries, num_heads, latent_dim)
+    out = _attend(query, query_rope, key, key_rope, value, sparse_indices, scale_value, block_table, query_lengths,
+                  kv_lengths, sparse_block_size, sparse_mode)  # fmt: skip
+    empty = torch.empty(0)
+    return out.to(query.dtype), empty, empty
+
+
+def _attend(query, query_rope, key, key_rope, value, sparse_indices, scale, block_table, query_lengths, kv_lengths,
+            sparse_block_size, sparse_mode):  # fmt: skip
+    """MLA-absorb attention per query over the selected tokens (fp32 `[B, S1, N1, D]`); D is value's."""
+    batch, num_queries, num_heads, _ = query.shape
+    out = torch.zeros(batch, num_queries, num_heads, value.shape[-1])
     num_slots = sparse_indices.shape[-1]
     for b in range(batch):
         num_q, num_kv = query_lengths[b], kv_lengths[b]
@@ -212,10 +225,9 @@ def npu_sparse_flash_attention(
             latent = _gather_tokens(key, block_table, b, positions)  # [n, 512]
             rope = _gather_tokens(key_rope, block_table, b, positions)  # [n, 64]
             scores = query[b, i].float() @ latent.T + query_rope[b, i].float() @ rope.T  # [N1, n]
-            probs = torch.softmax(scores * scale_value, dim=-1)
+            probs = torch.softmax(scores * scale, dim=-1)
             out[b, i] = probs @ _gather_tokens(value, block_table, b, positions)
-    empty = torch.empty(0)
-    return out.to(query.dtype), empty, empty
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -305,6 +317,237 @@ def npu_recurrent_gated_delta_rule(
 def install(monkeypatch, available: bool = True) -> types.ModuleType:
     """Make `import torch_npu` return this module and `torch.npu.is_available()` return `available`."""
     calls.clear()
+    inputs.clear()
     monkeypatch.setitem(sys.modules, "torch_npu", sys.modules[__name__])
-    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: available), raising=False)
+    monkeypatch.setattr(torch, "npu", _npu_namespace(available), raising=False)
+    monkeypatch.setattr(torch.Tensor, "record_stream", _record_stream)
+    _reset_streams()
     return sys.modules[__name__]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Streams and events (the three-stream prolog, npu_kernels.three_stream_prolog)
+#
+# torch_npu's stream API as torch.cuda's (Ascend/pytorch torch_npu/npu/streams.py): `torch.npu.Stream(device)`,
+# `torch.npu.Event()`, `Event.record(stream)` captures the work submitted to the stream so far, `Stream.wait_event(e)`
+# makes later work on the stream wait for it, `torch.npu.stream(s)` makes `s` current, `torch.npu.current_stream()`.
+# The fake runs everything at once on the CPU, so it cannot show a race; it checks the discipline instead, inside
+# `check_streams()`: every op is counted on the current stream (a vector clock per stream, copied by `record` and
+# merged by `wait_event`), every tensor remembers the stream and count that produced it and the stream that
+# allocated its storage, and an op fails with a RuntimeError when it reads
+# - a tensor produced on another stream whose producing op the current stream has not waited for (a missing
+#   `wait_event`), or
+# - a tensor allocated on another stream that was not `record_stream`ed to this one (the caching allocator could
+#   hand its memory out again while this stream still reads it; parameters are never freed and are exempt).
+
+
+class Stream:
+    def __init__(self, device=None, priority=0):
+        self.clock = {self: 0}  # stream -> how many of its ops this stream has seen (its own: submitted)
+        _streams.created += 1
+
+    def wait_event(self, event):
+        event.wait(self)
+
+
+class Event:
+    def __init__(self, enable_timing=False):
+        self.clock = None
+
+    def record(self, stream=None):
+        self.clock = dict((stream or _streams.current).clock)
+
+    def wait(self, stream=None):
+        stream = stream or _streams.current
+        for other, count in (self.clock or {}).items():  # an event never recorded: nothing to wait for
+            stream.clock[other] = max(stream.clock.get(other, 0), count)
+
+
+class _StreamState:
+    def __init__(self):
+        self.default = self.current = None
+        self.created = 0
+
+    def reset(self):
+        self.created = 0
+        self.default = self.current = Stream()
+        self.created = 0
+
+
+_streams = _StreamState()
+
+
+def _reset_streams() -> None:
+    _streams.reset()
+
+
+def current_stream(device=None) -> Stream:
+    return _streams.current
+
+
+class stream:  # noqa: N801 (torch.npu.stream, a context manager)
+    def __init__(self, target):
+        self.target = target
+
+    def __enter__(self):
+        self.previous, _streams.current = _streams.current, self.target
+        return self.target
+
+    def __exit__(self, *exc):
+        _streams.current = self.previous
+
+
+def _record_stream(tensor, target) -> None:
+    with torch._C.DisableTorchFunction():  # bookkeeping, not an op
+        base = tensor if tensor._base is None else tensor._base
+        base._fake_recorded = getattr(base, "_fake_recorded", set()) | {target}
+
+
+def _check_read(tensor, current) -> None:
+    if isinstance(tensor, torch.nn.Parameter):
+        return
+    producer = getattr(tensor, "_fake_produced", None)
+    if producer is not None and producer[0] is not current and current.clock.get(producer[0], 0) < producer[1]:
+        raise RuntimeError("a tensor produced on another stream is read without waiting for it (wait_event missing)")
+    base = tensor if tensor._base is None else tensor._base
+    allocator = getattr(base, "_fake_allocated", _streams.default)
+    if allocator is not current and current not in getattr(base, "_fake_recorded", ()):
+        raise RuntimeError("a tensor allocated on another stream is used without record_stream on this one")
+
+
+_IN_PLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"}
+
+
+class _StreamChecker(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # metadata (shape, dtype, ...): no data read
+            return func(*args, **kwargs)
+        current = _streams.current
+        inputs = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        for tensor in inputs:
+            _check_read(tensor, current)
+        result = func(*args, **kwargs)
+        current.clock[current] += 1
+        stamp = (current, current.clock[current])
+        in_place = (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
+        written = [args[0]] if inputs and in_place else []
+        for tensor in torch.utils._pytree.tree_leaves(result):
+            if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
+                if tensor._base is None and not hasattr(tensor, "_fake_allocated"):
+                    tensor._fake_allocated = current
+                    tensor._fake_produced = stamp
+                elif tensor._base is not None:  # a view: its data is its base's
+                    source = getattr(tensor._base, "_fake_produced", None)
+                    if source is not None:
+                        tensor._fake_produced = source
+        for tensor in written:  # an in-place op writes its first argument (and the storage under it)
+            if isinstance(tensor, torch.Tensor):
+                tensor._fake_produced = stamp
+                if tensor._base is not None:
+                    tensor._base._fake_produced = stamp
+        return result
+
+
+def check_streams():
+    """Context manager: check the stream discipline of every torch op run inside it (section doc)."""
+    return _StreamChecker()
+
+
+def _npu_namespace(available: bool) -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        is_available=lambda: available,
+        Stream=Stream,
+        Event=Event,
+        current_stream=current_stream,
+        stream=stream,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KV-quant sparse attention (Ascend/op-plugin docs/zh/custom_APIs/torch_npu/
+# torch_npu-npu_kv_quant_sparse_flash_attention.md): the SFA contract with a quantized key = value whose rows pack
+# `[512 quantized nope | 64 RoPE values in the query dtype | 4 fp32 per-tile dequant scales]` (KV_D = 656 =
+# 512 + 64·2 + 4·4), query = `[q_nope | q_rope]` (Q_D = 576), key/value_quant_mode 2 (per tile), tile_size 128,
+# rope_head_dim 64, quant_scale_repo_mode 1 (scales stored with the data), key_dequant_scale only its default. Key
+# dtypes int8 (A2/A3) or float8_e4m3fn (950, where sparse_block_size is 1 only). Dequantization `element · scale`
+# per tile (the doc writes `Dequant(K, Scale_K)`). Output D = 512 (vllm-ascend's infershape of the op; the doc says
+# "the query's shape").
+
+
+def npu_kv_quant_sparse_flash_attention(
+    query,
+    key,
+    value,
+    sparse_indices,
+    scale_value,
+    key_quant_mode,
+    value_quant_mode,
+    *,
+    key_dequant_scale=None,
+    value_dequant_scale=None,
+    block_table=None,
+    actual_seq_lengths_query=None,
+    actual_seq_lengths_kv=None,
+    sparse_block_size=1,
+    layout_query="BSND",
+    layout_kv="BSND",
+    sparse_mode=3,
+    pre_tokens=_DEFAULT_TOKENS,
+    next_tokens=_DEFAULT_TOKENS,
+    attention_mode=0,
+    quant_scale_repo_mode=1,
+    tile_size=128,
+    rope_head_dim=64,
+    key_dtype=None,
+    value_dtype=None,
+):
+    calls.append("npu_kv_quant_sparse_flash_attention")
+    inputs["npu_kv_quant_sparse_flash_attention"] = dict(key=key, value=value)
+    _fail(layout_query == "BSND" and layout_kv == "PA_BSND", "the fake implements layout_query=BSND, PA_BSND kv")
+    _fail(attention_mode == 2, f"attention_mode supports only 2 (MLA-absorb), got {attention_mode}")
+    _fail(key_quant_mode == 2 and value_quant_mode == 2, "key_quant_mode and value_quant_mode support only 2")
+    _fail(quant_scale_repo_mode == 1, "quant_scale_repo_mode supports only 1 (combine)")
+    _fail(tile_size == 128 and rope_head_dim == 64, "tile_size supports only 128, rope_head_dim only 64")
+    _fail(key_dequant_scale is None and value_dequant_scale is None, "key/value_dequant_scale: reserved, default only")
+    _fail(query.dim() == 4 and query.shape[-1] == 576, f"query must be [B, S1, N1, 576], got {tuple(query.shape)}")
+    _fail(query.dtype in _OP_DTYPES, f"query must be bfloat16 or float16, got {query.dtype}")
+    batch, num_queries, num_heads, _ = query.shape
+    _fail(
+        num_heads in (1, 2, 4, 8, 16, 32, 48, 64, 128), f"query N must be in 1..128 (powers of 2, 48), got {num_heads}"
+    )
+    _fail(key.dtype in (torch.int8, torch.float8_e4m3fn), f"key must be int8 or float8_e4m3fn, got {key.dtype}")
+    _fail(key.dim() == 4 and key.shape[2] == 1 and key.shape[3] == 656, "key must be [blocks, block_size, 1, 656]")
+    block_size = key.shape[1]
+    _fail(block_size % 16 == 0 and block_size <= 1024, f"key: block_size {block_size} must be 16k, <= 1024")
+    _fail(value.shape == key.shape and value.dtype == key.dtype, "value must have the shape and dtype of key")
+    _check_contiguous(query=query, sparse_indices=sparse_indices)  # key: axis 0 may be strided on the 950
+    _fail(key[0].is_contiguous(), "key must be contiguous within a block")
+    _fail(sparse_indices.dtype == torch.int32, f"sparse_indices must be int32, got {sparse_indices.dtype}")
+    _fail(
+        sparse_indices.dim() == 4 and tuple(sparse_indices.shape[:3]) == (batch, num_queries, 1),
+        f"sparse_indices must be [B, S1, 1, K], got {tuple(sparse_indices.shape)}",
+    )
+    if key.dtype == torch.float8_e4m3fn:
+        _fail(sparse_block_size == 1, "sparse_block_size supports only 1 with float8_e4m3fn keys (950)")
+    else:
+        power_of_two = sparse_block_size > 0 and sparse_block_size & (sparse_block_size - 1) == 0
+        _fail(power_of_two and sparse_block_size <= 16, "sparse_block_size must be a power of 2 in [1, 16] (A2/A3)")
+    _fail(block_size % sparse_block_size == 0, "sparse_block_size must divide block_size")
+    _fail(sparse_mode in (0, 3), f"sparse_mode must be 0 or 3, got {sparse_mode}")
+    _fail(pre_tokens == _DEFAULT_TOKENS and next_tokens == _DEFAULT_TOKENS, "pre/next_tokens accept only defaults")
+    query_lengths = [num_queries] * batch
+    if actual_seq_lengths_query is not None:
+        query_lengths = _check_lengths("actual_seq_lengths_query", actual_seq_lengths_query, batch, num_queries)
+    kv_lengths = _check_lengths("actual_seq_lengths_kv", actual_seq_lengths_kv, batch, key.shape[0] * block_size)
+    _check_block_table(block_table, batch, key.shape[0], block_size, kv_lengths)
+
+    packed = key.contiguous().view(torch.uint8)  # [blocks, block_size, 1, 656] bytes
+    nope = packed[..., :512].view(key.dtype).float()
+    rope = packed[..., 512:640].view(query.dtype).float()
+    scales = packed[..., 640:].view(torch.float32)  # [blocks, block_size, 1, 4]
+    latent = nope * scales.repeat_interleave(128, dim=-1)
+    out = _attend(query[..., :512], query[..., 512:], latent, rope, latent, sparse_indices, scale_value, block_table,
+                  query_lengths, kv_lengths, sparse_block_size, sparse_mode)  # fmt: skip
+    return out.to(query.dtype)

@@ -19,6 +19,7 @@ from modeling_kdsa import dsa_ops, kda_ops
 from modeling_kdsa.cache import KDSAPagedKPoolLayer
 from modeling_kdsa.configuration_kdsa import KERNEL_BACKENDS
 from modeling_kdsa.kernels import BACKEND_NAMES, KERNEL_NAMES, TORCH_KERNELS, kernel_set, resolve_kernel_backend
+from modeling_kdsa.numeric_formats import SplitRows
 
 INDEX_DIM, LATENT, ROPE, PAGE = 128, 512, 64, 16
 BF16_REL_FRO = 8e-3  # bf16 attention outputs against the reference on the same bf16 values (a few roundings)
@@ -63,6 +64,12 @@ def require_or_refused(kernels, name: str):
         with pytest.raises(ValueError, match=rf"kernel_backend='{kernels.name}' does not implement the {name} kernel"):
             kernels.require(name)
         pytest.skip(f"{kernels.name} does not implement {name} (refused by name)")
+
+
+def store_layout(kernels, kv_pages):
+    """kv pages `[N, P, C + R]` as the backend's store keeps them: latent and RoPE planes on `npu` (the layout its
+    attention op reads in place, docs/backends.md §2), one tensor elsewhere."""
+    return SplitRows.split(kv_pages, LATENT) if kernels.name == "npu" else kv_pages
 
 
 def rel_fro(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -162,7 +169,7 @@ def test_sparse_mla(kernels, num_keys, num_queries, rope):
     indices[1, -1] = -1  # a row with none: zero output
     indices[0, -1, 2] = -1  # a hole before valid entries
     args = (q_latent, q_pe, kv_pages, block_table, indices, 0.07)
-    got = run(kernels, "sparse_mla", *args)
+    got = run(kernels, "sparse_mla", q_latent, q_pe, store_layout(kernels, kv_pages), *args[3:])
     expected = TORCH_KERNELS.sparse_mla(*args)
     assert got.dtype == expected.dtype and got.shape == expected.shape
     assert (got[1, -1] == 0).all()
@@ -180,7 +187,7 @@ def test_dense_mla(kernels, num_keys, num_queries, query_start, padded):
     kv_pages = kv_pages.nan_to_num()  # the cpu kernels read whole pages and mask the scores: finite values there
     padding = left_padding(2, num_keys, pad=5) if padded else None
     args = (q_latent, q_pe, kv_pages, block_table, num_keys, query_start, 0.07, padding)
-    got = run(kernels, "dense_mla", *args)
+    got = run(kernels, "dense_mla", q_latent, q_pe, store_layout(kernels, kv_pages), *args[3:])
     expected = TORCH_KERNELS.dense_mla(*args)
     assert got.dtype == expected.dtype and not got.isnan().any()
     assert rel_fro(got, expected) < BF16_REL_FRO

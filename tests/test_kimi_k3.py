@@ -651,8 +651,8 @@ def test_kimi_k3_tensor_parallel_refuses_latent_moe_and_packed_experts_by_name()
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_kimi_k3_context_parallel_path_matches_model(layout):
-    """The CP prefill re-implements the KDA and MLA forwards; with K3's gates it calls the layers' own `output_gate` /
-    `output`. cp = tp = 1 still runs its segment and state-passing code (tolerance as tests/test_parallel_math.py)."""
+    """The CP prefill runs the layers' own forwards (K3's gates included) with the sequence-parallel hooks; cp = tp = 1
+    still runs its segment and state-passing code (tolerance as tests/test_parallel_math.py)."""
     from modeling_kdsa.parallel import context_parallel_prefill, single_process_mesh
 
     from modeling_kdsa.cache import KDSACache

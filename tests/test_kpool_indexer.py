@@ -357,18 +357,6 @@ def test_fused_kpool_kernel_reports_the_pooled_keys_it_scores():
     assert scored.pairs == 2 * num_queries * pages_read * (page_size // KPOOL)
 
 
-def test_context_parallel_refuses_kpool_and_shared_layers():
-    from modeling_kdsa.parallel import context_parallel_prefill, single_process_mesh
-
-    model = tiny_model(qk_rope_head_dim=0, index_kpool=4)
-    with pytest.raises(ValueError, match=r"k-pool indexer \(index_kpool=4\)"):
-        context_parallel_prefill(model, torch.randint(3, 100, (1, 8)), single_process_mesh())
-    layer_types = ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"]
-    model = tiny_model(layer_types=layer_types, indexer_types=["full", "full", "shared", "full"])
-    with pytest.raises(ValueError, match="shared-indexer DSA layers"):
-        context_parallel_prefill(model, torch.randint(3, 100, (1, 8)), single_process_mesh())
-
-
 def test_shared_layer_gets_the_selection_of_the_layer_right_before_it():
     """Four DSA layers full, shared, full, shared: layer 3 must attend to layer 2's selection, not layer 0's."""
     model = tiny_model(

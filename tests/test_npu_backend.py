@@ -16,7 +16,7 @@ from conftest import tiny_config, tiny_model
 from modeling_kdsa.parallel import context_parallel_prefill, single_process_mesh
 from test_dsa_paged_ops import left_padding, paged
 
-from modeling_kdsa import dsa_ops, kda_device_ops, kda_ops, kernels, triton_kernels
+from modeling_kdsa import dsa, dsa_ops, kda_device_ops, kda_ops, kernels, npu_kernels, triton_kernels
 from modeling_kdsa.cache import KDSACache, KDSAPagedLayer
 from modeling_kdsa.dsa_paged_ops import gather_pages, paged_indexer_topk_fused
 from modeling_kdsa.kernels import kernel_set
@@ -26,15 +26,18 @@ from modeling_kdsa.npu_kernels import (
     paged_kpool_indexer_topk_npu,
     paged_sparse_mla_npu,
 )
-from modeling_kdsa.numeric_formats import CacheFormats
+from modeling_kdsa.numeric_formats import CacheFormats, PackedKVRows, SplitRows
 
 REPO = Path(__file__).resolve().parents[1]
 # Dims the fused ops accept (npu_kernels constants) and a page size they accept (a multiple of 16).
 INDEX_DIM, LATENT, ROPE, PAGE = 128, 512, 64, 16
+# bf16 attention, fp32-exact fake vs the cpu kernel's bf16 GEMMs (tests/test_dsa_paged_ops.py's bounds).
+BF16_ATOL = 3e-2
 
 
 @pytest.fixture
 def npu(monkeypatch):
+    monkeypatch.setattr(npu_kernels, "_PROLOG_STREAMS", {})  # side streams of this test's fake, made on first use
     return fake_torch_npu.install(monkeypatch, available=True)
 
 
@@ -278,22 +281,211 @@ def test_npu_backend_refuses_shapes_the_ops_do_not_take(npu):
     with pytest.raises(ValueError, match="index_head_dim must be 128"):
         paged_indexer_topk_npu(q_index[..., :64].contiguous(), weights, small_pages, *args[2:])
     q_latent, q_pe, kv_pages, block_table, indices = sparse_case(40, 2, seed=0)
+    with pytest.raises(ValueError, match="must be SplitRows"):
+        paged_sparse_mla_npu(q_latent, q_pe, kv_pages, block_table, indices, 0.1)  # one [N, P, C + R] tensor
     with pytest.raises(ValueError, match="kv_lora_rank must be 512"):
-        paged_sparse_mla_npu(q_latent[..., :256], q_pe, kv_pages[..., 256:].contiguous(), block_table, indices, 0.1)
+        small = SplitRows.split(kv_pages[..., 256:], 256)
+        paged_sparse_mla_npu(q_latent[..., :256], q_pe, small, block_table, indices, 0.1)
     three_heads = q_latent[:, :, :1].expand(-1, -1, 3, -1)
     with pytest.raises(ValueError, match="num_attention_heads"):
-        paged_sparse_mla_npu(three_heads, q_pe[:, :, :1].expand(-1, -1, 3, -1), kv_pages, block_table, indices, 0.1)
+        split = SplitRows.split(kv_pages, LATENT)
+        paged_sparse_mla_npu(three_heads, q_pe[:, :, :1].expand(-1, -1, 3, -1), split, block_table, indices, 0.1)
     assert fake_torch_npu.calls == []
 
 
-def test_npu_backend_refuses_quantized_pages(npu):
+def test_npu_backend_refuses_mxfp8_indexer_keys(npu):
+    """npu_quant_lightning_indexer takes one scale per key row (per-token-head), not MXFP8's E8M0 per 32 values."""
     store = KDSAPagedLayer(
-        LATENT + ROPE, INDEX_DIM, "npu", page_size=PAGE, formats=CacheFormats(kv_cache="fp8"), latent_width=LATENT
+        LATENT + ROPE, INDEX_DIM, "npu", page_size=PAGE, formats=CacheFormats(indexer="mxfp8"), latent_width=LATENT
     )
     store.append(torch.randn(2, 20, LATENT + ROPE).to(torch.bfloat16), torch.randn(2, 20, INDEX_DIM).bfloat16())
-    q_latent, q_pe = torch.randn(2, 1, 2, LATENT).bfloat16(), torch.randn(2, 1, 2, ROPE).bfloat16()
-    with pytest.raises(ValueError, match="quantized"):
-        store.sparse_attention(q_latent, q_pe, torch.zeros(2, 1, 4, dtype=torch.long), 0.1)
+    q_index, weights = torch.randn(2, 1, 4, INDEX_DIM).bfloat16(), torch.randn(2, 1, 4)
+    with pytest.raises(ValueError, match="MXFP8 indexer keys.*per-token-head"):
+        store.indexer_topk(q_index, weights, 19, 8)
+    assert fake_torch_npu.calls == []
+
+
+def fp8_stores(rope: int, generator):
+    """The same rows in an fp8 store on the npu backend (packed rows) and on the cpu backend (three planes)."""
+    rows = torch.randn(2, 40, LATENT + rope, generator=generator).to(torch.bfloat16)
+    keys = torch.randn(2, 40, INDEX_DIM, generator=generator).to(torch.bfloat16)
+    stores = {}
+    for backend in ("npu", "cpu"):
+        formats = CacheFormats(kv_cache="fp8")
+        store = KDSAPagedLayer(LATENT + rope, INDEX_DIM, backend, page_size=PAGE, formats=formats, latent_width=LATENT)
+        store.append(rows[:, :39], keys[:, :39])
+        store.append(rows[:, 39:], keys[:, 39:])
+        stores[backend] = store
+    return stores
+
+
+def test_npu_fp8_cache_through_the_kv_quant_attention_op(npu):
+    """kv_cache="fp8" on the npu backend: the store packs each row as the KV-quant op's 656 bytes (E4M3 latent,
+    bf16 RoPE part, fp32 tile scales), holding exactly the cpu store's values; sparse and dense attention run
+    npu_kv_quant_sparse_flash_attention over the pool in place and equal the cpu backend's fp8 attention."""
+    generator = torch.Generator().manual_seed(6)
+    stores = fp8_stores(ROPE, generator)
+    packed = stores["npu"].kv_pages
+    assert isinstance(packed, PackedKVRows) and packed.buffer.dtype == torch.uint8 and packed.buffer.shape[-1] == 656
+    assert stores["npu"].bytes_per_token() == stores["cpu"].bytes_per_token()  # the same bytes, packed
+    for part, reference in zip(packed.rows(), stores["cpu"].kv_pages, strict=True):
+        got = gather_pages(part, stores["npu"].block_table, 40).view(torch.uint8)
+        assert torch.equal(got, gather_pages(reference, stores["cpu"].block_table, 40).view(torch.uint8))
+    q_latent = (torch.randn(2, 1, 2, LATENT, generator=generator) / 8).to(torch.bfloat16)
+    q_pe = (torch.randn(2, 1, 2, ROPE, generator=generator) / 8).to(torch.bfloat16)
+    indices = torch.randint(0, 40, (2, 1, 8), generator=generator)
+    for read in ("sparse", "dense"):
+        fake_torch_npu.calls.clear()
+        outputs = {}
+        for backend, store in stores.items():
+            if read == "sparse":
+                outputs[backend] = store.sparse_attention(q_latent, q_pe, indices, 0.1)
+            else:
+                outputs[backend] = store.dense_attention(q_latent, q_pe, 39, 0.1)
+        assert fake_torch_npu.calls == ["npu_kv_quant_sparse_flash_attention"]
+        seen = fake_torch_npu.inputs["npu_kv_quant_sparse_flash_attention"]
+        assert _same_storage(seen["key"], packed.buffer) and seen["key"].dtype == torch.float8_e4m3fn
+        assert outputs["npu"].shape == outputs["cpu"].shape == q_latent.shape
+        torch.testing.assert_close(outputs["npu"].float(), outputs["cpu"].float(), atol=BF16_ATOL, rtol=0)
+
+
+def test_npu_fp8_cache_refuses_nope(npu):
+    stores = fp8_stores(0, torch.Generator().manual_seed(7))
+    q_latent, q_pe = torch.randn(2, 1, 2, LATENT).bfloat16(), torch.randn(2, 1, 2, 0).bfloat16()
+    with pytest.raises(ValueError, match="kv_cache='fp8' needs qk_rope_head_dim=64"):
+        stores["npu"].sparse_attention(q_latent, q_pe, torch.zeros(2, 1, 4, dtype=torch.long), 0.1)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("rope", [ROPE, 0], ids=["rope", "nope"])
+def test_npu_attention_reads_the_store_pages_in_place(npu, rope):
+    """The npu store keeps the latent and RoPE parts as two planes (SplitRows) and every attention call hands the op
+    views of those planes: no per-call copy of the pool (O(context) bytes per decode step). Other backends keep one
+    `[N, P, C + R]` plane."""
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(2, 40, LATENT + rope, generator=generator).to(torch.bfloat16)
+    keys = torch.randn(2, 40, INDEX_DIM, generator=generator).to(torch.bfloat16)
+    stores = {}
+    for backend in ("npu", "cpu"):
+        store = KDSAPagedLayer(LATENT + rope, INDEX_DIM, backend, page_size=PAGE, latent_width=LATENT)
+        store.append(rows[:, :39], keys[:, :39])  # prefill, then one decode step's row
+        store.append(rows[:, 39:], keys[:, 39:])
+        assert torch.equal(gather_pages(store.kv_pages, store.block_table, 40), rows)
+        stores[backend] = store
+    assert isinstance(stores["npu"].kv_pages, SplitRows) and isinstance(stores["cpu"].kv_pages, torch.Tensor)
+    planes = stores["npu"].kv_pages
+    q_latent = (torch.randn(2, 1, 2, LATENT, generator=generator) / 8).to(torch.bfloat16)
+    q_pe = (torch.randn(2, 1, 2, rope, generator=generator) / 8).to(torch.bfloat16)
+    indices = torch.randint(0, 40, (2, 1, 8), generator=generator)
+    zero_rope = None
+    for read in ("sparse", "dense"):
+        outputs = {}
+        for backend, store in stores.items():
+            if read == "sparse":
+                outputs[backend] = store.sparse_attention(q_latent, q_pe, indices, 0.1)
+            else:
+                outputs[backend] = store.dense_attention(q_latent, q_pe, 39, 0.1)
+        seen = fake_torch_npu.inputs["npu_sparse_flash_attention"]
+        assert _same_storage(seen["key"], planes.latent) and _same_storage(seen["value"], planes.latent)
+        if rope:
+            assert _same_storage(seen["key_rope"], planes.rope)
+        else:  # NoPE: one zero RoPE pool per pool size, not one per call
+            assert zero_rope is None or seen["key_rope"] is zero_rope
+            zero_rope = seen["key_rope"]
+        torch.testing.assert_close(outputs["npu"].float(), outputs["cpu"].float(), atol=BF16_ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Three-stream prolog (npu_kernels.three_stream_prolog) under the fake's stream checks
+
+
+def decode_step_inputs(model, seed: int):
+    """The DSA layer of `npu_shaped_model` and a decode step's inputs: hidden states `[2, 1, D]`, (cos, sin)."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 1, model.config.hidden_size, generator=generator).to(torch.bfloat16)
+    position_embeddings = model.model.rotary_emb(hidden, torch.tensor([[70], [70]]))
+    return model.model.layers[1].self_attn, hidden, position_embeddings
+
+
+def sequential_projections(layer, hidden, position_embeddings):
+    q_nope, q_pe, query_input = layer.project_queries(hidden, position_embeddings)
+    latent, k_pe = layer.project_latent(hidden, position_embeddings)
+    return q_nope, q_pe, latent, k_pe, layer.indexer(hidden, query_input, position_embeddings)
+
+
+def test_three_stream_prolog_equals_the_single_stream_path(npu):
+    """Same tensors as the sequential projections; the side streams ran the indexer query and weights, are made
+    once per device, and every cross-stream read waited and was recorded (else the fake raises)."""
+    model = npu_shaped_model("npu")
+    layer, hidden, position_embeddings = decode_step_inputs(model, seed=0)
+    with torch.no_grad():
+        expected = sequential_projections(layer, hidden, position_embeddings)
+        for _ in range(2):
+            with fake_torch_npu.check_streams():  # the comparison reads the outputs on the main stream
+                got = npu_kernels.three_stream_prolog(layer, hidden, position_embeddings)
+                for got_tensor, expected_tensor in zip([*got[:4], *got[4]], [*expected[:4], *expected[4]], strict=True):
+                    assert torch.equal(got_tensor, expected_tensor)
+    query_stream, weights_stream = npu_kernels._prolog_streams(hidden.device)
+    assert query_stream.clock[query_stream] > 0 and weights_stream.clock[weights_stream] > 0
+    assert fake_torch_npu._streams.created == 2  # two side streams, once for both calls
+
+
+def test_the_fake_catches_a_missing_wait_or_record_stream(npu):
+    x = torch.ones(4)
+    side = torch.npu.Stream()
+    with fake_torch_npu.check_streams():
+        with torch.npu.stream(side):
+            with pytest.raises(RuntimeError, match="record_stream"):
+                x * 2  # x belongs to the main stream's allocator
+            x.record_stream(side)
+            y = x * 2
+            done = torch.npu.Event()
+            done.record(side)
+        with pytest.raises(RuntimeError, match="wait_event missing"):
+            y + 1
+        torch.npu.current_stream().wait_event(done)
+        with pytest.raises(RuntimeError, match="record_stream"):
+            y + 1
+        y.record_stream(torch.npu.current_stream())
+        assert torch.equal(y + 1, torch.full((4,), 3.0))
+
+
+@pytest.mark.parametrize("dropped", ["wait_event", "record_stream"])
+def test_a_prolog_that_drops_a_wait_or_a_record_fails(npu, monkeypatch, dropped):
+    model = npu_shaped_model("npu")
+    layer, hidden, position_embeddings = decode_step_inputs(model, seed=1)
+    if dropped == "wait_event":
+        monkeypatch.setattr(fake_torch_npu.Stream, "wait_event", lambda self, event: None)
+    else:
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, target: None)
+    with torch.no_grad(), fake_torch_npu.check_streams(), pytest.raises(RuntimeError, match=dropped):
+        npu_kernels.three_stream_prolog(layer, hidden, position_embeddings)
+
+
+def test_decode_steps_run_the_prolog_on_streams(npu):
+    """A generate on the npu backend: decode steps (one token) go through the three-stream prolog, prefill does
+    not, under the stream checks; tokens equal the cpu backend's."""
+    generator = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 128, (2, 20), generator=generator)
+    kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    calls = []
+    original = npu_kernels.three_stream_prolog
+
+    def counted(layer, hidden, position_embeddings):
+        calls.append(hidden.shape[1])
+        return original(layer, hidden, position_embeddings)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dsa, "three_stream_prolog", counted)
+        model = npu_shaped_model("npu")
+        with fake_torch_npu.check_streams():
+            got = model.generate(prompt, cache=KDSACache(model.config), **kwargs)
+    assert calls == [1, 1]  # the two decode steps of the one DSA layer; the prefill runs on one stream
+    cpu_model = npu_shaped_model("cpu")
+    assert torch.equal(got, cpu_model.generate(prompt, cache=KDSACache(cpu_model.config), **kwargs))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -347,6 +539,27 @@ def test_generate_over_the_npu_ops_equals_cpu(npu_dsa_ops, layers):
             assert cache.layers[1].indexer_kernel is paged_indexer_topk_npu
             assert all(cache.layers[i].sparse_kernel is paged_sparse_mla_npu for i in (1, 2))
             assert cache.layers[2].dense_kernel is paged_dense_mla_npu
+    assert torch.equal(outputs["npu"], outputs["cpu"])
+
+
+def test_generate_with_the_fp8_cache_over_the_npu_ops_equals_cpu(npu_dsa_ops):
+    """kv_cache="fp8": the DSA and dense-MLA layers read their packed FP8 pages through the KV-quant attention op;
+    left-padded greedy generate equals the cpu backend's on the same FP8 cache."""
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 128, (2, 70), generator=generator)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :6] = 0
+    prompt[1, :6] = 0
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    outputs = {}
+    for backend in ("npu", "cpu"):
+        model = npu_shaped_model(backend, quantization_config={"quant_method": "kdsa", "kv_cache": "fp8"})
+        cache = KDSACache(model.config)
+        outputs[backend] = model.generate(prompt, cache=cache, **kwargs)
+        if backend == "npu":
+            assert all(isinstance(cache.layers[i].kv_pages, PackedKVRows) for i in (1, 2))
+            assert "npu_kv_quant_sparse_flash_attention" in fake_torch_npu.calls
+            assert "npu_sparse_flash_attention" not in fake_torch_npu.calls
     assert torch.equal(outputs["npu"], outputs["cpu"])
 
 

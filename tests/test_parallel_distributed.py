@@ -119,6 +119,23 @@ def _scenario_two(rank: int, results: dict) -> None:
     glm_sharded = apply_tensor_parallel(tiny_model(**glm_features), tp_mesh)
     results["glm_tp2_error"] = (glm_sharded(ids).logits - glm_reference).abs().max().item()
 
+    # GLM-5.3-Flash's k-pool indexer (with the always-selected tail) and a shared-indexer layer: under cp = 2, and
+    # under the CP path at tp = 2 (the tp ranks split the indexer queries, selections up to index_topk + kp - 1 wide).
+    kpool_features = dict(
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+        indexer_types=["full", "full", "shared", "full"],
+        qk_rope_head_dim=0,
+        index_kpool=4,
+        index_n_heads=8,
+    )
+    kpool_model = tiny_model(**kpool_features)
+    kpool_reference = kpool_model(ids).logits
+    out = context_parallel_prefill(kpool_model, ids, cp_mesh)
+    results["kpool_cp2_error"] = (out.logits - kpool_reference).abs().max().item()
+    kpool_sharded = apply_tensor_parallel(tiny_model(**kpool_features), tp_mesh)
+    out = context_parallel_prefill(kpool_sharded, ids, tp_mesh)
+    results["kpool_tp2_cp_path_error"] = (out.logits - kpool_reference).abs().max().item()
+
     # Kimi K3's features: gated NoPE MLA, full-rank KDA gate with the lower bound, SiTU; under cp = 2 and tp = 2.
     # LatentMoE with MXFP4 experts under cp = 2 only (tensor parallelism refuses both by name).
     k3_features = dict(
@@ -259,12 +276,20 @@ def test_tp2_model_forward_and_generate(two_ranks):
 
 
 def test_glm_features_under_cp2_and_tp2(two_ranks):
-    """The bounded KDA gate, SwiGLU clamp and mHC need nothing rank-specific: CP computes the gate with the layer's
-    bound and runs the model's own residual stream; TP shards the gate's A_log / dt_bias by head and the clamp is
+    """The bounded KDA gate, SwiGLU clamp and mHC need nothing rank-specific: CP runs the layers' own gate code and the
+    model's own residual stream; TP shards the gate's A_log / dt_bias by head and the clamp is
     elementwise on the intermediate slice."""
     for result in two_ranks:
         assert result["glm_cp2_error"] < LOGIT_TOLERANCE
         assert result["glm_tp2_error"] < LOGIT_TOLERANCE
+
+
+def test_glm_kpool_and_shared_indexer_under_cp2_and_tp2(two_ranks):
+    """The k-pool indexer and a shared-indexer layer run through the layers' own code under CP (the pooled keys are
+    built from the gathered keys); under tp the ranks split the indexer queries and gather the selections."""
+    for result in two_ranks:
+        assert result["kpool_cp2_error"] < LOGIT_TOLERANCE
+        assert result["kpool_tp2_cp_path_error"] < LOGIT_TOLERANCE
 
 
 def test_kimi_k3_features_under_cp2_and_tp2(two_ranks):

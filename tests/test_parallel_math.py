@@ -1,10 +1,15 @@
 """Single-process checks of the CP building blocks: Zigzag / contiguous layouts, KDA state passing against the
-sequential recurrence, the load balance computed from the layout, and the CP code path with cp = tp = 1."""
+sequential recurrence, the load balance computed from the layout, the CP code path with cp = tp = 1, and cp ranks
+simulated by threads of one process (`_run_cp_ranks`) against the single-process model."""
+
+import copy
+import threading
 
 import pytest
 import torch
 from conftest import tiny_model
 from modeling_kdsa.parallel import (
+    ParallelMesh,
     SequenceLayout,
     context_parallel_prefill,
     fold_start_states,
@@ -169,6 +174,28 @@ def test_cp_path_rejects_short_prompt_and_used_cache():
         context_parallel_prefill(model, torch.tensor([[5, 6, 7]]), single_process_mesh(), cache=static)
 
 
+def test_model_refuses_what_a_sequence_parallel_forward_cannot_take():
+    """`KDSAModel.forward(..., sequence_parallel=)` starts a sequence without padding: a padding mask, position ids,
+    a used or static cache, or an input of another length than the context's share raise a ValueError naming them."""
+    from modeling_kdsa.parallel import MeshSequenceContext, PrefillStats
+
+    model = tiny_model()
+    context = MeshSequenceContext(single_process_mesh(), SequenceLayout(9, 1), PrefillStats())
+    ids = torch.randint(3, 128, (1, context.positions.numel()), generator=torch.Generator().manual_seed(0))
+    used = KDSACache(model.config)
+    model(ids[:, :3], cache=used)
+    for kwargs, words in (
+        (dict(attention_mask=torch.ones_like(ids)), "no attention_mask or position_ids"),
+        (dict(position_ids=torch.arange(ids.shape[1])[None]), "no attention_mask or position_ids"),
+        (dict(cache=used), "empty KDSACache"),
+        (dict(cache=KDSAStaticCache(model.config, max_cache_len=16)), "KDSAStaticCache is not supported"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            model.model(ids, sequence_parallel=context, **kwargs)
+    with pytest.raises(ValueError, match="holds 10 local tokens, the input has 9"):
+        model.model(ids[:, :9], sequence_parallel=context)
+
+
 def test_cp_path_refuses_router_logits():
     model = tiny_model(output_router_logits=True)
     with pytest.raises(ValueError, match="output_router_logits"):
@@ -177,9 +204,9 @@ def test_cp_path_refuses_router_logits():
 
 @torch.no_grad()
 def test_cp_path_single_process_glm_features():
-    """GLM-5.3-Flash's features run under the CP path as in the model: the bounded KDA gate (CP computes the gate
-    itself), the SwiGLU clamp (inside the MLPs CP calls) and mHC ×4 (the model's own residual stream, position-wise).
-    fp32, same 1e-4 bound as above on O(1) logits."""
+    """GLM-5.3-Flash's features run under the CP path as in the model (the same layer code): the bounded KDA gate, the
+    SwiGLU clamp and mHC ×4 (the model's own residual stream, position-wise). fp32, same 1e-4 bound as above on O(1)
+    logits."""
     features = dict(attn_res_block_size=0, hc_mult=4, linear_lower_bound=-5.0, swiglu_limit=0.5)
     model = tiny_model(**features)
     with torch.no_grad():  # non-trivial mHC biases and gate parameters
@@ -219,44 +246,214 @@ def test_cp_indexer_pairs_are_counted_by_the_kernels(backend):
     assert out.stats.indexer_pairs == scored.pairs == expected
 
 
-@torch.no_grad()
-def test_cp_path_uses_the_configured_cache_formats_without_a_cache():
-    """A quantized config quantizes a cache-less CP prefill as it does the model's cache-less forward (the private
-    store is built from the config, not with default BF16 formats)."""
-    from modeling_kdsa import KDSAQuantizationConfig
+# ------------------------------------------------------------------------------- cp ranks simulated by threads
 
-    model = tiny_model(index_head_dim=32, kv_lora_rank=64)
-    model.config.quantization_config = KDSAQuantizationConfig(kv_cache_tile_size=64)
+
+class _Exchange:
+    """What the cp group's collectives move: every rank posts a copy of its tensor, waits for all, reads all."""
+
+    def __init__(self, size: int):
+        self.barrier = threading.Barrier(size, timeout=60)  # a rank that fails breaks it for the others
+        self.slots = [None] * size
+
+    def swap(self, rank: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = tensor.clone()
+        self.barrier.wait()
+        parts = list(self.slots)
+        self.barrier.wait()  # nobody posts the next collective before everyone has read this one
+        return parts
+
+
+class _ThreadMesh(ParallelMesh):
+    """A cp × 1 mesh whose collectives run between threads (`_Exchange`) instead of torch.distributed."""
+
+    def all_gather(self, tensor, dim, tag):
+        return self.cp_group.swap(self.cp_rank, tensor) if dim == "cp" else [tensor]
+
+    def all_reduce(self, tensor, dim, tag):
+        if dim == "cp":
+            tensor.copy_(torch.stack(self.cp_group.swap(self.cp_rank, tensor)).sum(0))  # same order on every rank
+        return tensor
+
+
+def _run_cp_ranks(cp: int, action) -> list:
+    """`action(mesh)` on `cp` threads, one per rank; returns each rank's result, re-raises the first failure."""
+    exchange, results, errors = _Exchange(cp), [None] * cp, []
+
+    def rank_main(rank):
+        mesh = _ThreadMesh(cp, 1, rank, 0, exchange, None, torch.device("cpu"))
+        try:
+            results[rank] = action(mesh)
+        except BaseException as error:  # noqa: BLE001 - handed to the main thread
+            errors.append(error)
+            exchange.barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(cp)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    return results
+
+
+def _model_for(cache_kind: str):
+    model = tiny_model(index_head_dim=32, kv_lora_rank=64) if cache_kind == "quantized" else tiny_model()
+    if cache_kind == "quantized":
+        from modeling_kdsa import KDSAQuantizationConfig
+
+        model.config.quantization_config = KDSAQuantizationConfig(kv_cache_tile_size=64)
+    return model
+
+
+def _new_cache(model, cache_kind: str) -> KDSACache | None:
+    if cache_kind == "none":
+        return None
+    return KDSACache(model.config, rollback_tokens=16 if cache_kind == "rollback" else 0)
+
+
+def _continue(model, cache: KDSACache, cache_kind: str, steps: torch.Tensor) -> torch.Tensor:
+    """Decode `steps` `[B, n]` one token at a time from a filled cache; for a rollback cache then crop two tokens off
+    and decode the last step again. Returns the logits of every step."""
+    logits = [model(steps[:, t : t + 1], cache=cache).logits for t in range(steps.shape[1])]
+    if cache_kind == "rollback":
+        cache.crop(-2)
+        logits.append(model(steps[:, -2:-1], cache=cache).logits)
+    return torch.cat(logits, dim=1)
+
+
+# Simulated ranks run the same fp32 math as the process groups of test_parallel_distributed: the same 1e-4 bound on
+# O(1) logits (summation order only; a wrong halo, start state or causal limit moves logits by > 1e-2).
+CP_TOLERANCE = 1e-4
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("cache_kind", ["none", "plain", "quantized", "rollback"])
+@pytest.mark.parametrize("cp", [2, 3])
+@torch.no_grad()
+def test_cp_ranks_match_single_process(cp, cache_kind, layout):
+    """The matrix {no cache, plain, quantized (the config's formats, with and without a cache), rollback} × {zigzag,
+    contiguous} at cp = 2 and 3 (chunks of 5-8 tokens: conv halos from one or two chunks back): every rank's logits
+    equal the single-process forward, and a decode continued from each rank's cache (for the rollback cache: then
+    a crop and a replayed step) equals one continued from the single-process cache."""
+    model = _model_for(cache_kind)
     ids = torch.randint(3, 128, (2, 29), generator=torch.Generator().manual_seed(0))
-    reference = model(ids, use_cache=False).logits
-    for layout in ("zigzag", "contiguous"):
-        out = context_parallel_prefill(model, ids, single_process_mesh(), layout=layout)
-        assert (out.logits - reference).abs().max() < 1e-4, layout
-        cache = KDSACache(model.config)  # and with a quantized cache
-        out = context_parallel_prefill(model, ids, single_process_mesh(), layout=layout, cache=cache)
-        assert (out.logits - reference).abs().max() < 1e-4, layout
-        assert cache.layers[1].kv_pages.elements.dtype == torch.float8_e4m3fn
+    steps = torch.randint(3, 128, (2, 3), generator=torch.Generator().manual_seed(1))
+    reference_cache = _new_cache(model, cache_kind)
+    reference = model(ids, cache=reference_cache, use_cache=reference_cache is not None).logits
+
+    def rank(mesh):
+        cache = _new_cache(model, cache_kind)
+        return context_parallel_prefill(copy.deepcopy(model), ids, mesh, layout=layout, cache=cache)
+
+    outputs = _run_cp_ranks(cp, rank)
+    for out in outputs:
+        assert (out.logits - reference).abs().max() < CP_TOLERANCE
+    if cache_kind == "none":
+        return
+    expected = _continue(model, reference_cache, cache_kind, steps)
+    for out in outputs:
+        assert (_continue(model, out.cache, cache_kind, steps) - expected).abs().max() < CP_TOLERANCE
+    if cache_kind == "quantized":
+        assert outputs[0].cache.layers[1].kv_pages.elements.dtype == torch.float8_e4m3fn
+        cacheless = _run_cp_ranks(cp, lambda mesh: context_parallel_prefill(model, ids, mesh, layout=layout))
+        assert all((out.logits - reference).abs().max() < CP_TOLERANCE for out in cacheless)
+    if cache_kind == "rollback":  # the CP prefill is the KDA checkpoint: cropping into it is refused, nothing changes
+        cache = outputs[0].cache
+        with pytest.raises(ValueError, match="checkpoint is at 30 tokens"):
+            cache.crop(20)
+        assert cache.get_seq_length() == 31
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@torch.no_grad()
+def test_cp_ranks_run_glm_kpool_and_shared_indexer_layers(layout, backend):
+    """GLM-5.3-Flash's k-pool indexer (keys pooled over groups of 4 positions) and a shared-indexer layer run under
+    CP through the layers' own code: the pooled keys are built from the gathered keys in sequence order, and the
+    handed-over selection covers the local rows (padding rows select nothing). Against the single process, with a
+    cache and a decode continued from it."""
+    layer_types = ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"]
+    model = tiny_model(
+        layer_types=layer_types,
+        indexer_types=["full", "full", "shared", "full"],
+        qk_rope_head_dim=0,
+        index_kpool=4,
+        index_n_heads=8,
+        kernel_backend=backend,
+    )
+    ids = torch.randint(3, 128, (2, 29), generator=torch.Generator().manual_seed(0))
+    steps = torch.randint(3, 128, (2, 3), generator=torch.Generator().manual_seed(1))
+    reference_cache = KDSACache(model.config)
+    reference = model(ids, cache=reference_cache).logits
+    expected = _continue(model, reference_cache, "plain", steps)
+    outputs = _run_cp_ranks(
+        2,
+        lambda mesh: context_parallel_prefill(
+            copy.deepcopy(model), ids, mesh, layout=layout, cache=KDSACache(model.config)
+        ),
+    )
+    for out in outputs:
+        assert (out.logits - reference).abs().max() < CP_TOLERANCE
+        assert (_continue(model, out.cache, "plain", steps) - expected).abs().max() < CP_TOLERANCE
+
+
+# ------------------------------------------------------------------- one layer under CP against transformers' layers
+
+
+def _layer_under_cp(cp: int, layout: str, x: torch.Tensor, run_local) -> torch.Tensor:
+    """`run_local(context, local_x)` on `cp` simulated ranks, each holding its share of `x` `[B, T, D]`; returns the
+    ranks' outputs put back in sequence order `[B, T, D]`."""
+    from modeling_kdsa.parallel import MeshSequenceContext, PrefillStats
+
+    sequence = SequenceLayout(x.shape[1], cp, layout)
+
+    def rank(mesh):
+        context = MeshSequenceContext(mesh, sequence, PrefillStats())
+        return run_local(context, sequence.shard(x, mesh.cp_rank))
+
+    return sequence.unshard(torch.cat(_run_cp_ranks(cp, rank), dim=1))
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @torch.no_grad()
-def test_cp_prefill_then_decode_then_crop_with_a_rollback_cache(layout):
-    """A rollback cache filled by a CP prefill: decode steps after it can be cropped exactly (the prefill is the KDA
-    checkpoint), and cropping behind the last commit is refused with a clear error, the cache unchanged."""
-    model = tiny_model()
-    ids = torch.randint(3, 128, (1, 33), generator=torch.Generator().manual_seed(0))
-    cache = KDSACache(model.config, rollback_tokens=16)
-    context_parallel_prefill(model, ids[:, :30], single_process_mesh(), layout=layout, cache=cache)
-    for t in range(30, 33):
-        model(ids[:, t : t + 1], cache=cache)
-    cache.crop(-2)
-    assert cache.get_seq_length() == 31
-    reference_cache = KDSACache(model.config)
-    model(ids[:, :31], cache=reference_cache)
-    next_token = torch.tensor([[7]])
-    torch.testing.assert_close(
-        model(next_token, cache=cache).logits, model(next_token, cache=reference_cache).logits, rtol=0, atol=1e-4
-    )
-    with pytest.raises(ValueError, match="checkpoint is at 31 tokens"):  # the crop committed 31
-        cache.crop(20)
-    assert cache.get_seq_length() == 32
+def test_kda_layer_under_cp_matches_transformers_kimi_linear(layout):
+    """The KDA layer run with a sequence-parallel context (cp = 2, 37 tokens) against transformers' KimiLinear layer:
+    a change to the layer's math is seen from the CP side too, not only as a CP-vs-single difference. fp32; bound
+    as tests/test_kda.py (evaluation order only, ~1e-6)."""
+    from test_kda import HIDDEN, kimi_pair
+
+    theirs, ours, _ = kimi_pair()
+    x = torch.randn(2, 37, HIDDEN, generator=torch.Generator().manual_seed(1))
+
+    def run_local(context, local_x):
+        mask = context.token_mask()[None].expand(local_x.shape[0], -1)
+        return ours(local_x, attention_mask=mask, sequence_parallel=context)
+
+    torch.testing.assert_close(_layer_under_cp(2, layout, x, run_local), theirs(x), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@torch.no_grad()
+def test_dsa_layer_under_cp_matches_transformers_deepseek_v32(layout):
+    """The DSA layer run with a sequence-parallel context (cp = 2, 13 tokens <= index_topk: every visible key is
+    selected, so no near-tie filtering is needed) against transformers' DeepseekV32 attention: the gathered keys,
+    the query segments at their own positions and the layer's block loop. fp32; bound as tests/test_dsa.py."""
+    from test_dsa import hf_attention_from, make_layer, max_rel_err, rope_for
+    from test_dsa import tiny_config as dsa_config
+
+    config = dsa_config()
+    ours = make_layer(config)
+    theirs = hf_attention_from(ours, config)
+    batch, seq_len = 2, 13
+    x = torch.randn(batch, seq_len, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    additive_mask = torch.zeros(batch, 1, seq_len, seq_len).masked_fill(~causal, torch.finfo(torch.float32).min)
+    expected, _ = theirs(x, rope_for(config, x, torch.arange(seq_len).expand(batch, -1)), additive_mask)
+
+    def run_local(context, local_x):
+        positions = context.positions.clamp(min=0)[None].expand(batch, -1)
+        return ours(local_x, rope_for(config, local_x, positions), sequence_parallel=context)
+
+    assert max_rel_err(_layer_under_cp(2, layout, x, run_local), expected) < 1e-5

@@ -11,6 +11,7 @@ Legend: `B` batch, `T` current tokens, `S` cached + current tokens, `D` hidden_s
 """
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +19,11 @@ from torch import nn
 
 from .cache import KDSAPagedMLALayer, attention_store_class
 from .dsa_ops import QUERY_BLOCK_SIZE
+from .kernels import resolve_kernel_backend
 from .norms import KDSARMSNorm
+from .npu_kernels import three_stream_prolog
 from .rotary import apply_rotary_half, apply_rotary_interleaved
+from .sequence_parallel import SequenceParallelContext
 
 
 def mla_softmax_scale(config) -> float:
@@ -81,8 +85,29 @@ class KDSAIndexer(nn.Module):
         Returns `q_index` `[B, T, HI, DI]`, `weights` `[B, T, HI]` fp32, `k_index` `[B, T, DI]` (to be cached; with
         the k-pool indexer `[B, T, 2·DI]`: the key, then its gate scores).
         """
-        batch, seq_len, _ = hidden_states.shape
+        return (
+            self.project_query(query_input, position_embeddings),
+            self.project_weights(hidden_states),
+            self.project_key(hidden_states, position_embeddings),
+        )
+
+    # The three branches of `forward`, separately: the npu backend runs them on different streams
+    # (npu_kernels.three_stream_prolog).
+    def project_query(self, query_input: torch.Tensor, position_embeddings) -> torch.Tensor:
+        """`q_index` `[B, T, HI, DI]` from the query input, RoPE'd."""
+        batch, seq_len, _ = query_input.shape
         q_index = self.wq_b(query_input).view(batch, seq_len, self.n_heads, self.head_dim)
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            q_index = self._rotate(q_index, cos[:, :, None], sin[:, :, None])
+        return q_index
+
+    def project_weights(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Head weights `[B, T, HI]` in fp32 (docs/dsa.md §1); the model keeps `weights_proj` in fp32 too."""
+        return F.linear(hidden_states.float(), self.weights_proj.weight.float())
+
+    def project_key(self, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
+        """`k_index` `[B, T, DI]` (k-pool indexer: `[B, T, 2·DI]`, the key then its gate scores)."""
         k_index = self.wk(hidden_states)
         # LayerNorm statistics in fp32 whatever the parameter dtype (docs/dsa.md §1).
         k_index = F.layer_norm(
@@ -94,14 +119,11 @@ class KDSAIndexer(nn.Module):
         ).to(hidden_states.dtype)
         if position_embeddings is not None:
             cos, sin = position_embeddings
-            q_index = self._rotate(q_index, cos[:, :, None], sin[:, :, None])
             k_index = self._rotate(k_index, cos, sin)
-        # Head weights in fp32 (docs/dsa.md §1); the model keeps `weights_proj` in fp32 too.
-        weights = F.linear(hidden_states.float(), self.weights_proj.weight.float())
         if self.index_kpool > 1:
             gate_scores = F.linear(hidden_states, self.index_kpool_compress_gate.to(hidden_states.dtype))
             k_index = torch.cat([k_index, gate_scores], dim=-1)
-        return q_index, weights, k_index
+        return k_index
 
 
 class KDSAMultiLatentAttention(nn.Module):
@@ -268,32 +290,55 @@ class KDSAMultiLatentAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         cache=None,
+        sequence_parallel: SequenceParallelContext | None = None,
     ) -> torch.Tensor:
         """hidden_states `[B, T, D]`; position_embeddings `(cos, sin)` `[B, T, R]` for the current tokens, or None
         when the layer rotates nothing; attention_mask `[B, S]` over past + current keys (1 = real, 0 = padding) or
         None; cache: a `KDSACache` (its paged store for this layer runs the dense kernel), or None.
         Query `i` sits at cache position `past_len + i` and attends to every visible key `<= past_len + i`.
+        sequence_parallel: the T tokens are this process's share of a sequence that starts here (docs/parallel.md
+        §7): the keys of the whole sequence are gathered, the queries are the local ones at their own positions.
         Returns `[B, T, D]`."""
         self._check_inputs(hidden_states, position_embeddings)
         batch, seq_len, _ = hidden_states.shape
         q_nope, q_pe, _ = self.project_queries(hidden_states, position_embeddings)
         latent, k_pe = self.project_latent(hidden_states, position_embeddings)
+        kv_rows = torch.cat([latent, k_pe], dim=-1)
         # Validate everything before the cache is written, so that bad input never leaves it half-updated.
         store = self._store(cache)
         self._check_attention_mask(attention_mask, batch, store.mask_width(seq_len))
-        past_len = store.append(torch.cat([latent, k_pe], dim=-1))  # int, or a 0-d tensor in a static cache
+        if sequence_parallel is not None:
+            (kv_rows,) = sequence_parallel.gather_sequence([kv_rows], "mla_latent")
+        past_len = store.append(kv_rows)  # int, or a 0-d tensor in a static cache
 
         w_uk, w_uv = self.absorbed_weights()
         outputs = []
-        for start in range(0, seq_len, self.query_block_size):
-            block = slice(start, min(start + self.query_block_size, seq_len))
+        for block, position, padding in self._query_blocks(seq_len, past_len, sequence_parallel):
+            if block is None:  # padding slots of a sequence-parallel share: no query
+                outputs.append(q_nope.new_zeros(batch, padding, self.num_heads, self.v_head_dim))
+                continue
             q_latent = torch.einsum("bthd,hdc->bthc", q_nope[:, block], w_uk)
             out_latent = store.dense_attention(
-                q_latent, q_pe[:, block].contiguous(), past_len + start, self.softmax_scale, attention_mask
+                q_latent, q_pe[:, block].contiguous(), position, self.softmax_scale, attention_mask
             )
             outputs.append(torch.einsum("bthc,hvc->bthv", out_latent, w_uv))
         attn_output = torch.cat(outputs, dim=1).reshape(batch, seq_len, self.num_heads * self.v_head_dim)
         return self.output(attn_output, hidden_states)
+
+    def _query_blocks(self, seq_len: int, past_len, sequence_parallel: SequenceParallelContext | None):
+        """The query loop of both layers, in local order: `(rows, position of the first row, 0)` per block of at most
+        `query_block_size` queries, and `(None, None, n)` for `n` padding slots of a sequence-parallel share. One
+        process: the `seq_len` current tokens from cache position `past_len`."""
+        segments = [(past_len, seq_len, 0)] if sequence_parallel is None else sequence_parallel.query_segments()
+        blocks, row = [], 0
+        for position, count, padding in segments:
+            for start in range(0, count, self.query_block_size):
+                end = min(start + self.query_block_size, count)
+                blocks.append((slice(row + start, row + end), position + start, 0))
+            if padding:
+                blocks.append((None, None, padding))
+            row += count + padding
+        return blocks
 
 
 class KDSASparseAttention(KDSAMultiLatentAttention):
@@ -315,6 +360,9 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
         self.indexer = None if self.shares_indexer else KDSAIndexer(config, layer_idx)
         self.index_kpool = config.index_kpool
         self.index_kpool_always_select_tail = config.index_kpool_always_select_tail
+        # The most keys one query's selection names: the k-pool indexer adds the query's incomplete pool (§9).
+        tail = config.index_kpool - 1 if config.index_kpool > 1 and self.index_kpool_always_select_tail else 0
+        self.selection_width = self.index_topk + tail
         self.store_class = attention_store_class(config, layer_idx)
 
     @property
@@ -322,6 +370,22 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
         if self.indexer is None:
             return self.rotates
         return self.qk_rope_head_dim > 0  # the indexer rotates whatever MLA does
+
+    def project(self, hidden_states: torch.Tensor, position_embeddings):
+        """The projections of a step: `q_nope`, `q_pe`, the latent and `k_pe` to cache, and the indexer's `(q_index,
+        weights, k_index)` (None for a shared-indexer layer). A decode step on the npu backend runs them on three
+        streams (npu_kernels.three_stream_prolog, docs/backends.md §2), with the same values."""
+        if (
+            self.indexer is not None
+            and hidden_states.shape[1] == 1
+            and not torch.compiler.is_compiling()
+            and resolve_kernel_backend(self.kernel_backend, hidden_states.device) == "npu"
+        ):
+            return three_stream_prolog(self, hidden_states, position_embeddings)
+        q_nope, q_pe, query_input = self.project_queries(hidden_states, position_embeddings)
+        latent, k_pe = self.project_latent(hidden_states, position_embeddings)
+        indexed = None if self.indexer is None else self.indexer(hidden_states, query_input, position_embeddings)
+        return q_nope, q_pe, latent, k_pe, indexed
 
     def forward(
         self,
@@ -331,6 +395,7 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
         cache=None,
         topk_indices: torch.Tensor | None = None,
         return_topk_indices: bool = False,
+        sequence_parallel: SequenceParallelContext | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """hidden_states `[B, T, D]`; position_embeddings `(cos, sin)` `[B, T, R]` for the current tokens or None
         (NoPE); attention_mask `[B, S]` over past + current keys (1 = real, 0 = padding) or None; cache: a
@@ -339,6 +404,8 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
 
         topk_indices `[B, T, K]`: the selection of the previous layer, required by (and only by) a shared-indexer
         layer. `return_topk_indices`: also return this layer's selection `[B, T, K]` (-1 = none) for the next one.
+        sequence_parallel: as in `KDSAMultiLatentAttention.forward`; the indexer top-k of each query block goes
+        through its `indexer_topk` hook (docs/parallel.md §7).
         """
         self._check_inputs(hidden_states, position_embeddings)
         batch, seq_len, _ = hidden_states.shape
@@ -350,17 +417,21 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
             )
         if topk_indices is not None and (topk_indices.dim() != 3 or tuple(topk_indices.shape[:2]) != (batch, seq_len)):
             raise ValueError(f"topk_indices must be [batch={batch}, {seq_len}, K], got {tuple(topk_indices.shape)}")
-        q_nope, q_pe, query_input = self.project_queries(hidden_states, position_embeddings)
-        latent, k_pe = self.project_latent(hidden_states, position_embeddings)
+        q_nope, q_pe, latent, k_pe, indexed = self.project(hidden_states, position_embeddings)
         kv_rows = torch.cat([latent, k_pe], dim=-1)
         # Validate everything before the cache is written, so that bad input never leaves it half-updated.
         store = self._store(cache)
         self._check_attention_mask(attention_mask, batch, store.mask_width(seq_len))
         # `past_len`: an int, or a 0-d tensor in a static cache (docs/graph-mode.md §2).
+        ape = None
         if self.shares_indexer:
+            if sequence_parallel is not None:
+                (kv_rows,) = sequence_parallel.gather_sequence([kv_rows], "mla_latent")
             past_len = store.append(kv_rows)
         else:
-            q_index, index_weights, k_index = self.indexer(hidden_states, query_input, position_embeddings)
+            q_index, index_weights, k_index = indexed
+            if sequence_parallel is not None:
+                kv_rows, k_index = sequence_parallel.gather_sequence([kv_rows, k_index], "dsa_latent_and_index_keys")
             ape = getattr(self.indexer, "index_kpool_compress_ape", None)
             if self.index_kpool > 1:
                 past_len = store.append(kv_rows, k_index, attention_mask, ape)
@@ -369,18 +440,22 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
 
         w_uk, w_uv = self.absorbed_weights()
         outputs, selections = [], []
-        for start in range(0, seq_len, self.query_block_size):
-            block = slice(start, min(start + self.query_block_size, seq_len))
+        for block, position, padding in self._query_blocks(seq_len, past_len, sequence_parallel):
+            if block is None:  # padding slots of a sequence-parallel share: no query, no selection
+                outputs.append(q_nope.new_zeros(batch, padding, self.num_heads, self.v_head_dim))
+                if return_topk_indices:
+                    selections.append(torch.full((batch, padding, 1), -1, dtype=torch.long, device=q_nope.device))
+                continue
             if topk_indices is not None:
                 indices = topk_indices[:, block]
-            elif self.index_kpool > 1:
-                indices = store.kpool_indexer_topk(
-                    q_index[:, block], index_weights[:, block], past_len + start, self.index_topk, attention_mask,
-                    ape, self.index_kpool_always_select_tail,
-                )  # fmt: skip
+            elif sequence_parallel is not None:
+                select = partial(self._select_topk, store, attention_mask, ape)
+                indices = sequence_parallel.indexer_topk(
+                    select, q_index[:, block], index_weights[:, block], position, self.selection_width
+                )
             else:
-                indices = store.indexer_topk(
-                    q_index[:, block], index_weights[:, block], past_len + start, self.index_topk, attention_mask
+                indices = self._select_topk(
+                    store, attention_mask, ape, q_index[:, block], index_weights[:, block], position
                 )
             q_latent = torch.einsum("bthd,hdc->bthc", q_nope[:, block], w_uk)
             out_latent = store.sparse_attention(q_latent, q_pe[:, block], indices, self.softmax_scale)
@@ -395,6 +470,14 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
         width = max(indices.shape[-1] for indices in selections)
         selections = [F.pad(indices, (0, width - indices.shape[-1]), value=-1) for indices in selections]
         return attn_output, torch.cat(selections, dim=1)
+
+    def _select_topk(self, store, attention_mask, ape, q_index, weights, position) -> torch.Tensor:
+        """The indexer's top-k `[B, n, k]` for a block of `n` queries at cache positions `position …`."""
+        if self.index_kpool > 1:
+            return store.kpool_indexer_topk(
+                q_index, weights, position, self.index_topk, attention_mask, ape, self.index_kpool_always_select_tail
+            )
+        return store.indexer_topk(q_index, weights, position, self.index_topk, attention_mask)
 
 
 __all__ = ["KDSAIndexer", "KDSAMultiLatentAttention", "KDSASparseAttention", "mla_softmax_scale"]

@@ -18,7 +18,9 @@ Page layout (owned by `KDSACache`): `kv_pages` `[num_pages, P, C + R]` rows `[no
 `numeric_formats.QuantizedRows` of the same `[num_pages, P, ...]` shape: FP8 latent tiles + fp32 scales + the RoPE part
 unquantized, or MXFP8 indexer keys + E8M0 scales); every kernel then gathers the quantized pages / rows it reads and
 dequantizes exactly those (`read_pages`, `read_rows`) into the query dtype, so the math after the read is the BF16
-path's (on CPU an MXFP8 / FP8 GEMM is emulated as dequantize + GEMM, docs/quantization.md §3).
+path's (on CPU an MXFP8 / FP8 GEMM is emulated as dequantize + GEMM, docs/quantization.md §3). On the `npu` backend
+the model-dtype `kv_pages` are `numeric_formats.SplitRows` (latent and RoPE planes, the layout torch_npu's attention
+reads in place, docs/backends.md §2); the other kernels read them as concatenated rows.
 `block_table` int `[B, max_pages]`, logical token `s` of sequence `b` in page `block_table[b, s // P]`, slot `s % P`,
 unused entries -1. All sequences of a call hold `num_keys` tokens (left padding is described by `key_padding_mask`).
 A query at position `p` sees the keys `s <= p` that are not padding; queries of a call sit at `query_start + i`.
@@ -41,7 +43,7 @@ from .dsa_ops import (
     kpool_origin,
     sparse_mla_attention,
 )
-from .numeric_formats import QuantizedRows
+from .numeric_formats import PLANAR_ROWS, stored_planes
 
 # Bound on what the indexer holds per key block and sequence, the gathered keys `[n, DI]` plus the products
 # `[T, HI, n]`: 2M elements whatever the context length. Blocks are as large as this allows because every block
@@ -74,22 +76,22 @@ def _ceil_div(numerator: int, denominator: int) -> int:
 
 
 def page_geometry(pages) -> tuple[int, int, int]:
-    """`(num_pages, page_size, row width)` of plain pages `[N, P, W]` or quantized ones (`QuantizedRows`)."""
-    if isinstance(pages, QuantizedRows):
-        return (*pages.elements.shape[:2], pages.width)
+    """`(num_pages, page_size, row width)` of plain pages `[N, P, W]` or planar ones (`QuantizedRows`, `SplitRows`)."""
+    if isinstance(pages, PLANAR_ROWS):
+        return (*pages[0].shape[:2], pages.width)
     if pages.dim() != 3:
         raise ValueError(f"pages must be [num_pages, page_size, width], got shape {tuple(pages.shape)}")
     return tuple(pages.shape)
 
 
 def _is_paged(pages) -> bool:
-    return isinstance(pages, QuantizedRows) or pages.dim() == 3
+    return isinstance(pages, PLANAR_ROWS) or pages.dim() == 3
 
 
 def read_pages(pages, page_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Pages `page_ids` `[n]` as values `[n, P, W]`: plain pages as they are stored, quantized pages dequantized
     into `dtype` (only the pages read)."""
-    if isinstance(pages, QuantizedRows):
+    if isinstance(pages, PLANAR_ROWS):
         return pages.map(lambda part: part.index_select(0, page_ids)).dequantize(dtype)
     return pages.index_select(0, page_ids)
 
@@ -97,7 +99,7 @@ def read_pages(pages, page_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 def read_rows(pages, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows at flat slot ids `slots` `[n]` (`page * P + offset`) as values `[n, W]`: plain rows as stored, quantized
     rows gathered with their scales and dequantized into `dtype` (only the rows read)."""
-    if isinstance(pages, QuantizedRows):
+    if isinstance(pages, PLANAR_ROWS):
         return pages.map(lambda part: part.flatten(0, 1).index_select(0, slots)).dequantize(dtype)
     return pages.view(-1, pages.shape[-1]).index_select(0, slots)
 
@@ -109,7 +111,7 @@ def read_rows(pages, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _check_block_table(pages: torch.Tensor, block_table: torch.Tensor, num_tokens: int, batch: int, name: str):
     """block_table must be an integer `[batch, max_pages]` table that maps the first `num_tokens` tokens of every
     sequence to existing pages of `pages` `[num_pages, P, width]` (or quantized pages of that geometry)."""
-    if not isinstance(pages, QuantizedRows) and pages.dim() != 3:
+    if not isinstance(pages, PLANAR_ROWS) and pages.dim() != 3:
         raise ValueError(f"{name} must be [num_pages, page_size, width], got shape {tuple(pages.shape)}")
     if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
         raise ValueError(
@@ -172,8 +174,7 @@ def _check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices):
         raise ValueError(
             f"kv_pages must be [num_pages, page_size, C + R = {width}] (kv_lora_rank + qk_rope_head_dim), got {shape}"
         )
-    parts = kv_pages if isinstance(kv_pages, QuantizedRows) else (kv_pages,)
-    if not all(part.is_contiguous() for part in parts):
+    if not all(part.is_contiguous() for part in stored_planes(kv_pages)):
         raise ValueError("kv_pages must be contiguous: the fused kernel reads its rows by flat slot id")
     _check_block_table(kv_pages, block_table, 0, q_latent.shape[0], "kv_pages")
     if torch.compiler.is_compiling():

@@ -28,16 +28,28 @@ Our side of the contract (same signatures and results as dsa_paged_ops' `cpu` ke
   `topk + (most padded keys of a row)` keys, padded ones are dropped and the rest moved to the front, which keeps
   exactly the top-k real keys (a real key of the real top-k has at most `pads` padded keys above it).
 - Sparse attention: the op reads the latent and RoPE parts as two contiguous pools `[N, P, 1, C]` / `[N, P, 1, R]`
-  while our store keeps `[c | k_pe]` rows, so each call copies the pool into the two layouts (O(pool) per call; a
-  store that keeps the two planes, as vllm-ascend's `kv_cache[0]` / `kv_cache[1]`, removes it). `sparse_mode=0`:
+  ("key", "key_rope": not non-contiguous), so on this backend the store keeps them as two planes (`SplitRows`, as
+  vllm-ascend's `kv_cache[0]` / `kv_cache[1]`) and the op reads the pages in place, no copy per call. `sparse_mode=0`:
   our indices are already causal and the kernel's contract is "attend exactly these keys", so `actual_seq_lengths_kv`
   covers every mapped page of the sequence and no mask is added.
 - Dense MLA (`"full_attention"` layers) is the same op selecting every key (`paged_dense_mla_npu`), with
   rightDownCausal masking. NoPE models (`qk_rope_head_dim = 0`) pass zero RoPE columns (the op needs 64).
 - The k-pool indexer (GLM-5.3-Flash, docs/dsa.md §9) is the indexer op over the stored pooled keys, one batch entry
   per query (`paged_kpool_indexer_topk_npu`). KDA decode is in kda_device_ops (docs/backends.md §2).
-- Quantized stores (FP8 latent, MXFP8 indexer keys) are refused: the quantized ops read other packed layouts.
+- `kv_cache="fp8"` (E4M3 latent, fp32 scale per 128-wide tile, RoPE part in the model dtype) is what
+  `npu_kv_quant_sparse_flash_attention` (`torch_npu-npu_kv_quant_sparse_flash_attention.md`) reads, packed as one
+  656-byte row per token `[512 E4M3 | 64 RoPE values | 4 fp32 scales]`, key = value `[N, P, 1, 656]`, query
+  `[q_nope | q_rope]` 576 wide, key/value_quant_mode 2 (per tile), tile_size 128, quant_scale_repo_mode 1 (scales
+  stored with the data). The store packs its rows so (`PackedKVRows`). float8_e4m3fn keys are documented for the
+  Ascend 950 only (A2/A3 take int8 keys, a format KDSA has no counterpart of), and there sparse_block_size is 1.
+  The dequantization is `element · scale` per tile (the doc gives `Dequant(K, Scale_K)` only; ours stores
+  multiplying scales).
+- MXFP8 indexer keys are refused: `npu_quant_lightning_indexer` (`torch_npu-npu_quant_lightning_indexer.md`) takes
+  one dequant scale per key row and per query head (quant mode 0, per-token-head), not an E8M0 scale per 32 elements.
+- A decode step's projections run on three streams (`three_stream_prolog`, called from the DSA layer's `project`).
 """
+
+import functools
 
 import torch
 
@@ -49,7 +61,7 @@ from .dsa_paged_ops import (
     _check_sparse_inputs,
     page_geometry,
 )
-from .numeric_formats import QuantizedRows
+from .numeric_formats import PackedKVRows, QuantizedRows, SplitRows
 
 INDEXER_HEAD_DIM = 128  # npu_lightning_indexer: D of query and key
 INDEXER_MAX_HEADS = 64  # npu_lightning_indexer: N1 <= 64 (A2/A3)
@@ -58,6 +70,8 @@ ROPE_DIM = 64  # npu_sparse_flash_attention: D of query_rope and key_rope
 ATTENTION_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)  # npu_sparse_flash_attention: N1
 SPARSE_COUNTS = (*range(1, 2049), 3072, 4096, 5120, 6144, 7168, 8192)  # npu_lightning_indexer: sparse_count
 OP_DTYPES = (torch.bfloat16, torch.float16)
+KV_QUANT_MODE = 2  # npu_kv_quant_sparse_flash_attention: key/value_quant_mode 2 = per-tile
+KV_QUANT_TILE = 128  # npu_kv_quant_sparse_flash_attention: tile_size
 
 
 def torch_npu_module():
@@ -73,11 +87,12 @@ def torch_npu_module():
     return torch_npu
 
 
-def _require_plain(pages, field: str) -> None:
+def _require_plain_index_keys(pages) -> None:
     if isinstance(pages, QuantizedRows):
         raise ValueError(
-            f"kernel_backend='npu' does not read quantized pages ({field} is quantized): torch_npu's quantized indexer "
-            "and attention ops read other packed layouts; use the bf16 cache or another kernel_backend"
+            "kernel_backend='npu' does not read MXFP8 indexer keys (quantization_config.indexer='mxfp8'): torch_npu's "
+            "npu_quant_lightning_indexer takes one dequant scale per key row (per-token-head), not an E8M0 scale per "
+            "32 elements (docs/backends.md §2); use indexer='bf16' or another kernel_backend"
         )
 
 
@@ -110,7 +125,7 @@ def _sparse_count(wanted: int) -> int:
 def _check_indexer_op(q_index: torch.Tensor, pages, num_keys: int, query_start: int) -> None:
     """What npu_lightning_indexer takes (module doc), for the plain and the k-pool indexer; `pages` is the plane the
     op reads as its PA_BSND pool."""
-    _require_plain(pages, "index_cache")
+    _require_plain_index_keys(pages)
     num_queries, num_heads, head_dim = q_index.shape[1:]
     _require(head_dim == INDEXER_HEAD_DIM, f"index_head_dim must be {INDEXER_HEAD_DIM}, got {head_dim}")
     _require(num_heads <= INDEXER_MAX_HEADS, f"index_n_heads must be <= {INDEXER_MAX_HEADS}, got {num_heads}")
@@ -168,30 +183,89 @@ def paged_indexer_topk_npu(
 
 
 def _check_attention_shapes(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_pages) -> int:
-    """What npu_sparse_flash_attention takes (module doc); returns the page size."""
-    _require_plain(kv_pages, "kv_cache")
+    """What npu_sparse_flash_attention (`SplitRows` pages) or npu_kv_quant_sparse_flash_attention (`PackedKVRows`)
+    takes (module doc); returns the page size."""
+    _require(
+        isinstance(kv_pages, (SplitRows, PackedKVRows)),
+        "kv pages must be SplitRows (model dtype) or PackedKVRows (kv_cache='fp8'), the npu store's layouts that the "
+        f"attention ops read in place; got {type(kv_pages).__name__}",
+    )
     latent_width, rope_width, num_heads = q_latent.shape[-1], q_pe.shape[-1], q_latent.shape[2]
     _require(latent_width == LATENT_DIM, f"kv_lora_rank must be {LATENT_DIM}, got {latent_width}")
     _require(rope_width in (0, ROPE_DIM), f"qk_rope_head_dim must be {ROPE_DIM} or 0 (NoPE), got {rope_width}")
     _require(num_heads in ATTENTION_HEADS, f"num_attention_heads must be one of {ATTENTION_HEADS}, got {num_heads}")
     _require(q_latent.dtype in OP_DTYPES, f"attention runs in bf16 or fp16, got {q_latent.dtype}")
-    _require(kv_pages.dtype == q_latent.dtype, f"kv pages {kv_pages.dtype} and queries {q_latent.dtype} must agree")
+    if isinstance(kv_pages, PackedKVRows):
+        _require(
+            rope_width == ROPE_DIM,
+            f"kv_cache='fp8' needs qk_rope_head_dim={ROPE_DIM} (npu_kv_quant_sparse_flash_attention: rope_head_dim "
+            "64 only; a NoPE model's zero RoPE columns would have to be packed into every cached row)",
+        )
+        tile = latent_width // kv_pages.rows().scales.shape[-1]
+        _require(tile == KV_QUANT_TILE, f"kv_cache_tile_size must be {KV_QUANT_TILE} (the op's tile_size), got {tile}")
+    dtype = kv_pages.rope_dtype if isinstance(kv_pages, PackedKVRows) else kv_pages.latent.dtype
+    _require(dtype == q_latent.dtype, f"kv pages {dtype} and queries {q_latent.dtype} must agree")
     page_size = page_geometry(kv_pages)[1]
     _check_page_size(page_size)
     return page_size
 
 
+@functools.lru_cache(maxsize=2)
+def _zero_rope_pages(num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zero key RoPE pool `[N, P, 1, 64]` for NoPE models, made once per pool size (the pool doubles when it grows),
+    not on every call; the last two sizes are kept (an eighth of the latent pool's bytes each)."""
+    return torch.zeros(num_pages, page_size, 1, ROPE_DIM, dtype=dtype, device=device)
+
+
 def _sparse_flash_attention(q_latent, q_pe, kv_pages, block_table, sparse_indices, softmax_scale, **kwargs):
-    """One npu_sparse_flash_attention call in MLA-absorb mode over our `[c | k_pe]` pages: `sparse_indices` int32
+    """One attention op call over the store's pages, read in place: `_kv_quant_sparse_flash_attention` for FP8
+    pages, else npu_sparse_flash_attention (below)."""
+    if isinstance(kv_pages, PackedKVRows):
+        return _kv_quant_sparse_flash_attention(
+            q_latent, q_pe, kv_pages, block_table, sparse_indices, softmax_scale, **kwargs
+        )
+    return _plain_sparse_flash_attention(q_latent, q_pe, kv_pages, block_table, sparse_indices, softmax_scale, **kwargs)
+
+
+def _kv_quant_sparse_flash_attention(q_latent, q_pe, kv_pages, block_table, sparse_indices, softmax_scale, **kwargs):
+    """One npu_kv_quant_sparse_flash_attention call over `PackedKVRows` pages (`kv_cache="fp8"`): key = value = the
+    packed byte rows viewed as float8_e4m3fn `[N, P, 1, 656]` (a free view), query = `[q_latent | q_pe]` 576 wide,
+    per-tile dequantization (quant modes 2, tile_size 128, scales stored with the data: quant_scale_repo_mode 1).
+    The doc says the output has the query's shape, the op's infershape gives D = 512: the first 512 columns are the
+    latent output either way. Returns `[B, T, H, C]`."""
+    torch_npu = torch_npu_module()
+    key = kv_pages.buffer.view(torch.float8_e4m3fn).unsqueeze(2)
+    out = torch_npu.npu_kv_quant_sparse_flash_attention(
+        torch.cat([q_latent, q_pe], dim=-1).contiguous(),
+        key,
+        key,
+        sparse_indices,
+        softmax_scale,
+        KV_QUANT_MODE,
+        KV_QUANT_MODE,
+        block_table=block_table.to(torch.int32).contiguous(),
+        layout_query="BSND",
+        layout_kv="PA_BSND",
+        attention_mode=2,
+        quant_scale_repo_mode=1,
+        tile_size=KV_QUANT_TILE,
+        rope_head_dim=ROPE_DIM,
+        **kwargs,
+    )
+    return out[..., :LATENT_DIM]
+
+
+def _plain_sparse_flash_attention(q_latent, q_pe, kv_pages, block_table, sparse_indices, softmax_scale, **kwargs):
+    """One npu_sparse_flash_attention call in MLA-absorb mode over the store's `SplitRows` pages, read in place: the
+    latent plane `[N, P, C]` and the RoPE plane `[N, P, R]` viewed as the op's PA_BSND pools `[N, P, 1, C]` /
+    `[N, P, 1, R]` (free views of contiguous planes; the op refuses non-contiguous keys). `sparse_indices` int32
     `[B, T, 1, K]`; kwargs: lengths, sparse_block_size, sparse_mode. Returns `[B, T, H, C]`."""
     torch_npu = torch_npu_module()
-    latent_width = q_latent.shape[-1]
-    # The op takes the latent and RoPE pools as separate contiguous tensors (module doc: the copy per call).
-    latent_pages = kv_pages[..., :latent_width].unsqueeze(2).contiguous()
-    rope_pages = kv_pages[..., latent_width:].unsqueeze(2).contiguous()
+    latent_pages = kv_pages.latent.unsqueeze(2)
+    rope_pages = kv_pages.rope.unsqueeze(2)
     if q_pe.shape[-1] == 0:  # NoPE: the op needs a 64-wide RoPE part; zeros add nothing to the scores
         q_pe = q_pe.new_zeros(*q_pe.shape[:-1], ROPE_DIM)
-        rope_pages = kv_pages.new_zeros(*kv_pages.shape[:2], 1, ROPE_DIM)
+        rope_pages = _zero_rope_pages(*latent_pages.shape[:2], latent_pages.dtype, latent_pages.device)
     out, _, _ = torch_npu.npu_sparse_flash_attention(
         q_latent.contiguous(),
         latent_pages,
@@ -267,13 +341,15 @@ def paged_dense_mla_npu(
         f"queries at {query_start}..{num_visible - 1} must lie inside the {num_keys} cached keys",
     )
     device = q_latent.device
-    if key_padding_mask is None:
+    if key_padding_mask is None and not isinstance(kv_pages, PackedKVRows):
         _require(page_size <= 128 and page_size & (page_size - 1) == 0, f"page size {page_size}: a power of 2 <= 128")
         block = page_size
         selection = torch.arange(-(-num_visible // page_size), device=device).expand(batch, -1)
     else:
-        block = 1
-        real = key_padding_mask[:, :num_visible].bool()
+        block = 1  # also for FP8 pages: the KV-quant op takes sparse_block_size 1 only on the 950 (its fp8 keys)
+        real = torch.ones(batch, num_visible, dtype=torch.bool, device=device)
+        if key_padding_mask is not None:
+            real = key_padding_mask[:, :num_visible].bool()
         positions = (~real).to(torch.int8).argsort(dim=-1, stable=True)  # real keys first, ascending
         selection = positions.masked_fill(~real.gather(1, positions), -1)
     sparse_indices = selection[:, None, None, :].expand(-1, num_queries, 1, -1).to(torch.int32).contiguous()
@@ -345,10 +421,74 @@ def paged_kpool_indexer_topk_npu(
     return kpool_expand(pool_ends, kpool, query_start, origin, select_tail)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Three-stream prolog of a DSA decode step (docs/backends.md §2)
+#
+# As the CANN recipe's DeepSeek-V3.2 decode (hicann/cann-recipes-infer, models/deepseek_v3_2_exp/models/indexer.py):
+# the indexer's query branch (wq_b + RoPE) on one side stream, its head-weights projection on another, the keys on
+# the main stream, ordered by events. Stream semantics (Ascend/pytorch torch_npu/npu/streams.py, as torch.cuda's):
+# `Stream.wait_event(e)` makes the work submitted to the stream afterwards wait for the work `e` captured when it was
+# recorded. Allocator safety (PyTorch's CUDA semantics, "use of multiple streams"): memory is reused per allocating
+# stream, so a tensor used on another stream than the one that allocated it is marked with `record_stream` there.
+
+_PROLOG_STREAMS: dict[str, tuple] = {}
+
+
+def _prolog_streams(device: torch.device) -> tuple:
+    """The two side streams of the prolog on `device`, created once per device."""
+    key = str(device)
+    if key not in _PROLOG_STREAMS:
+        _PROLOG_STREAMS[key] = (torch.npu.Stream(device), torch.npu.Stream(device))
+    return _PROLOG_STREAMS[key]
+
+
+def _event_on(stream):
+    event = torch.npu.Event()
+    event.record(stream)
+    return event
+
+
+def three_stream_prolog(layer, hidden_states: torch.Tensor, position_embeddings):
+    """The projections of `KDSASparseAttention.project` (same values, same return) with the indexer's query branch
+    and head weights on side streams: the weights stream starts once `hidden_states` is ready, the query stream
+    once the MLA query latent is; the main stream computes the MLA queries, the latent and the indexer key
+    meanwhile, and waits for both side streams before returning their outputs."""
+    indexer = layer.indexer
+    main = torch.npu.current_stream(hidden_states.device)
+    query_stream, weights_stream = _prolog_streams(hidden_states.device)
+    rope = () if position_embeddings is None else tuple(position_embeddings)
+
+    inputs_ready = _event_on(main)
+    hidden_states.record_stream(weights_stream)
+    with torch.npu.stream(weights_stream):
+        weights_stream.wait_event(inputs_ready)
+        weights = indexer.project_weights(hidden_states)
+        weights_done = _event_on(weights_stream)
+
+    q_nope, q_pe, query_input = layer.project_queries(hidden_states, position_embeddings)
+    query_ready = _event_on(main)
+    for tensor in (query_input, *rope):
+        tensor.record_stream(query_stream)
+    with torch.npu.stream(query_stream):
+        query_stream.wait_event(query_ready)
+        q_index = indexer.project_query(query_input, position_embeddings)
+        query_done = _event_on(query_stream)
+
+    latent, k_pe = layer.project_latent(hidden_states, position_embeddings)
+    k_index = indexer.project_key(hidden_states, position_embeddings)
+
+    main.wait_event(weights_done)
+    main.wait_event(query_done)
+    weights.record_stream(main)
+    q_index.record_stream(main)
+    return q_nope, q_pe, latent, k_pe, (q_index, weights, k_index)
+
+
 __all__ = [
     "paged_dense_mla_npu",
     "paged_indexer_topk_npu",
     "paged_kpool_indexer_topk_npu",
     "paged_sparse_mla_npu",
+    "three_stream_prolog",
     "torch_npu_module",
 ]

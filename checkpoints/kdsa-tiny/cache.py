@@ -34,15 +34,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCach
 from .configuration_kdsa import DSA_LAYER, MLA_LAYER
 from .dsa_ops import kpool_keys, kpool_origin
 from .dsa_paged_ops import read_rows
-from .kernels import KernelSet, kernel_set
-from .numeric_formats import CacheFormats, QuantizedRows
+from .kernels import KernelSet, kernel_set, resolve_kernel_backend
+from .numeric_formats import PLANAR_ROWS, CacheFormats, PackedKVRows, SplitRows, stored_planes
 
 PAGE_SIZE = 64  # tokens per page: the CUDA DSA kernels' block size (docs/dsa.md §4)
 
 
-def _planes(pages) -> tuple[torch.Tensor, ...]:
-    """The tensors a store is made of: one for model-dtype pages, three for `QuantizedRows`."""
-    return tuple(pages) if isinstance(pages, QuantizedRows) else (pages,)
+_planes = stored_planes  # the tensors a store is made of
 
 
 def _bytes_view(plane: torch.Tensor) -> torch.Tensor:
@@ -53,14 +51,15 @@ def _bytes_view(plane: torch.Tensor) -> torch.Tensor:
 
 def _map_planes(pages, function):
     """`function` applied to every plane, same container type back."""
-    return pages.map(function) if isinstance(pages, QuantizedRows) else function(pages)
+    return pages.map(function) if isinstance(pages, PLANAR_ROWS) else function(pages)
 
 
 class KDSAPagedMLALayer(CacheLayerMixin):
     """Paged latent store of one dense MLA layer (`"full_attention"`, docs/dsa.md §8); the base of the DSA store.
 
     kv_pages: `[P, page_size, C + R]` rows `[normalised latent c | k_pe]` — a model-dtype tensor, or `QuantizedRows` of
-    that geometry when `formats` quantizes it (module doc); block_table: int64 `[B, pages per sequence]` (-1 =
+    that geometry when `formats` quantizes it (module doc); on the `npu` backend `SplitRows` / `PackedKVRows` instead
+    (`_encode_kv`); block_table: int64 `[B, pages per sequence]` (-1 =
     unused), `num_tokens`: cached tokens per sequence. Physical pages come from a pool that doubles when it runs out;
     `page_refcount[p]` counts the block-table entries pointing at page `p`. `latent_width` (C) is the part of a kv
     row that `kv_cache="fp8"` quantizes; the rest (RoPE slice) stays in the model dtype. Subclasses add planes of
@@ -134,7 +133,18 @@ class KDSAPagedMLALayer(CacheLayerMixin):
 
     def _encode(self, kv_rows: torch.Tensor) -> tuple:
         """Rows `[..., C + R]` in the stored format (a tensor or `QuantizedRows`), one entry per store."""
-        return (self.formats.encode_kv_rows(kv_rows.to(self.dtype), self.latent_width),)
+        return (self._encode_kv(kv_rows),)
+
+    def _encode_kv(self, kv_rows: torch.Tensor):
+        """Latent rows in the stored format. The `npu` backend keeps them in the layouts torch_npu's attention ops read
+        in place (docs/backends.md §2): model-dtype rows as `SplitRows` (latent and RoPE planes, two contiguous page
+        pools), FP8 rows as `PackedKVRows` (one packed byte row per token). Other backends: one plane per part."""
+        rows = kv_rows.to(self.dtype)
+        if resolve_kernel_backend(self.kernel_backend, self.device) != "npu":
+            return self.formats.encode_kv_rows(rows, self.latent_width)
+        if self.formats.kv_cache == "bf16":
+            return SplitRows(rows[..., : self.latent_width], rows[..., self.latent_width :])
+        return PackedKVRows.pack(self.formats.encode_kv_rows(rows, self.latent_width))
 
     def _bind_kernels(self, kernels: KernelSet) -> None:
         self.dense_kernel = kernels.require("dense_mla")
@@ -386,10 +396,7 @@ class KDSAPagedLayer(KDSAPagedMLALayer):
 
     def _encode(self, kv_rows: torch.Tensor, index_keys: torch.Tensor) -> tuple:
         """Rows `[..., C + R]` and keys `[..., DI]` in the stored formats (tensors or `QuantizedRows`)."""
-        return (
-            self.formats.encode_kv_rows(kv_rows.to(self.dtype), self.latent_width),
-            self.formats.encode_index_keys(index_keys.to(self.dtype)),
-        )
+        return self._encode_kv(kv_rows), self.formats.encode_index_keys(index_keys.to(self.dtype))
 
     def _bind_kernels(self, kernels: KernelSet) -> None:
         super()._bind_kernels(kernels)

@@ -34,6 +34,7 @@ from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter, load_balancing_l
 from .norms import KDSARMSNorm
 from .numeric_formats import mxfp4_quantize
 from .rotary import KDSARotaryEmbedding
+from .sequence_parallel import SequenceParallelContext
 from .static_cache import KDSAStaticCache
 
 logger = logging.get_logger(__name__)
@@ -100,6 +101,7 @@ class KDSADecoderLayer(GradientCheckpointingLayer):
         topk_indices: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
         output_router_logits: bool = False,
+        sequence_parallel: SequenceParallelContext | None = None,
     ) -> tuple[
         PlainResidualStream | BlockAttnResStream | HyperConnectionStream,
         torch.Tensor,
@@ -109,7 +111,8 @@ class KDSADecoderLayer(GradientCheckpointingLayer):
         """Advance `stream` by this layer's two sublayers. `attention_mask`: 2-D `[B, S]` padding mask over all keys
         (past + current; with a `KDSAStaticCache`, `[B, capacity]`) or None when nothing is padded. `topk_indices`:
         the previous layer's DSA selection, for a shared-indexer layer. `token_mask`: `[B, T]`, the mask of the current
-        tokens (default: the last T columns of `attention_mask`).
+        tokens (default: the last T columns of `attention_mask`). `sequence_parallel`: handed to the token mixer
+        (docs/parallel.md §7).
 
         Returns `(stream, layer_input, handed_over, router_logits)`: the advanced stream (the same object, or under
         gradient checkpointing an advanced copy), the stream value this layer read (its token mixer's input before
@@ -127,7 +130,9 @@ class KDSADecoderLayer(GradientCheckpointingLayer):
             current_mask = token_mask
             if current_mask is None and attention_mask is not None:
                 current_mask = attention_mask[:, -hidden_states.shape[1] :]
-            mixed = self.linear_attn(hidden_states, attention_mask=current_mask, cache=cache)
+            mixed = self.linear_attn(
+                hidden_states, attention_mask=current_mask, cache=cache, sequence_parallel=sequence_parallel
+            )
         else:
             # The model's RoPE table may exist for other layers (a DSA indexer) while this one rotates nothing.
             if not self.self_attn.uses_position_embeddings:
@@ -143,6 +148,7 @@ class KDSADecoderLayer(GradientCheckpointingLayer):
                 position_embeddings=position_embeddings,
                 attention_mask=attention_mask,
                 cache=cache,
+                sequence_parallel=sequence_parallel,
                 **selection,
             )
         handed_over = None
@@ -289,13 +295,18 @@ class KDSAModel(KDSAPreTrainedModel):
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         output_router_logits: bool | None = None,
+        sequence_parallel: SequenceParallelContext | None = None,
         **kwargs,
     ) -> MoeModelOutputWithPast:
         """`output_hidden_states`: the embeddings, then each layer's input as it reads it from the residual stream
         (with Block AttnRes: its depth-attended input), then the final normed output: `num_hidden_layers + 1`
         tensors, transformers' convention. `output_attentions` is refused: KDA and DSA form no attention matrix.
         `output_router_logits` (default `config.output_router_logits`): `router_logits`, one `[B·T, E]` fp32 tensor
-        per MoE layer, in layer order (dense-MLP layers have none)."""
+        per MoE layer, in layer order (dense-MLP layers have none).
+
+        `sequence_parallel` (context parallelism, docs/parallel.md §7): the input is this process's share of a
+        sequence that starts here; positions, padding slots and the cross-token steps of the layers come from it, the
+        outputs are the local tokens'. Only with an empty `KDSACache` (or none) and no `attention_mask`."""
         output_router_logits = (
             self.config.output_router_logits if output_router_logits is None else output_router_logits
         )
@@ -350,6 +361,12 @@ class KDSAModel(KDSAPreTrainedModel):
                 )
             )
         token_mask = None
+        if sequence_parallel is not None:
+            self._check_sequence_parallel(sequence_parallel, seq_len, attention_mask, position_ids, cache)
+            # Cache and positions count the whole sequence; KDA runs the padding slots as identity steps.
+            token_mask = sequence_parallel.token_mask()[None].expand(batch_size, -1)
+            position_ids = sequence_parallel.positions.clamp(min=0)[None].expand(batch_size, -1)  # padding: any
+            seq_len = sequence_parallel.seq_len
         internal_cache = cache is None and torch.compiler.is_exporting()
         if internal_cache:
             # torch.export: a cache-less forward stages MLA keys in a paged store whose allocator is host code; a
@@ -399,6 +416,7 @@ class KDSAModel(KDSAPreTrainedModel):
                 topk_indices=topk_indices,
                 token_mask=token_mask,
                 output_router_logits=output_router_logits,
+                sequence_parallel=sequence_parallel,
             )
             if output_hidden_states:
                 all_hidden_states.append(layer_input)
@@ -427,6 +445,23 @@ class KDSAModel(KDSAPreTrainedModel):
                 embeddings, block_size=self.config.attn_res_block_size, depth_attns=depth_attentions, two_phase=True
             )
         return PlainResidualStream(embeddings)
+
+    @staticmethod
+    def _check_sequence_parallel(sequence_parallel, local_len: int, attention_mask, position_ids, cache) -> None:
+        """What a sequence-parallel forward cannot take (docs/parallel.md §7): it starts a sequence without padding."""
+        if sequence_parallel.positions.numel() != local_len:
+            raise ValueError(
+                f"sequence_parallel holds {sequence_parallel.positions.numel()} local tokens, the input has {local_len}"
+            )
+        if attention_mask is not None or position_ids is not None:
+            raise ValueError(
+                "sequence_parallel takes no attention_mask or position_ids: positions and padding slots come from it"
+            )
+        if isinstance(cache, KDSAStaticCache) or (cache is not None and cache.get_seq_length() != 0):
+            raise ValueError(
+                "sequence_parallel needs an empty KDSACache or none (it starts a sequence; the fixed-capacity "
+                "KDSAStaticCache is not supported)"
+            )
 
     @staticmethod
     def _padding_mask(attention_mask: torch.Tensor | None, batch_size: int, total_len: int) -> torch.Tensor | None:
