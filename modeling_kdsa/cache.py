@@ -34,8 +34,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCach
 from .configuration_kdsa import DSA_LAYER, MLA_LAYER
 from .dsa_ops import kpool_keys, kpool_origin
 from .dsa_paged_ops import read_rows
-from .kernels import KernelSet, kernel_set, resolve_kernel_backend
-from .numeric_formats import PLANAR_ROWS, CacheFormats, PackedKVRows, SplitRows, stored_planes
+from .kernels import KernelSet, kernel_set
+from .numeric_formats import PLANAR_ROWS, CacheFormats, stored_planes
 
 PAGE_SIZE = 64  # tokens per page: the CUDA DSA kernels' block size (docs/dsa.md §4)
 
@@ -59,7 +59,7 @@ class KDSAPagedMLALayer(CacheLayerMixin):
 
     kv_pages: `[P, page_size, C + R]` rows `[normalised latent c | k_pe]` — a model-dtype tensor, or `QuantizedRows` of
     that geometry when `formats` quantizes it (module doc); on the `npu` backend `SplitRows` / `PackedKVRows` instead
-    (`_encode_kv`); block_table: int64 `[B, pages per sequence]` (-1 =
+    (the backend's `kv_store`, `_encode_kv`); block_table: int64 `[B, pages per sequence]` (-1 =
     unused), `num_tokens`: cached tokens per sequence. Physical pages come from a pool that doubles when it runs out;
     `page_refcount[p]` counts the block-table entries pointing at page `p`. `latent_width` (C) is the part of a kv
     row that `kv_cache="fp8"` quantizes; the rest (RoPE slice) stays in the model dtype. Subclasses add planes of
@@ -136,17 +136,13 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         return (self._encode_kv(kv_rows),)
 
     def _encode_kv(self, kv_rows: torch.Tensor):
-        """Latent rows in the stored format. The `npu` backend keeps them in the layouts torch_npu's attention ops read
-        in place (docs/backends.md §2): model-dtype rows as `SplitRows` (latent and RoPE planes, two contiguous page
-        pools), FP8 rows as `PackedKVRows` (one packed byte row per token). Other backends: one plane per part."""
-        rows = kv_rows.to(self.dtype)
-        if resolve_kernel_backend(self.kernel_backend, self.device) != "npu":
-            return self.formats.encode_kv_rows(rows, self.latent_width)
-        if self.formats.kv_cache == "bf16":
-            return SplitRows(rows[..., : self.latent_width], rows[..., self.latent_width :])
-        return PackedKVRows.pack(self.formats.encode_kv_rows(rows, self.latent_width))
+        """Latent rows in the layout of the backend's attention kernels (its `kv_store`): one plane per part, or on
+        the `npu` backend the layouts torch_npu's ops read in place (`SplitRows`, `PackedKVRows`; docs/backends.md
+        §2)."""
+        return self.kv_store(self.formats, kv_rows.to(self.dtype), self.latent_width)
 
     def _bind_kernels(self, kernels: KernelSet) -> None:
+        self.kv_store = kernels.require("kv_store")
         self.dense_kernel = kernels.require("dense_mla")
         self.sparse_kernel = kernels.require("sparse_mla")
 
@@ -160,13 +156,13 @@ class KDSAPagedMLALayer(CacheLayerMixin):
     def lazy_initialization(self, *rows: torch.Tensor) -> None:
         batch_size = rows[0].shape[0]
         self.dtype, self.device = rows[0].dtype, rows[0].device
+        self._bind_kernels(kernel_set(self.kernel_backend, self.device))  # first: the kernels choose the layout
         # Empty pools in the stored formats: encoding zero rows gives every plane its dtype and width.
         widths = zip(rows, self.row_widths, strict=True)
         empty = self._encode(*(row.new_zeros(0, self.page_size, width) for row, width in widths))
         for name, store in zip(self.store_names, empty, strict=True):
             setattr(self, name, store)
         self.block_table = torch.full((batch_size, 0), -1, dtype=torch.long, device=self.device)
-        self._bind_kernels(kernel_set(self.kernel_backend, self.device))
         self.is_initialized = True
 
     @property

@@ -7,19 +7,22 @@ file there) and is skipped otherwise; `compiled` compiles each kernel (slow). In
 A kernel a backend does not implement (None) must be refused by name; a backend kernel must call its device op
 (the fake records the torch_npu ops it runs)."""
 
+import contextlib
 import importlib.util
 import os
 
 import fake_torch_npu
 import pytest
 import torch
+from conftest import tiny_model
 from test_dsa_paged_ops import left_padding, paged
 
 from modeling_kdsa import dsa_ops, kda_ops
 from modeling_kdsa.cache import KDSAPagedKPoolLayer
 from modeling_kdsa.configuration_kdsa import KERNEL_BACKENDS
+from modeling_kdsa.dsa_paged_ops import read_pages
 from modeling_kdsa.kernels import BACKEND_NAMES, KERNEL_NAMES, TORCH_KERNELS, kernel_set, resolve_kernel_backend
-from modeling_kdsa.numeric_formats import SplitRows
+from modeling_kdsa.numeric_formats import CacheFormats, SplitRows
 
 INDEX_DIM, LATENT, ROPE, PAGE = 128, 512, 64, 16
 BF16_REL_FRO = 8e-3  # bf16 attention outputs against the reference on the same bf16 values (a few roundings)
@@ -105,7 +108,7 @@ def test_every_config_backend_is_registered_and_fields_default_to_the_torch_refe
     assert TORCH_KERNELS.kda_chunk is kda_ops.chunk_kda and TORCH_KERNELS.kda_recurrent is kda_ops.recurrent_kda
     assert set(KERNEL_NAMES) == {
         "indexer_topk", "sparse_mla", "kpool_indexer_topk", "dense_mla", "kda_chunk", "kda_recurrent",
-        "static_indexer_topk", "static_sparse_mla", "static_dense_mla",
+        "static_indexer_topk", "static_sparse_mla", "static_dense_mla", "kv_store", "dsa_decode_prolog",
     }  # fmt: skip
     with pytest.raises(ValueError, match="unknown kernel_backend 'cuda'"):
         kernel_set("cuda")
@@ -292,3 +295,33 @@ def test_static_kernels(kernels):
         )
         got = run(kernels, "static_dense_mla", q_latent, q_pe, kv_pages, table, *lengths, 0.3, padding)
         torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
+def test_kv_store(kernels, kv_cache):
+    """The layout a backend's store keeps kv rows in reads back as the rows the reference stores (bf16: the rows
+    themselves; fp8: the same tile-quantized values)."""
+    rows = torch.randn(2, PAGE, LATENT + ROPE, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    formats = CacheFormats(kv_cache=kv_cache)
+    stored = run(kernels, "kv_store", formats, rows, LATENT)
+    expected = TORCH_KERNELS.kv_store(formats, rows, LATENT)
+    as_rows = read_pages(stored, torch.arange(2), torch.float32)
+    assert torch.equal(as_rows, read_pages(expected, torch.arange(2), torch.float32))
+
+
+@torch.no_grad()
+def test_dsa_decode_prolog(kernels):
+    """A DSA decode step's projections (on the npu backend on three streams, under the fake's stream checks): the
+    values of the in-order projections."""
+    model = tiny_model(
+        seed=5, kernel_backend=kernels.name, num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
+        attn_res_block_size=0, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE, index_head_dim=INDEX_DIM, index_n_heads=16,
+    ).to(torch.bfloat16)  # fmt: skip
+    layer = model.model.layers[1].self_attn
+    hidden = torch.randn(2, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+    position_embeddings = model.model.rotary_emb(hidden, torch.tensor([[70], [70]]))
+    expected = TORCH_KERNELS.dsa_decode_prolog(layer, hidden, position_embeddings)
+    with fake_torch_npu.check_streams() if kernels.name == "npu" else contextlib.nullcontext():
+        got = run(kernels, "dsa_decode_prolog", layer, hidden, position_embeddings)
+        for got_tensor, expected_tensor in zip([*got[:4], *got[4]], [*expected[:4], *expected[4]], strict=True):
+            assert torch.equal(got_tensor, expected_tensor)

@@ -16,7 +16,7 @@ from conftest import tiny_config, tiny_model
 from modeling_kdsa.parallel import context_parallel_prefill, single_process_mesh
 from test_dsa_paged_ops import left_padding, paged
 
-from modeling_kdsa import dsa, dsa_ops, kda_device_ops, kda_ops, kernels, npu_kernels, triton_kernels
+from modeling_kdsa import dsa_ops, kda_device_ops, kda_ops, kernels, npu_kernels, triton_kernels
 from modeling_kdsa.cache import KDSACache, KDSAPagedLayer
 from modeling_kdsa.dsa_paged_ops import gather_pages, paged_indexer_topk_fused
 from modeling_kdsa.kernels import kernel_set
@@ -472,18 +472,20 @@ def test_decode_steps_run_the_prolog_on_streams(npu):
     prompt = torch.randint(3, 128, (2, 20), generator=generator)
     kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
     calls = []
-    original = npu_kernels.three_stream_prolog
+    original = kernels._npu_kernels().dsa_decode_prolog
 
     def counted(layer, hidden, position_embeddings):
         calls.append(hidden.shape[1])
         return original(layer, hidden, position_embeddings)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dsa, "three_stream_prolog", counted)
+        counting = dataclasses.replace(kernels._npu_kernels(), dsa_decode_prolog=counted)
+        patch.setitem(kernels._BACKENDS, "npu", lambda: counting)
         model = npu_shaped_model("npu")
         with fake_torch_npu.check_streams():
             got = model.generate(prompt, cache=KDSACache(model.config), **kwargs)
     assert calls == [1, 1]  # the two decode steps of the one DSA layer; the prefill runs on one stream
+    assert npu_kernels._PROLOG_STREAMS  # the registered prolog is the three-stream one: it made its side streams
     cpu_model = npu_shaped_model("cpu")
     assert torch.equal(got, cpu_model.generate(prompt, cache=KDSACache(cpu_model.config), **kwargs))
 

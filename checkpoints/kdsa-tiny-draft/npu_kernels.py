@@ -484,7 +484,17 @@ def three_stream_prolog(layer, hidden_states: torch.Tensor, position_embeddings)
     return q_nope, q_pe, latent, k_pe, (q_index, weights, k_index)
 
 
+def npu_kv_store(formats, kv_rows: torch.Tensor, latent_width: int):
+    """kv rows `[..., C + R]` in the layouts torch_npu's attention ops read in place (docs/backends.md §2):
+    model-dtype rows as `SplitRows` (latent and RoPE planes, two contiguous page pools), FP8 rows as `PackedKVRows`
+    (one packed byte row per token)."""
+    if formats.kv_cache == "bf16":
+        return SplitRows(kv_rows[..., :latent_width], kv_rows[..., latent_width:])
+    return PackedKVRows.pack(formats.encode_kv_rows(kv_rows, latent_width))
+
+
 __all__ = [
+    "npu_kv_store",
     "paged_dense_mla_npu",
     "paged_indexer_topk_npu",
     "paged_kpool_indexer_topk_npu",

@@ -137,6 +137,7 @@ class _StaticPagedMixin:
     def lazy_initialization(self, *rows: torch.Tensor) -> None:
         batch_size = rows[0].shape[0]
         self.dtype, self.device = rows[0].dtype, rows[0].device
+        self._bind_kernels(kernel_set(self.kernel_backend, self.device))  # first: the kernels choose the layout
         num_pages = batch_size * self.pages_per_sequence
         widths = zip(rows, self.row_widths, strict=True)
         pools = self._encode(*(row.new_zeros(num_pages, self.page_size, width) for row, width in widths))
@@ -148,7 +149,6 @@ class _StaticPagedMixin:
         for tensor in (*self._all_planes(), self.block_table, self.num_tokens):
             _mark_static(tensor)
         self.page_refcount = [1] * num_pages
-        self._bind_kernels(kernel_set(self.kernel_backend, self.device))
         self.is_initialized = True
 
     def _bind_kernels(self, kernels: KernelSet) -> None:

@@ -13,6 +13,10 @@ Kernels and their contracts:
   `kda_ops.chunk_kda` / `kda_ops.recurrent_kda`, docs/kda.md §3, §5).
 - `static_indexer_topk`, `static_sparse_mla`, `static_dense_mla`: the fixed-shape reads of a compiled static-cache
   step (`dsa_paged_ops.static_*`, docs/graph-mode.md §3); the torch ones for every backend so far.
+- `kv_store`: the layout the paged store keeps kv rows in, the one its attention kernels read
+  (`(formats, kv_rows, latent_width) -> stored rows`).
+- `dsa_decode_prolog`: the projections of a DSA decode step (`(layer, hidden_states, position_embeddings)`, the
+  values of `KDSASparseAttention.project`), in order by default, on several streams on a device.
 """
 
 import dataclasses
@@ -40,6 +44,18 @@ from .dsa_paged_ops import (
 from .kda_ops import chunk_kda, recurrent_kda
 
 
+def rows_kv_store(formats, kv_rows: torch.Tensor, latent_width: int):
+    """kv rows `[..., C + R]` as the paged store keeps them for the kernels that read them: one plane per part
+    (`CacheFormats.encode_kv_rows`: the rows, or the quantized planes)."""
+    return formats.encode_kv_rows(kv_rows, latent_width)
+
+
+def in_order_prolog(layer, hidden_states: torch.Tensor, position_embeddings):
+    """A DSA decode step's projections, one after the other on the current stream (`KDSASparseAttention.project`'s
+    in-order path)."""
+    return layer.project_in_order(hidden_states, position_embeddings)
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelSet:
     """The kernels of one backend (`name`); None = not implemented by this backend."""
@@ -54,6 +70,8 @@ class KernelSet:
     static_indexer_topk: Callable | None = static_indexer_topk
     static_sparse_mla: Callable | None = static_sparse_mla
     static_dense_mla: Callable | None = static_dense_mla
+    kv_store: Callable | None = rows_kv_store
+    dsa_decode_prolog: Callable | None = in_order_prolog
 
     def require(self, kernel: str) -> Callable:
         """The kernel named `kernel` (a field name); ValueError when this backend does not implement it."""
@@ -100,6 +118,8 @@ def _npu_kernels() -> KernelSet:
         dense_mla=npu_kernels.paged_dense_mla_npu,
         # kda_chunk stays the torch reference: torch_npu's chunked gated delta rule takes a per-head decay only.
         kda_recurrent=kda_device_ops.npu_recurrent_kda,
+        kv_store=npu_kernels.npu_kv_store,
+        dsa_decode_prolog=npu_kernels.three_stream_prolog,
     )
 
 
@@ -159,6 +179,8 @@ __all__ = [
     "KERNEL_NAMES",
     "KernelSet",
     "TORCH_KERNELS",
+    "in_order_prolog",
     "kernel_set",
     "resolve_kernel_backend",
+    "rows_kv_store",
 ]
