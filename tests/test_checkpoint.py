@@ -71,7 +71,8 @@ def test_tokenizer_round_trips_words(tokenizer):
     text = "pairs k1 v5 k127 v63 ? k127"
     ids = tokenizer(text).input_ids
     assert ids == [synthetic.VOCAB.index(w) for w in text.split()]  # one word, one token, no BOS
-    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(ids) == " " + text  # every word carries its leading space (eval/synthetic.py)
+    assert tokenizer.decode(ids[3:]) == " " + " ".join(text.split()[3:])
     assert len(tokenizer) == len(synthetic.VOCAB)
 
 
@@ -92,7 +93,7 @@ def test_generate_answers_a_recall_question(model, tokenizer):
     doc = load_docs("recall_far")[0]
     ids = tokenizer(doc["context"], return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=model.config.pad_token_id)
-    assert tokenizer.decode(out[0, ids.shape[1] :]) == doc["target"]
+    assert tokenizer.decode(out[0, ids.shape[1] :]) == " " + doc["target"]
 
 
 def test_resaved_folder_loads_with_remote_code_where_the_package_is_missing(model, tokenizer, tmp_path):

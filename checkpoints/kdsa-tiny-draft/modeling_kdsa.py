@@ -7,6 +7,7 @@ depth attention in `attn_res.py` (docs/attn-res.md), the hyper-connections in `h
 (docs/hyper-connections.md). docs/design.md §2.
 """
 
+import copy
 import json
 import math
 import os
@@ -35,6 +36,7 @@ from .norms import KDSARMSNorm
 from .numeric_formats import mxfp4_quantize
 from .rotary import KDSARotaryEmbedding
 from .static_cache import KDSAStaticCache
+from .stop_strings import VocabularyProbeStopStringCriteria, stop_string_probe
 
 logger = logging.get_logger(__name__)
 
@@ -514,6 +516,21 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
                 "has no FP8 weights. Load the folder with fp8_weights='dequantize' (the default) to save it"
             )
         return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def _get_stopping_criteria(self, generation_config, stopping_criteria, tokenizer=None):
+        """transformers' criteria, with `stop_strings` matched through `VocabularyProbeStopStringCriteria` when the
+        tokenizer cannot spell transformers' probe text (word-level vocabularies such as the shipped checkpoints';
+        stop_strings.py)."""
+        probe = None
+        if generation_config.stop_strings is not None and tokenizer is not None:
+            probe = stop_string_probe(tokenizer)
+        if probe is None:
+            return super()._get_stopping_criteria(generation_config, stopping_criteria, tokenizer)
+        without_stop_strings = copy.copy(generation_config)
+        without_stop_strings.stop_strings = None
+        criteria = super()._get_stopping_criteria(without_stop_strings, stopping_criteria, tokenizer)
+        criteria.append(VocabularyProbeStopStringCriteria(tokenizer, generation_config.stop_strings, probe))
+        return criteria
 
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
