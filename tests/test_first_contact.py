@@ -270,6 +270,27 @@ def test_fp32_strict_modules_are_fp32_under_a_half_default_dtype():
 
 
 @pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (dict(), {"attention_res", "mlp_res", "output_attn_res"}),
+        (dict(attn_res_block_size=0), set()),
+        (dict(attn_res_block_size=0, hc_mult=4), {"attn_hc.base", "attn_hc.scale", "ffn_hc.base", "ffn_hc.scale"}),
+    ],
+    ids=["attn_res", "plain", "mhc"],
+)
+def test_fp32_strict_entries_each_name_a_parameter_of_the_model(overrides, expected):
+    """transformers' convention (its common model tests check it): every `_keep_in_fp32_modules_strict` entry names
+    a module of the built model; the stream-specific entries appear exactly with their stream."""
+    base = {"A_log", "dt_bias", "indexer.weights_proj", "mlp.gate.weight", "e_score_correction_bias"}
+    for model in (tiny_model(**overrides), tiny_model(**overrides).model):
+        names = [name for name, _ in model.state_dict().items()]
+        strict = model._keep_in_fp32_modules_strict
+        assert strict == base | expected
+        for entry in strict:
+            assert any(re.search(rf"(?:^|\.){re.escape(entry)}(?:\.|$)", name) for name in names), entry
+
+
+@pytest.mark.parametrize(
     "rope_parameters",
     [
         dict(rope_type="linear", factor=2.0, rope_theta=10000.0),

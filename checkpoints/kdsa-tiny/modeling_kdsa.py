@@ -11,6 +11,7 @@ import copy
 import json
 import math
 import os
+import re
 
 import torch
 from torch import nn
@@ -194,6 +195,18 @@ class KDSAPreTrainedModel(PreTrainedModel):
         "ffn_hc.base",
         "ffn_hc.scale",
     ]
+
+    def post_init(self):
+        """transformers' post_init, then `_keep_in_fp32_modules_strict` narrowed to the entries this configuration
+        builds: the class lists every optional component's fp32 parameters (mHC, AttnRes), and transformers expects
+        each entry to name a module of the model (matched as its loader matches them: a dotted name component)."""
+        super().post_init()
+        names = [name for name, _ in self.named_parameters()] + [name for name, _ in self.named_buffers()]
+        self._keep_in_fp32_modules_strict = {
+            entry
+            for entry in self._keep_in_fp32_modules_strict
+            if any(re.search(rf"(?:^|\.){re.escape(entry)}(?:\.|$)", name) for name in names)
+        }
 
     def _set_gradient_checkpointing(
         self, enable: bool = True, gradient_checkpointing_func=checkpoint, every_n_layers: int = 1
