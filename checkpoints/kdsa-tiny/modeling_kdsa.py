@@ -376,8 +376,7 @@ class KDSAModel(KDSAPreTrainedModel):
             attention_mask = self._static_padding_mask(attention_mask, batch_size, cache.capacity)
             past_len = cache.begin_forward(seq_len, device=inputs_embeds.device)
             if attention_mask is not None:
-                current = past_len + torch.arange(seq_len, device=inputs_embeds.device)
-                token_mask = attention_mask.gather(1, current.expand(batch_size, -1))
+                token_mask = self._static_token_mask(attention_mask, past_len, seq_len)
         else:
             past_len = cache.get_seq_length() if cache is not None else 0
             if past_len + seq_len > self.config.max_position_embeddings:
@@ -463,6 +462,13 @@ class KDSAModel(KDSAPreTrainedModel):
             # mask changes no value; docs/graph-mode.md §1).
             return attention_mask
         return None if bool(attention_mask.all()) else attention_mask
+
+    @staticmethod
+    def _static_token_mask(padded_mask: torch.Tensor, past_len: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """The current tokens' columns `[B, T]` of a capacity-padded mask; `past_len` is the 0-d count before them
+        (a tensor: no host sync)."""
+        current = past_len + torch.arange(seq_len, device=padded_mask.device)
+        return padded_mask.gather(1, current.expand(padded_mask.shape[0], -1))
 
     @staticmethod
     def _static_padding_mask(
@@ -671,10 +677,13 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         aux_loss = None
         if output_router_logits:
-            token_mask = None
-            if attention_mask is not None and not isinstance(cache, KDSAStaticCache):
-                # The current tokens' columns (a KDSAStaticCache's mask is padded to its capacity: all tokens count).
-                token_mask = attention_mask[:, -hidden_states.shape[1] :]
+            token_mask, seq_len = None, hidden_states.shape[1]
+            if attention_mask is not None and isinstance(cache, KDSAStaticCache):
+                # The mask is padded to the capacity: the current tokens sit after the count the forward started at.
+                padded = self.model._static_padding_mask(attention_mask, attention_mask.shape[0], cache.capacity)
+                token_mask = self.model._static_token_mask(padded, cache.get_seq_length() - seq_len, seq_len)
+            elif attention_mask is not None:
+                token_mask = attention_mask[:, -seq_len:]
             aux_loss = load_balancing_loss(outputs.router_logits, self.config.num_experts_per_tok, token_mask)
             if loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
