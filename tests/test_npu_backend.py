@@ -706,6 +706,7 @@ def test_npu_ops_refuse_queries_past_the_cached_keys(npu):
         paged_indexer_topk_npu(q_index, weights, index_pages, block_table, 40, 8, 39)
     assert fake_torch_npu.calls == []
     q_latent, q_pe, kv_pages, block_table, _ = sparse_case(40, 2, seed=0)
+    kv_pages = SplitRows.split(kv_pages, LATENT)
     paged_dense_mla_npu(q_latent, q_pe, kv_pages, block_table, 40, 38, 0.07)
     fake_torch_npu.calls.clear()
     with pytest.raises(ValueError, match=r"queries at 39\.\.40 must lie inside the 40 cached keys"):
