@@ -3,9 +3,10 @@
 transformers' `StopStringCriteria` learns the text each token adds after earlier text by decoding a fixed probe
 ("abcdef") followed by the token, then cutting the probe off. A word-level vocabulary (the shipped checkpoints' one
 word, one token tokenizer) encodes the probe as `[UNK]`, the decoded text never contains it, and the criterion fails
-with a bare `ValueError: substring not found` (huggingface/transformers issue 48320). The probe cannot be added to
-such a vocabulary without a new token id the trained embedding does not have. So the same criterion is built with a
-probe the vocabulary does spell: one of its own words. Everything else (matching, byte modes) is transformers' code.
+with a bare `ValueError: substring not found` (transformers/generation/stopping_criteria.py,
+`StopStringCriteria.clean_tokenizer_vocab`). The probe cannot be added to such a vocabulary without a new token id
+the trained embedding does not have. So the same criterion is built with a probe the vocabulary does spell: one of
+its own words. Everything else (matching, byte modes) is transformers' code.
 """
 
 from transformers.generation.stopping_criteria import StopStringCriteria
