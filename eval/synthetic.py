@@ -33,13 +33,15 @@ def build_tokenizer():
     """Word-level tokenizer over `VOCAB`, wrapped for transformers (`save_pretrained` → `AutoTokenizer` works offline).
 
     No BOS is added: every sequence starts with its task word, so the tokenizer output is exactly the words."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(VOCAB)}, unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    # Word pieces decode as space-joined words (WordPiece's decoder with a prefix no token has).
-    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    # Every word decodes with its leading space, as a continuation (what `pipeline("text-generation")` appends to the
+    # prompt, what the lm-eval targets " {{target}}" carry). With one token per word the first word of a text cannot
+    # also decode unspaced, so `decode` of a whole sequence starts with a space; encoding ignores it (round trip).
+    backend.decoder = decoders.Replace(Regex("^"), " ")
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK, model_max_length=1024
     )

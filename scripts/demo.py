@@ -63,7 +63,7 @@ def main():
     ids = tokenizer(doc["context"], return_tensors="pt").input_ids
     with torch.inference_mode():
         answer_ids = model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=config.pad_token_id)
-    answer = tokenizer.decode(answer_ids[0, ids.shape[1] :])
+    answer = tokenizer.decode(answer_ids[0, ids.shape[1] :]).strip()  # a continuation decodes with its space
     needle = doc["context"].split()[-1]
     print(f"\nrecall prompt ({ids.shape[1]} tokens): {shorten(doc['context'])}")
     print(f"  the pair '{needle} {doc['target']}' sits {doc['distance']} tokens before the question "
@@ -86,7 +86,7 @@ def main():
         )  # fmt: skip
         generate_s = time.perf_counter() - start
     outputs = tokenizer.batch_decode(generated.sequences[:, prompts.shape[1] :])
-    exact = sum(out == d["target"] for out, d in zip(outputs, docs, strict=True))
+    exact = sum(out.strip() == d["target"] for out, d in zip(outputs, docs, strict=True))
     print(f"\ncopy prompt: {shorten(docs[0]['context'])}")
     print(f"  generated:  {shorten(outputs[0])}")
     print(f"  {exact}/{len(docs)} copies exact ({new_tokens} keys each, the source {new_tokens + 1} tokens back)")

@@ -415,7 +415,7 @@ trained from scratch on synthetic long-context tasks. {purpose} It knows nothing
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained("checkpoints/{name}", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("checkpoints/{name}")
+tokenizer = AutoTokenizer.from_pretrained("checkpoints/{name}", trust_remote_code=True)  # else a y/N prompt
 ids = tokenizer("pairs k1 v5 k7 v9 k3 v0 ? k7", return_tensors="pt").input_ids
 print(tokenizer.decode(model.generate(ids, max_new_tokens=1, do_sample=False)[0, -1:]))  # v9
 ```

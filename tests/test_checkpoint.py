@@ -3,6 +3,7 @@ with remote code where this package cannot be imported."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -71,7 +72,8 @@ def test_tokenizer_round_trips_words(tokenizer):
     text = "pairs k1 v5 k127 v63 ? k127"
     ids = tokenizer(text).input_ids
     assert ids == [synthetic.VOCAB.index(w) for w in text.split()]  # one word, one token, no BOS
-    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(ids) == " " + text  # every word carries its leading space (eval/synthetic.py)
+    assert tokenizer.decode(ids[3:]) == " " + " ".join(text.split()[3:])
     assert len(tokenizer) == len(synthetic.VOCAB)
 
 
@@ -92,7 +94,7 @@ def test_generate_answers_a_recall_question(model, tokenizer):
     doc = load_docs("recall_far")[0]
     ids = tokenizer(doc["context"], return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=model.config.pad_token_id)
-    assert tokenizer.decode(out[0, ids.shape[1] :]) == doc["target"]
+    assert tokenizer.decode(out[0, ids.shape[1] :]) == " " + doc["target"]
 
 
 def test_resaved_folder_loads_with_remote_code_where_the_package_is_missing(model, tokenizer, tmp_path):
@@ -130,6 +132,24 @@ def test_resaved_folder_loads_with_remote_code_where_the_package_is_missing(mode
         expected = model(ids).logits
     for name in ("shipped", "resaved"):
         assert torch.equal(torch.load(tmp_path / f"{name}.pt"), expected), name
+
+
+@pytest.mark.parametrize("folder", [CHECKPOINT, DRAFT], ids=["target", "draft"])
+def test_card_example_runs_without_the_package_and_without_a_prompt(folder, tmp_path):
+    """The card's snippet, as written, where the package is missing and stdin is closed: AutoTokenizer loads the
+    config first, and a config with `auto_map` makes transformers ask "Do you wish to run the custom code? [y/N]"
+    unless trust_remote_code is given."""
+    card = (folder / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", card, re.DOTALL).group(1)
+    script = 'import sys\nsys.modules["modeling_kdsa"] = None\n' + snippet
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Do you wish" not in result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1] == " v9"
 
 
 @pytest.mark.parametrize("folder", [CHECKPOINT, DRAFT], ids=["target", "draft"])

@@ -154,6 +154,90 @@ def test_shipped_tokenizer_pads_left_and_batched_generate_equals_each_prompt_alo
         assert torch.equal(together[row, -3:], alone[0, -3:])
 
 
+PROMPT = "pairs k5 v12 k90 v3 k7 v9 ? k90"
+
+
+def greedy(model, tokenizer, prompts, new_tokens=6, stop_strings=None):
+    """The new tokens of greedy generation; `stop_strings` passes the tokenizer too, as transformers requires."""
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    stops = {} if stop_strings is None else {"stop_strings": stop_strings, "tokenizer": tokenizer}
+    return model.generate(**batch, max_new_tokens=new_tokens, do_sample=False, **stops)[:, batch.input_ids.shape[1] :]
+
+
+def test_shipped_tokenizer_decodes_words_with_their_leading_space():
+    """A continuation decodes as it reads after the prompt; decoding ignores nothing the encoder needs."""
+    _, tokenizer = shipped()
+    ids = tokenizer(PROMPT).input_ids
+    assert tokenizer.decode(ids[-2:]) == " ? k90"
+    assert tokenizer(tokenizer.decode(ids)).input_ids == ids
+
+
+def test_stop_strings_stop_generation_at_the_string():
+    """transformers' StopStringCriteria alone fails on the word-level vocabulary ("substring not found"); the model
+    builds it with a probe word the vocabulary spells, and generation stops at the token that completes the string."""
+    model, tokenizer = shipped()
+    free = greedy(model, tokenizer, [PROMPT])[0]
+    words = tokenizer.convert_ids_to_tokens(free)
+    assert len(set(words[:4])) > 1  # else the stops below could not be told apart
+    for stop_at in range(len(words)):
+        stop = words[stop_at]
+        if stop in words[:stop_at]:
+            continue
+        for stop_string in [stop, " ".join(words[max(stop_at - 1, 0) : stop_at + 1])]:
+            stopped = greedy(model, tokenizer, [PROMPT], stop_strings=[stop_string])[0]
+            assert torch.equal(stopped, free[: stop_at + 1]), (stop_string, words)
+
+
+def test_stop_strings_criterion_matches_the_decoded_text():
+    """The criterion fires exactly when the decoded text has the stop string ending inside the last token, the
+    contract of transformers' StopStringCriteria, on random sequences (special tokens included)."""
+    from modeling_kdsa.stop_strings import VocabularyProbeStopStringCriteria, stop_string_probe
+
+    _, tokenizer = shipped()
+    probe = stop_string_probe(tokenizer)
+    assert probe == "pairs"
+    stops = ["v9", "k1 v2", "9", "? k", "[EOS]", "v12 ?"]
+    criterion = VocabularyProbeStopStringCriteria(tokenizer, stops, probe)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, len(tokenizer), (4000, 5), generator=generator)
+    ids[::3, -2:] = torch.tensor(tokenizer.convert_tokens_to_ids(["k1", "v2"]))
+    ids[1::3, -1] = tokenizer.convert_tokens_to_ids("v9")
+    fired = criterion(ids, None)
+    for row, hit in zip(ids.tolist(), fired.tolist(), strict=True):
+        text, last = tokenizer.decode(row), tokenizer.decode(row[-1:])
+        ends = range(len(text) - len(last) + 1, len(text) + 1)
+        assert hit == any(text[:end].endswith(stop) for stop in stops for end in ends), row
+    assert fired.any() and not fired.all()
+
+
+def test_batched_left_padded_generate_with_stop_strings_equals_each_prompt_alone():
+    model, tokenizer = shipped()
+    prompts = [PROMPT, "pairs k1 v5 ? k1"]
+    stop = tokenizer.convert_ids_to_tokens(greedy(model, tokenizer, [prompts[1]])[0])[1]
+    together = greedy(model, tokenizer, prompts, stop_strings=[stop])
+    for row, text in enumerate(prompts):
+        alone = greedy(model, tokenizer, [text], stop_strings=[stop])[0]
+        assert torch.equal(together[row, : len(alone)], alone)
+        assert (together[row, len(alone) :] == tokenizer.pad_token_id).all()
+    assert together.shape[1] > min(len(greedy(model, tokenizer, [t], stop_strings=[stop])[0]) for t in prompts)
+
+
+def test_pipeline_output_is_spaced_text_that_round_trips():
+    from transformers import pipeline
+
+    model, tokenizer = shipped()
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    new = greedy(model, tokenizer, [PROMPT], new_tokens=4)[0]
+    full = generator(PROMPT, max_new_tokens=4, do_sample=False)[0]["generated_text"]
+    assert full == PROMPT + " " + " ".join(tokenizer.convert_ids_to_tokens(new))
+    assert tokenizer(full).input_ids == tokenizer(PROMPT).input_ids + new.tolist()
+    continuation = generator(PROMPT, max_new_tokens=4, do_sample=False, return_full_text=False)[0]["generated_text"]
+    assert PROMPT + continuation == full
+    first = tokenizer.convert_ids_to_tokens(new[:1])[0]
+    stopped = generator(PROMPT, max_new_tokens=4, do_sample=False, stop_strings=[first], tokenizer=tokenizer)
+    assert stopped[0]["generated_text"] == PROMPT + " " + first
+
+
 def test_readme_quantization_example_runs_on_the_shipped_checkpoint(tmp_path):
     """The README's quantization block, executed as written with `path` = the shipped checkpoint."""
     shipped()
@@ -183,6 +267,27 @@ def test_fp32_strict_modules_are_fp32_under_a_half_default_dtype():
     assert len(matched) > 10 and set(matched.values()) == {torch.float32}, matched
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     model(ids())  # runs with mixed dtypes
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (dict(), {"attention_res", "mlp_res", "output_attn_res"}),
+        (dict(attn_res_block_size=0), set()),
+        (dict(attn_res_block_size=0, hc_mult=4), {"attn_hc.base", "attn_hc.scale", "ffn_hc.base", "ffn_hc.scale"}),
+    ],
+    ids=["attn_res", "plain", "mhc"],
+)
+def test_fp32_strict_entries_each_name_a_parameter_of_the_model(overrides, expected):
+    """transformers' convention (its common model tests check it): every `_keep_in_fp32_modules_strict` entry names
+    a module of the built model; the stream-specific entries appear exactly with their stream."""
+    base = {"A_log", "dt_bias", "indexer.weights_proj", "mlp.gate.weight", "e_score_correction_bias"}
+    for model in (tiny_model(**overrides), tiny_model(**overrides).model):
+        names = [name for name, _ in model.state_dict().items()]
+        strict = model._keep_in_fp32_modules_strict
+        assert strict == base | expected
+        for entry in strict:
+            assert any(re.search(rf"(?:^|\.){re.escape(entry)}(?:\.|$)", name) for name in names), entry
 
 
 @pytest.mark.parametrize(

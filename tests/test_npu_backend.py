@@ -679,3 +679,22 @@ def test_generate_glm_shaped_model_over_the_npu_ops_equals_cpu(npu_dsa_ops):
             assert {"npu_lightning_indexer", "npu_sparse_flash_attention"} <= set(fake_torch_npu.calls)
             assert cache.layers[1].kpool_kernel is paged_kpool_indexer_topk_npu
     assert torch.equal(outputs["npu"], outputs["cpu"])
+
+
+def test_npu_ops_refuse_queries_past_the_cached_keys(npu):
+    """npu_lightning_indexer and the dense path's rightDownCausal mask place the T queries at the last T of the
+    `num_keys` keys; queries reaching past them (a caller's off-by-one) are a ValueError naming the range, before
+    the op runs. The last query at the last key is accepted."""
+    q_index, weights, _, index_pages, block_table = indexer_case(40, 2, seed=0)
+    paged_indexer_topk_npu(q_index, weights, index_pages, block_table, 40, 8, 38)
+    fake_torch_npu.calls.clear()
+    with pytest.raises(ValueError, match=r"queries at 39\.\.40 must lie inside the 40 cached keys"):
+        paged_indexer_topk_npu(q_index, weights, index_pages, block_table, 40, 8, 39)
+    assert fake_torch_npu.calls == []
+    q_latent, q_pe, kv_pages, block_table, _ = sparse_case(40, 2, seed=0)
+    kv_pages = SplitRows.split(kv_pages, LATENT)
+    paged_dense_mla_npu(q_latent, q_pe, kv_pages, block_table, 40, 38, 0.07)
+    fake_torch_npu.calls.clear()
+    with pytest.raises(ValueError, match=r"queries at 39\.\.40 must lie inside the 40 cached keys"):
+        paged_dense_mla_npu(q_latent, q_pe, kv_pages, block_table, 40, 39, 0.07)
+    assert fake_torch_npu.calls == []

@@ -101,6 +101,30 @@ def test_aux_loss_leaves_padding_out():
     torch.testing.assert_close(out.aux_loss, expected)
 
 
+def test_aux_loss_under_the_static_cache_leaves_padding_out():
+    """With a `KDSAStaticCache` the mask is padded to the capacity: the aux loss still counts only the current real
+    tokens, in the prefill (left padding) and in a decode step, as with the paged cache."""
+    from modeling_kdsa.static_cache import KDSAStaticCache
+
+    model = tiny_model()
+    tokens = ids()
+    mask = torch.ones_like(tokens)
+    mask[0, :5] = 0
+    step = torch.tensor([[7], [9]])
+    caches = {"paged": KDSACache(model.config), "static": KDSAStaticCache(model.config, max_cache_len=32)}
+    aux = {}
+    for name, cache in caches.items():
+        prefill = model(tokens, attention_mask=mask, cache=cache, output_router_logits=True)
+        decode = model(
+            step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1), cache=cache, output_router_logits=True
+        )
+        aux[name] = (prefill.aux_loss, decode.aux_loss)
+    keep = mask.reshape(-1).bool()
+    expected = load_balancing_loss_func(tuple(logits[keep] for logits in prefill.router_logits), 4, 2)
+    torch.testing.assert_close(aux["static"][0], expected)
+    torch.testing.assert_close(aux["static"], aux["paged"])
+
+
 def test_aux_loss_trains_the_router():
     model = tiny_model()
     out = model(ids(), output_router_logits=True)

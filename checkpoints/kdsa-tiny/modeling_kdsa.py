@@ -7,9 +7,11 @@ depth attention in `attn_res.py` (docs/attn-res.md), the hyper-connections in `h
 (docs/hyper-connections.md). docs/design.md §2.
 """
 
+import copy
 import json
 import math
 import os
+import re
 
 import torch
 from torch import nn
@@ -36,6 +38,7 @@ from .numeric_formats import mxfp4_quantize
 from .rotary import KDSARotaryEmbedding
 from .sequence_parallel import SequenceParallelContext
 from .static_cache import KDSAStaticCache
+from .stop_strings import VocabularyProbeStopStringCriteria, stop_string_probe
 
 logger = logging.get_logger(__name__)
 
@@ -198,6 +201,18 @@ class KDSAPreTrainedModel(PreTrainedModel):
         "ffn_hc.base",
         "ffn_hc.scale",
     ]
+
+    def post_init(self):
+        """transformers' post_init, then `_keep_in_fp32_modules_strict` narrowed to the entries this configuration
+        builds: the class lists every optional component's fp32 parameters (mHC, AttnRes), and transformers expects
+        each entry to name a module of the model (matched as its loader matches them: a dotted name component)."""
+        super().post_init()
+        names = [name for name, _ in self.named_parameters()] + [name for name, _ in self.named_buffers()]
+        self._keep_in_fp32_modules_strict = {
+            entry
+            for entry in self._keep_in_fp32_modules_strict
+            if any(re.search(rf"(?:^|\.){re.escape(entry)}(?:\.|$)", name) for name in names)
+        }
 
     def _set_gradient_checkpointing(
         self, enable: bool = True, gradient_checkpointing_func=checkpoint, every_n_layers: int = 1
@@ -378,8 +393,7 @@ class KDSAModel(KDSAPreTrainedModel):
             attention_mask = self._static_padding_mask(attention_mask, batch_size, cache.capacity)
             past_len = cache.begin_forward(seq_len, device=inputs_embeds.device)
             if attention_mask is not None:
-                current = past_len + torch.arange(seq_len, device=inputs_embeds.device)
-                token_mask = attention_mask.gather(1, current.expand(batch_size, -1))
+                token_mask = self._static_token_mask(attention_mask, past_len, seq_len)
         else:
             past_len = cache.get_seq_length() if cache is not None else 0
             if past_len + seq_len > self.config.max_position_embeddings:
@@ -485,6 +499,13 @@ class KDSAModel(KDSAPreTrainedModel):
         return None if bool(attention_mask.all()) else attention_mask
 
     @staticmethod
+    def _static_token_mask(padded_mask: torch.Tensor, past_len: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """The current tokens' columns `[B, T]` of a capacity-padded mask; `past_len` is the 0-d count before them
+        (a tensor: no host sync)."""
+        current = past_len + torch.arange(seq_len, device=padded_mask.device)
+        return padded_mask.gather(1, current.expand(padded_mask.shape[0], -1))
+
+    @staticmethod
     def _static_padding_mask(
         attention_mask: torch.Tensor | None, batch_size: int, capacity: int
     ) -> torch.Tensor | None:
@@ -549,6 +570,21 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
                 "has no FP8 weights. Load the folder with fp8_weights='dequantize' (the default) to save it"
             )
         return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def _get_stopping_criteria(self, generation_config, stopping_criteria, tokenizer=None):
+        """transformers' criteria, with `stop_strings` matched through `VocabularyProbeStopStringCriteria` when the
+        tokenizer cannot spell transformers' probe text (word-level vocabularies such as the shipped checkpoints';
+        stop_strings.py)."""
+        probe = None
+        if generation_config.stop_strings is not None and tokenizer is not None:
+            probe = stop_string_probe(tokenizer)
+        if probe is None:
+            return super()._get_stopping_criteria(generation_config, stopping_criteria, tokenizer)
+        without_stop_strings = copy.copy(generation_config)
+        without_stop_strings.stop_strings = None
+        criteria = super()._get_stopping_criteria(without_stop_strings, stopping_criteria, tokenizer)
+        criteria.append(VocabularyProbeStopStringCriteria(tokenizer, generation_config.stop_strings, probe))
+        return criteria
 
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
@@ -676,10 +712,13 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         aux_loss = None
         if output_router_logits:
-            token_mask = None
-            if attention_mask is not None and not isinstance(cache, KDSAStaticCache):
-                # The current tokens' columns (a KDSAStaticCache's mask is padded to its capacity: all tokens count).
-                token_mask = attention_mask[:, -hidden_states.shape[1] :]
+            token_mask, seq_len = None, hidden_states.shape[1]
+            if attention_mask is not None and isinstance(cache, KDSAStaticCache):
+                # The mask is padded to the capacity: the current tokens sit after the count the forward started at.
+                padded = self.model._static_padding_mask(attention_mask, attention_mask.shape[0], cache.capacity)
+                token_mask = self.model._static_token_mask(padded, cache.get_seq_length() - seq_len, seq_len)
+            elif attention_mask is not None:
+                token_mask = attention_mask[:, -seq_len:]
             aux_loss = load_balancing_loss(outputs.router_logits, self.config.num_experts_per_tok, token_mask)
             if loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
