@@ -22,7 +22,7 @@ from modeling_kdsa.cache import KDSAPagedKPoolLayer
 from modeling_kdsa.configuration_kdsa import KERNEL_BACKENDS
 from modeling_kdsa.dsa_paged_ops import read_pages
 from modeling_kdsa.kernels import BACKEND_NAMES, KERNEL_NAMES, TORCH_KERNELS, kernel_set, resolve_kernel_backend
-from modeling_kdsa.numeric_formats import CacheFormats, SplitRows
+from modeling_kdsa.numeric_formats import CacheFormats
 
 INDEX_DIM, LATENT, ROPE, PAGE = 128, 512, 64, 16
 BF16_REL_FRO = 8e-3  # bf16 attention outputs against the reference on the same bf16 values (a few roundings)
@@ -70,9 +70,9 @@ def require_or_refused(kernels, name: str):
 
 
 def store_layout(kernels, kv_pages):
-    """kv pages `[N, P, C + R]` as the backend's store keeps them: latent and RoPE planes on `npu` (the layout its
-    attention op reads in place, docs/backends.md §2), one tensor elsewhere."""
-    return SplitRows.split(kv_pages, LATENT) if kernels.name == "npu" else kv_pages
+    """kv pages `[N, P, C + R]` as the backend's store keeps them (its `kv_store`: on `npu` latent and RoPE planes,
+    the layout its attention op reads in place, docs/backends.md §2)."""
+    return kernels.require("kv_store")(CacheFormats(), kv_pages, LATENT)
 
 
 def rel_fro(got: torch.Tensor, expected: torch.Tensor) -> float:
