@@ -71,8 +71,9 @@ def require_or_refused(kernels, name: str):
 
 def store_layout(kernels, kv_pages):
     """kv pages `[N, P, C + R]` as the backend's store keeps them (its `kv_store`: on `npu` latent and RoPE planes,
-    the layout its attention op reads in place, docs/backends.md §2)."""
-    return kernels.require("kv_store")(CacheFormats(), kv_pages, LATENT)
+    the layout its attention op reads in place, docs/backends.md §2), each plane contiguous as in the store."""
+    stored = kernels.require("kv_store")(CacheFormats(), kv_pages, LATENT)
+    return stored.contiguous() if isinstance(stored, torch.Tensor) else stored.map(torch.Tensor.contiguous)
 
 
 def rel_fro(got: torch.Tensor, expected: torch.Tensor) -> float:
