@@ -12,9 +12,9 @@ import torch._dynamo.utils
 from conftest import tiny_model
 from transformers import CompileConfig
 
-from modeling_kdsa import KDSAQuantizationConfig
-from modeling_kdsa.cache import KDSACache
-from modeling_kdsa.static_cache import KDSAStaticCache
+from modeling_kdsa import KDSAQuantizationConfig, static_cache
+from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer
+from modeling_kdsa.static_cache import KDSAStaticCache, StaticKPoolLayer
 
 CAPTURED_GRAPHS = []
 
@@ -191,11 +191,87 @@ def test_compiled_static_decode_other_layer_kinds():
     assert len(CAPTURED_GRAPHS) == 1 and host_syncs(CAPTURED_GRAPHS) == []
 
 
-def test_static_cache_refuses_the_kpool_indexer():
-    config = tiny_model().config
-    config.index_kpool = 4
-    with pytest.raises(ValueError, match="index_kpool"):
-        KDSAStaticCache(config, max_cache_len=32)
+# GLM-5.3-Flash's shape: NoPE, the k-pool indexer (kp = 4, 2 pools + the tail of 3 per query), a shared-indexer layer
+# after a full one, a dense MLA layer.
+KPOOL_MODEL = dict(
+    layer_types=["linear_attention", "indexed_attention", "indexed_attention", "full_attention"],
+    indexer_types=["full", "full", "shared", "full"],
+    qk_rope_head_dim=0,
+    index_kpool=4,
+    index_topk=8,
+)
+
+
+def kpool_prompt(length: int = 26, pads: tuple[int, ...] = (0, 3, 6)):
+    """Left padding 0, 3, 6: three sequences whose pools start at different phases (docs/dsa.md §9)."""
+    ids = torch.randint(3, 128, (len(pads), length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+def test_static_kpool_fixed_shape_path_equals_the_paged_cache(monkeypatch):
+    """The fixed-shape k-pool path of a compiled step (pool writes, `static_kpool_indexer_topk`), run eagerly by
+    patching `_compiling`, against the eager paged KDSACache: a 26-token prefill and 14 decode steps over three pool
+    phases; every k-pool selection equal as a set, the logits within fp32 summation order."""
+    model = tiny_model(**KPOOL_MODEL)
+    ids, mask = kpool_prompt()
+    steps = torch.randint(3, 128, (3, 14), generator=torch.Generator().manual_seed(2))
+    selections = {KDSAPagedKPoolLayer: [], StaticKPoolLayer: []}
+    for store_class, recorded in selections.items():
+
+        def recording(self, *args, _select=store_class.kpool_indexer_topk, _recorded=recorded):
+            _recorded.append(_select(self, *args))
+            return _recorded[-1]
+
+        monkeypatch.setattr(store_class, "kpool_indexer_topk", recording)
+
+    def run(cache):
+        with torch.no_grad():
+            logits = [model(ids, attention_mask=mask, cache=cache).logits]
+            step_mask = mask
+            for t in range(steps.shape[1]):
+                step_mask = torch.cat([step_mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
+                logits.append(model(steps[:, t : t + 1], attention_mask=step_mask, cache=cache).logits)
+        return torch.cat(logits, dim=1)
+
+    expected = run(KDSACache(model.config))
+    monkeypatch.setattr(static_cache, "_compiling", lambda: True)
+    got = run(KDSAStaticCache(model.config, max_cache_len=48))
+    assert len(selections[StaticKPoolLayer]) == len(selections[KDSAPagedKPoolLayer]) == 15
+    for fixed, paged in zip(selections[StaticKPoolLayer], selections[KDSAPagedKPoolLayer], strict=True):
+        as_sets = [{i for i in row if i >= 0} for row in fixed.flatten(0, 1).tolist()]
+        assert as_sets == [{i for i in row if i >= 0} for row in paged.flatten(0, 1).tolist()]
+    valid = torch.cat([mask, torch.ones_like(steps)], dim=1)[..., None].bool()
+    torch.testing.assert_close(got * valid, expected * valid, atol=2e-5, rtol=1e-5)
+
+
+def test_compiled_static_decode_with_kpool_indexer():
+    """GLM-shaped model: generate() compiles the decode step with the k-pool indexer and a shared-indexer layer
+    (fullgraph, no host sync, one graph while 24 steps cross six pool boundaries); eager paged decoding's tokens and
+    logits."""
+    model = tiny_model(**KPOOL_MODEL)
+    ids, mask = kpool_prompt(length=30)
+    kwargs = dict(output_logits=True, return_dict_in_generate=True)
+    expected = greedy(model, ids, mask, 24, **kwargs)
+    got = greedy(model, ids, mask, 24, cache_implementation="static", compile_config=compile_config(), **kwargs)
+    assert hasattr(model, "_compiled_call")
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), atol=2e-5, rtol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert len(CAPTURED_GRAPHS) == 1 and host_syncs(CAPTURED_GRAPHS) == []
+
+
+@pytest.mark.slow
+def test_compiled_static_kpool_decode_inductor():
+    """The GLM-shaped model under inductor: 64 compiled steps (16 pool boundaries) give eager's tokens, one graph."""
+    model = tiny_model(**KPOOL_MODEL)
+    ids, mask = kpool_prompt(length=30)
+    expected = greedy(model, ids, mask, 64)
+    got = greedy(model, ids, mask, 64, cache_implementation="static", compile_config=compile_config(backend="inductor"))
+    assert torch.equal(got, expected)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.slow

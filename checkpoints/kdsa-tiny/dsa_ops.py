@@ -143,7 +143,7 @@ def kpool_keys(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> to
 def kpool_expand(
     pool_ends: torch.Tensor,
     kpool: int,
-    query_start: int,
+    query_start: int | torch.Tensor,
     origin: torch.Tensor,
     select_tail: bool,
 ) -> torch.Tensor:
@@ -158,7 +158,8 @@ def kpool_expand(
     if not select_tail or kpool == 1:
         return tokens
     batch, num_queries = pool_ends.shape[:2]
-    positions = torch.arange(query_start, query_start + num_queries, device=pool_ends.device)
+    # `query_start` may be a 0-d tensor (a compiled static-cache step): no host read of it.
+    positions = query_start + torch.arange(num_queries, device=pool_ends.device)
     seen = positions[None, :] - origin[:, None] + 1  # [B, T] real keys the query sees (<= 0: a padded query)
     tail_count = seen.clamp(min=0) % kpool
     slot = torch.arange(kpool - 1, device=pool_ends.device)

@@ -922,6 +922,51 @@ def static_indexer_topk(
     return _unpack_indices(packed.topk(min(index_topk, capacity), dim=-1).values)
 
 
+def static_kpool_origin(key_padding_mask: torch.Tensor | None, batch: int, device) -> torch.Tensor:
+    """First real key of every sequence (where its k-pools start, docs/dsa.md §9) from a left-padding mask padded to
+    the capacity (`[B, L]`, False past the context): the number of leading padding slots, `L` for a row without a
+    real key. No host read, unlike `dsa_ops.kpool_origin` (which also checks the mask is left padding). int64 `[B]`."""
+    if key_padding_mask is None:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    return (~key_padding_mask.bool()).long().cumprod(dim=-1).sum(dim=-1)
+
+
+def static_kpool_indexer_topk(
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    index_pages: torch.Tensor,
+    pool_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    num_keys: torch.Tensor,
+    index_topk: int,
+    query_start: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    ape: torch.Tensor | None = None,
+    select_tail: bool = True,
+) -> torch.Tensor:
+    """k-pool indexer top-k over every pooled-key slot of the block table (docs/dsa.md §9, docs/graph-mode.md §3).
+
+    Arguments as `paged_kpool_indexer_topk_*` (`index_pages` is not read: the store pools keys when they complete),
+    except num_keys / query_start: 0-d int64 tensors, and key_padding_mask: bool `[B, L]` padded to the capacity.
+    Slot `r` of a sequence holds the pool ending in its `r`-th group of `kp` tokens, at `r·kp + (origin + kp - 1) mod
+    kp`; a query sees it when that end is at or after the first pool's end and at or before the query and the last
+    cached token (a pool is written when its last token arrives, so nothing later is read). Returns int64 `[B, T,
+    min(index_topk // kp, L // kp) · kp (+ kp - 1 with the tail)]`, -1 = none: the paged kernels' selection (same
+    scores and tie rule) with extra -1 slots."""
+    batch, num_queries, num_heads, head_dim = q_index.shape
+    kpool = ape.shape[0]
+    keys = read_pages(pool_pages, block_table.reshape(-1), q_index.dtype).view(batch, -1, head_dim)
+    num_slots = keys.shape[1]
+    origin = static_kpool_origin(key_padding_mask, batch, q_index.device)
+    first_pool_end = origin + kpool - 1
+    pool_ends = kpool * torch.arange(num_slots, device=q_index.device)[None, :] + (first_pool_end % kpool)[:, None]
+    scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
+    limit = _visible_limit(query_start, num_queries, num_keys)
+    packed = _score_pool_block(q_index.contiguous(), scaled_weights, keys, pool_ends, limit, first_pool_end)
+    best = packed.topk(min(index_topk // kpool, num_slots), dim=-1).values
+    return kpool_expand(_unpack_indices(best), kpool, query_start, origin, select_tail)
+
+
 def static_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale: float) -> torch.Tensor:
     """Sparse absorbed MLA over the selected slots: `_attend` (already fixed-shape for a fixed K)."""
     return _attend(q_latent.contiguous(), q_pe.contiguous(), kv_pages, block_table, indices, softmax_scale)
@@ -973,5 +1018,7 @@ __all__ = [
     "paged_dense_mla_compiled",
     "static_dense_mla",
     "static_indexer_topk",
+    "static_kpool_indexer_topk",
+    "static_kpool_origin",
     "static_sparse_mla",
 ]

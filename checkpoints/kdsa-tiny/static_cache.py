@@ -27,6 +27,7 @@ from .cache import (
     PAGE_SIZE,
     KDAReplayLayer,
     KDSACache,
+    KDSAPagedKPoolLayer,
     KDSAPagedLayer,
     KDSAPagedMLALayer,
     _bytes_view,
@@ -35,6 +36,8 @@ from .cache import (
     attention_store_class,
 )
 from .configuration_kdsa import DSA_LAYER, MLA_LAYER
+from .dsa_ops import kpool_keys, kpool_origin
+from .dsa_paged_ops import read_rows, static_kpool_origin
 from .kernels import KernelSet, kernel_set
 
 
@@ -275,6 +278,114 @@ class StaticPagedLayer(_StaticPagedMixin, KDSAPagedLayer):
         )
 
 
+class StaticKPoolLayer(_StaticPagedMixin, KDSAPagedKPoolLayer):
+    """Fixed-capacity store of a DSA layer with the k-pool indexer (docs/dsa.md §9): the per-token `[key | gate]` rows
+    and a pooled-key plane `[pages, P / kp, DI]` with a slot for every possible pool. The pools a write completes are
+    pooled and stored with a fixed number of candidates per forward (no data-dependent shape, no host read); the
+    pool origin comes from the capacity-padded mask (`static_kpool_origin`) and is kept in `pool_origin`."""
+
+    layout_class = KDSAPagedKPoolLayer
+
+    def __init__(self, max_cache_len: int, **kwargs):
+        KDSAPagedKPoolLayer.__init__(self, **kwargs)
+        self._init_static(max_cache_len)
+
+    @classmethod
+    def from_config(cls, config, max_cache_len: int, page_size: int = PAGE_SIZE) -> "StaticKPoolLayer":
+        return cls(max_cache_len, **KDSAPagedKPoolLayer.config_kwargs(config, page_size))
+
+    def lazy_initialization(self, *rows: torch.Tensor) -> None:
+        batch_size = rows[0].shape[0]
+        num_pages = batch_size * self.pages_per_sequence
+        # Before the token planes: the mixin marks every paged plane (pooled keys included) static.
+        self.pool_pages = rows[0].new_zeros(num_pages, self.page_size // self.index_kpool, self.index_width)
+        self.pool_origin = torch.zeros(batch_size, dtype=torch.long, device=rows[0].device)
+        _mark_static(self.pool_origin)
+        super().lazy_initialization(*rows)
+
+    def _bind_kernels(self, kernels: KernelSet) -> None:
+        super()._bind_kernels(kernels)
+        self.static_kpool_kernel = kernels.require("static_kpool_indexer_topk")
+
+    def append(
+        self,
+        kv_rows: torch.Tensor,
+        index_rows: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        kpool_ape: torch.Tensor,
+    ) -> torch.Tensor:
+        """Store the current tokens (as `KDSAPagedKPoolLayer.append`) and pool every pool they complete;
+        `key_padding_mask`: the capacity-padded left-padding mask `[B, L]` or None. Returns the 0-d count before
+        them."""
+        if kpool_ape is None or tuple(kpool_ape.shape) != (self.index_kpool, self.index_width):
+            raise ValueError(f"the k-pool store needs kpool_ape [{self.index_kpool}, {self.index_width}]")
+        batch_size, new_tokens, _ = kv_rows.shape
+        origin = static_kpool_origin(key_padding_mask, batch_size, kv_rows.device)
+        if not _compiling() and self.is_initialized:
+            self._check_origin(origin, key_padding_mask, new_tokens)
+        past = self._write(kv_rows, index_rows)
+        self.pool_origin.copy_(origin)
+        self._write_pools(past, new_tokens, origin, kpool_ape)
+        return past
+
+    def _check_origin(self, origin: torch.Tensor, key_padding_mask: torch.Tensor | None, new_tokens: int) -> None:
+        """Eager only: the mask is left padding over the context and keeps the origin of the pools already stored."""
+        num_keys = int(self.num_tokens) + new_tokens
+        if key_padding_mask is not None:
+            kpool_origin(key_padding_mask[:, :num_keys], origin.shape[0], num_keys, origin.device)  # left padding
+        stored = self.pool_origin < int(self.num_tokens)
+        if bool(((origin != self.pool_origin) & stored).any()):
+            raise ValueError(
+                "attention_mask changed where a sequence's first real token is after its k-pools were stored; "
+                "pass the same left padding on every forward"
+            )
+
+    def _write_pools(self, past: torch.Tensor, new_tokens: int, origin: torch.Tensor, ape: torch.Tensor) -> None:
+        """Pool and store the pools completed by positions `past … past + new_tokens - 1` (docs/dsa.md §9).
+
+        They end at `origin + kp - 1 + k·kp` for `k >= k0` (the first end at or after `past`): at most
+        `ceil(new_tokens / kp)` of them, so that many candidates per sequence, each written to its slot; a candidate
+        past the new tokens writes its slot's current value back. Consecutive candidates name consecutive groups of
+        `kp` tokens, so, taken modulo the capacity's groups, their slots are distinct and no write collides."""
+        kpool, width = self.index_kpool, self.index_width
+        slots_per_page = self.page_size // kpool
+        batch_size = origin.shape[0]
+        first_end = origin + kpool - 1
+        first_k = (past - first_end + kpool - 1).div(kpool, rounding_mode="floor").clamp(min=0)
+        candidates = torch.arange(-(-new_tokens // kpool), device=self.device)
+        ends = first_end[:, None] + kpool * (first_k[:, None] + candidates)  # [B, J]
+        completed = ends < past + new_tokens
+        groups = (ends // kpool) % (self.capacity // kpool)
+        pool_slots = self.block_table.gather(1, groups // slots_per_page) * slots_per_page + groups % slots_per_page
+        pool_slots = pool_slots.reshape(-1)
+        tokens = (ends[..., None] + torch.arange(1 - kpool, 1, device=self.device)).clamp(0, self.capacity - 1)
+        rows = read_rows(self.index_pages, self.physical_slots(tokens.flatten(1)).reshape(-1), self.dtype)
+        rows = rows.view(batch_size, -1, kpool, 2 * width)
+        pooled = kpool_keys(rows[..., :width], rows[..., width:], ape).to(self.dtype)  # [B, J, DI]
+        plane = self.pool_pages.view(-1, width)
+        current = plane.index_select(0, pool_slots).view_as(pooled)
+        plane.index_copy_(0, pool_slots, torch.where(completed[..., None], pooled, current).flatten(0, 1))
+
+    def kpool_indexer_topk(self, q_index, weights, query_start, index_topk, key_padding_mask, ape, select_tail):
+        if _compiling():
+            return self.static_kpool_kernel(
+                q_index, weights, self.index_pages, self.pool_pages, self.block_table, self.num_tokens, index_topk,
+                query_start, key_padding_mask, ape, select_tail,
+            )  # fmt: skip
+        num_keys, start, mask = self._eager_args(query_start, key_padding_mask)
+        return self.kpool_kernel(
+            q_index, weights, self.index_pages, self.pool_pages, self.block_table, num_keys, index_topk, start, mask,
+            ape, select_tail,
+        )  # fmt: skip
+
+    def reset(self) -> None:
+        """Forget the tokens (addresses kept); stale pooled keys are never read: a slot is read only once the pool
+        ending there is written again."""
+        super().reset()
+        if self.is_initialized:
+            self.pool_origin.zero_()
+
+
 class KDSAStaticCache(KDSACache):
     """Fixed-capacity, compileable KDSA cache (docs/graph-mode.md §2): `max_cache_len` tokens per sequence, a batch
     fixed by the first forward. `generate(cache_implementation="static")` builds it with capacity
@@ -288,16 +399,12 @@ class KDSAStaticCache(KDSACache):
     def __init__(self, config, max_cache_len: int, page_size: int = PAGE_SIZE):
         if max_cache_len <= 0:
             raise ValueError(f"max_cache_len must be > 0, got {max_cache_len}")
-        if config.index_kpool > 1 and DSA_LAYER in config.layer_types:
-            raise ValueError(
-                f"index_kpool={config.index_kpool} (the k-pool indexer) is not supported by KDSAStaticCache "
-                "(cache_implementation='static'): its pooled keys are written at data-dependent slots; use the paged "
-                "KDSACache (cache_implementation=None)"
-            )
         layers = []
         for layer_idx, layer_type in enumerate(config.layer_types):
             if layer_type not in (DSA_LAYER, MLA_LAYER):
                 layers.append(StaticKDALayer(config.linear_conv_kernel_dim, config.kernel_backend))
+            elif attention_store_class(config, layer_idx) is KDSAPagedKPoolLayer:
+                layers.append(StaticKPoolLayer.from_config(config, max_cache_len, page_size))
             elif attention_store_class(config, layer_idx) is KDSAPagedLayer:
                 layers.append(StaticPagedLayer.from_config(config, max_cache_len, page_size))
             else:  # dense MLA, or a shared-indexer DSA layer: latent rows only
@@ -360,6 +467,7 @@ class KDSAStaticCache(KDSACache):
 __all__ = [
     "KDSAStaticCache",
     "StaticKDALayer",
+    "StaticKPoolLayer",
     "StaticPagedLayer",
     "StaticPagedMLALayer",
 ]
