@@ -72,9 +72,11 @@ def _fresh_dynamo():
 # ------------------------------------------------------------------------------------------------- eager static
 
 
-def test_static_cache_eager_is_the_paged_cache():
-    """Uncompiled, the static cache runs the paged kernels over the cached tokens: the same logits, bit for bit."""
-    model = tiny_model()
+@pytest.mark.parametrize("features", [{}, "kpool"], ids=["dsa", "kpool"])
+def test_static_cache_eager_is_the_paged_cache(features):
+    """Uncompiled, the static cache runs the paged kernels over the cached tokens: the same logits, bit for bit (the
+    k-pool indexer: the pools the static store writes are the paged store's)."""
+    model = tiny_model(**(KPOOL_MODEL if features == "kpool" else features))
     ids, mask = prompt(length=20)
     dynamic = greedy(model, ids, mask, 12, output_logits=True, return_dict_in_generate=True)
     static = greedy(
@@ -84,14 +86,15 @@ def test_static_cache_eager_is_the_paged_cache():
     assert all(torch.equal(a, b) for a, b in zip(dynamic.logits, static.logits, strict=True))
 
 
-def test_static_cache_state_lives_at_fixed_addresses():
-    model = tiny_model()
+@pytest.mark.parametrize("features", [{}, "kpool"], ids=["dsa", "kpool"])
+def test_static_cache_state_lives_at_fixed_addresses(features):
+    model = tiny_model(**(KPOOL_MODEL if features == "kpool" else features))
     ids, mask = prompt(length=20)
     cache = KDSAStaticCache(model.config, max_cache_len=40)
     with torch.no_grad():
         model(ids, attention_mask=mask, cache=cache)
         addresses = [t.data_ptr() for layer in cache.layers for t in _layer_tensors(layer)]
-        model(ids[:, :1], attention_mask=torch.ones(2, 21, dtype=torch.long), cache=cache)
+        model(ids[:, :1], attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1), cache=cache)
     assert [t.data_ptr() for layer in cache.layers for t in _layer_tensors(layer)] == addresses
     assert int(cache.get_seq_length()) == 21
     cache.reset()
@@ -101,8 +104,12 @@ def test_static_cache_state_lives_at_fixed_addresses():
 
 def _layer_tensors(layer):
     if hasattr(layer, "block_table"):
-        return (*layer._all_planes(), layer.block_table, layer.num_tokens)
+        return (*layer._all_planes(), layer.block_table, layer.num_tokens, *_pool_origin(layer))
     return (layer.conv_states[0], layer.recurrent_states[0])
+
+
+def _pool_origin(layer):
+    return (layer.pool_origin,) if isinstance(layer, StaticKPoolLayer) else ()
 
 
 def test_static_cache_refusals():
@@ -245,6 +252,21 @@ def test_static_kpool_fixed_shape_path_equals_the_paged_cache(monkeypatch):
         assert as_sets == [{i for i in row if i >= 0} for row in paged.flatten(0, 1).tolist()]
     valid = torch.cat([mask, torch.ones_like(steps)], dim=1)[..., None].bool()
     torch.testing.assert_close(got * valid, expected * valid, atol=2e-5, rtol=1e-5)
+
+
+def test_static_kpool_cache_refuses_masks_that_move_the_pools():
+    """Pools start at the first real token: eagerly, a mask that is not left padding, or that moves the first real
+    token after pools were stored, is refused (docs/dsa.md §9)."""
+    model = tiny_model(**KPOOL_MODEL)
+    ids, mask = kpool_prompt(length=12)
+    cache = KDSAStaticCache(model.config, max_cache_len=16)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="left padding"):
+            model(ids, attention_mask=mask.flip(1), cache=cache)
+        cache.reset()
+        model(ids, attention_mask=mask, cache=cache)
+        with pytest.raises(ValueError, match="same left padding"):
+            model(ids[:, :1], attention_mask=torch.ones(3, 13, dtype=mask.dtype), cache=cache)
 
 
 def test_compiled_static_decode_with_kpool_indexer():

@@ -233,34 +233,32 @@ def test_static_kpool_indexer_topk(kernels, select_tail):
     """The fixed-shape k-pool path of a compiled static-cache step (docs/graph-mode.md §3): pools written by
     `StaticKPoolLayer` (a fixed number of candidates per append) and scored over every slot under the mask, against the
     torch reference, which pools again from the token rows. Left padding gives each sequence another pool phase;
-    appends of 97, 1 and 52 tokens complete pools within and across them. fp32 (in bf16 near-equal scores of the
-    reference, which pools at every call, may round apart): the same sets; extra slots -1."""
+    appends of 97, 1 and 94 tokens complete pools within and across them, the last one up to the capacity (where a
+    candidate past the context wraps around). fp32 (in bf16 near-equal scores of the reference, which pools at every
+    call, may round apart): the same sets; extra slots -1."""
     generator = torch.Generator().manual_seed(9)
-    kpool, num_keys, index_topk, pads, capacity = 4, 150, 32, (0, 5, 38), 192
-    mask = torch.zeros(3, capacity, dtype=torch.bool)  # capacity-padded, as the model passes it
-    for b, pad in enumerate(pads):
-        mask[b, pad:num_keys] = True
+    kpool, index_topk, pads, capacity = 4, 32, (0, 5, 38), 192
     ape = torch.randn(kpool, INDEX_DIM, generator=generator)
-    store = StaticKPoolLayer(num_keys, kv_width=8, index_width=INDEX_DIM, kernel_backend=kernels.name, page_size=64,
+    store = StaticKPoolLayer(capacity, kv_width=8, index_width=INDEX_DIM, kernel_backend=kernels.name, page_size=64,
                              index_kpool=kpool)  # fmt: skip
-    rows = torch.randn(3, num_keys, 2 * INDEX_DIM, generator=generator)
-    for start, stop in ((0, 97), (97, 98), (98, num_keys)):
-        written = mask.clone()
-        written[:, stop:] = False
-        store.append(torch.zeros(3, stop - start, 8), rows[:, start:stop], written, ape)
-    assert store.capacity == capacity
+    rows = torch.randn(3, capacity, 2 * INDEX_DIM, generator=generator)
     q_index = torch.randn(3, 40, 8, INDEX_DIM, generator=generator)
     weights = torch.randn(3, 40, 8, generator=generator)
-    for query_start, num_queries in ((num_keys - 40, 40), (30, 40), (num_keys - 1, 1)):
-        queries = (q_index[:, :num_queries], weights[:, :num_queries], store.index_pages, store.pool_pages)
-        expected = TORCH_KERNELS.kpool_indexer_topk(
-            *queries, store.block_table, num_keys, index_topk, query_start, mask[:, :num_keys], ape, select_tail
-        )
-        got = run(kernels, "static_kpool_indexer_topk", *queries, store.block_table, torch.tensor(num_keys),
-                  index_topk, torch.tensor(query_start), mask, ape, select_tail)  # fmt: skip
-        assert got.shape[-1] == index_topk + (kpool - 1 if select_tail else 0)
-        as_sets = [{i for i in row if i >= 0} for row in got.flatten(0, 1).tolist()]
-        assert as_sets == [{i for i in row if i >= 0} for row in expected.flatten(0, 1).tolist()]
+    for start, num_keys in ((0, 97), (97, 98), (98, capacity)):
+        mask = torch.zeros(3, capacity, dtype=torch.bool)  # capacity-padded, as the model passes it
+        for b, pad in enumerate(pads):
+            mask[b, pad:num_keys] = True
+        store.append(torch.zeros(3, num_keys - start, 8), rows[:, start:num_keys], mask, ape)
+        for query_start, num_queries in ((num_keys - 40, 40), (30, 40), (num_keys - 1, 1)):
+            queries = (q_index[:, :num_queries], weights[:, :num_queries], store.index_pages, store.pool_pages)
+            expected = TORCH_KERNELS.kpool_indexer_topk(
+                *queries, store.block_table, num_keys, index_topk, query_start, mask[:, :num_keys], ape, select_tail
+            )
+            got = run(kernels, "static_kpool_indexer_topk", *queries, store.block_table, torch.tensor(num_keys),
+                      index_topk, torch.tensor(query_start), mask, ape, select_tail)  # fmt: skip
+            assert got.shape[-1] == index_topk + (kpool - 1 if select_tail else 0)
+            as_sets = [{i for i in row if i >= 0} for row in got.flatten(0, 1).tolist()]
+            assert as_sets == [{i for i in row if i >= 0} for row in expected.flatten(0, 1).tolist()]
 
 
 def kda_case(seq_len: int, seed: int, with_state: bool = True):

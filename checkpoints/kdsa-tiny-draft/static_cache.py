@@ -321,7 +321,7 @@ class StaticKPoolLayer(_StaticPagedMixin, KDSAPagedKPoolLayer):
             raise ValueError(f"the k-pool store needs kpool_ape [{self.index_kpool}, {self.index_width}]")
         batch_size, new_tokens, _ = kv_rows.shape
         origin = static_kpool_origin(key_padding_mask, batch_size, kv_rows.device)
-        if not _compiling() and self.is_initialized:
+        if not _compiling():
             self._check_origin(origin, key_padding_mask, new_tokens)
         past = self._write(kv_rows, index_rows)
         self.pool_origin.copy_(origin)
@@ -330,11 +330,10 @@ class StaticKPoolLayer(_StaticPagedMixin, KDSAPagedKPoolLayer):
 
     def _check_origin(self, origin: torch.Tensor, key_padding_mask: torch.Tensor | None, new_tokens: int) -> None:
         """Eager only: the mask is left padding over the context and keeps the origin of the pools already stored."""
-        num_keys = int(self.num_tokens) + new_tokens
+        past = int(self.num_tokens)
         if key_padding_mask is not None:
-            kpool_origin(key_padding_mask[:, :num_keys], origin.shape[0], num_keys, origin.device)  # left padding
-        stored = self.pool_origin < int(self.num_tokens)
-        if bool(((origin != self.pool_origin) & stored).any()):
+            kpool_origin(key_padding_mask[:, : past + new_tokens], origin.shape[0], past + new_tokens, origin.device)
+        if self.is_initialized and bool(((origin != self.pool_origin) & (self.pool_origin < past)).any()):
             raise ValueError(
                 "attention_mask changed where a sequence's first real token is after its k-pools were stored; "
                 "pass the same left padding on every forward"
