@@ -36,7 +36,7 @@ from .cache import (
     attention_store_class,
 )
 from .configuration_kdsa import DSA_LAYER, MLA_LAYER
-from .dsa_ops import kpool_keys, kpool_origin
+from .dsa_ops import kpool_keys
 from .dsa_paged_ops import read_rows, static_kpool_origin
 from .kernels import KernelSet, kernel_set
 
@@ -167,11 +167,8 @@ class _StaticPagedMixin:
         batch_size, new_tokens, _ = rows[0].shape
         if batch_size != self.batch_size:
             raise ValueError(f"cache holds {self.batch_size} sequences, got a batch of {batch_size}")
-        if not _compiling() and int(self.num_tokens) + new_tokens > self.max_cache_len:
-            raise ValueError(
-                f"KDSAStaticCache capacity exceeded: {int(self.num_tokens)} cached + {new_tokens} new tokens > "
-                f"max_cache_len={self.max_cache_len}"
-            )
+        # No capacity check here (it would read the count on the host in every layer): `KDSAStaticCache.begin_forward`
+        # checks once per forward, before any layer writes.
         past = self.num_tokens.clone()
         positions = past + torch.arange(new_tokens, device=self.device)
         slots = self.physical_slots(positions.expand(batch_size, -1)).reshape(-1)
@@ -329,11 +326,23 @@ class StaticKPoolLayer(_StaticPagedMixin, KDSAPagedKPoolLayer):
         return past
 
     def _check_origin(self, origin: torch.Tensor, key_padding_mask: torch.Tensor | None, new_tokens: int) -> None:
-        """Eager only: the mask is left padding over the context and keeps the origin of the pools already stored."""
-        past = int(self.num_tokens)
+        """Eager only, one host read: over the context the mask is left padding from `origin` (the first real token)
+        and keeps the origin of the pools already stored."""
+        past = self.num_tokens if self.is_initialized else torch.zeros((), dtype=torch.long, device=origin.device)
+        failures = torch.zeros(2, dtype=torch.bool, device=origin.device)
         if key_padding_mask is not None:
-            kpool_origin(key_padding_mask[:, : past + new_tokens], origin.shape[0], past + new_tokens, origin.device)
-        if self.is_initialized and bool(((origin != self.pool_origin) & (self.pool_origin < past)).any()):
+            slots = torch.arange(key_padding_mask.shape[1], device=origin.device)
+            left_padding = slots >= origin[:, None]
+            failures[0] = ((key_padding_mask.bool() != left_padding) & (slots < past + new_tokens)).any()
+        if self.is_initialized:
+            failures[1] = ((origin != self.pool_origin) & (self.pool_origin < past)).any()
+        not_left_padding, moved = failures.tolist()
+        if not_left_padding:
+            raise ValueError(
+                "attention_mask must be left padding (zeros, then ones) for the k-pool indexer (index_kpool > 1): its "
+                "pools start at each sequence's first real token"
+            )
+        if moved:
             raise ValueError(
                 "attention_mask changed where a sequence's first real token is after its k-pools were stored; "
                 "pass the same left padding on every forward"
