@@ -335,17 +335,21 @@ def _compiled_forward_matches_eager(backend: str, **config):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("residual", [dict(), dict(attn_res_block_size=0, hc_mult=2)], ids=["attn_res", "mhc"])
+@pytest.mark.parametrize(
+    "residual", [dict(), dict(attn_res_block_size=0, hc_mult=2), KPOOL_MODEL], ids=["attn_res", "mhc", "kpool"]
+)
 def test_torch_compile_model_with_paged_cache_traces(residual):
     """`torch.compile(model)` forward (prefill, then decode steps) with the paged cache gives eager's logits."""
     _compiled_forward_matches_eager("eager", **residual)
 
 
-def test_paged_cache_graph_breaks_only_in_the_page_allocator():
+@pytest.mark.parametrize("features", [{}, KPOOL_MODEL], ids=["dsa", "kpool"])
+def test_paged_cache_graph_breaks_only_in_the_page_allocator(features):
     """The page allocator (host code) is the only graph break, and it runs before the layer loop (`reserve` from
     `begin_forward`): a break inside a decoder layer made the residual stream cross compiled frames, which crashed
-    inductor (docs/graph-mode.md §1)."""
-    model = tiny_model()
+    inductor (docs/graph-mode.md §1). The k-pool store writes its pools without a host read and checks the mask only
+    eagerly."""
+    model = tiny_model(**features)
     cache = KDSACache(model.config)
     ids, mask = prompt(length=12, padded=3)
     with torch.no_grad():

@@ -446,31 +446,36 @@ def _check_kpool_inputs(q_index, weights, index_pages, pool_pages, block_table, 
 
 def paged_kpool_indexer_topk_reference(
     q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
-    key_padding_mask=None, ape=None, select_tail=True,
+    key_padding_mask=None, ape=None, select_tail=True, origin=None,
 ) -> torch.Tensor:  # fmt: skip
     """k-pool indexer over paged token rows: `gather_pages` then `dsa_ops.kpool_indexer_topk`, which pools every
     visible key again from the per-token `[key | gate]` rows (`pool_pages` is not read: this is the oracle of the
     stored pools too). q_index `[B, T, HI, DI]`; weights `[B, T, HI]`; index_pages `[N, P, 2·DI]`; pool_pages
-    `[N, P // kp, DI]`; ape `[kp, DI]`; key_padding_mask `[B, num_keys]` left padding or None.
+    `[N, P // kp, DI]`; ape `[kp, DI]`; key_padding_mask `[B, num_keys]` left padding or None; origin `[B]`: the
+    pools' first token per sequence as the store keeps it (`pool_origin`, validated when written), None = from the
+    mask (`kpool_origin`, which checks it is left padding: a host read).
     Returns int64 `[B, T, min(index_topk // kp, S' // kp) · kp (+ kp - 1 with the tail)]`, -1 = none."""
     _check_kpool_inputs(
         q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
         key_padding_mask, ape,
     )  # fmt: skip
     rows = gather_pages(index_pages, block_table, num_keys, q_index.dtype)
-    return kpool_indexer_topk(q_index, weights, rows, ape, index_topk, query_start, key_padding_mask, select_tail)
+    return kpool_indexer_topk(
+        q_index, weights, rows, ape, index_topk, query_start, key_padding_mask, select_tail, origin
+    )
 
 
 def _blocked_kpool_indexer_topk(
     q_index, weights, pool_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, ape, select_tail,
-    score_block,
+    origin, score_block,
 ) -> torch.Tensor:  # fmt: skip
     """Score + weight + running top-k over blocks of pages of stored pooled keys. Inputs already checked."""
     batch, num_queries, num_heads, head_dim = q_index.shape
     kpool = ape.shape[0]
     page_size = page_geometry(pool_pages)[1] * kpool
     num_visible = min(num_keys, query_start + num_queries)
-    origin = kpool_origin(key_padding_mask, batch, num_visible, q_index.device)
+    if origin is None:
+        origin = kpool_origin(key_padding_mask, batch, num_visible, q_index.device)
     num_selected = min(index_topk // kpool, num_visible // kpool)
     if num_selected == 0:
         empty = torch.empty(batch, num_queries, 0, dtype=torch.int64, device=q_index.device)
@@ -502,7 +507,7 @@ def _blocked_kpool_indexer_topk(
 
 def paged_kpool_indexer_topk_fused(
     q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
-    key_padding_mask=None, ape=None, select_tail=True,
+    key_padding_mask=None, ape=None, select_tail=True, origin=None,
 ) -> torch.Tensor:  # fmt: skip
     """Fused k-pool indexer: scores only the stored pooled keys (`pool_pages`, one row per complete pool, written by
     `KDSACache` when a pool's last token arrives), with a running top-k over blocks of pages, so a decode step reads
@@ -513,13 +518,13 @@ def paged_kpool_indexer_topk_fused(
     )  # fmt: skip
     return _blocked_kpool_indexer_topk(
         q_index, weights, pool_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, ape,
-        select_tail, _score_pool_block,
+        select_tail, origin, _score_pool_block,
     )  # fmt: skip
 
 
 def paged_kpool_indexer_topk_compiled(
     q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
-    key_padding_mask=None, ape=None, select_tail=True,
+    key_padding_mask=None, ape=None, select_tail=True, origin=None,
 ) -> torch.Tensor:  # fmt: skip
     """`paged_kpool_indexer_topk_fused` with the per-block scoring compiled. Same shapes and results."""
     _check_kpool_inputs(
@@ -528,7 +533,7 @@ def paged_kpool_indexer_topk_compiled(
     )  # fmt: skip
     return _blocked_kpool_indexer_topk(
         q_index, weights, pool_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, ape,
-        select_tail, _compiled("score_pool_block"),
+        select_tail, origin, _compiled("score_pool_block"),
     )  # fmt: skip
 
 

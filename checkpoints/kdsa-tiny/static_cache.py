@@ -36,8 +36,7 @@ from .cache import (
     attention_store_class,
 )
 from .configuration_kdsa import DSA_LAYER, MLA_LAYER
-from .dsa_ops import kpool_keys
-from .dsa_paged_ops import read_rows, static_kpool_origin
+from .dsa_paged_ops import static_kpool_origin
 from .kernels import KernelSet, kernel_set
 
 
@@ -304,75 +303,16 @@ class StaticKPoolLayer(_StaticPagedMixin, KDSAPagedKPoolLayer):
         super()._bind_kernels(kernels)
         self.static_kpool_kernel = kernels.require("static_kpool_indexer_topk")
 
-    def append(
-        self,
-        kv_rows: torch.Tensor,
-        index_rows: torch.Tensor,
-        key_padding_mask: torch.Tensor | None,
-        kpool_ape: torch.Tensor,
-    ) -> torch.Tensor:
-        """Store the current tokens (as `KDSAPagedKPoolLayer.append`) and pool every pool they complete;
-        `key_padding_mask`: the capacity-padded left-padding mask `[B, L]` or None. Returns the 0-d count before
-        them."""
-        if kpool_ape is None or tuple(kpool_ape.shape) != (self.index_kpool, self.index_width):
-            raise ValueError(f"the k-pool store needs kpool_ape [{self.index_kpool}, {self.index_width}]")
-        batch_size, new_tokens, _ = kv_rows.shape
-        origin = static_kpool_origin(key_padding_mask, batch_size, kv_rows.device)
+    def _forward_origin(self, key_padding_mask, batch_size: int, new_tokens: int, device) -> torch.Tensor:
+        """The origin from the capacity-padded mask, with no host read; checked eagerly only (a compiled step trusts
+        generate's mask)."""
+        origin = static_kpool_origin(key_padding_mask, batch_size, device)
         if not _compiling():
             self._check_origin(origin, key_padding_mask, new_tokens)
-        past = self._write(kv_rows, index_rows)
-        self.pool_origin.copy_(origin)
-        self._write_pools(past, new_tokens, origin, kpool_ape)
-        return past
+        return origin
 
-    def _check_origin(self, origin: torch.Tensor, key_padding_mask: torch.Tensor | None, new_tokens: int) -> None:
-        """Eager only, one host read: over the context the mask is left padding from `origin` (the first real token)
-        and keeps the origin of the pools already stored."""
-        past = self.num_tokens if self.is_initialized else torch.zeros((), dtype=torch.long, device=origin.device)
-        failures = torch.zeros(2, dtype=torch.bool, device=origin.device)
-        if key_padding_mask is not None:
-            slots = torch.arange(key_padding_mask.shape[1], device=origin.device)
-            left_padding = slots >= origin[:, None]
-            failures[0] = ((key_padding_mask.bool() != left_padding) & (slots < past + new_tokens)).any()
-        if self.is_initialized:
-            failures[1] = ((origin != self.pool_origin) & (self.pool_origin < past)).any()
-        not_left_padding, moved = failures.tolist()
-        if not_left_padding:
-            raise ValueError(
-                "attention_mask must be left padding (zeros, then ones) for the k-pool indexer (index_kpool > 1): its "
-                "pools start at each sequence's first real token"
-            )
-        if moved:
-            raise ValueError(
-                "attention_mask changed where a sequence's first real token is after its k-pools were stored; "
-                "pass the same left padding on every forward"
-            )
-
-    def _write_pools(self, past: torch.Tensor, new_tokens: int, origin: torch.Tensor, ape: torch.Tensor) -> None:
-        """Pool and store the pools completed by positions `past … past + new_tokens - 1` (docs/dsa.md §9).
-
-        They end at `origin + kp - 1 + k·kp` for `k >= k0` (the first end at or after `past`): at most
-        `ceil(new_tokens / kp)` of them, so that many candidates per sequence, each written to its slot; a candidate
-        past the new tokens writes its slot's current value back. Consecutive candidates name consecutive groups of
-        `kp` tokens, so, taken modulo the capacity's groups, their slots are distinct and no write collides."""
-        kpool, width = self.index_kpool, self.index_width
-        slots_per_page = self.page_size // kpool
-        batch_size = origin.shape[0]
-        first_end = origin + kpool - 1
-        first_k = (past - first_end + kpool - 1).div(kpool, rounding_mode="floor").clamp(min=0)
-        candidates = torch.arange(-(-new_tokens // kpool), device=self.device)
-        ends = first_end[:, None] + kpool * (first_k[:, None] + candidates)  # [B, J]
-        completed = ends < past + new_tokens
-        groups = (ends // kpool) % (self.capacity // kpool)
-        pool_slots = self.block_table.gather(1, groups // slots_per_page) * slots_per_page + groups % slots_per_page
-        pool_slots = pool_slots.reshape(-1)
-        tokens = (ends[..., None] + torch.arange(1 - kpool, 1, device=self.device)).clamp(0, self.capacity - 1)
-        rows = read_rows(self.index_pages, self.physical_slots(tokens.flatten(1)).reshape(-1), self.dtype)
-        rows = rows.view(batch_size, -1, kpool, 2 * width)
-        pooled = kpool_keys(rows[..., :width], rows[..., width:], ape).to(self.dtype)  # [B, J, DI]
-        plane = self.pool_pages.view(-1, width)
-        current = plane.index_select(0, pool_slots).view_as(pooled)
-        plane.index_copy_(0, pool_slots, torch.where(completed[..., None], pooled, current).flatten(0, 1))
+    def _keep_origin(self, origin: torch.Tensor) -> None:
+        self.pool_origin.copy_(origin)  # in place: a compiled step keeps the address
 
     def kpool_indexer_topk(self, q_index, weights, query_start, index_topk, key_padding_mask, ape, select_tail):
         if _compiling():
@@ -383,7 +323,7 @@ class StaticKPoolLayer(_StaticPagedMixin, KDSAPagedKPoolLayer):
         num_keys, start, mask = self._eager_args(query_start, key_padding_mask)
         return self.kpool_kernel(
             q_index, weights, self.index_pages, self.pool_pages, self.block_table, num_keys, index_topk, start, mask,
-            ape, select_tail,
+            ape, select_tail, self.pool_origin,
         )  # fmt: skip
 
     def reset(self) -> None:
