@@ -10,9 +10,13 @@ context, and lives at a fixed address, so one graph serves every step of a growi
 - DSA and dense MLA layers (`StaticPagedLayer`, `StaticPagedMLALayer`): a page pool of `B · ceil(L / P)` pages for
   capacity `L`, allocated at the first write, a block table mapped once (sequence `b` owns pages `b·n … b·n + n-1`) and
   the token count as a 0-d int64 tensor. Writes are `index_copy_` at slots computed from that tensor.
+- DSA layers with the k-pool indexer (`StaticKPoolLayer`, docs/dsa.md §9): the same pages plus a pooled-key slot for
+  every group of `kp` tokens; a forward writes the pools it completes through a fixed number of candidates, the pool
+  origin coming from the capacity-padded mask.
 - Reads inside a compiled region use the fixed-shape kernels (`static_*` of the kernel registry's set, kernels.py;
   docs/graph-mode.md §3): the indexer scores all `L` slots under a mask (causal, end of the context, padding) and
-  keeps `min(index_topk, L)` with the -1 sentinel; dense MLA attends over all `L` slots under the same mask. Eager
+  keeps `min(index_topk, L)` with the -1 sentinel (the k-pool indexer: all `L / kp` pool slots); dense MLA attends
+  over all `L` slots under the same mask. Eager
   forwards (prefill, or an uncompiled step) run the paged kernels of
   `config.kernel_backend` over exactly the cached tokens, so an eager static cache computes what `KDSACache` does.
 
