@@ -143,7 +143,7 @@ def kpool_keys(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> to
 def kpool_expand(
     pool_ends: torch.Tensor,
     kpool: int,
-    query_start: int,
+    query_start: int | torch.Tensor,
     origin: torch.Tensor,
     select_tail: bool,
 ) -> torch.Tensor:
@@ -158,7 +158,8 @@ def kpool_expand(
     if not select_tail or kpool == 1:
         return tokens
     batch, num_queries = pool_ends.shape[:2]
-    positions = torch.arange(query_start, query_start + num_queries, device=pool_ends.device)
+    # `query_start` may be a 0-d tensor (a compiled static-cache step): no host read of it.
+    positions = query_start + torch.arange(num_queries, device=pool_ends.device)
     seen = positions[None, :] - origin[:, None] + 1  # [B, T] real keys the query sees (<= 0: a padded query)
     tail_count = seen.clamp(min=0) % kpool
     slot = torch.arange(kpool - 1, device=pool_ends.device)
@@ -176,6 +177,7 @@ def kpool_indexer_topk(
     query_start: int,
     key_padding_mask: torch.Tensor | None = None,
     select_tail: bool = True,
+    origin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """k-pool indexer top-k (GLM-5.3-Flash; docs/dsa.md §9), reference: pools every call from the token rows.
 
@@ -183,13 +185,15 @@ def kpool_indexer_topk(
     score]`; ape `[kp, DI]`; key_padding_mask `[B, S]` left padding or None. Pool `j` of sequence `b` is the tokens
     `origin_b + j·kp ..` (+kp - 1); a query sees a pool when its last token is at or before the query. The
     `min(index_topk // kp, S' // kp)` best visible pools (scores as `indexer_scores`; equal scores: earlier pool
-    first), expanded to their tokens, then the tail (`kpool_expand`). `S' = min(S, query_start + T)`.
-    Returns int64 `[B, T, K]`, -1 = none.
+    first), expanded to their tokens, then the tail (`kpool_expand`). `S' = min(S, query_start + T)`. origin `[B]`:
+    each sequence's first real token when the caller keeps it (a cache's `pool_origin`), else `kpool_origin` of the
+    mask. Returns int64 `[B, T, K]`, -1 = none.
     """
     batch, num_queries = q_index.shape[:2]
     kpool, head_dim = ape.shape
     num_keys = min(index_rows.shape[1], query_start + num_queries)
-    origin = kpool_origin(key_padding_mask, batch, num_keys, q_index.device)
+    if origin is None:
+        origin = kpool_origin(key_padding_mask, batch, num_keys, q_index.device)
     num_pools = num_keys // kpool
     starts = origin[:, None] + kpool * torch.arange(num_pools, device=q_index.device)  # [B, J]
     ends = starts + kpool - 1

@@ -11,8 +11,9 @@ Kernels and their contracts:
   (signatures of `dsa_paged_ops.paged_*_reference`, docs/dsa.md §4, §8, §9).
 - `kda_chunk` (prefill) and `kda_recurrent` (decode, and the replay of a rollback): the KDA delta rule (signatures of
   `kda_ops.chunk_kda` / `kda_ops.recurrent_kda`, docs/kda.md §3, §5).
-- `static_indexer_topk`, `static_sparse_mla`, `static_dense_mla`: the fixed-shape reads of a compiled static-cache
-  step (`dsa_paged_ops.static_*`, docs/graph-mode.md §3); the torch ones for every backend so far.
+- `static_indexer_topk`, `static_kpool_indexer_topk`, `static_sparse_mla`, `static_dense_mla`: the fixed-shape reads
+  of a compiled static-cache step (`dsa_paged_ops.static_*`, docs/graph-mode.md §3); the torch ones for every backend
+  so far.
 - `kv_store`: the layout the paged store keeps kv rows in, the one its attention kernels read
   (`(formats, kv_rows, latent_width) -> stored rows`).
 - `dsa_decode_prolog`: the projections of a DSA decode step (`(layer, hidden_states, position_embeddings)`, the
@@ -39,6 +40,7 @@ from .dsa_paged_ops import (
     paged_sparse_mla_reference,
     static_dense_mla,
     static_indexer_topk,
+    static_kpool_indexer_topk,
     static_sparse_mla,
 )
 from .kda_ops import chunk_kda, recurrent_kda
@@ -68,6 +70,7 @@ class KernelSet:
     kda_chunk: Callable | None = chunk_kda
     kda_recurrent: Callable | None = recurrent_kda
     static_indexer_topk: Callable | None = static_indexer_topk
+    static_kpool_indexer_topk: Callable | None = static_kpool_indexer_topk
     static_sparse_mla: Callable | None = static_sparse_mla
     static_dense_mla: Callable | None = static_dense_mla
     kv_store: Callable | None = rows_kv_store

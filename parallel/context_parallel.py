@@ -171,14 +171,16 @@ class MeshSequenceContext(SequenceParallelContext):
             parts.append(causal_short_conv(x[..., tokens], weight, left_context=halo))
         return torch.cat(parts, dim=-1), context[..., -width:] if keep_window else None
 
-    def kda_recurrence(self, q, k, v, g, beta):
-        """State passing (docs/parallel.md §3): an affine summary of each local segment, one all-gather of all `2·cp`
-        summaries, the prefix fold in fp32, then each segment's outputs from its start state."""
+    def kda_recurrence(self, q, k, v, g, beta, kda_chunk):
+        """State passing (docs/parallel.md §3): an affine summary of each local segment (one `kda_chunk` pass each),
+        one all-gather of all `2·cp` summaries, the prefix fold in fp32, then each segment's outputs from its start
+        state."""
         chunk_len, head_k_dim = self.layout.chunk_len, k.shape[-1]
         summaries = []
         for segment in self.segments:
             tokens = slice(segment.local_offset, segment.local_offset + chunk_len)
-            summaries.append(summarize_segment(q[:, tokens], k[:, tokens], v[:, tokens], g[:, tokens], beta[:, tokens]))
+            part = (q[:, tokens], k[:, tokens], v[:, tokens], g[:, tokens], beta[:, tokens])
+            summaries.append(summarize_segment(*part, kda_chunk=kda_chunk))
         payload = torch.stack([torch.cat([s.transition, s.state_ext], dim=-1) for s in summaries])  # [2, B, H, K, K+V]
         gathered = self.mesh.all_gather(payload, "cp", "cp.kda_state_summaries")
         by_chunk = {}

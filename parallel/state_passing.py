@@ -19,6 +19,7 @@ How a segment is summarised without knowing its start state `S_in`: the delta-ru
 Finishing a segment is therefore one small matmul, not a second pass over its tokens.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,18 +53,18 @@ def summarize_segment(
     g: torch.Tensor,
     beta: torch.Tensor,
     scale: float | None = None,
-    chunk_size: int = 64,
+    kda_chunk: Callable = chunk_kda,
 ) -> SegmentSummary:
     """One chunked KDA pass over a segment that returns its affine summary (see the module docstring).
-    q, k must be L2-normalised (as for `chunk_kda`); `scale` defaults to `K ** -0.5`."""
+    q, k must be L2-normalised (as for `chunk_kda`); `scale` defaults to `K ** -0.5`. `kda_chunk`: the prefill kernel
+    that runs the pass, the kernel registry's `kda_chunk` of the model's backend (docs/backends.md §1; the torch
+    reference by default)."""
     batch, _, num_heads, head_k_dim = k.shape
     head_v_dim = v.shape[-1]
     values = torch.cat([v.new_zeros(*v.shape[:3], head_k_dim), v], dim=-1).float()  # [0_K | v]
     start = torch.zeros(batch, num_heads, head_k_dim, head_k_dim + head_v_dim, dtype=torch.float32, device=k.device)
     start[..., :head_k_dim] = torch.eye(head_k_dim, device=k.device)  # [I_K | 0]
-    out, final = chunk_kda(
-        q, k, values, g, beta, scale=scale, initial_state=start, output_final_state=True, chunk_size=chunk_size
-    )
+    out, final = kda_chunk(q, k, values, g, beta, scale=scale, initial_state=start, output_final_state=True)
     return SegmentSummary(
         transition=final[..., :head_k_dim],
         state_ext=final[..., head_k_dim:],

@@ -12,9 +12,9 @@ import torch._dynamo.utils
 from conftest import tiny_model
 from transformers import CompileConfig
 
-from modeling_kdsa import KDSAQuantizationConfig
-from modeling_kdsa.cache import KDSACache
-from modeling_kdsa.static_cache import KDSAStaticCache
+from modeling_kdsa import KDSAQuantizationConfig, static_cache
+from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer
+from modeling_kdsa.static_cache import KDSAStaticCache, StaticKPoolLayer
 
 CAPTURED_GRAPHS = []
 
@@ -72,9 +72,11 @@ def _fresh_dynamo():
 # ------------------------------------------------------------------------------------------------- eager static
 
 
-def test_static_cache_eager_is_the_paged_cache():
-    """Uncompiled, the static cache runs the paged kernels over the cached tokens: the same logits, bit for bit."""
-    model = tiny_model()
+@pytest.mark.parametrize("features", [{}, "kpool"], ids=["dsa", "kpool"])
+def test_static_cache_eager_is_the_paged_cache(features):
+    """Uncompiled, the static cache runs the paged kernels over the cached tokens: the same logits, bit for bit (the
+    k-pool indexer: the pools the static store writes are the paged store's)."""
+    model = tiny_model(**(KPOOL_MODEL if features == "kpool" else features))
     ids, mask = prompt(length=20)
     dynamic = greedy(model, ids, mask, 12, output_logits=True, return_dict_in_generate=True)
     static = greedy(
@@ -84,14 +86,15 @@ def test_static_cache_eager_is_the_paged_cache():
     assert all(torch.equal(a, b) for a, b in zip(dynamic.logits, static.logits, strict=True))
 
 
-def test_static_cache_state_lives_at_fixed_addresses():
-    model = tiny_model()
+@pytest.mark.parametrize("features", [{}, "kpool"], ids=["dsa", "kpool"])
+def test_static_cache_state_lives_at_fixed_addresses(features):
+    model = tiny_model(**(KPOOL_MODEL if features == "kpool" else features))
     ids, mask = prompt(length=20)
     cache = KDSAStaticCache(model.config, max_cache_len=40)
     with torch.no_grad():
         model(ids, attention_mask=mask, cache=cache)
         addresses = [t.data_ptr() for layer in cache.layers for t in _layer_tensors(layer)]
-        model(ids[:, :1], attention_mask=torch.ones(2, 21, dtype=torch.long), cache=cache)
+        model(ids[:, :1], attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1), cache=cache)
     assert [t.data_ptr() for layer in cache.layers for t in _layer_tensors(layer)] == addresses
     assert int(cache.get_seq_length()) == 21
     cache.reset()
@@ -101,8 +104,12 @@ def test_static_cache_state_lives_at_fixed_addresses():
 
 def _layer_tensors(layer):
     if hasattr(layer, "block_table"):
-        return (*layer._all_planes(), layer.block_table, layer.num_tokens)
+        return (*layer._all_planes(), layer.block_table, layer.num_tokens, *_pool_origin(layer))
     return (layer.conv_states[0], layer.recurrent_states[0])
+
+
+def _pool_origin(layer):
+    return (layer.pool_origin,) if isinstance(layer, StaticKPoolLayer) else ()
 
 
 def test_static_cache_refusals():
@@ -191,11 +198,102 @@ def test_compiled_static_decode_other_layer_kinds():
     assert len(CAPTURED_GRAPHS) == 1 and host_syncs(CAPTURED_GRAPHS) == []
 
 
-def test_static_cache_refuses_the_kpool_indexer():
-    config = tiny_model().config
-    config.index_kpool = 4
-    with pytest.raises(ValueError, match="index_kpool"):
-        KDSAStaticCache(config, max_cache_len=32)
+# GLM-5.3-Flash's shape: NoPE, the k-pool indexer (kp = 4, 2 pools + the tail of 3 per query), a shared-indexer layer
+# after a full one, a dense MLA layer.
+KPOOL_MODEL = dict(
+    layer_types=["linear_attention", "indexed_attention", "indexed_attention", "full_attention"],
+    indexer_types=["full", "full", "shared", "full"],
+    qk_rope_head_dim=0,
+    index_kpool=4,
+    index_topk=8,
+)
+
+
+def kpool_prompt(length: int = 26, pads: tuple[int, ...] = (0, 3, 6)):
+    """Left padding 0, 3, 6: three sequences whose pools start at different phases (docs/dsa.md §9)."""
+    ids = torch.randint(3, 128, (len(pads), length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+def test_static_kpool_fixed_shape_path_equals_the_paged_cache(monkeypatch):
+    """The fixed-shape k-pool path of a compiled step (pool writes, `static_kpool_indexer_topk`), run eagerly by
+    patching `_compiling`, against the eager paged KDSACache: a 26-token prefill and 14 decode steps over three pool
+    phases; every k-pool selection equal as a set, the logits within fp32 summation order."""
+    model = tiny_model(**KPOOL_MODEL)
+    ids, mask = kpool_prompt()
+    steps = torch.randint(3, 128, (3, 14), generator=torch.Generator().manual_seed(2))
+    selections = {KDSAPagedKPoolLayer: [], StaticKPoolLayer: []}
+    for store_class, recorded in selections.items():
+
+        def recording(self, *args, _select=store_class.kpool_indexer_topk, _recorded=recorded):
+            _recorded.append(_select(self, *args))
+            return _recorded[-1]
+
+        monkeypatch.setattr(store_class, "kpool_indexer_topk", recording)
+
+    def run(cache):
+        with torch.no_grad():
+            logits = [model(ids, attention_mask=mask, cache=cache).logits]
+            step_mask = mask
+            for t in range(steps.shape[1]):
+                step_mask = torch.cat([step_mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
+                logits.append(model(steps[:, t : t + 1], attention_mask=step_mask, cache=cache).logits)
+        return torch.cat(logits, dim=1)
+
+    expected = run(KDSACache(model.config))
+    monkeypatch.setattr(static_cache, "_compiling", lambda: True)
+    got = run(KDSAStaticCache(model.config, max_cache_len=48))
+    assert len(selections[StaticKPoolLayer]) == len(selections[KDSAPagedKPoolLayer]) == 15
+    for fixed, paged in zip(selections[StaticKPoolLayer], selections[KDSAPagedKPoolLayer], strict=True):
+        as_sets = [{i for i in row if i >= 0} for row in fixed.flatten(0, 1).tolist()]
+        assert as_sets == [{i for i in row if i >= 0} for row in paged.flatten(0, 1).tolist()]
+    valid = torch.cat([mask, torch.ones_like(steps)], dim=1)[..., None].bool()
+    torch.testing.assert_close(got * valid, expected * valid, atol=2e-5, rtol=1e-5)
+
+
+def test_static_kpool_cache_refuses_masks_that_move_the_pools():
+    """Pools start at the first real token: eagerly, a mask that is not left padding, or that moves the first real
+    token after pools were stored, is refused (docs/dsa.md §9)."""
+    model = tiny_model(**KPOOL_MODEL)
+    ids, mask = kpool_prompt(length=12)
+    cache = KDSAStaticCache(model.config, max_cache_len=16)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="left padding"):
+            model(ids, attention_mask=mask.flip(1), cache=cache)
+        cache.reset()
+        model(ids, attention_mask=mask, cache=cache)
+        with pytest.raises(ValueError, match="same left padding"):
+            model(ids[:, :1], attention_mask=torch.ones(3, 13, dtype=mask.dtype), cache=cache)
+
+
+def test_compiled_static_decode_with_kpool_indexer():
+    """GLM-shaped model: generate() compiles the decode step with the k-pool indexer and a shared-indexer layer
+    (fullgraph, no host sync, one graph while 24 steps cross six pool boundaries); eager paged decoding's tokens and
+    logits."""
+    model = tiny_model(**KPOOL_MODEL)
+    ids, mask = kpool_prompt(length=30)
+    kwargs = dict(output_logits=True, return_dict_in_generate=True)
+    expected = greedy(model, ids, mask, 24, **kwargs)
+    got = greedy(model, ids, mask, 24, cache_implementation="static", compile_config=compile_config(), **kwargs)
+    assert hasattr(model, "_compiled_call")
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), atol=2e-5, rtol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert len(CAPTURED_GRAPHS) == 1 and host_syncs(CAPTURED_GRAPHS) == []
+
+
+@pytest.mark.slow
+def test_compiled_static_kpool_decode_inductor():
+    """The GLM-shaped model under inductor: 64 compiled steps (16 pool boundaries) give eager's tokens, one graph."""
+    model = tiny_model(**KPOOL_MODEL)
+    ids, mask = kpool_prompt(length=30)
+    expected = greedy(model, ids, mask, 64)
+    got = greedy(model, ids, mask, 64, cache_implementation="static", compile_config=compile_config(backend="inductor"))
+    assert torch.equal(got, expected)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.slow
@@ -237,17 +335,21 @@ def _compiled_forward_matches_eager(backend: str, **config):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("residual", [dict(), dict(attn_res_block_size=0, hc_mult=2)], ids=["attn_res", "mhc"])
+@pytest.mark.parametrize(
+    "residual", [dict(), dict(attn_res_block_size=0, hc_mult=2), KPOOL_MODEL], ids=["attn_res", "mhc", "kpool"]
+)
 def test_torch_compile_model_with_paged_cache_traces(residual):
     """`torch.compile(model)` forward (prefill, then decode steps) with the paged cache gives eager's logits."""
     _compiled_forward_matches_eager("eager", **residual)
 
 
-def test_paged_cache_graph_breaks_only_in_the_page_allocator():
+@pytest.mark.parametrize("features", [{}, KPOOL_MODEL], ids=["dsa", "kpool"])
+def test_paged_cache_graph_breaks_only_in_the_page_allocator(features):
     """The page allocator (host code) is the only graph break, and it runs before the layer loop (`reserve` from
     `begin_forward`): a break inside a decoder layer made the residual stream cross compiled frames, which crashed
-    inductor (docs/graph-mode.md §1)."""
-    model = tiny_model()
+    inductor (docs/graph-mode.md §1). The k-pool store writes its pools without a host read and checks the mask only
+    eagerly."""
+    model = tiny_model(**features)
     cache = KDSACache(model.config)
     ids, mask = prompt(length=12, padded=3)
     with torch.no_grad():

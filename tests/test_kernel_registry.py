@@ -23,6 +23,7 @@ from modeling_kdsa.configuration_kdsa import KERNEL_BACKENDS
 from modeling_kdsa.dsa_paged_ops import read_pages
 from modeling_kdsa.kernels import BACKEND_NAMES, KERNEL_NAMES, TORCH_KERNELS, kernel_set, resolve_kernel_backend
 from modeling_kdsa.numeric_formats import CacheFormats
+from modeling_kdsa.static_cache import StaticKPoolLayer
 
 INDEX_DIM, LATENT, ROPE, PAGE = 128, 512, 64, 16
 BF16_REL_FRO = 8e-3  # bf16 attention outputs against the reference on the same bf16 values (a few roundings)
@@ -109,7 +110,8 @@ def test_every_config_backend_is_registered_and_fields_default_to_the_torch_refe
     assert TORCH_KERNELS.kda_chunk is kda_ops.chunk_kda and TORCH_KERNELS.kda_recurrent is kda_ops.recurrent_kda
     assert set(KERNEL_NAMES) == {
         "indexer_topk", "sparse_mla", "kpool_indexer_topk", "dense_mla", "kda_chunk", "kda_recurrent",
-        "static_indexer_topk", "static_sparse_mla", "static_dense_mla", "kv_store", "dsa_decode_prolog",
+        "static_indexer_topk", "static_kpool_indexer_topk", "static_sparse_mla", "static_dense_mla", "kv_store",
+        "dsa_decode_prolog",
     }  # fmt: skip
     with pytest.raises(ValueError, match="unknown kernel_backend 'cuda'"):
         kernel_set("cuda")
@@ -224,6 +226,39 @@ def test_kpool_indexer_topk(kernels, select_tail):
         expected = TORCH_KERNELS.kpool_indexer_topk(*args)
         assert got.shape == expected.shape
         assert [set(row) for row in got.flatten(0, 1).tolist()] == [set(row) for row in expected.flatten(0, 1).tolist()]
+
+
+@pytest.mark.parametrize("select_tail", [True, False])
+def test_static_kpool_indexer_topk(kernels, select_tail):
+    """The fixed-shape k-pool path of a compiled static-cache step (docs/graph-mode.md §3): pools written by
+    `StaticKPoolLayer` (a fixed number of candidates per append) and scored over every slot under the mask, against the
+    torch reference, which pools again from the token rows. Left padding gives each sequence another pool phase;
+    appends of 97, 1 and 94 tokens complete pools within and across them, the last one up to the capacity (where a
+    candidate past the context wraps around). fp32 (in bf16 near-equal scores of the reference, which pools at every
+    call, may round apart): the same sets; extra slots -1."""
+    generator = torch.Generator().manual_seed(9)
+    kpool, index_topk, pads, capacity = 4, 32, (0, 5, 38), 192
+    ape = torch.randn(kpool, INDEX_DIM, generator=generator)
+    store = StaticKPoolLayer(capacity, kv_width=8, index_width=INDEX_DIM, kernel_backend=kernels.name, page_size=64,
+                             index_kpool=kpool)  # fmt: skip
+    rows = torch.randn(3, capacity, 2 * INDEX_DIM, generator=generator)
+    q_index = torch.randn(3, 40, 8, INDEX_DIM, generator=generator)
+    weights = torch.randn(3, 40, 8, generator=generator)
+    for start, num_keys in ((0, 97), (97, 98), (98, capacity)):
+        mask = torch.zeros(3, capacity, dtype=torch.bool)  # capacity-padded, as the model passes it
+        for b, pad in enumerate(pads):
+            mask[b, pad:num_keys] = True
+        store.append(torch.zeros(3, num_keys - start, 8), rows[:, start:num_keys], mask, ape)
+        for query_start, num_queries in ((num_keys - 40, 40), (30, 40), (num_keys - 1, 1)):
+            queries = (q_index[:, :num_queries], weights[:, :num_queries], store.index_pages, store.pool_pages)
+            expected = TORCH_KERNELS.kpool_indexer_topk(
+                *queries, store.block_table, num_keys, index_topk, query_start, mask[:, :num_keys], ape, select_tail
+            )
+            got = run(kernels, "static_kpool_indexer_topk", *queries, store.block_table, torch.tensor(num_keys),
+                      index_topk, torch.tensor(query_start), mask, ape, select_tail)  # fmt: skip
+            assert got.shape[-1] == index_topk + (kpool - 1 if select_tail else 0)
+            as_sets = [{i for i in row if i >= 0} for row in got.flatten(0, 1).tolist()]
+            assert as_sets == [{i for i in row if i >= 0} for row in expected.flatten(0, 1).tolist()]
 
 
 def kda_case(seq_len: int, seed: int, with_state: bool = True):

@@ -161,6 +161,32 @@ def test_cp_path_single_process_matches_model(layout):
             )
 
 
+def test_cp_kda_segments_run_the_registry_kda_chunk(monkeypatch):
+    """State passing summarises each KDA segment with the model's backend's `kda_chunk` (docs/backends.md §1): the
+    augmented pass (values `[0_K | v]`, width K + V) goes through the registry, not a fixed kernel."""
+    import dataclasses
+
+    from modeling_kdsa import kda_ops, kernels
+
+    widths = []
+
+    def recording_chunk(q, k, v, *args, **kwargs):
+        widths.append(v.shape[-1])
+        return kda_ops.chunk_kda(q, k, v, *args, **kwargs)
+
+    recording = dataclasses.replace(kernels.CPU_KERNELS, kda_chunk=recording_chunk)
+    monkeypatch.setitem(kernels._BACKENDS, "cpu", lambda: recording)
+    model = tiny_model(kernel_backend="cpu")
+    ids = torch.randint(3, 128, (2, 29), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(ids).logits
+        assert widths and set(widths) == {model.config.linear_head_dim}
+        widths.clear()
+        out = context_parallel_prefill(model, ids, single_process_mesh())
+    assert widths and set(widths) == {2 * model.config.linear_head_dim}  # K + V: the augmented summaries
+    assert (out.logits - reference).abs().max() < 1e-4
+
+
 def test_cp_path_rejects_short_prompt_and_used_cache():
     model = tiny_model()
     with pytest.raises(ValueError, match="shorter than the 2·cp = 2 chunks"):

@@ -446,31 +446,36 @@ def _check_kpool_inputs(q_index, weights, index_pages, pool_pages, block_table, 
 
 def paged_kpool_indexer_topk_reference(
     q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
-    key_padding_mask=None, ape=None, select_tail=True,
+    key_padding_mask=None, ape=None, select_tail=True, origin=None,
 ) -> torch.Tensor:  # fmt: skip
     """k-pool indexer over paged token rows: `gather_pages` then `dsa_ops.kpool_indexer_topk`, which pools every
     visible key again from the per-token `[key | gate]` rows (`pool_pages` is not read: this is the oracle of the
     stored pools too). q_index `[B, T, HI, DI]`; weights `[B, T, HI]`; index_pages `[N, P, 2·DI]`; pool_pages
-    `[N, P // kp, DI]`; ape `[kp, DI]`; key_padding_mask `[B, num_keys]` left padding or None.
+    `[N, P // kp, DI]`; ape `[kp, DI]`; key_padding_mask `[B, num_keys]` left padding or None; origin `[B]`: the
+    pools' first token per sequence as the store keeps it (`pool_origin`, validated when written), None = from the
+    mask (`kpool_origin`, which checks it is left padding: a host read).
     Returns int64 `[B, T, min(index_topk // kp, S' // kp) · kp (+ kp - 1 with the tail)]`, -1 = none."""
     _check_kpool_inputs(
         q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
         key_padding_mask, ape,
     )  # fmt: skip
     rows = gather_pages(index_pages, block_table, num_keys, q_index.dtype)
-    return kpool_indexer_topk(q_index, weights, rows, ape, index_topk, query_start, key_padding_mask, select_tail)
+    return kpool_indexer_topk(
+        q_index, weights, rows, ape, index_topk, query_start, key_padding_mask, select_tail, origin
+    )
 
 
 def _blocked_kpool_indexer_topk(
     q_index, weights, pool_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, ape, select_tail,
-    score_block,
+    origin, score_block,
 ) -> torch.Tensor:  # fmt: skip
     """Score + weight + running top-k over blocks of pages of stored pooled keys. Inputs already checked."""
     batch, num_queries, num_heads, head_dim = q_index.shape
     kpool = ape.shape[0]
     page_size = page_geometry(pool_pages)[1] * kpool
     num_visible = min(num_keys, query_start + num_queries)
-    origin = kpool_origin(key_padding_mask, batch, num_visible, q_index.device)
+    if origin is None:
+        origin = kpool_origin(key_padding_mask, batch, num_visible, q_index.device)
     num_selected = min(index_topk // kpool, num_visible // kpool)
     if num_selected == 0:
         empty = torch.empty(batch, num_queries, 0, dtype=torch.int64, device=q_index.device)
@@ -502,7 +507,7 @@ def _blocked_kpool_indexer_topk(
 
 def paged_kpool_indexer_topk_fused(
     q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
-    key_padding_mask=None, ape=None, select_tail=True,
+    key_padding_mask=None, ape=None, select_tail=True, origin=None,
 ) -> torch.Tensor:  # fmt: skip
     """Fused k-pool indexer: scores only the stored pooled keys (`pool_pages`, one row per complete pool, written by
     `KDSACache` when a pool's last token arrives), with a running top-k over blocks of pages, so a decode step reads
@@ -513,13 +518,13 @@ def paged_kpool_indexer_topk_fused(
     )  # fmt: skip
     return _blocked_kpool_indexer_topk(
         q_index, weights, pool_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, ape,
-        select_tail, _score_pool_block,
+        select_tail, origin, _score_pool_block,
     )  # fmt: skip
 
 
 def paged_kpool_indexer_topk_compiled(
     q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
-    key_padding_mask=None, ape=None, select_tail=True,
+    key_padding_mask=None, ape=None, select_tail=True, origin=None,
 ) -> torch.Tensor:  # fmt: skip
     """`paged_kpool_indexer_topk_fused` with the per-block scoring compiled. Same shapes and results."""
     _check_kpool_inputs(
@@ -528,7 +533,7 @@ def paged_kpool_indexer_topk_compiled(
     )  # fmt: skip
     return _blocked_kpool_indexer_topk(
         q_index, weights, pool_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, ape,
-        select_tail, _compiled("score_pool_block"),
+        select_tail, origin, _compiled("score_pool_block"),
     )  # fmt: skip
 
 
@@ -922,6 +927,51 @@ def static_indexer_topk(
     return _unpack_indices(packed.topk(min(index_topk, capacity), dim=-1).values)
 
 
+def static_kpool_origin(key_padding_mask: torch.Tensor | None, batch: int, device) -> torch.Tensor:
+    """First real key of every sequence (where its k-pools start, docs/dsa.md §9) from a left-padding mask padded to
+    the capacity (`[B, L]`, False past the context): the number of leading padding slots, `L` for a row without a
+    real key. No host read, unlike `dsa_ops.kpool_origin` (which also checks the mask is left padding). int64 `[B]`."""
+    if key_padding_mask is None:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    return (~key_padding_mask.bool()).long().cumprod(dim=-1).sum(dim=-1)
+
+
+def static_kpool_indexer_topk(
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    index_pages: torch.Tensor,
+    pool_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    num_keys: torch.Tensor,
+    index_topk: int,
+    query_start: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    ape: torch.Tensor | None = None,
+    select_tail: bool = True,
+) -> torch.Tensor:
+    """k-pool indexer top-k over every pooled-key slot of the block table (docs/dsa.md §9, docs/graph-mode.md §3).
+
+    Arguments as `paged_kpool_indexer_topk_*` (`index_pages` is not read: the store pools keys when they complete),
+    except num_keys / query_start: 0-d int64 tensors, and key_padding_mask: bool `[B, L]` padded to the capacity.
+    Slot `r` of a sequence holds the pool ending in its `r`-th group of `kp` tokens, at `r·kp + (origin + kp - 1) mod
+    kp`; a query sees it when that end is at or after the first pool's end and at or before the query and the last
+    cached token (a pool is written when its last token arrives, so nothing later is read). Returns int64 `[B, T,
+    min(index_topk // kp, L // kp) · kp (+ kp - 1 with the tail)]`, -1 = none: the paged kernels' selection (same
+    scores and tie rule) with extra -1 slots."""
+    batch, num_queries, num_heads, head_dim = q_index.shape
+    kpool = ape.shape[0]
+    keys = read_pages(pool_pages, block_table.reshape(-1), q_index.dtype).view(batch, -1, head_dim)
+    num_slots = keys.shape[1]
+    origin = static_kpool_origin(key_padding_mask, batch, q_index.device)
+    first_pool_end = origin + kpool - 1
+    pool_ends = kpool * torch.arange(num_slots, device=q_index.device)[None, :] + (first_pool_end % kpool)[:, None]
+    scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
+    limit = _visible_limit(query_start, num_queries, num_keys)
+    packed = _score_pool_block(q_index.contiguous(), scaled_weights, keys, pool_ends, limit, first_pool_end)
+    best = packed.topk(min(index_topk // kpool, num_slots), dim=-1).values
+    return kpool_expand(_unpack_indices(best), kpool, query_start, origin, select_tail)
+
+
 def static_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale: float) -> torch.Tensor:
     """Sparse absorbed MLA over the selected slots: `_attend` (already fixed-shape for a fixed K)."""
     return _attend(q_latent.contiguous(), q_pe.contiguous(), kv_pages, block_table, indices, softmax_scale)
@@ -973,5 +1023,7 @@ __all__ = [
     "paged_dense_mla_compiled",
     "static_dense_mla",
     "static_indexer_topk",
+    "static_kpool_indexer_topk",
+    "static_kpool_origin",
     "static_sparse_mla",
 ]

@@ -369,7 +369,7 @@ def paged_dense_mla_npu(
 
 def paged_kpool_indexer_topk_npu(
     q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
-    key_padding_mask=None, ape=None, select_tail=True,
+    key_padding_mask=None, ape=None, select_tail=True, origin=None,
 ) -> torch.Tensor:  # fmt: skip
     """k-pool indexer (docs/dsa.md §9) through `torch_npu.npu_lightning_indexer` over the stored pooled keys, same
     signature and result as `dsa_paged_ops.paged_kpool_indexer_topk_fused` (pools as a set per row).
@@ -390,7 +390,8 @@ def paged_kpool_indexer_topk_npu(
     kpool = ape.shape[0]
     device = q_index.device
     num_visible = query_start + num_queries
-    origin = kpool_origin(key_padding_mask, batch, num_visible, device)
+    if origin is None:
+        origin = kpool_origin(key_padding_mask, batch, num_visible, device)
     num_selected = min(index_topk // kpool, num_visible // kpool)
     if num_selected == 0:
         empty = torch.empty(batch, num_queries, 0, dtype=torch.int64, device=device)

@@ -10,9 +10,13 @@ context, and lives at a fixed address, so one graph serves every step of a growi
 - DSA and dense MLA layers (`StaticPagedLayer`, `StaticPagedMLALayer`): a page pool of `B · ceil(L / P)` pages for
   capacity `L`, allocated at the first write, a block table mapped once (sequence `b` owns pages `b·n … b·n + n-1`) and
   the token count as a 0-d int64 tensor. Writes are `index_copy_` at slots computed from that tensor.
+- DSA layers with the k-pool indexer (`StaticKPoolLayer`, docs/dsa.md §9): the same pages plus a pooled-key slot for
+  every group of `kp` tokens; a forward writes the pools it completes through a fixed number of candidates, the pool
+  origin coming from the capacity-padded mask.
 - Reads inside a compiled region use the fixed-shape kernels (`static_*` of the kernel registry's set, kernels.py;
   docs/graph-mode.md §3): the indexer scores all `L` slots under a mask (causal, end of the context, padding) and
-  keeps `min(index_topk, L)` with the -1 sentinel; dense MLA attends over all `L` slots under the same mask. Eager
+  keeps `min(index_topk, L)` with the -1 sentinel (the k-pool indexer: all `L / kp` pool slots); dense MLA attends
+  over all `L` slots under the same mask. Eager
   forwards (prefill, or an uncompiled step) run the paged kernels of
   `config.kernel_backend` over exactly the cached tokens, so an eager static cache computes what `KDSACache` does.
 
@@ -27,6 +31,7 @@ from .cache import (
     PAGE_SIZE,
     KDAReplayLayer,
     KDSACache,
+    KDSAPagedKPoolLayer,
     KDSAPagedLayer,
     KDSAPagedMLALayer,
     _bytes_view,
@@ -35,6 +40,7 @@ from .cache import (
     attention_store_class,
 )
 from .configuration_kdsa import DSA_LAYER, MLA_LAYER
+from .dsa_paged_ops import static_kpool_origin
 from .kernels import KernelSet, kernel_set
 
 
@@ -164,11 +170,8 @@ class _StaticPagedMixin:
         batch_size, new_tokens, _ = rows[0].shape
         if batch_size != self.batch_size:
             raise ValueError(f"cache holds {self.batch_size} sequences, got a batch of {batch_size}")
-        if not _compiling() and int(self.num_tokens) + new_tokens > self.max_cache_len:
-            raise ValueError(
-                f"KDSAStaticCache capacity exceeded: {int(self.num_tokens)} cached + {new_tokens} new tokens > "
-                f"max_cache_len={self.max_cache_len}"
-            )
+        # No capacity check here (it would read the count on the host in every layer): `KDSAStaticCache.begin_forward`
+        # checks once per forward, before any layer writes.
         past = self.num_tokens.clone()
         positions = past + torch.arange(new_tokens, device=self.device)
         slots = self.physical_slots(positions.expand(batch_size, -1)).reshape(-1)
@@ -275,6 +278,66 @@ class StaticPagedLayer(_StaticPagedMixin, KDSAPagedLayer):
         )
 
 
+class StaticKPoolLayer(_StaticPagedMixin, KDSAPagedKPoolLayer):
+    """Fixed-capacity store of a DSA layer with the k-pool indexer (docs/dsa.md §9): the per-token `[key | gate]` rows
+    and a pooled-key plane `[pages, P / kp, DI]` with a slot for every possible pool. The pools a write completes are
+    pooled and stored with a fixed number of candidates per forward (no data-dependent shape, no host read); the
+    pool origin comes from the capacity-padded mask (`static_kpool_origin`) and is kept in `pool_origin`."""
+
+    layout_class = KDSAPagedKPoolLayer
+
+    def __init__(self, max_cache_len: int, **kwargs):
+        KDSAPagedKPoolLayer.__init__(self, **kwargs)
+        self._init_static(max_cache_len)
+
+    @classmethod
+    def from_config(cls, config, max_cache_len: int, page_size: int = PAGE_SIZE) -> "StaticKPoolLayer":
+        return cls(max_cache_len, **KDSAPagedKPoolLayer.config_kwargs(config, page_size))
+
+    def lazy_initialization(self, *rows: torch.Tensor) -> None:
+        batch_size = rows[0].shape[0]
+        num_pages = batch_size * self.pages_per_sequence
+        # Before the token planes: the mixin marks every paged plane (pooled keys included) static.
+        self.pool_pages = rows[0].new_zeros(num_pages, self.page_size // self.index_kpool, self.index_width)
+        self.pool_origin = torch.zeros(batch_size, dtype=torch.long, device=rows[0].device)
+        _mark_static(self.pool_origin)
+        super().lazy_initialization(*rows)
+
+    def _bind_kernels(self, kernels: KernelSet) -> None:
+        super()._bind_kernels(kernels)
+        self.static_kpool_kernel = kernels.require("static_kpool_indexer_topk")
+
+    def _forward_origin(self, key_padding_mask, batch_size: int, new_tokens: int, device) -> torch.Tensor:
+        """The origin from the capacity-padded mask, with no host read; checked eagerly only (a compiled step trusts
+        generate's mask)."""
+        origin = static_kpool_origin(key_padding_mask, batch_size, device)
+        if not _compiling():
+            self._check_origin(origin, key_padding_mask, new_tokens)
+        return origin
+
+    def _keep_origin(self, origin: torch.Tensor) -> None:
+        self.pool_origin.copy_(origin)  # in place: a compiled step keeps the address
+
+    def kpool_indexer_topk(self, q_index, weights, query_start, index_topk, key_padding_mask, ape, select_tail):
+        if _compiling():
+            return self.static_kpool_kernel(
+                q_index, weights, self.index_pages, self.pool_pages, self.block_table, self.num_tokens, index_topk,
+                query_start, key_padding_mask, ape, select_tail,
+            )  # fmt: skip
+        num_keys, start, mask = self._eager_args(query_start, key_padding_mask)
+        return self.kpool_kernel(
+            q_index, weights, self.index_pages, self.pool_pages, self.block_table, num_keys, index_topk, start, mask,
+            ape, select_tail, self.pool_origin,
+        )  # fmt: skip
+
+    def reset(self) -> None:
+        """Forget the tokens (addresses kept); stale pooled keys are never read: a slot is read only once the pool
+        ending there is written again."""
+        super().reset()
+        if self.is_initialized:
+            self.pool_origin.zero_()
+
+
 class KDSAStaticCache(KDSACache):
     """Fixed-capacity, compileable KDSA cache (docs/graph-mode.md §2): `max_cache_len` tokens per sequence, a batch
     fixed by the first forward. `generate(cache_implementation="static")` builds it with capacity
@@ -288,16 +351,12 @@ class KDSAStaticCache(KDSACache):
     def __init__(self, config, max_cache_len: int, page_size: int = PAGE_SIZE):
         if max_cache_len <= 0:
             raise ValueError(f"max_cache_len must be > 0, got {max_cache_len}")
-        if config.index_kpool > 1 and DSA_LAYER in config.layer_types:
-            raise ValueError(
-                f"index_kpool={config.index_kpool} (the k-pool indexer) is not supported by KDSAStaticCache "
-                "(cache_implementation='static'): its pooled keys are written at data-dependent slots; use the paged "
-                "KDSACache (cache_implementation=None)"
-            )
         layers = []
         for layer_idx, layer_type in enumerate(config.layer_types):
             if layer_type not in (DSA_LAYER, MLA_LAYER):
                 layers.append(StaticKDALayer(config.linear_conv_kernel_dim, config.kernel_backend))
+            elif attention_store_class(config, layer_idx) is KDSAPagedKPoolLayer:
+                layers.append(StaticKPoolLayer.from_config(config, max_cache_len, page_size))
             elif attention_store_class(config, layer_idx) is KDSAPagedLayer:
                 layers.append(StaticPagedLayer.from_config(config, max_cache_len, page_size))
             else:  # dense MLA, or a shared-indexer DSA layer: latent rows only
@@ -360,6 +419,7 @@ class KDSAStaticCache(KDSACache):
 __all__ = [
     "KDSAStaticCache",
     "StaticKDALayer",
+    "StaticKPoolLayer",
     "StaticPagedLayer",
     "StaticPagedMLALayer",
 ]

@@ -32,7 +32,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from .configuration_kdsa import DSA_LAYER, MLA_LAYER
-from .dsa_ops import kpool_keys, kpool_origin
+from .dsa_ops import kpool_keys
 from .dsa_paged_ops import read_rows
 from .kernels import KernelSet, kernel_set
 from .numeric_formats import PLANAR_ROWS, CacheFormats, stored_planes
@@ -493,42 +493,82 @@ class KDSAPagedKPoolLayer(KDSAPagedLayer):
         if kpool_ape is None or tuple(kpool_ape.shape) != (self.index_kpool, self.index_width):
             raise ValueError(f"the k-pool store needs kpool_ape [{self.index_kpool}, {self.index_width}]")
         batch_size, new_tokens, _ = kv_rows.shape
-        origin = kpool_origin(key_padding_mask, batch_size, self.num_tokens + new_tokens, kv_rows.device)
-        # Pools already written start at the stored origin: a mask that moves it would make them wrong.
-        moved = (
-            None if self.pool_origin is None else (origin != self.pool_origin) & (self.pool_origin < self.num_tokens)
-        )
-        if moved is not None and bool(moved.any()):
+        origin = self._forward_origin(key_padding_mask, batch_size, new_tokens, kv_rows.device)
+        past = self._write(kv_rows, index_rows)
+        if new_tokens:
+            self._keep_origin(origin)
+            self._write_pools(past, new_tokens, origin, kpool_ape)
+        return past
+
+    def _forward_origin(self, key_padding_mask, batch_size: int, new_tokens: int, device) -> torch.Tensor:
+        """The pool origin of this forward (each sequence's first real token, int64 `[B]`), checked (`_check_origin`)
+        before anything is written."""
+        num_keys = self.num_tokens + new_tokens
+        if key_padding_mask is None:
+            origin = torch.zeros(batch_size, dtype=torch.long, device=device)
+        else:
+            origin = num_keys - key_padding_mask[:, :num_keys].bool().sum(dim=-1)  # kpool_origin, for left padding
+        self._check_origin(origin, key_padding_mask, new_tokens)
+        return origin
+
+    def _keep_origin(self, origin: torch.Tensor) -> None:
+        self.pool_origin = origin
+
+    def _check_origin(self, origin: torch.Tensor, key_padding_mask, new_tokens: int) -> None:
+        """One host read: over the context the mask is left padding from `origin`, and the origin of the pools already
+        stored is kept (a mask that moves it would make them wrong). Skipped while compiling, as the other host-side
+        value checks (docs/graph-mode.md §1): a graph break inside a layer would split the residual stream."""
+        if torch.compiler.is_compiling():
+            return
+        past = self.num_tokens
+        failures = torch.zeros(2, dtype=torch.bool, device=origin.device)
+        if key_padding_mask is not None:
+            slots = torch.arange(key_padding_mask.shape[1], device=origin.device)
+            left_padding = slots >= origin[:, None]
+            failures[0] = ((key_padding_mask.bool() != left_padding) & (slots < past + new_tokens)).any()
+        if self.pool_origin is not None:
+            failures[1] = ((origin != self.pool_origin) & (self.pool_origin < past)).any()
+        not_left_padding, moved = failures.tolist()
+        if not_left_padding:
+            raise ValueError(
+                "attention_mask must be left padding (zeros, then ones) for the k-pool indexer (index_kpool > 1): its "
+                "pools start at each sequence's first real token"
+            )
+        if moved:
             raise ValueError(
                 "attention_mask changed where a sequence's first real token is after its k-pools were stored; "
                 "pass the same left padding on every forward"
             )
-        past = self._write(kv_rows, index_rows)
-        if new_tokens:
-            self.pool_origin = origin
-            self._write_pools(past, kpool_ape)
-        return past
 
-    def _write_pools(self, past: int, ape: torch.Tensor) -> None:
-        """Pool every pool whose last token is among positions `past ..` and store its key (docs/dsa.md §9)."""
+    def _write_pools(self, past, new_tokens: int, origin: torch.Tensor, ape: torch.Tensor) -> None:
+        """Pool and store the pools completed by positions `past … past + new_tokens - 1` (docs/dsa.md §9); `past`
+        an int, or a 0-d tensor in a static cache. No host read and no data-dependent shape.
+
+        They end at `origin + kp - 1 + k·kp` for `k >= k0` (the first end at or after `past`): at most
+        `ceil(new_tokens / kp)` of them, so that many candidates per sequence, each pooled from its `kp` token rows and
+        written to its slot; a candidate past the new tokens writes its slot's current value back. Consecutive
+        candidates name consecutive groups of `kp` tokens, so, taken modulo the groups the block table maps, their
+        slots are distinct and no write collides; a wrapped candidate's slot may be a shared page's, which gets its
+        own value back."""
         kpool, width = self.index_kpool, self.index_width
-        ends = torch.arange(past, self.num_tokens, device=self.device)
-        first_end = self.pool_origin[:, None] + kpool - 1
-        completes = ((ends[None, :] - first_end) % kpool == 0) & (ends[None, :] >= first_end)  # [B, new]
-        batch_ids, end_ids = completes.nonzero(as_tuple=True)
-        if batch_ids.numel() == 0:
-            return
-        pool_end = ends[end_ids]
-        tokens = pool_end[:, None] + torch.arange(1 - kpool, 1, device=self.device)  # [n, kp]
-        token_pages = self.block_table[batch_ids[:, None], tokens // self.page_size]
-        rows = read_rows(
-            self.index_pages, (token_pages * self.page_size + tokens % self.page_size).flatten(), self.dtype
-        )
-        rows = rows.view(-1, kpool, 2 * width)
-        pooled = kpool_keys(rows[..., :width], rows[..., width:], ape)
-        end_pages = self.block_table[batch_ids, pool_end // self.page_size]
-        pool_slots = end_pages * (self.page_size // kpool) + (pool_end % self.page_size) // kpool
-        self.pool_pages.view(-1, width)[pool_slots] = pooled.to(self.dtype)
+        slots_per_page = self.page_size // kpool
+        batch_size = origin.shape[0]
+        first_end = origin + kpool - 1
+        first_k = (past - first_end + kpool - 1).div(kpool, rounding_mode="floor").clamp(min=0)
+        candidates = torch.arange(-(-new_tokens // kpool), device=self.device)
+        ends = first_end[:, None] + kpool * (first_k[:, None] + candidates)  # [B, J]
+        completed = ends < past + new_tokens
+        num_groups = self.block_table.shape[1] * slots_per_page
+        groups = (ends // kpool) % num_groups
+        pool_slots = self.block_table.gather(1, groups // slots_per_page) * slots_per_page + groups % slots_per_page
+        pool_slots = pool_slots.reshape(-1)
+        tokens = (ends[..., None] + torch.arange(1 - kpool, 1, device=self.device)).clamp(0, num_groups * kpool - 1)
+        rows = read_rows(self.index_pages, self.physical_slots(tokens.flatten(1)).reshape(-1), self.dtype)
+        rows = rows.view(batch_size, -1, kpool, 2 * width)
+        pooled = kpool_keys(rows[..., :width], rows[..., width:], ape).to(self.dtype)  # [B, J, DI]
+        plane = self.pool_pages.view(-1, width)
+        current = plane.index_select(0, pool_slots).view_as(pooled)
+        plane.index_copy_(0, pool_slots, torch.where(completed[..., None], pooled, current).flatten(0, 1))
 
     def kpool_indexer_topk(
         self,
@@ -541,10 +581,10 @@ class KDSAPagedKPoolLayer(KDSAPagedLayer):
         select_tail: bool,
     ) -> torch.Tensor:
         """k-pool indexer top-k over the stored pools (docs/dsa.md §9); see dsa_paged_ops. Returns token positions
-        `[B, T, K]`, -1 = none."""
+        `[B, T, K]`, -1 = none. The kernel takes the origin the store keeps (checked when written), not the mask's."""
         return self.kpool_kernel(
             q_index, weights, self.index_pages, self.pool_pages, self.block_table, self.num_tokens, index_topk,
-            query_start, key_padding_mask, ape, select_tail,
+            query_start, key_padding_mask, ape, select_tail, self.pool_origin,
         )  # fmt: skip
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -161,10 +161,10 @@ class KDSAKimiDeltaAttention(nn.Module):
             g = g.masked_fill(~mask[:, :, None, None], 0.0)
             beta = beta.masked_fill(~mask[:, :, None], 0.0)
 
+        kernel = kernel_set(self.kernel_backend, v.device).require("kda_recurrent" if decoding else "kda_chunk")
         if sequence_parallel is not None:
-            o, final_state = sequence_parallel.kda_recurrence(q, k, v, g, beta)
+            o, final_state = sequence_parallel.kda_recurrence(q, k, v, g, beta, kda_chunk=kernel)
         else:
-            kernel = kernel_set(self.kernel_backend, v.device).require("kda_recurrent" if decoding else "kda_chunk")
             o, final_state = kernel(
                 q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None
             )

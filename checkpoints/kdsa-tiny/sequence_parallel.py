@@ -56,10 +56,17 @@ class SequenceParallelContext:
         raise NotImplementedError
 
     def kda_recurrence(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        kda_chunk: Callable,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The KDA recurrence (`kda_ops.chunk_kda` from a zero state) over the local tokens, each segment started from
-        the state the tokens before it leave. Returns the outputs `[B, L, H, V]` and the state after the last token of
+        """The KDA recurrence (from a zero state) over the local tokens, each segment started from the state the
+        tokens before it leave; `kda_chunk` is the layer's prefill kernel (the kernel registry's, `kda_ops.chunk_kda`'s
+        contract). Returns the outputs `[B, L, H, V]` and the state after the last token of
         the whole sequence `[B, H, K, V]` fp32."""
         raise NotImplementedError
 
