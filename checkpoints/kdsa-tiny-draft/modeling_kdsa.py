@@ -65,7 +65,7 @@ class PlainResidualStream:
 
 class _KDAStateView:
     """One KDA layer's two state tensors behind the cache methods the KDA mixer calls, for a compile region
-    (docs/graph-mode.md §7): a region's inputs are modules and tensors, so it cannot take the cache object, and the
+    (docs/graph-mode.md §8): a region's inputs are modules and tensors, so it cannot take the cache object, and the
     mixer's `layer_idx` (which differs per layer) must not select anything inside it. The updates are the
     in-place `copy_`s of `StaticKDALayer`."""
 
@@ -99,14 +99,29 @@ def _kda_sublayer(
     recurrent_state: torch.Tensor,
 ) -> torch.Tensor:
     """Norm + KDA mixer of one decode step on a static cache, as one compile region: traced and compiled once,
-    stamped out for every KDA layer (docs/graph-mode.md §7). Eager: a plain call."""
+    stamped out for every KDA layer (docs/graph-mode.md §8). Eager: a plain call."""
     hidden_states = layer.input_layernorm(layer_input)
     return layer.linear_attn(hidden_states, attention_mask=token_mask, cache=_KDAStateView(conv_state, recurrent_state))
 
 
 @torch.compiler.nested_compile_region
+def _attention_sublayer(
+    layer: "KDSADecoderLayer",
+    layer_input: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+    attention_mask: torch.Tensor | None,
+    cache: KDSAStaticCache,
+    topk_indices: torch.Tensor | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Norm + DSA / dense MLA mixer as one compile region (docs/graph-mode.md §8). It takes the cache object, so
+    dynamo traces it per layer (the object is no region input it can match), but the traced bodies are identical:
+    dynamo installs one body per kind and inductor compiles it once."""
+    return layer._attention(layer_input, position_embeddings, attention_mask, cache, topk_indices)
+
+
+@torch.compiler.nested_compile_region
 def _feed_forward_sublayer(layer: "KDSADecoderLayer", mlp_input: torch.Tensor) -> torch.Tensor:
-    """Norm + MLP / MoE as one compile region, compiled once per feed-forward kind (docs/graph-mode.md §7)."""
+    """Norm + MLP / MoE as one compile region, compiled once per feed-forward kind (docs/graph-mode.md §8)."""
     return layer.mlp(layer.post_attention_layernorm(mlp_input))
 
 
@@ -175,7 +190,7 @@ class KDSADecoderLayer(GradientCheckpointingLayer):
         attn_idx, mlp_idx = 2 * self.layer_idx, 2 * self.layer_idx + 1
         layer_input = stream.input_for(attn_idx)
         # Compiling a step on a static cache: the sublayers run as compile regions, so that inductor compiles each
-        # distinct body once, not once per layer (docs/graph-mode.md §7).
+        # distinct body once, not once per layer (docs/graph-mode.md §8).
         regions = torch.compiler.is_compiling() and isinstance(cache, KDSAStaticCache) and sequence_parallel is None
         if self.layer_type == KDA_LAYER:
             # KDA only needs to know which of the current tokens are padding.
@@ -193,24 +208,17 @@ class KDSADecoderLayer(GradientCheckpointingLayer):
                     sequence_parallel=sequence_parallel,
                 )
         else:
-            hidden_states = self.input_layernorm(layer_input)
             # The model's RoPE table may exist for other layers (a DSA indexer) while this one rotates nothing.
             if not self.self_attn.uses_position_embeddings:
                 position_embeddings = None
-            selection = {}  # a DSA layer takes or hands over a top-k selection (docs/dsa.md §10)
-            if self.layer_type == DSA_LAYER:
-                selection = {
-                    "topk_indices": topk_indices if self.self_attn.shares_indexer else None,
-                    "return_topk_indices": self.hands_over_topk,
-                }
-            mixed = self.self_attn(
-                hidden_states,
-                position_embeddings=position_embeddings,
-                attention_mask=attention_mask,
-                cache=cache,
-                sequence_parallel=sequence_parallel,
-                **selection,
-            )
+            if self.layer_type != DSA_LAYER or not self.self_attn.shares_indexer:
+                topk_indices = None
+            if regions and getattr(cache.layers[self.layer_idx], "is_initialized", False):
+                mixed = _attention_sublayer(self, layer_input, position_embeddings, attention_mask, cache, topk_indices)
+            else:
+                mixed = self._attention(
+                    layer_input, position_embeddings, attention_mask, cache, topk_indices, sequence_parallel
+                )
         handed_over = None
         if self.hands_over_topk:
             mixed, handed_over = mixed
@@ -225,6 +233,28 @@ class KDSADecoderLayer(GradientCheckpointingLayer):
             mlp_output = self.mlp(self.post_attention_layernorm(stream.input_for(mlp_idx)))
         stream.add_output(mlp_idx, mlp_output)
         return stream, layer_input, handed_over, router_logits
+
+    def _attention(
+        self,
+        layer_input: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None,
+        cache: KDSACache | None,
+        topk_indices: torch.Tensor | None,
+        sequence_parallel: SequenceParallelContext | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Norm + DSA / dense MLA mixer; with `hands_over_topk`, also this layer's selection."""
+        selection = {}  # a DSA layer takes or hands over a top-k selection (docs/dsa.md §10)
+        if self.layer_type == DSA_LAYER:
+            selection = {"topk_indices": topk_indices, "return_topk_indices": self.hands_over_topk}
+        return self.self_attn(
+            self.input_layernorm(layer_input),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            cache=cache,
+            sequence_parallel=sequence_parallel,
+            **selection,
+        )
 
 
 class KDSAPreTrainedModel(PreTrainedModel):
