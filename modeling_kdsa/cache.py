@@ -15,7 +15,7 @@
   selection of the layer before it (docs/dsa.md §10). The k-pool indexer (`index_kpool > 1`) adds a plane of pooled
   keys to the DSA store (`KDSAPagedKPoolLayer`, docs/dsa.md §9). `attention_store_class` picks the store of a layer.
 - The store, not the layer, calls the kernels that read it (`dsa_paged_ops`): the fused indexer/top-k and the sparse
-  attention over the selected entries, chosen by `config.kernel_backend`.
+  attention over the selected entries, from the registry's set for `config.kernel_backend` (kernels.py).
 - Formats (docs/design.md §4, `numeric_formats.CacheFormats`, chosen from `config.quantization_config` when the cache is
   built): each store holds either model-dtype pages or quantized pages (`QuantizedRows`: FP8 latent tiles + fp32
   scales + the RoPE part unquantized; MXFP8 indexer keys + E8M0 scales). One code path for both: rows are encoded
@@ -33,19 +33,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCach
 
 from .configuration_kdsa import DSA_LAYER, MLA_LAYER
 from .dsa_ops import kpool_keys, kpool_origin
-from .dsa_paged_ops import dense_mla_kernel, dsa_kernels, kpool_indexer_kernel, read_rows
-from .kda_ops import chunk_kda, recurrent_kda
-from .numeric_formats import PLANAR_ROWS, CacheFormats, PackedKVRows, SplitRows, stored_planes
+from .dsa_paged_ops import read_rows
+from .kernels import KernelSet, kernel_set
+from .numeric_formats import PLANAR_ROWS, CacheFormats, stored_planes
 
 PAGE_SIZE = 64  # tokens per page: the CUDA DSA kernels' block size (docs/dsa.md §4)
-
-
-def resolve_kernel_backend(backend: str, device: torch.device) -> str:
-    """`auto` picks the fused kernels of the device: `cpu` on CPU, `npu` for tensors on an Ascend NPU (torch_npu's
-    fused ops, docs/backends.md §2). Anything else (CUDA) falls back to the torch reference."""
-    if backend != "auto":
-        return backend
-    return {"cpu": "cpu", "npu": "npu"}.get(device.type, "torch")
 
 
 _planes = stored_planes  # the tensors a store is made of
@@ -67,7 +59,7 @@ class KDSAPagedMLALayer(CacheLayerMixin):
 
     kv_pages: `[P, page_size, C + R]` rows `[normalised latent c | k_pe]` — a model-dtype tensor, or `QuantizedRows` of
     that geometry when `formats` quantizes it (module doc); on the `npu` backend `SplitRows` / `PackedKVRows` instead
-    (`_encode_kv`); block_table: int64 `[B, pages per sequence]` (-1 =
+    (the backend's `kv_store`, `_encode_kv`); block_table: int64 `[B, pages per sequence]` (-1 =
     unused), `num_tokens`: cached tokens per sequence. Physical pages come from a pool that doubles when it runs out;
     `page_refcount[p]` counts the block-table entries pointing at page `p`. `latent_width` (C) is the part of a kv
     row that `kv_cache="fp8"` quantizes; the rest (RoPE slice) stays in the model dtype. Subclasses add planes of
@@ -144,19 +136,15 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         return (self._encode_kv(kv_rows),)
 
     def _encode_kv(self, kv_rows: torch.Tensor):
-        """Latent rows in the stored format. The `npu` backend keeps them in the layouts torch_npu's attention ops read
-        in place (docs/backends.md §2): model-dtype rows as `SplitRows` (latent and RoPE planes, two contiguous page
-        pools), FP8 rows as `PackedKVRows` (one packed byte row per token). Other backends: one plane per part."""
-        rows = kv_rows.to(self.dtype)
-        if resolve_kernel_backend(self.kernel_backend, self.device) != "npu":
-            return self.formats.encode_kv_rows(rows, self.latent_width)
-        if self.formats.kv_cache == "bf16":
-            return SplitRows(rows[..., : self.latent_width], rows[..., self.latent_width :])
-        return PackedKVRows.pack(self.formats.encode_kv_rows(rows, self.latent_width))
+        """Latent rows in the layout of the backend's attention kernels (its `kv_store`): one plane per part, or on
+        the `npu` backend the layouts torch_npu's ops read in place (`SplitRows`, `PackedKVRows`; docs/backends.md
+        §2)."""
+        return self.kv_store(self.formats, kv_rows.to(self.dtype), self.latent_width)
 
-    def _bind_kernels(self, backend: str) -> None:
-        self.dense_kernel = dense_mla_kernel(backend)
-        _, self.sparse_kernel = dsa_kernels(backend)
+    def _bind_kernels(self, kernels: KernelSet) -> None:
+        self.kv_store = kernels.require("kv_store")
+        self.dense_kernel = kernels.require("dense_mla")
+        self.sparse_kernel = kernels.require("sparse_mla")
 
     def _check_widths(self, rows: tuple[torch.Tensor, ...]) -> None:
         if tuple(row.shape[-1] for row in rows) != self.row_widths:
@@ -168,13 +156,13 @@ class KDSAPagedMLALayer(CacheLayerMixin):
     def lazy_initialization(self, *rows: torch.Tensor) -> None:
         batch_size = rows[0].shape[0]
         self.dtype, self.device = rows[0].dtype, rows[0].device
+        self._bind_kernels(kernel_set(self.kernel_backend, self.device))  # first: the kernels choose the layout
         # Empty pools in the stored formats: encoding zero rows gives every plane its dtype and width.
         widths = zip(rows, self.row_widths, strict=True)
         empty = self._encode(*(row.new_zeros(0, self.page_size, width) for row, width in widths))
         for name, store in zip(self.store_names, empty, strict=True):
             setattr(self, name, store)
         self.block_table = torch.full((batch_size, 0), -1, dtype=torch.long, device=self.device)
-        self._bind_kernels(resolve_kernel_backend(self.kernel_backend, self.device))
         self.is_initialized = True
 
     @property
@@ -406,9 +394,9 @@ class KDSAPagedLayer(KDSAPagedMLALayer):
         """Rows `[..., C + R]` and keys `[..., DI]` in the stored formats (tensors or `QuantizedRows`)."""
         return self._encode_kv(kv_rows), self.formats.encode_index_keys(index_keys.to(self.dtype))
 
-    def _bind_kernels(self, backend: str) -> None:
-        super()._bind_kernels(backend)
-        self.indexer_kernel, _ = dsa_kernels(backend)
+    def _bind_kernels(self, kernels: KernelSet) -> None:
+        super()._bind_kernels(kernels)
+        self.indexer_kernel = kernels.require("indexer_topk")
 
     def append(self, kv_rows: torch.Tensor, index_keys: torch.Tensor) -> int:
         """Store the current tokens: kv_rows `[B, T, C + R]`, index_keys `[B, T, DI]`. Returns the number of tokens
@@ -488,9 +476,9 @@ class KDSAPagedKPoolLayer(KDSAPagedLayer):
         super().lazy_initialization(*rows)
         self.pool_pages = rows[0].new_zeros(0, self.page_size // self.index_kpool, self.index_width, dtype=self.dtype)
 
-    def _bind_kernels(self, backend: str) -> None:
-        super()._bind_kernels(backend)
-        self.kpool_kernel = kpool_indexer_kernel(backend)
+    def _bind_kernels(self, kernels: KernelSet) -> None:
+        super()._bind_kernels(kernels)
+        self.kpool_kernel = kernels.require("kpool_indexer_topk")
 
     def append(
         self,
@@ -633,8 +621,9 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
     Rollback: a checkpoint (conv window, fp32 state) after `checkpoint_tokens` tokens, and one `KDAReplayRecord`
     run per forward since then — memory per pending token, never a state copy per token. `crop(n)` for any n in
     `[checkpoint_tokens, num_tokens]` replays the first `n - checkpoint_tokens` recorded steps from the checkpoint
-    with `recurrent_kda`, the decode kernel itself, so the rebuilt state is bit for bit what stepping those
-    recorded inputs gives; the conv window is the last W of the checkpoint window followed by the recorded columns.
+    with the decode kernel itself (`kda_recurrent` of `kernel_backend`'s KernelSet, the one the layer decodes with),
+    so the rebuilt state is bit for bit what stepping those recorded inputs gives; the conv window is the last W of
+    the checkpoint window followed by the recorded columns.
 
     When the checkpoint advances (it only ever moves to a state that is already exact):
     - every `crop` commits: the rolled-back (or, for `crop` to the current length, the live) state becomes the
@@ -642,18 +631,19 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
       are committed and only the next draft is recorded;
     - a forward that would leave more than `rollback_tokens` tokens pending first commits the live state (the
       state before that forward); if the forward alone brings more than `rollback_tokens` tokens (a long prefill),
-      its first `T - rollback_tokens` steps are folded into the checkpoint with `chunk_kda` and only the last
+      its first `T - rollback_tokens` steps are folded into the checkpoint with `kda_chunk` and only the last
       `rollback_tokens` are recorded.
     So at most `rollback_tokens` tokens are ever pending; `crop` before the checkpoint raises and changes nothing.
     `rollback_tokens = 0` keeps no records: no rollback, no overhead (what plain `generate()` uses).
     """
 
-    def __init__(self, conv_kernel_size: int, rollback_tokens: int):
+    def __init__(self, conv_kernel_size: int, rollback_tokens: int, kernel_backend: str):
         super().__init__()
         if rollback_tokens < 0:
             raise ValueError(f"rollback_tokens must be >= 0, got {rollback_tokens}")
         self.conv_kernel_size[0] = conv_kernel_size
         self.rollback_tokens = rollback_tokens
+        self.kernel_backend = kernel_backend
         self.num_tokens = 0
         self.checkpoint_tokens = 0
         # (conv window, fp32 state) after `checkpoint_tokens` tokens; None while no record is kept, because then the
@@ -735,7 +725,8 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
                 # A forward longer than the window: its first steps can never be rolled back to, so fold them into
                 # the checkpoint in one pass of the chunked (prefill) kernel; q is unused, k stands in for it.
                 fold = KDAReplayRecord(conv_inputs, k, v, g, beta).tokens(0, folded)
-                _, state = chunk_kda(
+                kda_chunk = kernel_set(self.kernel_backend, k.device).require("kda_chunk")
+                _, state = kda_chunk(
                     fold.k, fold.k, fold.v, fold.g, fold.beta, initial_state=state, output_final_state=True
                 )
                 conv = self._window(conv, fold.conv_inputs)
@@ -776,12 +767,13 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
             conv, state = self.checkpoint
             if replayed:
                 steps = KDAReplayRecord.concat(self.records)
+                kda_recurrent = kernel_set(self.kernel_backend, state.device).require("kda_recurrent")
                 # Replay = the decode kernel itself, called once per token with decode's [B, 1, ...] shapes, so the
                 # rebuilt state is bit for bit the stepped one (one T-token call can round differently: its strided
                 # per-token slices take other matmul kernels). Its output (q = k) is discarded.
                 for t in range(replayed):
                     step = steps.tokens(t, t + 1)
-                    _, state = recurrent_kda(
+                    _, state = kda_recurrent(
                         step.k, step.k, step.v, step.g, step.beta, initial_state=state, output_final_state=True
                     )
                 conv = self._window(conv, steps.conv_inputs[..., :replayed])
@@ -848,7 +840,7 @@ class KDSACache(Cache):
             if layer_type in (DSA_LAYER, MLA_LAYER):
                 layers.append(attention_store_class(config, layer_idx).from_config(config, page_size))
             else:
-                layers.append(KDAReplayLayer(config.linear_conv_kernel_dim, rollback_tokens))
+                layers.append(KDAReplayLayer(config.linear_conv_kernel_dim, rollback_tokens, config.kernel_backend))
         super().__init__(layers=layers)
         if max_cache_tokens is not None and max_cache_tokens <= 0:
             raise ValueError(f"max_cache_tokens must be > 0 or None, got {max_cache_tokens}")
@@ -968,5 +960,4 @@ __all__ = [
     "PAGE_SIZE",
     "ROLLBACK_TOKENS",
     "attention_store_class",
-    "resolve_kernel_backend",
 ]

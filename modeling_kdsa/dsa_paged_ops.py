@@ -6,8 +6,7 @@ then top-k), §3 (absorbed sparse MLA: gather the selected `[c | k_pe]` rows, so
 decode), §6 (-1 sentinel, rows without a valid key give 0), §7 (never materialise the `[T, S]` logits; an exact
 fused score + top-k was proposed in vLLM RFC #53563).
 
-Three implementations with the same signatures, picked by name through `dsa_kernels(backend)` (and
-`dense_mla_kernel(backend)` for dense MLA):
+Three implementations with the same signatures, registered per backend in `kernels.py` (docs/backends.md §1):
 - `torch` (`paged_*_reference`): gather the pages into contiguous tensors, then run dsa_ops' reference kernels.
   Readable and exact: the oracle for the others.
 - `cpu` (`paged_*_fused`): the indexer scores, weights and selects in one pass over blocks of pages with a running
@@ -695,6 +694,20 @@ def _dense_block(
     return new_max, running_sum, accumulator
 
 
+def _dense_softmax_start(batch: int, num_queries: int, num_heads: int, latent_width: int, device) -> tuple:
+    """The `(running_max, running_sum, accumulator)` that `_dense_block` starts from (no key seen yet)."""
+    running_max = torch.full(
+        (batch, num_queries, num_heads, 1), torch.finfo(torch.float32).min, dtype=torch.float32, device=device
+    )
+    accumulator = torch.zeros(batch, num_queries, num_heads, latent_width, dtype=torch.float32, device=device)
+    return running_max, torch.zeros_like(running_max), accumulator
+
+
+def _dense_softmax_output(running_sum: torch.Tensor, accumulator: torch.Tensor) -> torch.Tensor:
+    """The normalised fp32 output of `_dense_block`'s state; a row that saw no key gives 0."""
+    return accumulator / running_sum.clamp(min=torch.finfo(torch.float32).tiny)
+
+
 def _blocked_dense_mla(
     q_latent, q_pe, kv_pages, block_table, num_keys, query_start, softmax_scale, key_padding_mask, block_step
 ) -> torch.Tensor:
@@ -713,11 +726,8 @@ def _blocked_dense_mla(
         num_visible = min(num_keys, query_start + last)
         query_positions = torch.arange(query_start + first, query_start + last, device=device)
         last_visible_key = query_positions.clamp(max=num_visible - 1)
-        running_max = torch.full(
-            (batch, last - first, num_heads, 1), torch.finfo(torch.float32).min, dtype=torch.float32, device=device
-        )
-        running_sum = torch.zeros_like(running_max)
-        accumulator = torch.zeros(batch, last - first, num_heads, latent_width, dtype=torch.float32, device=device)
+        state = _dense_softmax_start(batch, last - first, num_heads, latent_width, device)
+        running_max, running_sum, accumulator = state
         num_pages_read = _ceil_div(num_visible, page_size)
         padding = None
         if key_padding_mask is not None:
@@ -737,7 +747,7 @@ def _blocked_dense_mla(
             running_max, running_sum, accumulator = block_step(
                 query, rows, visible, softmax_scale, running_max, running_sum, accumulator
             )
-        outputs.append(accumulator / running_sum.clamp(min=torch.finfo(torch.float32).tiny))
+        outputs.append(_dense_softmax_output(running_sum, accumulator))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
     return out.to(q_latent.dtype)
 
@@ -875,89 +885,78 @@ def paged_dense_mla_compiled(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Backend registry: (indexer top-k, sparse MLA) per backend name, and the dense MLA kernel
-
-DSA_KERNELS = {
-    "torch": (paged_indexer_topk_reference, paged_sparse_mla_reference),
-    "cpu": (paged_indexer_topk_fused, paged_sparse_mla_fused),
-    "compiled": (paged_indexer_topk_compiled, paged_sparse_mla_compiled),
-}
+# Fixed-shape kernels of a compiled static-cache step (docs/graph-mode.md §3): every slot of the block table under a
+# mask, so that shapes depend on the capacity `L` (pages per row · P), never on the context.
 
 
-# The k-pool indexer (index_kpool > 1) per backend name; sparse MLA is the same kernel as above.
-KPOOL_INDEXER_KERNELS = {
-    "torch": paged_kpool_indexer_topk_reference,
-    "cpu": paged_kpool_indexer_topk_fused,
-    "compiled": paged_kpool_indexer_topk_compiled,
-}
+def _visible_limit(query_start: torch.Tensor, num_queries: int, num_keys: torch.Tensor) -> torch.Tensor:
+    """int64 `[T]`: query `t` (at position `query_start + t`) sees the keys `<= limit[t]` (causal, and the context's
+    end `num_keys - 1`). Both inputs are 0-d tensors, so nothing here depends on their values at trace time."""
+    positions = query_start + torch.arange(num_queries, device=query_start.device)
+    return torch.minimum(positions, num_keys - 1)
 
 
-def kpool_indexer_kernel(backend: str):
-    """The k-pool indexer top-k of a backend name in KPOOL_INDEXER_KERNELS or `"npu"` (npu_kernels); ValueError for an
-    unknown name, and for `"triton"`, whose indexer scores one key per token (docs/backends.md §4)."""
-    if backend == "npu":
-        from .npu_kernels import npu_kpool_indexer_kernel
-
-        return npu_kpool_indexer_kernel()
-    if backend == "triton":
-        raise ValueError(
-            "kernel_backend='triton' does not support the k-pool indexer (index_kpool > 1); use kernel_backend "
-            "'cpu', 'compiled', 'torch' or 'npu'"
-        )
-    if backend not in KPOOL_INDEXER_KERNELS:
-        raise ValueError(f"unknown DSA kernel backend {backend!r}; choose one of {sorted(KPOOL_INDEXER_KERNELS)}")
-    return KPOOL_INDEXER_KERNELS[backend]
-
-
-def dsa_kernels(backend: str):
-    """`(indexer_topk, sparse_mla)` for a backend name in DSA_KERNELS, `"npu"` (npu_kernels, imported only then: it
-    needs torch_npu) or `"triton"` (triton_kernels); ValueError for an unknown name."""
-    if backend == "npu":
-        from .npu_kernels import npu_dsa_kernels
-
-        return npu_dsa_kernels()
-    if backend == "triton":
-        from .triton_kernels import triton_dsa_kernels
-
-        return triton_dsa_kernels()
-    if backend not in DSA_KERNELS:
-        raise ValueError(f"unknown DSA kernel backend {backend!r}; choose one of {sorted(DSA_KERNELS)}")
-    return DSA_KERNELS[backend]
+def static_indexer_topk(
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    index_pages,
+    block_table: torch.Tensor,
+    num_keys: torch.Tensor,
+    index_topk: int,
+    query_start: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Indexer top-k over every slot of the block table: q_index `[B, T, HI, DI]`, weights `[B, T, HI]` fp32,
+    index_pages `[N, P, DI]` (or quantized), block_table `[B, n]` fully mapped, num_keys / query_start 0-d int64
+    tensors, key_padding_mask bool `[B, L]` or None. Returns int64 `[B, T, min(index_topk, L)]`, best first, -1 = no
+    key. The selection equals `paged_indexer_topk_*`'s (same scores, same tie rule: `_pack_scores`); only the width
+    differs, the extra slots being -1."""
+    batch, num_queries, num_heads, head_dim = q_index.shape
+    keys = read_pages(index_pages, block_table.reshape(-1), q_index.dtype).view(batch, -1, head_dim)
+    capacity = keys.shape[1]
+    scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
+    key_positions = torch.arange(capacity, device=q_index.device)
+    limit = _visible_limit(query_start, num_queries, num_keys)
+    padding = None if key_padding_mask is None else key_padding_mask.bool()
+    packed = _score_block(q_index.contiguous(), scaled_weights, keys, key_positions, limit, padding)
+    return _unpack_indices(packed.topk(min(index_topk, capacity), dim=-1).values)
 
 
-DENSE_MLA_KERNELS = {
-    "torch": paged_dense_mla_reference,
-    "cpu": paged_dense_mla_fused,
-    "compiled": paged_dense_mla_compiled,
-}
+def static_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale: float) -> torch.Tensor:
+    """Sparse absorbed MLA over the selected slots: `_attend` (already fixed-shape for a fixed K)."""
+    return _attend(q_latent.contiguous(), q_pe.contiguous(), kv_pages, block_table, indices, softmax_scale)
 
 
-def dense_mla_kernel(backend: str):
-    """The dense causal MLA kernel of a backend name in DENSE_MLA_KERNELS, `"npu"` (npu_kernels) or `"triton"`
-    (triton_kernels); ValueError for an unknown name."""
-    if backend == "npu":
-        from .npu_kernels import npu_dense_mla_kernel
-
-        return npu_dense_mla_kernel()
-    if backend == "triton":
-        from .triton_kernels import triton_dense_mla_kernel
-
-        return triton_dense_mla_kernel()
-    if backend not in DENSE_MLA_KERNELS:
-        raise ValueError(f"unknown dense MLA kernel backend {backend!r}; choose one of {sorted(DENSE_MLA_KERNELS)}")
-    return DENSE_MLA_KERNELS[backend]
+def static_dense_mla(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_pages,
+    block_table: torch.Tensor,
+    num_keys: torch.Tensor,
+    query_start: torch.Tensor,
+    softmax_scale: float,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense causal absorbed MLA over every slot of the block table under the visibility mask: one `_dense_block`
+    step (the online-softmax block the paged kernels use) over all `L` rows.
+    Shapes as `paged_dense_mla_fused`; returns `[B, T, H, C]`."""
+    batch, num_queries, num_heads, latent_width = q_latent.shape
+    query = torch.cat([q_latent, q_pe], dim=-1).contiguous()
+    rows = read_pages(kv_pages, block_table.reshape(-1), query.dtype).view(batch, -1, query.shape[-1])
+    key_positions = torch.arange(rows.shape[1], device=query.device)
+    limit = _visible_limit(query_start, num_queries, num_keys)
+    visible = (key_positions[None, :] <= limit[:, None])[None]
+    if key_padding_mask is not None:
+        visible = visible & key_padding_mask.bool()[:, None, :]
+    start = _dense_softmax_start(batch, num_queries, num_heads, latent_width, query.device)
+    _, running_sum, accumulator = _dense_block(query, rows, visible, softmax_scale, *start)
+    return _dense_softmax_output(running_sum, accumulator).to(q_latent.dtype)
 
 
 __all__ = [
-    "DSA_KERNELS",
-    "dsa_kernels",
-    "KPOOL_INDEXER_KERNELS",
-    "kpool_indexer_kernel",
     "paged_kpool_indexer_topk_reference",
     "paged_kpool_indexer_topk_fused",
     "paged_kpool_indexer_topk_compiled",
-    "DENSE_MLA_KERNELS",
-    "dense_mla_kernel",
     "compile_cache_dir",
     "gather_pages",
     "page_geometry",
@@ -972,4 +971,7 @@ __all__ = [
     "paged_dense_mla_reference",
     "paged_dense_mla_fused",
     "paged_dense_mla_compiled",
+    "static_dense_mla",
+    "static_indexer_topk",
+    "static_sparse_mla",
 ]

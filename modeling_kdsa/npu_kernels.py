@@ -35,7 +35,7 @@ Our side of the contract (same signatures and results as dsa_paged_ops' `cpu` ke
 - Dense MLA (`"full_attention"` layers) is the same op selecting every key (`paged_dense_mla_npu`), with
   rightDownCausal masking. NoPE models (`qk_rope_head_dim = 0`) pass zero RoPE columns (the op needs 64).
 - The k-pool indexer (GLM-5.3-Flash, docs/dsa.md §9) is the indexer op over the stored pooled keys, one batch entry
-  per query (`paged_kpool_indexer_topk_npu`). KDA runs the torch kernels (docs/backends.md §2).
+  per query (`paged_kpool_indexer_topk_npu`). KDA decode is in kda_device_ops (docs/backends.md §2).
 - `kv_cache="fp8"` (E4M3 latent, fp32 scale per 128-wide tile, RoPE part in the model dtype) is what
   `npu_kv_quant_sparse_flash_attention` (`torch_npu-npu_kv_quant_sparse_flash_attention.md`) reads, packed as one
   656-byte row per token `[512 E4M3 | 64 RoPE values | 4 fp32 scales]`, key = value `[N, P, 1, 656]`, query
@@ -484,32 +484,20 @@ def three_stream_prolog(layer, hidden_states: torch.Tensor, position_embeddings)
     return q_nope, q_pe, latent, k_pe, (q_index, weights, k_index)
 
 
-def npu_dsa_kernels():
-    """`(indexer_topk, sparse_mla)` of the npu backend; ValueError unless torch_npu and an NPU are available."""
-    torch_npu_module()
-    return paged_indexer_topk_npu, paged_sparse_mla_npu
-
-
-def npu_kpool_indexer_kernel():
-    """k-pool indexer of the npu backend (`paged_kpool_indexer_topk_npu`); ValueError unless torch_npu and an NPU are
-    available."""
-    torch_npu_module()
-    return paged_kpool_indexer_topk_npu
-
-
-def npu_dense_mla_kernel():
-    """Dense MLA of the npu backend (`paged_dense_mla_npu`); ValueError unless torch_npu and an NPU are available."""
-    torch_npu_module()
-    return paged_dense_mla_npu
+def npu_kv_store(formats, kv_rows: torch.Tensor, latent_width: int):
+    """kv rows `[..., C + R]` in the layouts torch_npu's attention ops read in place (docs/backends.md §2):
+    model-dtype rows as `SplitRows` (latent and RoPE planes, two contiguous page pools), FP8 rows as `PackedKVRows`
+    (one packed byte row per token)."""
+    if formats.kv_cache == "bf16":
+        return SplitRows(kv_rows[..., :latent_width], kv_rows[..., latent_width:])
+    return PackedKVRows.pack(formats.encode_kv_rows(kv_rows, latent_width))
 
 
 __all__ = [
-    "npu_dsa_kernels",
-    "npu_dense_mla_kernel",
+    "npu_kv_store",
     "paged_dense_mla_npu",
     "paged_indexer_topk_npu",
     "paged_kpool_indexer_topk_npu",
-    "npu_kpool_indexer_kernel",
     "paged_sparse_mla_npu",
     "three_stream_prolog",
     "torch_npu_module",

@@ -10,9 +10,10 @@ context, and lives at a fixed address, so one graph serves every step of a growi
 - DSA and dense MLA layers (`StaticPagedLayer`, `StaticPagedMLALayer`): a page pool of `B · ceil(L / P)` pages for
   capacity `L`, allocated at the first write, a block table mapped once (sequence `b` owns pages `b·n … b·n + n-1`) and
   the token count as a 0-d int64 tensor. Writes are `index_copy_` at slots computed from that tensor.
-- Reads inside a compiled region use the fixed-shape kernels below: the indexer scores all `L` slots under a mask
-  (causal, end of the context, padding) and keeps `min(index_topk, L)` with the -1 sentinel; dense MLA attends over
-  all `L` slots under the same mask. Eager forwards (prefill, or an uncompiled step) run the paged kernels of
+- Reads inside a compiled region use the fixed-shape kernels (`static_*` of the kernel registry's set, kernels.py;
+  docs/graph-mode.md §3): the indexer scores all `L` slots under a mask (causal, end of the context, padding) and
+  keeps `min(index_topk, L)` with the -1 sentinel; dense MLA attends over all `L` slots under the same mask. Eager
+  forwards (prefill, or an uncompiled step) run the paged kernels of
   `config.kernel_backend` over exactly the cached tokens, so an eager static cache computes what `KDSACache` does.
 
 Paging (growth, sharing, copy-on-write), rollback (`crop`) and beam reordering are what `KDSACache` is for; this
@@ -32,10 +33,9 @@ from .cache import (
     _map_planes,
     _planes,
     attention_store_class,
-    resolve_kernel_backend,
 )
 from .configuration_kdsa import DSA_LAYER, MLA_LAYER
-from .dsa_paged_ops import _attend, _dense_block, _score_block, _unpack_indices, read_pages
+from .kernels import KernelSet, kernel_set
 
 
 def _compiling() -> bool:
@@ -50,80 +50,6 @@ def _mark_static(tensor: torch.Tensor) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Fixed-shape kernels (docs/graph-mode.md §3). Legend as in dsa_paged_ops; `L` = capacity = pages per row · P.
-
-
-def _visible_limit(query_start: torch.Tensor, num_queries: int, num_keys: torch.Tensor) -> torch.Tensor:
-    """int64 `[T]`: query `t` (at position `query_start + t`) sees the keys `<= limit[t]` (causal, and the context's
-    end `num_keys - 1`). Both inputs are 0-d tensors, so nothing here depends on their values at trace time."""
-    positions = query_start + torch.arange(num_queries, device=query_start.device)
-    return torch.minimum(positions, num_keys - 1)
-
-
-def static_indexer_topk(
-    q_index: torch.Tensor,
-    weights: torch.Tensor,
-    index_pages,
-    block_table: torch.Tensor,
-    num_keys: torch.Tensor,
-    index_topk: int,
-    query_start: torch.Tensor,
-    key_padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Indexer top-k over every slot of the block table: q_index `[B, T, HI, DI]`, weights `[B, T, HI]` fp32,
-    index_pages `[N, P, DI]` (or quantized), block_table `[B, n]` fully mapped, num_keys / query_start 0-d int64
-    tensors, key_padding_mask bool `[B, L]` or None. Returns int64 `[B, T, min(index_topk, L)]`, best first, -1 = no
-    key. The selection equals `paged_indexer_topk_*`'s (same scores, same tie rule: `_pack_scores`); only the width
-    differs, the extra slots being -1."""
-    batch, num_queries, num_heads, head_dim = q_index.shape
-    keys = read_pages(index_pages, block_table.reshape(-1), q_index.dtype).view(batch, -1, head_dim)
-    capacity = keys.shape[1]
-    scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
-    key_positions = torch.arange(capacity, device=q_index.device)
-    limit = _visible_limit(query_start, num_queries, num_keys)
-    padding = None if key_padding_mask is None else key_padding_mask.bool()
-    packed = _score_block(q_index.contiguous(), scaled_weights, keys, key_positions, limit, padding)
-    return _unpack_indices(packed.topk(min(index_topk, capacity), dim=-1).values)
-
-
-def static_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale: float) -> torch.Tensor:
-    """Sparse absorbed MLA over the selected slots: `dsa_paged_ops._attend` (already fixed-shape for a fixed K)."""
-    return _attend(q_latent.contiguous(), q_pe.contiguous(), kv_pages, block_table, indices, softmax_scale)
-
-
-def static_dense_mla(
-    q_latent: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_pages,
-    block_table: torch.Tensor,
-    num_keys: torch.Tensor,
-    query_start: torch.Tensor,
-    softmax_scale: float,
-    key_padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Dense causal absorbed MLA over every slot of the block table under the visibility mask: one
-    `dsa_paged_ops._dense_block` step (the online-softmax block the paged kernels use) over all `L` rows.
-    Shapes as `paged_dense_mla_fused`; returns `[B, T, H, C]`."""
-    batch, num_queries, num_heads, latent_width = q_latent.shape
-    query = torch.cat([q_latent, q_pe], dim=-1).contiguous()
-    rows = read_pages(kv_pages, block_table.reshape(-1), query.dtype).view(batch, -1, query.shape[-1])
-    key_positions = torch.arange(rows.shape[1], device=query.device)
-    limit = _visible_limit(query_start, num_queries, num_keys)
-    visible = (key_positions[None, :] <= limit[:, None])[None]
-    if key_padding_mask is not None:
-        visible = visible & key_padding_mask.bool()[:, None, :]
-    running_max = torch.full(
-        (batch, num_queries, num_heads, 1), torch.finfo(torch.float32).min, dtype=torch.float32, device=query.device
-    )
-    running_sum = torch.zeros_like(running_max)
-    accumulator = q_latent.new_zeros(batch, num_queries, num_heads, latent_width, dtype=torch.float32)
-    _, running_sum, accumulator = _dense_block(
-        query, rows, visible, softmax_scale, running_max, running_sum, accumulator
-    )
-    return (accumulator / running_sum.clamp(min=torch.finfo(torch.float32).tiny)).to(q_latent.dtype)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Layers
 
 
@@ -134,8 +60,8 @@ class StaticKDALayer(KDAReplayLayer):
     is_compileable = True
     is_croppable = False
 
-    def __init__(self, conv_kernel_size: int):
-        super().__init__(conv_kernel_size, rollback_tokens=0)
+    def __init__(self, conv_kernel_size: int, kernel_backend: str):
+        super().__init__(conv_kernel_size, rollback_tokens=0, kernel_backend=kernel_backend)
 
     def record(self, *args) -> None:
         """Nothing to record: a static cache never rolls back (and a Python counter would recompile every step)."""
@@ -211,6 +137,7 @@ class _StaticPagedMixin:
     def lazy_initialization(self, *rows: torch.Tensor) -> None:
         batch_size = rows[0].shape[0]
         self.dtype, self.device = rows[0].dtype, rows[0].device
+        self._bind_kernels(kernel_set(self.kernel_backend, self.device))  # first: the kernels choose the layout
         num_pages = batch_size * self.pages_per_sequence
         widths = zip(rows, self.row_widths, strict=True)
         pools = self._encode(*(row.new_zeros(num_pages, self.page_size, width) for row, width in widths))
@@ -222,11 +149,12 @@ class _StaticPagedMixin:
         for tensor in (*self._all_planes(), self.block_table, self.num_tokens):
             _mark_static(tensor)
         self.page_refcount = [1] * num_pages
-        self._bind_kernels(self._eager_backend())
         self.is_initialized = True
 
-    def _eager_backend(self) -> str:
-        return resolve_kernel_backend(self.kernel_backend, self.device)
+    def _bind_kernels(self, kernels: KernelSet) -> None:
+        super()._bind_kernels(kernels)
+        self.static_dense_kernel = kernels.require("static_dense_mla")
+        self.static_sparse_kernel = kernels.require("static_sparse_mla")
 
     def _write(self, *rows: torch.Tensor) -> torch.Tensor:
         """Store rows `[B, T, width]` at positions `num_tokens …` in place; returns the 0-d count before them."""
@@ -262,7 +190,7 @@ class _StaticPagedMixin:
 
     def dense_attention(self, q_latent, q_pe, query_start, softmax_scale, key_padding_mask=None):
         if _compiling():
-            return static_dense_mla(
+            return self.static_dense_kernel(
                 q_latent, q_pe, self.kv_pages, self.block_table, self.num_tokens, query_start, softmax_scale,
                 key_padding_mask,
             )  # fmt: skip
@@ -273,7 +201,7 @@ class _StaticPagedMixin:
         """Attention at given positions: a DSA layer's own selection, or the previous layer's for a shared-indexer
         layer (its store is the latent-only one)."""
         if _compiling():
-            return static_sparse_mla(q_latent, q_pe, self.kv_pages, self.block_table, indices, softmax_scale)
+            return self.static_sparse_kernel(q_latent, q_pe, self.kv_pages, self.block_table, indices, softmax_scale)
         return super().sparse_attention(q_latent, q_pe, indices, softmax_scale)
 
     def get_seq_length(self) -> torch.Tensor:
@@ -330,10 +258,14 @@ class StaticPagedLayer(_StaticPagedMixin, KDSAPagedLayer):
     def from_config(cls, config, max_cache_len: int, page_size: int = PAGE_SIZE) -> "StaticPagedLayer":
         return cls(max_cache_len, **KDSAPagedLayer.config_kwargs(config, page_size))
 
+    def _bind_kernels(self, kernels: KernelSet) -> None:
+        super()._bind_kernels(kernels)
+        self.static_indexer_kernel = kernels.require("static_indexer_topk")
+
     def indexer_topk(self, q_index, weights, query_start, index_topk, key_padding_mask=None) -> torch.Tensor:
         q_index = self.formats.quantize_index_queries(q_index)
         if _compiling():
-            return static_indexer_topk(
+            return self.static_indexer_kernel(
                 q_index, weights, self.index_pages, self.block_table, self.num_tokens, index_topk, query_start,
                 key_padding_mask,
             )  # fmt: skip
@@ -365,7 +297,7 @@ class KDSAStaticCache(KDSACache):
         layers = []
         for layer_idx, layer_type in enumerate(config.layer_types):
             if layer_type not in (DSA_LAYER, MLA_LAYER):
-                layers.append(StaticKDALayer(config.linear_conv_kernel_dim))
+                layers.append(StaticKDALayer(config.linear_conv_kernel_dim, config.kernel_backend))
             elif attention_store_class(config, layer_idx) is KDSAPagedLayer:
                 layers.append(StaticPagedLayer.from_config(config, max_cache_len, page_size))
             else:  # dense MLA, or a shared-indexer DSA layer: latent rows only
@@ -430,7 +362,4 @@ __all__ = [
     "StaticKDALayer",
     "StaticPagedLayer",
     "StaticPagedMLALayer",
-    "static_dense_mla",
-    "static_indexer_topk",
-    "static_sparse_mla",
 ]

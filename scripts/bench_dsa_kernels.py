@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from modeling_kdsa import KDSAConfig  # noqa: E402
 from modeling_kdsa.dsa import mla_softmax_scale  # noqa: E402
-from modeling_kdsa.dsa_paged_ops import DSA_KERNELS, dsa_kernels  # noqa: E402
+from modeling_kdsa.kernels import COMPILED_KERNELS, CPU_KERNELS, TORCH_KERNELS  # noqa: E402
 
 DTYPE = torch.bfloat16
 PAGE_SIZE = 64
@@ -94,10 +94,10 @@ def bench_case(config, kind: str, num_keys: int, num_queries: int, repeats: int)
         config.index_topk,
         query_start,
     )
-    reference_indices = dsa_kernels("torch")[0](*index_args)
+    reference_indices = TORCH_KERNELS.indexer_topk(*index_args)
     rows = []
-    for backend in DSA_KERNELS:
-        indexer, sparse_mla = dsa_kernels(backend)
+    for kernels in (TORCH_KERNELS, CPU_KERNELS, COMPILED_KERNELS):
+        backend, indexer, sparse_mla = kernels.name, kernels.indexer_topk, kernels.sparse_mla
         indices = indexer(*index_args)
         attention_args = (inputs["q_latent"], inputs["q_pe"], inputs["kv_pages"], inputs["block_table"], indices, scale)
         indexer_ms = median_ms(lambda indexer=indexer: indexer(*index_args), repeats)
@@ -128,7 +128,7 @@ def compile_probe(quick: bool) -> None:
 
     config = KDSAConfig()
     scale = mla_softmax_scale(config)
-    indexer, sparse_mla = dsa_kernels("compiled")
+    indexer, sparse_mla = COMPILED_KERNELS.indexer_topk, COMPILED_KERNELS.sparse_mla
     start = time.perf_counter()
     with torch.inference_mode():
         for _, num_keys, num_queries in QUICK_CASES if quick else FULL_CASES[:1] + FULL_CASES[-1:]:

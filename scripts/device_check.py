@@ -9,15 +9,19 @@ bf16, batch 2 with a left-padded sequence, pages in shuffled order:
   1. indexer top-k recall against the `cpu` backend's selection, prefill (a 128-query block) and decode;
   2. sparse attention and dense MLA outputs against the `cpu` backend (relative Frobenius error), and the k-pool
      indexer's recall (GLM-5.3-Flash, docs/dsa.md §9) where the backend has one;
-  3. generate equality: a tiny KDA + DSA + dense-MLA model, greedy, the backend against `torch` on the same device
-     (only the DSA kernels differ) and against the `cpu` backend on the CPU (reported, not gated);
+  3. generate equality: a tiny KDA + DSA + dense-MLA model, greedy, the backend's DSA kernels (its KDA kernels
+     swapped for the torch ones: they round differently, item 5 checks them) against `torch` on the same device and
+     against the `cpu` backend on the CPU (reported, not gated);
   4. a decode-step timing table (indexer + sparse attention, batch 1, DeepSeek-V3.2-like dims: 16 heads, 64
      indexer heads, index_topk 2048) at contexts 4k and 64k, median of --repeats synchronised calls;
-  5. on CUDA with fla installed: fla's Triton `chunk_kda` / `fused_recurrent_kda` against kda_ops' torch kernels.
+  5. the backend's KDA kernels that are not the torch reference (fla's Triton `chunk_kda` / `fused_recurrent_kda` for
+     `triton`, torch_npu's recurrent gated delta rule for `npu`) against kda_ops' torch kernels.
 Prints a table, writes JSON (default runs/device_check.json) and exits 1 when a check misses its bound.
 """
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import statistics
 import sys
@@ -29,9 +33,10 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from modeling_kdsa import KDSAConfig, KDSAForCausalLM  # noqa: E402
+from modeling_kdsa import KDSAConfig, KDSAForCausalLM, kernels  # noqa: E402
 from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer  # noqa: E402
-from modeling_kdsa.dsa_paged_ops import dense_mla_kernel, dsa_kernels, kpool_indexer_kernel  # noqa: E402
+from modeling_kdsa.kda_ops import chunk_kda, l2norm, recurrent_kda  # noqa: E402
+from modeling_kdsa.kernels import CPU_KERNELS, TORCH_KERNELS, kernel_set  # noqa: E402
 from modeling_kdsa.numeric_formats import SplitRows  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -102,22 +107,21 @@ def store_layout(inputs: dict, backend: str) -> dict:
 
 def run_kernels(backend: str, inputs: dict, index_topk: int):
     """A backend's indexer top-k on `inputs`, and its sparse attention and dense MLA kernels."""
-    indexer, sparse_mla = dsa_kernels(backend)
+    kernels = kernel_set(backend)
     i = inputs
-    indices = indexer(
+    indices = kernels.require("indexer_topk")(
         i["q_index"], i["weights"], i["index_pages"], i["block_table"], i["num_keys"], index_topk,
         i["query_start"], i["padding"],
     )  # fmt: skip
-    return indices, sparse_mla, dense_mla_kernel(backend)
+    return indices, kernels.require("sparse_mla"), kernels.require("dense_mla")
 
 
 def check_kpool(backend: str, device: str, index_topk: int = 64, kpool: int = 4) -> list[dict]:
     """The k-pool indexer (docs/dsa.md §9) of a backend against the `cpu` backend's, over a store built on the CPU
     (left padding that shifts the pools, pools completed across appends), prefill block and decode."""
-    try:
-        kernel = kpool_indexer_kernel(backend)
-    except ValueError:
-        return []  # refused by name (triton)
+    kernel = kernel_set(backend).kpool_indexer_topk
+    if kernel is None:
+        return []  # not implemented by this backend (triton)
     generator = torch.Generator().manual_seed(5)
     num_keys, pads = 300, (0, 5)
     mask = torch.ones(2, num_keys, dtype=torch.bool)
@@ -134,7 +138,7 @@ def check_kpool(backend: str, device: str, index_topk: int = 64, kpool: int = 4)
         weights = torch.randn(2, num_queries, 16, generator=generator)
         args = [q_index, weights, store.index_pages, store.pool_pages, store.block_table, num_keys, index_topk]
         args += [num_keys - num_queries, mask, ape, True]
-        expected = kpool_indexer_kernel("cpu")(*args)
+        expected = CPU_KERNELS.kpool_indexer_topk(*args)
         got = kernel(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
         row = {"backend": backend, "case": f"k-pool {kind} S={num_keys} T={num_queries}"}
         row["indexer_recall"] = recall(got.cpu(), expected)
@@ -218,8 +222,21 @@ def generate_tokens(backend: str, device: str, new_tokens: int) -> torch.Tensor:
     return out.cpu()
 
 
+@contextlib.contextmanager
+def torch_kda(backend: str):
+    """The registry's `backend` with the torch KDA kernels while inside (so a generate compares DSA kernels only)."""
+    build = kernels._BACKENDS[backend]
+    kda = dict(kda_chunk=TORCH_KERNELS.kda_chunk, kda_recurrent=TORCH_KERNELS.kda_recurrent)
+    kernels._BACKENDS[backend] = lambda: dataclasses.replace(build(), **kda)
+    try:
+        yield
+    finally:
+        kernels._BACKENDS[backend] = build
+
+
 def check_generate(backend: str, device: str, new_tokens: int) -> dict:
-    tokens = generate_tokens(backend, device, new_tokens)
+    with torch_kda(backend):
+        tokens = generate_tokens(backend, device, new_tokens)
     on_device_reference = generate_tokens("torch", device, new_tokens)
     on_cpu = generate_tokens("cpu", "cpu", new_tokens)
     return {
@@ -232,7 +249,8 @@ def check_generate(backend: str, device: str, new_tokens: int) -> dict:
 
 def time_decode(backend: str, device: str, contexts, repeats: int, heads: int, index_heads: int, topk: int):
     rows = []
-    indexer, sparse_mla = dsa_kernels(backend)
+    kernels = kernel_set(backend)
+    indexer, sparse_mla = kernels.require("indexer_topk"), kernels.require("sparse_mla")
     scale = (128 + ROPE) ** -0.5
     for num_keys in contexts:
         i = store_layout(to_device(paged_inputs(num_keys, 1, heads, index_heads, seed=7, batch=1), device), backend)
@@ -255,15 +273,10 @@ def time_decode(backend: str, device: str, contexts, repeats: int, heads: int, i
     return rows
 
 
-def check_fla_kda(device: str) -> list[dict]:
-    """fla's Triton KDA kernels against kda_ops (fp32 inputs, T a multiple of fla's chunk of 64, initial state)."""
-    try:
-        from fla.ops.kda import chunk_kda as fla_chunk_kda
-        from fla.ops.kda import fused_recurrent_kda as fla_recurrent_kda
-    except ImportError:
-        return [{"kernel": "fla (not installed)", "max_abs_error": float("nan"), "ok": False}]
-    from modeling_kdsa.kda_ops import chunk_kda, l2norm, recurrent_kda
-
+def check_kda(backend: str, device: str) -> list[dict]:
+    """The backend's KDA kernels that are not the torch reference, against kda_ops (fp32 inputs, a 256-token prefill
+    with an initial state, a 1-token and an 11-token decode call), by relative error (bf16 ops round their inputs)."""
+    kernels = kernel_set(backend)
     generator = torch.Generator().manual_seed(3)
     shape = (2, 256, 4, 64)
     q, k = (l2norm(torch.randn(shape, generator=generator)) for _ in range(2))
@@ -272,17 +285,19 @@ def check_fla_kda(device: str) -> list[dict]:
     beta = torch.rand(shape[:3], generator=generator)
     state = torch.randn(2, 4, 64, 64, generator=generator) * 0.1
     rows = []
-    for name, ours, theirs, steps in (
-        ("chunk_kda", chunk_kda, fla_chunk_kda, 256),
-        ("fused_recurrent_kda", recurrent_kda, fla_recurrent_kda, 1),
-    ):
-        inputs = [x[:, :steps] for x in (q, k, v, g, beta)]
-        expected, expected_state = ours(*inputs, initial_state=state, output_final_state=True)
-        got, got_state = theirs(
-            *(x.to(device) for x in inputs), initial_state=state.to(device), output_final_state=True
-        )
-        error = max(float((got.cpu() - expected).abs().max()), float((got_state.cpu() - expected_state).abs().max()))
-        rows.append({"kernel": name, "max_abs_error": error, "ok": error <= 1e-3})
+    for name, reference, steps in (("kda_chunk", chunk_kda, 256), ("kda_recurrent", recurrent_kda, 1)):
+        kernel = kernels.require(name)
+        if kernel is reference:
+            continue
+        for tokens in (steps, 11) if name == "kda_recurrent" else (steps,):
+            inputs = [x[:, :tokens] for x in (q, k, v, g, beta)]
+            expected, expected_state = reference(*inputs, initial_state=state, output_final_state=True)
+            got, got_state = kernel(
+                *(x.to(device) for x in inputs), initial_state=state.to(device), output_final_state=True
+            )
+            error = max(relative_error(got, expected), relative_error(got_state, expected_state))
+            rows.append({"backend": backend, "kernel": f"{name} T={tokens}", "rel_error": error})
+            rows[-1]["ok"] = error <= MAX_REL_ERROR
     return rows
 
 
@@ -306,8 +321,9 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {"device": device, "dry_run": args.dry_run, "kernels": [], "kpool": [], "generate": []}
     report["decode_timing"] = []
-    report["kda"] = check_fla_kda(device) if device == "cuda" else []
+    report["kda"] = []
     for backend in backends:
+        report["kda"] += check_kda(backend, device)
         report["kernels"] += check_kernels(backend, device, cases, index_topk=64)
         report["kpool"] += check_kpool(backend, device)
         report["generate"].append(check_generate(backend, device, new_tokens=4 if args.dry_run else 8))
@@ -335,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}")
     for row in report["kda"]:
         verdict = "yes" if row["ok"] else "NO"
-        print(f"fla {row['kernel']}: max abs error vs kda_ops {row['max_abs_error']:.2e}  {verdict}")
+        print(f"{row['backend']:8} {row['kernel']:18} rel error vs kda_ops {row['rel_error']:.2e}  {verdict}")
     passed = all(row["ok"] for row in report["kernels"] + report["kpool"] + report["generate"] + report["kda"])
     print("PASS" if passed else "FAIL")
     return 0 if passed else 1

@@ -14,4 +14,5 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # This checkout's package (quantization/, parallel/, eval/ map into modeling_kdsa.* only when installed).
 "$VENV/bin/pip" install -q --no-deps -e .
-TRITON_INTERPRET=1 OMP_NUM_THREADS=1 PYTHONPATH="$PWD" "$VENV/bin/python" -m pytest -q tests/test_triton_kernels.py "$@"
+TRITON_INTERPRET=1 OMP_NUM_THREADS=1 PYTHONPATH="$PWD" "$VENV/bin/python" -m pytest -q -m "not slow" \
+  tests/test_triton_kernels.py tests/test_kernel_registry.py "$@"

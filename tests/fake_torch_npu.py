@@ -230,6 +230,90 @@ def _attend(query, query_rope, key, key_rope, value, sparse_indices, scale, bloc
     return out
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Recurrent gated delta rule (KDA decode), from Ascend/op-plugin
+# docs/zh/custom_APIs/torch_npu/torch_npu-npu_recurrent_gated_delta_rule.md: per token,
+# `S = S · α · Diag(αk)` (α = exp(g) per head, αk = exp(gk) per key channel: the decay acts on S's Dk axis),
+# `S = S + β (v − S k) kᵀ`, `o = scale · S q`, with S `[Dv, Dk]`; the state after token i is written to
+# `state[ssm_state_indices[i]]` (the tensor is input and output) and a sequence starts from the state of its
+# `num_accepted_tokens`-th token's slot (default: its first). Value head h reads key head h // (Nv / Nk).
+
+_GDR_MAX_TOKENS, _GDR_MAX_HEADS, _GDR_MAX_DIM = 8, 256, 512
+
+
+def npu_recurrent_gated_delta_rule(
+    query,
+    key,
+    value,
+    state,
+    *,
+    beta=None,
+    scale=None,
+    actual_seq_lengths=None,
+    ssm_state_indices=None,
+    num_accepted_tokens=None,
+    g=None,
+    gk=None,
+):
+    calls.append("npu_recurrent_gated_delta_rule")
+    for name, tensor in (("query", query), ("key", key), ("value", value), ("state", state), ("beta", beta)):
+        _fail(tensor is not None, f"{name} is required")
+        _fail(tensor.dtype == torch.bfloat16, f"{name} must be bfloat16, got {tensor.dtype}")
+    _fail(query.dim() == 3 and key.shape == query.shape, f"query and key must be [T, Nk, Dk], got {tuple(query.shape)}")
+    tokens, key_heads, key_dim = query.shape
+    _fail(value.dim() == 3 and value.shape[0] == tokens, f"value must be [T={tokens}, Nv, Dv], got {value.shape}")
+    value_heads, value_dim = value.shape[1:]
+    _fail(1 <= key_heads <= _GDR_MAX_HEADS and 1 <= value_heads <= _GDR_MAX_HEADS, "Nk, Nv must lie in [1, 256]")
+    _fail(1 <= key_dim <= _GDR_MAX_DIM and 1 <= value_dim <= _GDR_MAX_DIM, "Dk, Dv must lie in [1, 512]")
+    _fail(value_heads % key_heads == 0, f"Nv={value_heads} must be a multiple of Nk={key_heads}")
+    _fail(
+        state.dim() == 4 and tuple(state.shape[1:]) == (value_heads, value_dim, key_dim) and state.shape[0] >= tokens,
+        f"state must be [BlockNum >= T, Nv, Dv, Dk] = [>= {tokens}, {value_heads}, {value_dim}, {key_dim}], got "
+        f"{tuple(state.shape)}",
+    )
+    _fail(tuple(beta.shape) == (tokens, value_heads), f"beta must be [T, Nv], got {tuple(beta.shape)}")
+    _fail(isinstance(scale, float), f"scale is required (a float), got {scale!r}")
+    _fail(actual_seq_lengths is not None and actual_seq_lengths.dtype == torch.int32, "actual_seq_lengths: int32 [B]")
+    lengths = actual_seq_lengths.tolist()
+    _fail(all(1 <= n <= _GDR_MAX_TOKENS for n in lengths), f"actual_seq_lengths must lie in [1, 8], got {lengths}")
+    _fail(sum(lengths) == tokens, f"actual_seq_lengths must sum to T={tokens}, got {lengths}")
+    _fail(ssm_state_indices is not None and ssm_state_indices.dtype == torch.int32, "ssm_state_indices: int32 [T]")
+    _fail(tuple(ssm_state_indices.shape) == (tokens,), f"ssm_state_indices must be [T={tokens}]")
+    slots = ssm_state_indices.tolist()
+    _fail(all(0 <= i < state.shape[0] for i in slots), "ssm_state_indices must lie in [0, BlockNum)")
+    accepted = [1] * len(lengths)
+    if num_accepted_tokens is not None:
+        _fail(num_accepted_tokens.dtype == torch.int32, "num_accepted_tokens must be int32")
+        accepted = num_accepted_tokens.tolist()
+        _fail(all(1 <= a <= n for a, n in zip(accepted, lengths, strict=True)), "num_accepted_tokens in [1, L_i]")
+    if g is not None:
+        _fail(g.dtype == torch.float32 and tuple(g.shape) == (tokens, value_heads), "g must be float32 [T, Nv]")
+    if gk is not None:
+        shape = (tokens, value_heads, key_dim)
+        _fail(gk.dtype == torch.float32 and tuple(gk.shape) == shape, f"gk must be float32 {list(shape)}")
+
+    group = value_heads // key_heads
+    q, k = query.float().repeat_interleave(group, dim=1), key.float().repeat_interleave(group, dim=1)
+    v, b = value.float(), beta.float()
+    decay = torch.ones(tokens, value_heads, 1, key_dim)
+    if g is not None:
+        decay = decay * g.exp()[:, :, None, None]
+    if gk is not None:
+        decay = decay * gk.exp()[:, :, None, :]
+    out = torch.zeros(tokens, value_heads, value_dim)
+    first = 0
+    for length, accept in zip(lengths, accepted, strict=True):
+        current = state[slots[first + accept - 1]].float()  # [Nv, Dv, Dk]
+        for t in range(first, first + length):
+            current = current * decay[t]
+            error = v[t] - (current @ k[t, :, :, None])[..., 0]  # v − S k, [Nv, Dv]
+            current = current + b[t][:, None, None] * error[:, :, None] * k[t][:, None, :]
+            out[t] = scale * (current @ q[t, :, :, None])[..., 0]
+            state[slots[t]] = current.to(state.dtype)
+        first += length
+    return out.to(torch.bfloat16)
+
+
 def install(monkeypatch, available: bool = True) -> types.ModuleType:
     """Make `import torch_npu` return this module and `torch.npu.is_available()` return `available`."""
     calls.clear()

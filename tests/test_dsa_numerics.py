@@ -11,7 +11,7 @@
 import pytest
 import torch
 
-from modeling_kdsa.dsa_paged_ops import DSA_KERNELS
+from modeling_kdsa.kernels import kernel_set
 
 BACKENDS = ["torch", "cpu"]  # the compiled backend runs the same `_score_block` / `_attend` code (test_dsa_paged_ops)
 FP32_UNIT_ROUNDOFF = 2.0**-24
@@ -29,7 +29,7 @@ def paged(rows: torch.Tensor, page_size: int = 64):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_indexer_weights_and_sums_heads_in_fp32(backend):
-    indexer, _ = DSA_KERNELS[backend]
+    indexer = kernel_set(backend).indexer_topk
     generator = torch.Generator().manual_seed(0)
     batch, queries, heads, head_dim, num_keys, topk = 2, 16, 8, 64, 512, 64
     q_index = torch.randint(-1, 2, (batch, queries, heads, head_dim), generator=generator).to(torch.bfloat16)
@@ -80,7 +80,7 @@ def extreme_logit_inputs(offset: float):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("offset", [150.0, 300.0])
 def test_sparse_attention_is_exact_for_logits_beyond_exp_range(backend, offset):
-    _, attention = DSA_KERNELS[backend]
+    attention = kernel_set(backend).sparse_mla
     rows, q_latent, q_pe, indices, latent = extreme_logit_inputs(offset)
     kv_pages, block_table = paged(rows)
     out = attention(q_latent, q_pe, kv_pages, block_table, indices, 1.0)

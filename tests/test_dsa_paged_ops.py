@@ -14,7 +14,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from modeling_kdsa import dsa_ops, dsa_paged_ops
 from modeling_kdsa.dsa_paged_ops import (
-    dsa_kernels,
     gather_pages,
     paged_indexer_topk_compiled,
     paged_indexer_topk_fused,
@@ -358,14 +357,6 @@ def test_bad_input_raises_clear_errors():
         unmapped = block_table.clone()
         unmapped[0, 0] = -1
         paged_sparse_mla_reference(q_latent, q_pe, kv_pages, unmapped, indices.clamp(max=15).abs(), 0.2)
-
-
-def test_backend_registry():
-    assert dsa_kernels("torch") == (paged_indexer_topk_reference, paged_sparse_mla_reference)
-    assert dsa_kernels("cpu") == (paged_indexer_topk_fused, paged_sparse_mla_fused)
-    assert dsa_kernels("compiled") == (paged_indexer_topk_compiled, paged_sparse_mla_compiled)
-    with pytest.raises(ValueError, match="unknown DSA kernel backend 'cuda'"):
-        dsa_kernels("cuda")
 
 
 # ---------------------------------------------------------------------------------------------------------------

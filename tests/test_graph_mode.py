@@ -14,8 +14,7 @@ from transformers import CompileConfig
 
 from modeling_kdsa import KDSAQuantizationConfig
 from modeling_kdsa.cache import KDSACache
-from modeling_kdsa.dsa_paged_ops import paged_dense_mla_reference, paged_indexer_topk_reference
-from modeling_kdsa.static_cache import KDSAStaticCache, static_dense_mla, static_indexer_topk
+from modeling_kdsa.static_cache import KDSAStaticCache
 
 CAPTURED_GRAPHS = []
 
@@ -130,42 +129,6 @@ def test_static_cache_refusals():
 
 
 # ----------------------------------------------------------------------------------------------- fixed-shape kernels
-
-
-def test_static_kernels_match_the_paged_references():
-    """The kernels a compiled step runs score / attend over every slot of the block table under a mask; they select
-    what the paged reference selects (extra slots -1) and attend to the same keys."""
-    generator = torch.Generator().manual_seed(3)
-    batch, page_size, pages_per_row, num_keys, topk = 2, 4, 5, 13, 6
-    pool = batch * pages_per_row
-    table = torch.randperm(pool, generator=generator).view(batch, pages_per_row)  # any mapping, not just arange
-    index_pages = torch.randn(pool, page_size, 16, generator=generator)
-    kv_pages = torch.randn(pool, page_size, 24, generator=generator)
-    padding = torch.ones(batch, pages_per_row * page_size, dtype=torch.bool)
-    padding[0, :3] = False
-    for num_queries in (1, 3):
-        query_start = num_keys - num_queries
-        q_index = torch.randn(batch, num_queries, 2, 16, generator=generator)
-        weights = torch.randn(batch, num_queries, 2, generator=generator)
-        expected = paged_indexer_topk_reference(
-            q_index, weights, index_pages, table, num_keys, topk, query_start, padding[:, :num_keys]
-        )
-        got = static_indexer_topk(
-            q_index, weights, index_pages, table, torch.tensor(num_keys), topk, torch.tensor(query_start), padding
-        )
-        assert got.shape[-1] == topk
-        assert torch.equal(got[..., : expected.shape[-1]], expected)
-        assert bool((got[..., expected.shape[-1] :] == -1).all())
-
-        q_latent = torch.randn(batch, num_queries, 3, 16, generator=generator)
-        q_pe = torch.randn(batch, num_queries, 3, 8, generator=generator)
-        expected = paged_dense_mla_reference(
-            q_latent, q_pe, kv_pages, table, num_keys, query_start, 0.3, padding[:, :num_keys]
-        )
-        got = static_dense_mla(
-            q_latent, q_pe, kv_pages, table, torch.tensor(num_keys), torch.tensor(query_start), 0.3, padding
-        )
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

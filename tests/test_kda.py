@@ -3,6 +3,7 @@ references (fla `fla/ops/kda/naive.py`) and transformers' `KimiLinearDeltaAttent
 consistency properties the layer promises: chunked == recurrent, cached decode == full forward, padding is inert.
 """
 
+import dataclasses
 import importlib
 
 import pytest
@@ -15,8 +16,7 @@ from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextCo
 from transformers.models.kimi_linear import modeling_kimi_linear
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 
-from modeling_kdsa import KDSAConfig
-from modeling_kdsa import kda as kda_module
+from modeling_kdsa import KDSAConfig, kernels
 from modeling_kdsa.cache import KDSACache
 from modeling_kdsa.kda import KDSAKimiDeltaAttention
 from modeling_kdsa.kda_ops import (
@@ -390,8 +390,8 @@ def test_gates_and_state_stay_fp32_in_bf16_layer(monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(kda_module, "chunk_kda", spy(chunk_kda))
-    monkeypatch.setattr(kda_module, "recurrent_kda", spy(recurrent_kda))
+    spied = dataclasses.replace(kernels.CPU_KERNELS, kda_chunk=spy(chunk_kda), kda_recurrent=spy(recurrent_kda))
+    monkeypatch.setitem(kernels._BACKENDS, "cpu", lambda: spied)  # the layer's kernel_backend "auto" on CPU
     layer = make_layer(dtype=torch.bfloat16)
     assert layer.q_proj.weight.dtype == torch.bfloat16 and layer.A_log.dtype == torch.float32
     cache = new_cache()

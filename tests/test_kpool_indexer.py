@@ -16,7 +16,7 @@ from modeling_kdsa import KDSAConfig
 from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer, KDSAPagedMLALayer
 from modeling_kdsa.dsa import KDSAIndexer, KDSASparseAttention
 from modeling_kdsa.dsa_ops import ScoredPairs, kpool_indexer_topk, kpool_keys
-from modeling_kdsa.dsa_paged_ops import KPOOL_INDEXER_KERNELS
+from modeling_kdsa.kernels import kernel_set
 from modeling_kdsa.numeric_formats import CacheFormats
 
 KPOOL, TOPK, HIDDEN, INDEX_HEADS, INDEX_DIM = 4, 16, 32, 16, 16
@@ -335,8 +335,8 @@ def test_fused_kernels_equal_reference_at_a_few_hundred_tokens(backend, select_t
     for query_start in (num_keys - 40, 100):
         args = (q_index, weights, store.index_pages, store.pool_pages, store.block_table, num_keys, index_topk)
         args = (*args, query_start, mask, ape, select_tail)
-        expected = KPOOL_INDEXER_KERNELS["torch"](*args)
-        actual = KPOOL_INDEXER_KERNELS[backend](*args)
+        expected = kernel_set("torch").kpool_indexer_topk(*args)
+        actual = kernel_set(backend).kpool_indexer_topk(*args)
         assert actual.shape == expected.shape
         assert as_sets(actual) == as_sets(expected)
         # Same tie rule, same order: identical tensors, not only identical sets.

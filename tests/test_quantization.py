@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from modeling_kdsa import KDSAQuantizationConfig
 from modeling_kdsa.cache import KDSACache, KDSAPagedLayer
-from modeling_kdsa.dsa_paged_ops import DSA_KERNELS
+from modeling_kdsa.kernels import kernel_set
 from modeling_kdsa.numeric_formats import CacheFormats, QuantizedRows, fp8_tile_quantize, mxfp8_quantize
 
 # Widths the formats divide: index_head_dim 32 (MXFP8 block), kv_lora_rank 128 (FP8 tile).
@@ -38,7 +38,7 @@ def quantized_pages(num_pages=6, page_size=4, latent=128, rope=16, index_dim=64,
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_kernels_over_quantized_pages_equal_kernels_over_their_values(backend):
-    indexer, attention = DSA_KERNELS[backend]
+    indexer, attention = kernel_set(backend).indexer_topk, kernel_set(backend).sparse_mla
     kv_q, keys_q, kv_plain, keys_plain = quantized_pages()
     generator = torch.Generator().manual_seed(1)
     block_table = torch.tensor([[4, 0, 2, 5], [1, 3, -1, -1]])  # scattered pages; sequence 1 uses 2 pages

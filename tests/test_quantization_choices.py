@@ -3,11 +3,13 @@ the cache stores and the queries the indexer kernel receives are the MXFP8 encod
 and the latent rows the FP8 tiles of the configured tile size. Data are chosen so that each alternative (unrounded
 queries, the other scale rule) would give different bytes, so a choice silently dropped on the way fails."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import tiny_model
 
-from modeling_kdsa import KDSAQuantizationConfig, dsa_paged_ops
+from modeling_kdsa import KDSAQuantizationConfig, kernels
 from modeling_kdsa.cache import KDSACache, KDSAPagedLayer
 from modeling_kdsa.dsa_paged_ops import gather_pages
 from modeling_kdsa.numeric_formats import CacheFormats, fp8_tile_quantize, mxfp8_dequantize, mxfp8_quantize
@@ -40,13 +42,15 @@ def run_recording(model, ids, monkeypatch, backend="torch"):
 
         return keep
 
-    reference_indexer, attention = dsa_paged_ops.DSA_KERNELS[backend]
+    reference = kernels.kernel_set(backend)
+    reference_indexer = reference.indexer_topk
 
     def recording_indexer(q_index, *args, **kwargs):
         received.setdefault("q", []).append(q_index.detach())
         return reference_indexer(q_index, *args, **kwargs)
 
-    monkeypatch.setitem(dsa_paged_ops.DSA_KERNELS, backend, (recording_indexer, attention))
+    recording = dataclasses.replace(reference, indexer_topk=recording_indexer)
+    monkeypatch.setitem(kernels._BACKENDS, backend, lambda: recording)
     handles = [
         layer.self_attn.indexer.register_forward_hook(hook(i))
         for i, layer in enumerate(model.model.layers)

@@ -25,11 +25,12 @@ from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAtten
 from modeling_kdsa import KDSAConfig, KDSAForCausalLM, KDSAQuantizationConfig, dsa_paged_ops
 from modeling_kdsa.cache import ROLLBACK_TOKENS, KDSACache, KDSAPagedMLALayer
 from modeling_kdsa.dsa import KDSAMultiLatentAttention
-from modeling_kdsa.dsa_paged_ops import DENSE_MLA_KERNELS, dense_mla_kernel, paged_dense_mla_fused
+from modeling_kdsa.dsa_paged_ops import paged_dense_mla_fused
+from modeling_kdsa.kernels import kernel_set
 from modeling_kdsa.moe import KDSAMoE, KDSATopkRouter
 from modeling_kdsa.rotary import KDSARotaryEmbedding
 
-BACKENDS = sorted(DENSE_MLA_KERNELS)
+BACKENDS = ["compiled", "cpu", "torch"]
 # fp32 throughout: transformers' eager MHA-form attention vs our absorbed form differ by summation order only.
 REL_TOL = 1e-5
 
@@ -185,8 +186,8 @@ def test_fused_dense_kernel_equals_reference_over_many_blocks(backend, monkeypat
     padding = torch.ones(2, num_keys, dtype=torch.bool)
     padding[1, :15] = False  # sequence 1: its first query (position 13) sees no key at all
     args = (kv_pages, block_table, num_keys, num_keys - queries, 0.3, padding)
-    expected = dense_mla_kernel("torch")(q_latent, q_pe, *args)
-    got = dense_mla_kernel(backend)(q_latent, q_pe, *args)
+    expected = kernel_set("torch").dense_mla(q_latent, q_pe, *args)
+    got = kernel_set(backend).dense_mla(q_latent, q_pe, *args)
     assert max_rel_err(got, expected) < REL_TOL
     assert torch.equal(got[1, :2], torch.zeros_like(got[1, :2]))
     assert expected[1, 2:].abs().amax() > 0
@@ -225,8 +226,8 @@ def test_dense_store_bytes_and_quantized_latent():
         q_latent = torch.randn(1, 70, 4, 32, generator=torch.Generator().manual_seed(10))
         q_pe = torch.randn(1, 70, 4, 8, generator=torch.Generator().manual_seed(11))
         args = (store.kv_pages, store.block_table, 70, 0, 0.2)
-        fused = dense_mla_kernel("cpu")(q_latent, q_pe, *args)
-        assert max_rel_err(fused, dense_mla_kernel("torch")(q_latent, q_pe, *args)) < REL_TOL
+        fused = kernel_set("cpu").dense_mla(q_latent, q_pe, *args)
+        assert max_rel_err(fused, kernel_set("torch").dense_mla(q_latent, q_pe, *args)) < REL_TOL
     width = config.kv_lora_rank + config.qk_rope_head_dim
     assert plain_cache.memory_bytes()["per_token"] == width * 4
     # FP8 latent: 1 byte per element + one fp32 scale per tile of 16; the RoPE slice stays fp32.

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KDSAPagedMLALayer, attention_store_class, resolve_kernel_backend
+from .cache import KDSAPagedMLALayer, attention_store_class
 from .dsa_ops import QUERY_BLOCK_SIZE
+from .kernels import kernel_set
 from .norms import KDSARMSNorm
-from .npu_kernels import three_stream_prolog
 from .rotary import apply_rotary_half, apply_rotary_interleaved
 from .sequence_parallel import SequenceParallelContext
 
@@ -372,15 +372,16 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
 
     def project(self, hidden_states: torch.Tensor, position_embeddings):
         """The projections of a step: `q_nope`, `q_pe`, the latent and `k_pe` to cache, and the indexer's `(q_index,
-        weights, k_index)` (None for a shared-indexer layer). A decode step on the npu backend runs them on three
-        streams (npu_kernels.three_stream_prolog, docs/backends.md §2), with the same values."""
-        if (
-            self.indexer is not None
-            and hidden_states.shape[1] == 1
-            and not torch.compiler.is_compiling()
-            and resolve_kernel_backend(self.kernel_backend, hidden_states.device) == "npu"
-        ):
-            return three_stream_prolog(self, hidden_states, position_embeddings)
+        weights, k_index)` (None for a shared-indexer layer). A decode step of a layer with its own indexer runs the
+        backend's `dsa_decode_prolog` (on the npu backend three streams, npu_kernels.three_stream_prolog,
+        docs/backends.md §2), with the same values."""
+        if self.indexer is not None and hidden_states.shape[1] == 1 and not torch.compiler.is_compiling():
+            prolog = kernel_set(self.kernel_backend, hidden_states.device).require("dsa_decode_prolog")
+            return prolog(self, hidden_states, position_embeddings)
+        return self.project_in_order(hidden_states, position_embeddings)
+
+    def project_in_order(self, hidden_states: torch.Tensor, position_embeddings):
+        """`project`'s values, computed one after the other on the current stream."""
         q_nope, q_pe, query_input = self.project_queries(hidden_states, position_embeddings)
         latent, k_pe = self.project_latent(hidden_states, position_embeddings)
         indexed = None if self.indexer is None else self.indexer(hidden_states, query_input, position_embeddings)

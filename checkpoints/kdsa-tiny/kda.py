@@ -2,8 +2,8 @@
 
 Data flow per head (docs/kda.md §1): q, k, v projections → causal depthwise short conv + SiLU →
 L2-normalised q, k; per-channel fp32 decay `g` from a low-rank gate; `β = sigmoid(b_proj(x))`; the delta-rule
-recurrence (`kda_ops.chunk_kda` for prefill, `kda_ops.recurrent_kda` for decode); head-wise RMSNorm with a sigmoid
-output gate; `o_proj`.
+recurrence (`kda_chunk` for prefill, `kda_recurrent` for decode: the kernel registry's, kernels.py); head-wise RMSNorm
+with a sigmoid output gate; `o_proj`.
 """
 
 import torch
@@ -12,7 +12,8 @@ from transformers.cache_utils import Cache
 
 from .cache import KDSACache
 from .configuration_kdsa import KDA_LAYER
-from .kda_ops import causal_short_conv, causal_short_conv_step, chunk_kda, kda_gate, l2norm, recurrent_kda
+from .kda_ops import causal_short_conv, causal_short_conv_step, kda_gate, l2norm
+from .kernels import kernel_set
 from .sequence_parallel import SequenceParallelContext
 
 
@@ -51,6 +52,7 @@ class KDSAKimiDeltaAttention(nn.Module):
                 f"{KDA_LAYER!r}"
             )
         self.layer_idx = layer_idx
+        self.kernel_backend = config.kernel_backend
         self.hidden_size = config.hidden_size
         self.num_heads = config.linear_num_heads
         self.head_k_dim = config.linear_head_dim
@@ -162,7 +164,7 @@ class KDSAKimiDeltaAttention(nn.Module):
         if sequence_parallel is not None:
             o, final_state = sequence_parallel.kda_recurrence(q, k, v, g, beta)
         else:
-            kernel = recurrent_kda if decoding else chunk_kda
+            kernel = kernel_set(self.kernel_backend, v.device).require("kda_recurrent" if decoding else "kda_chunk")
             o, final_state = kernel(
                 q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None
             )

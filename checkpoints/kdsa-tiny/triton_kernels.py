@@ -11,14 +11,14 @@ sparse absorbed MLA that read `KDSACache` pages directly through the block table
   selected row `[c | k_pe]` from its page, and keeps an online (flash-style) softmax in fp32; the output is
   `Σ softmax(scale · (q_latent·c + q_pe·k_pe)) · c`, rows without a valid index give 0 (docs/dsa.md §3, §6).
 - Products are fp32 (`input_precision="ieee"`), so the results equal the fp32 reference up to summation order.
-- Dense MLA and KDA run the torch kernels (fla's `fused_recurrent_kda` is exercised by the interpreter tests, fla's
-  `chunk_kda` does not run under the interpreter; neither is wired into the layers, docs/backends.md §4).
+- Dense MLA runs the torch reference; KDA runs fla's Triton kernels (kda_device_ops; the registry, kernels.py, binds
+  them: docs/backends.md §4).
 - Quantized stores are refused (ValueError): these kernels read plain pages.
 """
 
 import torch
 
-from .dsa_paged_ops import _check_indexer_inputs, _check_sparse_inputs, page_geometry, paged_dense_mla_reference
+from .dsa_paged_ops import _check_indexer_inputs, _check_sparse_inputs, page_geometry
 from .numeric_formats import QuantizedRows
 
 try:  # optional: only the "triton" backend needs it (remote code must import without it)
@@ -223,7 +223,7 @@ def paged_sparse_mla_triton(
 ) -> torch.Tensor:
     """Sparse absorbed MLA in one Triton kernel reading the selected rows from the pages; same signature and result
     as `dsa_paged_ops.paged_sparse_mla_fused`. Returns `[B, T, H, C]` in q_latent's dtype."""
-    _check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices)
+    _check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices)  # kv_pages contiguous: read by flat slot
     _require_plain(kv_pages, "kv_cache")
     require_triton()
     batch, num_queries, num_heads, latent_width = q_latent.shape
@@ -240,22 +240,8 @@ def paged_sparse_mla_triton(
     return out.view(q_latent.shape).to(q_latent.dtype)
 
 
-def triton_dsa_kernels():
-    """`(indexer_topk, sparse_mla)` of the triton backend; ValueError without triton."""
-    require_triton()
-    return paged_indexer_topk_triton, paged_sparse_mla_triton
-
-
-def triton_dense_mla_kernel():
-    """Dense MLA of the triton backend: the torch reference (no Triton dense kernel yet)."""
-    require_triton()
-    return paged_dense_mla_reference
-
-
 __all__ = [
     "paged_indexer_topk_triton",
     "paged_sparse_mla_triton",
     "require_triton",
-    "triton_dense_mla_kernel",
-    "triton_dsa_kernels",
 ]

@@ -1,0 +1,186 @@
+"""The kernel registry: every kernel a KDSA model calls, named, per backend, and the device policy that picks a backend
+(docs/backends.md §1).
+
+A backend is a `KernelSet`: one field per kernel, each defaulting to the torch reference, so a backend names only what
+it replaces. A field set to None means the backend does not implement that kernel; `KernelSet.require` then raises a
+ValueError naming the backend and the kernel. The `npu` and `triton` sets are built on first use, because building
+them imports torch_npu / triton (and fla), which the other backends never need.
+
+Kernels and their contracts:
+- `indexer_topk`, `sparse_mla`, `kpool_indexer_topk`, `dense_mla`: read the paged DSA / MLA store
+  (signatures of `dsa_paged_ops.paged_*_reference`, docs/dsa.md §4, §8, §9).
+- `kda_chunk` (prefill) and `kda_recurrent` (decode, and the replay of a rollback): the KDA delta rule (signatures of
+  `kda_ops.chunk_kda` / `kda_ops.recurrent_kda`, docs/kda.md §3, §5).
+- `static_indexer_topk`, `static_sparse_mla`, `static_dense_mla`: the fixed-shape reads of a compiled static-cache
+  step (`dsa_paged_ops.static_*`, docs/graph-mode.md §3); the torch ones for every backend so far.
+- `kv_store`: the layout the paged store keeps kv rows in, the one its attention kernels read
+  (`(formats, kv_rows, latent_width) -> stored rows`).
+- `dsa_decode_prolog`: the projections of a DSA decode step (`(layer, hidden_states, position_embeddings)`, the
+  values of `KDSASparseAttention.project`), in order by default, on several streams on a device.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from .dsa_paged_ops import (
+    paged_dense_mla_compiled,
+    paged_dense_mla_fused,
+    paged_dense_mla_reference,
+    paged_indexer_topk_compiled,
+    paged_indexer_topk_fused,
+    paged_indexer_topk_reference,
+    paged_kpool_indexer_topk_compiled,
+    paged_kpool_indexer_topk_fused,
+    paged_kpool_indexer_topk_reference,
+    paged_sparse_mla_compiled,
+    paged_sparse_mla_fused,
+    paged_sparse_mla_reference,
+    static_dense_mla,
+    static_indexer_topk,
+    static_sparse_mla,
+)
+from .kda_ops import chunk_kda, recurrent_kda
+
+
+def rows_kv_store(formats, kv_rows: torch.Tensor, latent_width: int):
+    """kv rows `[..., C + R]` as the paged store keeps them for the kernels that read them: one plane per part
+    (`CacheFormats.encode_kv_rows`: the rows, or the quantized planes)."""
+    return formats.encode_kv_rows(kv_rows, latent_width)
+
+
+def in_order_prolog(layer, hidden_states: torch.Tensor, position_embeddings):
+    """A DSA decode step's projections, one after the other on the current stream (`KDSASparseAttention.project`'s
+    in-order path)."""
+    return layer.project_in_order(hidden_states, position_embeddings)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSet:
+    """The kernels of one backend (`name`); None = not implemented by this backend."""
+
+    name: str
+    indexer_topk: Callable | None = paged_indexer_topk_reference
+    sparse_mla: Callable | None = paged_sparse_mla_reference
+    kpool_indexer_topk: Callable | None = paged_kpool_indexer_topk_reference
+    dense_mla: Callable | None = paged_dense_mla_reference
+    kda_chunk: Callable | None = chunk_kda
+    kda_recurrent: Callable | None = recurrent_kda
+    static_indexer_topk: Callable | None = static_indexer_topk
+    static_sparse_mla: Callable | None = static_sparse_mla
+    static_dense_mla: Callable | None = static_dense_mla
+    kv_store: Callable | None = rows_kv_store
+    dsa_decode_prolog: Callable | None = in_order_prolog
+
+    def require(self, kernel: str) -> Callable:
+        """The kernel named `kernel` (a field name); ValueError when this backend does not implement it."""
+        if kernel not in KERNEL_NAMES:
+            raise ValueError(f"unknown kernel {kernel!r}; kernels are {KERNEL_NAMES}")
+        function = getattr(self, kernel)
+        if function is None:
+            raise ValueError(
+                f"kernel_backend={self.name!r} does not implement the {kernel} kernel (docs/backends.md §6); use a "
+                "kernel_backend that does, e.g. 'cpu' or 'torch'"
+            )
+        return function
+
+
+KERNEL_NAMES = tuple(field.name for field in dataclasses.fields(KernelSet) if field.name != "name")
+
+TORCH_KERNELS = KernelSet("torch")
+CPU_KERNELS = KernelSet(
+    "cpu",
+    indexer_topk=paged_indexer_topk_fused,
+    sparse_mla=paged_sparse_mla_fused,
+    kpool_indexer_topk=paged_kpool_indexer_topk_fused,
+    dense_mla=paged_dense_mla_fused,
+)
+COMPILED_KERNELS = KernelSet(
+    "compiled",
+    indexer_topk=paged_indexer_topk_compiled,
+    sparse_mla=paged_sparse_mla_compiled,
+    kpool_indexer_topk=paged_kpool_indexer_topk_compiled,
+    dense_mla=paged_dense_mla_compiled,
+)
+
+
+def _npu_kernels() -> KernelSet:
+    """torch_npu's fused ops (docs/backends.md §2); ValueError unless torch_npu and an NPU are available."""
+    from . import kda_device_ops, npu_kernels
+
+    npu_kernels.torch_npu_module()
+    return KernelSet(
+        "npu",
+        indexer_topk=npu_kernels.paged_indexer_topk_npu,
+        sparse_mla=npu_kernels.paged_sparse_mla_npu,
+        kpool_indexer_topk=npu_kernels.paged_kpool_indexer_topk_npu,
+        dense_mla=npu_kernels.paged_dense_mla_npu,
+        # kda_chunk stays the torch reference: torch_npu's chunked gated delta rule takes a per-head decay only.
+        kda_recurrent=kda_device_ops.npu_recurrent_kda,
+        kv_store=npu_kernels.npu_kv_store,
+        dsa_decode_prolog=npu_kernels.three_stream_prolog,
+    )
+
+
+def _triton_kernels() -> KernelSet:
+    """Our Triton DSA kernels and fla's Triton KDA (docs/backends.md §4); ValueError without triton or fla."""
+    from . import kda_device_ops, triton_kernels
+
+    triton_kernels.require_triton()
+    kda_device_ops.require_fla()
+    return KernelSet(
+        "triton",
+        indexer_topk=triton_kernels.paged_indexer_topk_triton,
+        sparse_mla=triton_kernels.paged_sparse_mla_triton,
+        kpool_indexer_topk=None,  # the Triton indexer scores one key per token (docs/backends.md §4)
+        # dense_mla stays the torch reference (no Triton dense kernel).
+        kda_chunk=kda_device_ops.fla_chunk_kda,
+        kda_recurrent=kda_device_ops.fla_recurrent_kda,
+    )
+
+
+# Backend name -> its KernelSet (a function, so that device backends import their runtime only when chosen).
+_BACKENDS: dict[str, Callable[[], KernelSet]] = {
+    "torch": lambda: TORCH_KERNELS,
+    "cpu": lambda: CPU_KERNELS,
+    "compiled": lambda: COMPILED_KERNELS,
+    "npu": _npu_kernels,
+    "triton": _triton_kernels,
+}
+BACKEND_NAMES = tuple(_BACKENDS)
+
+
+def resolve_kernel_backend(backend: str, device: torch.device) -> str:
+    """The device policy: `auto` picks the fused kernels of the device, `cpu` on CPU and `npu` for tensors on an
+    Ascend NPU; anything else (CUDA included: the Triton kernels are opt-in until they have run on a GPU) gets the
+    torch reference. Any other name is returned as is."""
+    if backend != "auto":
+        return backend
+    return {"cpu": "cpu", "npu": "npu"}.get(device.type, "torch")
+
+
+def kernel_set(backend: str, device: torch.device | None = None) -> KernelSet:
+    """The KernelSet of a backend name (`auto` resolved for `device`, which it then needs). ValueError for an unknown
+    name, and for `npu` / `triton` when their runtime is missing."""
+    if backend == "auto":
+        if device is None:
+            raise ValueError("kernel_backend='auto' needs the device of the tensors to pick a backend")
+        backend = resolve_kernel_backend(backend, device)
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown kernel_backend {backend!r}; choose one of {('auto', *BACKEND_NAMES)}")
+    return _BACKENDS[backend]()
+
+
+__all__ = [
+    "BACKEND_NAMES",
+    "COMPILED_KERNELS",
+    "CPU_KERNELS",
+    "KERNEL_NAMES",
+    "KernelSet",
+    "TORCH_KERNELS",
+    "in_order_prolog",
+    "kernel_set",
+    "resolve_kernel_backend",
+    "rows_kv_store",
+]

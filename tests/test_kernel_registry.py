@@ -1,0 +1,328 @@
+"""The kernel registry (modeling_kdsa/kernels.py): every registered backend × every kernel against the torch
+reference, so a new backend is checked by being registered. `npu` runs over the fake torch_npu (tests/fake_torch_npu.py,
+written from the op docs); `triton` needs triton and TRITON_INTERPRET=1 (scripts/test_triton_interpret.sh runs this
+file there) and is skipped otherwise; `compiled` compiles each kernel (slow). Inputs have the dims the Ascend ops take
+(index head dim 128, latent 512, RoPE 64, bf16, pages of 16) so that one set of cases serves every backend.
+
+A kernel a backend does not implement (None) must be refused by name; a backend kernel must call its device op
+(the fake records the torch_npu ops it runs)."""
+
+import contextlib
+import importlib.util
+import os
+
+import fake_torch_npu
+import pytest
+import torch
+from conftest import tiny_model
+from test_dsa_paged_ops import left_padding, paged
+
+from modeling_kdsa import dsa_ops, kda_ops
+from modeling_kdsa.cache import KDSAPagedKPoolLayer
+from modeling_kdsa.configuration_kdsa import KERNEL_BACKENDS
+from modeling_kdsa.dsa_paged_ops import read_pages
+from modeling_kdsa.kernels import BACKEND_NAMES, KERNEL_NAMES, TORCH_KERNELS, kernel_set, resolve_kernel_backend
+from modeling_kdsa.numeric_formats import CacheFormats
+
+INDEX_DIM, LATENT, ROPE, PAGE = 128, 512, 64, 16
+BF16_REL_FRO = 8e-3  # bf16 attention outputs against the reference on the same bf16 values (a few roundings)
+KDA_REL_FRO = 1e-2  # bf16-representable KDA inputs: the npu op rounds its state and output to bf16 (2^-8 relative)
+# (num_keys, num_queries, query_start): a prefill block, a block with cached keys after it, decode at and after a page
+# boundary.
+CASES = [(40, 40, 0), (70, 10, 50), (64, 1, 63), (65, 1, 64), (97, 1, 96)]
+BACKENDS = [pytest.param(name, marks=pytest.mark.slow) if name == "compiled" else name for name in BACKEND_NAMES]
+# The torch_npu op each npu kernel must call (the fake records them).
+NPU_OPS = {
+    "indexer_topk": "npu_lightning_indexer",
+    "kpool_indexer_topk": "npu_lightning_indexer",
+    "sparse_mla": "npu_sparse_flash_attention",
+    "dense_mla": "npu_sparse_flash_attention",
+    "kda_recurrent": "npu_recurrent_gated_delta_rule",
+}
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(params=BACKENDS)
+def kernels(request, monkeypatch):
+    backend = request.param
+    if backend == "npu":
+        fake_torch_npu.install(monkeypatch, available=True)
+    if backend == "triton" and (importlib.util.find_spec("triton") is None or not TRITON_INTERPRETED):
+        pytest.skip("kernel_backend='triton' needs triton and TRITON_INTERPRET=1 (scripts/test_triton_interpret.sh)")
+    return kernel_set(backend)
+
+
+def run(kernels, name: str, *args):
+    """`kernels.<name>(*args)`, checking that an npu kernel ran its torch_npu op."""
+    fake_torch_npu.calls.clear()
+    out = kernels.require(name)(*args)
+    if kernels.name == "npu" and name in NPU_OPS:
+        assert NPU_OPS[name] in fake_torch_npu.calls, (name, fake_torch_npu.calls)
+    return out
+
+
+def require_or_refused(kernels, name: str):
+    """The kernel, or skip after checking that a backend without it refuses it by name."""
+    if getattr(kernels, name) is None:
+        with pytest.raises(ValueError, match=rf"kernel_backend='{kernels.name}' does not implement the {name} kernel"):
+            kernels.require(name)
+        pytest.skip(f"{kernels.name} does not implement {name} (refused by name)")
+
+
+def store_layout(kernels, kv_pages):
+    """kv pages `[N, P, C + R]` as the backend's store keeps them (its `kv_store`: on `npu` latent and RoPE planes,
+    the layout its attention op reads in place, docs/backends.md §2), each plane contiguous as in the store."""
+    stored = kernels.require("kv_store")(CacheFormats(), kv_pages, LATENT)
+    return stored.contiguous() if isinstance(stored, torch.Tensor) else stored.map(torch.Tensor.contiguous)
+
+
+def rel_fro(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.float() - expected.float()).norm() / expected.float().norm())
+
+
+def ternary(shape, generator) -> torch.Tensor:
+    """Values in {-1, 0, 1} as bf16: every q·k over 128 channels is an integer, exact in bf16 and fp32 alike."""
+    return torch.randint(-1, 2, shape, generator=generator).to(torch.bfloat16)
+
+
+def same_selection(got, expected, scores):
+    """Same top-k up to the order of equal scores: the same number of keys per row, valid entries first, no duplicate,
+    the same multiset of scores."""
+    assert got.shape == expected.shape and got.dtype == torch.int64
+    assert torch.equal(got >= 0, expected >= 0)
+    for row in got.flatten(0, 1).tolist():
+        valid = [i for i in row if i >= 0]
+        assert len(set(valid)) == len(valid)
+
+    def selected_scores(indices):
+        return scores.gather(-1, indices.clamp(min=0)).masked_fill(indices < 0, 0.0).sort(dim=-1).values
+
+    torch.testing.assert_close(selected_scores(got), selected_scores(expected), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The registry itself
+
+
+def test_every_config_backend_is_registered_and_fields_default_to_the_torch_reference():
+    assert KERNEL_BACKENDS == ("auto", *BACKEND_NAMES)
+    assert TORCH_KERNELS.kda_chunk is kda_ops.chunk_kda and TORCH_KERNELS.kda_recurrent is kda_ops.recurrent_kda
+    assert set(KERNEL_NAMES) == {
+        "indexer_topk", "sparse_mla", "kpool_indexer_topk", "dense_mla", "kda_chunk", "kda_recurrent",
+        "static_indexer_topk", "static_sparse_mla", "static_dense_mla", "kv_store", "dsa_decode_prolog",
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="unknown kernel_backend 'cuda'"):
+        kernel_set("cuda")
+    with pytest.raises(ValueError, match="needs the device"):
+        kernel_set("auto")
+    with pytest.raises(ValueError, match="unknown kernel 'topk'"):
+        TORCH_KERNELS.require("topk")
+
+
+def test_auto_policy():
+    assert resolve_kernel_backend("auto", torch.device("cpu")) == "cpu"
+    assert resolve_kernel_backend("auto", torch.device("meta")) == "torch"  # any other device: the reference
+    assert resolve_kernel_backend("compiled", torch.device("cpu")) == "compiled"
+    assert kernel_set("auto", torch.device("cpu")).name == "cpu"
+
+
+def test_npu_kernel_set_keeps_the_torch_prefill_for_kda(monkeypatch):
+    """torch_npu has no chunked gated delta rule with a per-key decay (docs/backends.md §2): prefill stays torch."""
+    fake_torch_npu.install(monkeypatch, available=True)
+    assert kernel_set("npu").kda_chunk is kda_ops.chunk_kda
+    assert kernel_set("npu").kda_recurrent is not kda_ops.recurrent_kda
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every backend × every kernel against the torch reference
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize(("num_keys", "num_queries", "query_start"), CASES)
+def test_indexer_topk(kernels, num_keys, num_queries, query_start, padded):
+    generator = torch.Generator().manual_seed(num_keys + num_queries)
+    q_index = ternary((2, num_queries, 4, INDEX_DIM), generator)
+    weights = torch.randn(2, num_queries, 4, generator=generator)
+    k_index = ternary((2, num_keys, INDEX_DIM), generator)
+    index_pages, block_table = paged(k_index, PAGE, generator)
+    padding = left_padding(2, num_keys, pad=5) if padded else None
+    visible = dsa_ops.visible_keys_mask(query_start, num_queries, num_keys, padding, q_index.device)
+    scores = dsa_ops.indexer_scores(q_index, weights, k_index, visible)
+    for index_topk in (8, 200):
+        args = (q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, padding)
+        same_selection(run(kernels, "indexer_topk", *args), TORCH_KERNELS.indexer_topk(*args), scores)
+
+
+def sparse_case(num_keys, num_queries, seed, rope=ROPE):
+    generator = torch.Generator().manual_seed(seed)
+    q_latent = (torch.randn(2, num_queries, 2, LATENT, generator=generator) / 8).to(torch.bfloat16)
+    q_pe = (torch.randn(2, num_queries, 2, rope, generator=generator) / 8).to(torch.bfloat16)
+    rows = torch.randn(2, num_keys, LATENT + rope, generator=generator).to(torch.bfloat16)
+    kv_pages, block_table = paged(rows, PAGE, generator)
+    return q_latent, q_pe, kv_pages, block_table
+
+
+@pytest.mark.parametrize("rope", [ROPE, 0])
+@pytest.mark.parametrize(("num_keys", "num_queries"), [(40, 12), (97, 1)])
+def test_sparse_mla(kernels, num_keys, num_queries, rope):
+    q_latent, q_pe, kv_pages, block_table = sparse_case(num_keys, num_queries, seed=num_keys, rope=rope)
+    generator = torch.Generator().manual_seed(1)
+    indices = torch.stack([torch.randperm(num_keys, generator=generator)[:8] for _ in range(2 * num_queries)])
+    indices = indices.view(2, num_queries, 8)
+    indices[0, 0, 3:] = -1  # a row with few keys
+    indices[1, -1] = -1  # a row with none: zero output
+    indices[0, -1, 2] = -1  # a hole before valid entries
+    args = (q_latent, q_pe, kv_pages, block_table, indices, 0.07)
+    got = run(kernels, "sparse_mla", q_latent, q_pe, store_layout(kernels, kv_pages), *args[3:])
+    expected = TORCH_KERNELS.sparse_mla(*args)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert (got[1, -1] == 0).all()
+    assert rel_fro(got, expected) < BF16_REL_FRO
+    # Pages as a strided view: refused by every backend's input check (the kernels read rows by flat slot id).
+    strided = torch.cat([kv_pages, kv_pages], dim=-1)[..., : kv_pages.shape[-1]]
+    with pytest.raises(ValueError, match="kv_pages must be contiguous"):
+        kernels.require("sparse_mla")(q_latent, q_pe, strided, block_table, indices, 0.07)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize(("num_keys", "num_queries", "query_start"), CASES)
+def test_dense_mla(kernels, num_keys, num_queries, query_start, padded):
+    q_latent, q_pe, kv_pages, block_table = sparse_case(num_keys, num_queries, seed=num_keys + num_queries)
+    kv_pages = kv_pages.nan_to_num()  # the cpu kernels read whole pages and mask the scores: finite values there
+    padding = left_padding(2, num_keys, pad=5) if padded else None
+    args = (q_latent, q_pe, kv_pages, block_table, num_keys, query_start, 0.07, padding)
+    got = run(kernels, "dense_mla", q_latent, q_pe, store_layout(kernels, kv_pages), *args[3:])
+    expected = TORCH_KERNELS.dense_mla(*args)
+    assert got.dtype == expected.dtype and not got.isnan().any()
+    assert rel_fro(got, expected) < BF16_REL_FRO
+    if padded and query_start == 0:
+        assert (got[1, :5] == 0).all()  # left-padded queries see no key
+
+
+@pytest.mark.parametrize("select_tail", [True, False])
+def test_kpool_indexer_topk(kernels, select_tail):
+    """Stored pooled keys (GLM-5.3-Flash, docs/dsa.md §9), left padding that shifts every sequence's pools
+    differently, pools completed across appends, prefill blocks and decode; the same pools as the torch reference, as
+    sets (equal scores may come in any order)."""
+    require_or_refused(kernels, "kpool_indexer_topk")
+    generator = torch.Generator().manual_seed(8)
+    kpool, num_keys, index_topk, pads = 4, 150, 32, (0, 5, 38)
+    mask = torch.ones(3, num_keys, dtype=torch.bool)
+    for b, pad in enumerate(pads):
+        mask[b, :pad] = False
+    ape = torch.randn(kpool, INDEX_DIM, generator=generator).to(torch.bfloat16)
+    store = KDSAPagedKPoolLayer(8, INDEX_DIM, "torch", page_size=64, index_kpool=kpool)
+    rows = torch.randn(3, num_keys, 2 * INDEX_DIM, generator=generator).to(torch.bfloat16)
+    for start, stop in ((0, 97), (97, 98), (98, num_keys)):
+        store.append(torch.zeros(3, stop - start, 8, dtype=torch.bfloat16), rows[:, start:stop], mask[:, :stop], ape)
+    q_index = torch.randn(3, 40, 8, INDEX_DIM, generator=generator).to(torch.bfloat16)
+    weights = torch.randn(3, 40, 8, generator=generator)
+    for query_start, num_queries in ((num_keys - 40, 40), (30, 40), (num_keys - 1, 1)):
+        args = (q_index[:, :num_queries], weights[:, :num_queries], store.index_pages, store.pool_pages)
+        args = (*args, store.block_table, num_keys, index_topk, query_start, mask, ape, select_tail)
+        got = run(kernels, "kpool_indexer_topk", *args)
+        expected = TORCH_KERNELS.kpool_indexer_topk(*args)
+        assert got.shape == expected.shape
+        assert [set(row) for row in got.flatten(0, 1).tolist()] == [set(row) for row in expected.flatten(0, 1).tolist()]
+
+
+def kda_case(seq_len: int, seed: int, with_state: bool = True):
+    """bf16-representable KDA inputs (q, k, v, beta and the state rounded to bf16, v in bf16) with an fp32 log gate,
+    so a backend whose op takes bf16 loses nothing on the way in."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (2, seq_len, 3, 32)
+
+    def bf16(x):
+        return x.to(torch.bfloat16).float()
+
+    q = bf16(kda_ops.l2norm(torch.randn(shape, generator=generator)))
+    k = bf16(kda_ops.l2norm(torch.randn(shape, generator=generator)))
+    v = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    g = -torch.rand(shape, generator=generator) * torch.rand(shape[2:], generator=generator) * 2  # per-key decays
+    beta = bf16(torch.rand(shape[:3], generator=generator))
+    state = bf16(torch.randn(2, 3, 32, 32, generator=generator)) if with_state else None
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize(("name", "seq_len"), [("kda_chunk", 70), ("kda_recurrent", 1), ("kda_recurrent", 11)])
+def test_kda_kernels(kernels, name, seq_len):
+    """Prefill (a partial last chunk) and decode (one token; 11 tokens cross the npu op's 8-token limit), with and
+    without an initial state, against kda_ops: output in v's dtype, the fp32 final state."""
+    if kernels.name == "triton" and name == "kda_chunk" and TRITON_INTERPRETED:
+        pytest.skip("fla's chunk_kda does not run under Triton's interpreter (docs/backends.md §4)")
+    reference = {"kda_chunk": kda_ops.chunk_kda, "kda_recurrent": kda_ops.recurrent_kda}[name]
+    for with_state, scale in ((True, None), (False, 0.3)):
+        q, k, v, g, beta, state = kda_case(seq_len, seed=seq_len, with_state=with_state)
+        got, got_state = run(kernels, name, q, k, v, g, beta, scale, state, True)
+        expected, expected_state = reference(q, k, v, g, beta, scale, initial_state=state, output_final_state=True)
+        assert got.dtype == v.dtype and got_state.dtype == torch.float32
+        assert rel_fro(got, expected) < KDA_REL_FRO
+        assert rel_fro(got_state, expected_state) < KDA_REL_FRO
+        assert run(kernels, name, q, k, v, g, beta)[1] is None  # no final state unless asked
+
+
+def test_static_kernels(kernels):
+    """The fixed-shape kernels a compiled static-cache step runs (docs/graph-mode.md §3) score / attend over every slot
+    of the block table under a mask (0-d tensor lengths, a mask as wide as the capacity); they select what the paged
+    reference selects (extra slots -1) and attend to the same keys. fp32, so the selections are equal as lists."""
+    generator = torch.Generator().manual_seed(3)
+    batch, page_size, pages_per_row, num_keys, topk = 2, 4, 5, 13, 6
+    pool = batch * pages_per_row
+    table = torch.randperm(pool, generator=generator).view(batch, pages_per_row)  # any mapping, not just arange
+    index_pages = torch.randn(pool, page_size, 16, generator=generator)
+    kv_pages = torch.randn(pool, page_size, 24, generator=generator)
+    padding = torch.ones(batch, pages_per_row * page_size, dtype=torch.bool)
+    padding[0, :3] = False
+    for num_queries in (1, 3):
+        query_start = num_keys - num_queries
+        lengths = (torch.tensor(num_keys), torch.tensor(query_start))
+        q_index = torch.randn(batch, num_queries, 2, 16, generator=generator)
+        weights = torch.randn(batch, num_queries, 2, generator=generator)
+        paged_args = (q_index, weights, index_pages, table, num_keys, topk, query_start, padding[:, :num_keys])
+        expected = TORCH_KERNELS.indexer_topk(*paged_args)
+        got = run(kernels, "static_indexer_topk", q_index, weights, index_pages, table, lengths[0], topk, lengths[1],
+                  padding)  # fmt: skip
+        assert got.shape[-1] == topk
+        assert torch.equal(got[..., : expected.shape[-1]], expected)
+        assert bool((got[..., expected.shape[-1] :] == -1).all())
+
+        q_latent = torch.randn(batch, num_queries, 3, 16, generator=generator)
+        q_pe = torch.randn(batch, num_queries, 3, 8, generator=generator)
+        got = run(kernels, "static_sparse_mla", q_latent, q_pe, kv_pages, table, expected, 0.3)
+        torch.testing.assert_close(got, TORCH_KERNELS.sparse_mla(q_latent, q_pe, kv_pages, table, expected, 0.3))
+
+        reference = TORCH_KERNELS.dense_mla(
+            q_latent, q_pe, kv_pages, table, num_keys, query_start, 0.3, padding[:, :num_keys]
+        )
+        got = run(kernels, "static_dense_mla", q_latent, q_pe, kv_pages, table, *lengths, 0.3, padding)
+        torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
+def test_kv_store(kernels, kv_cache):
+    """The layout a backend's store keeps kv rows in reads back as the rows the reference stores (bf16: the rows
+    themselves; fp8: the same tile-quantized values)."""
+    rows = torch.randn(2, PAGE, LATENT + ROPE, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    formats = CacheFormats(kv_cache=kv_cache)
+    stored = run(kernels, "kv_store", formats, rows, LATENT)
+    expected = TORCH_KERNELS.kv_store(formats, rows, LATENT)
+    as_rows = read_pages(stored, torch.arange(2), torch.float32)
+    assert torch.equal(as_rows, read_pages(expected, torch.arange(2), torch.float32))
+
+
+@torch.no_grad()
+def test_dsa_decode_prolog(kernels):
+    """A DSA decode step's projections (on the npu backend on three streams, under the fake's stream checks): the
+    values of the in-order projections."""
+    model = tiny_model(
+        seed=5, kernel_backend=kernels.name, num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
+        attn_res_block_size=0, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE, index_head_dim=INDEX_DIM, index_n_heads=16,
+    ).to(torch.bfloat16)  # fmt: skip
+    layer = model.model.layers[1].self_attn
+    hidden = torch.randn(2, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+    position_embeddings = model.model.rotary_emb(hidden, torch.tensor([[70], [70]]))
+    expected = TORCH_KERNELS.dsa_decode_prolog(layer, hidden, position_embeddings)
+    with fake_torch_npu.check_streams() if kernels.name == "npu" else contextlib.nullcontext():
+        got = run(kernels, "dsa_decode_prolog", layer, hidden, position_embeddings)
+        for got_tensor, expected_tensor in zip([*got[:4], *got[4]], [*expected[:4], *expected[4]], strict=True):
+            assert torch.equal(got_tensor, expected_tensor)
