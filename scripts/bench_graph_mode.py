@@ -15,6 +15,7 @@ cache contents, and the number of graphs compiled over all steps is reported (1 
 Caches are filled with random rows / states through their own write paths (no prefill), so long contexts are cheap.
 
 Usage:  .venv/bin/python scripts/bench_graph_mode.py [--quick] [--contexts 4096 65536] [--repeats 10] [--out PATH]
+        [--inductor-options NAME=VALUE ...]   (CompileConfig.options, e.g. freezing=true)
 Writes JSON (default runs/bench_graph_mode.json) and prints a table.
 """
 

@@ -65,9 +65,9 @@ class PlainResidualStream:
 
 class _KDAStateView:
     """One KDA layer's two state tensors behind the cache methods the KDA mixer calls, for a compile region
-    (docs/graph-mode.md §8): a region's inputs are modules and tensors, so it cannot take the cache object, and the
-    mixer's `layer_idx` (which differs per layer) must not select anything inside it. The updates are the
-    in-place `copy_`s of `StaticKDALayer`."""
+    (docs/graph-mode.md §8). dynamo stamps a traced region out for the next call only when it can match the inputs
+    (modules, tensors, constants), so the region takes these tensors, not the cache object; the mixer's `layer_idx`
+    comes here and is ignored. The updates are the in-place `copy_`s of `StaticKDALayer`."""
 
     def __init__(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor):
         self.conv_state, self.recurrent_state = conv_state, recurrent_state
