@@ -37,7 +37,7 @@ from .norms import KDSARMSNorm
 from .numeric_formats import mxfp4_quantize
 from .rotary import KDSARotaryEmbedding
 from .sequence_parallel import SequenceParallelContext
-from .static_cache import KDSAStaticCache
+from .static_cache import KDSAStaticCache, StaticKDALayer
 from .stop_strings import VocabularyProbeStopStringCriteria, stop_string_probe
 
 logger = logging.get_logger(__name__)
@@ -61,6 +61,68 @@ class PlainResidualStream:
 
     def copy(self) -> "PlainResidualStream":
         return PlainResidualStream(self.hidden_states)
+
+
+class _KDAStateView:
+    """One KDA layer's two state tensors behind the cache methods the KDA mixer calls, for a compile region
+    (docs/graph-mode.md §8). dynamo stamps a traced region out for the next call only when it can match the inputs
+    (modules, tensors, constants), so the region takes these tensors, not the cache object; the mixer's `layer_idx`
+    comes here and is ignored. The updates are the in-place `copy_`s of `StaticKDALayer`."""
+
+    def __init__(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor):
+        self.conv_state, self.recurrent_state = conv_state, recurrent_state
+
+    def has_previous_state(self, layer_idx: int) -> bool:
+        return True
+
+    def get_conv_state(self, layer_idx: int) -> torch.Tensor:
+        return self.conv_state
+
+    def get_recurrent_state(self, layer_idx: int) -> torch.Tensor:
+        return self.recurrent_state
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, **kwargs) -> None:
+        width = self.conv_state.shape[-1]
+        window = torch.cat([self.conv_state, conv_states.to(self.conv_state.dtype)], dim=-1)[..., -width:]
+        self.conv_state.copy_(window)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int) -> None:
+        self.recurrent_state.copy_(recurrent_states)
+
+
+@torch.compiler.nested_compile_region
+def _kda_sublayer(
+    layer: "KDSADecoderLayer",
+    layer_input: torch.Tensor,
+    token_mask: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    recurrent_state: torch.Tensor,
+) -> torch.Tensor:
+    """Norm + KDA mixer of one decode step on a static cache, as one compile region: traced and compiled once,
+    stamped out for every KDA layer (docs/graph-mode.md §8). Eager: a plain call."""
+    hidden_states = layer.input_layernorm(layer_input)
+    return layer.linear_attn(hidden_states, attention_mask=token_mask, cache=_KDAStateView(conv_state, recurrent_state))
+
+
+@torch.compiler.nested_compile_region
+def _attention_sublayer(
+    layer: "KDSADecoderLayer",
+    layer_input: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+    attention_mask: torch.Tensor | None,
+    cache: KDSAStaticCache,
+    topk_indices: torch.Tensor | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Norm + DSA / dense MLA mixer as one compile region (docs/graph-mode.md §8). It takes the cache object, so
+    dynamo traces it per layer (the object is no region input it can match), but the traced bodies are identical:
+    dynamo installs one body per kind and inductor compiles it once."""
+    return layer._attention(layer_input, position_embeddings, attention_mask, cache, topk_indices)
+
+
+@torch.compiler.nested_compile_region
+def _feed_forward_sublayer(layer: "KDSADecoderLayer", mlp_input: torch.Tensor) -> torch.Tensor:
+    """Norm + MLP / MoE as one compile region, compiled once per feed-forward kind (docs/graph-mode.md §8)."""
+    return layer.mlp(layer.post_attention_layernorm(mlp_input))
 
 
 class KDSADecoderLayer(GradientCheckpointingLayer):
@@ -127,45 +189,72 @@ class KDSADecoderLayer(GradientCheckpointingLayer):
             stream = stream.copy()
         attn_idx, mlp_idx = 2 * self.layer_idx, 2 * self.layer_idx + 1
         layer_input = stream.input_for(attn_idx)
-        hidden_states = self.input_layernorm(layer_input)
+        # Compiling a step on a static cache: the sublayers run as compile regions, so that inductor compiles each
+        # distinct body once, not once per layer (docs/graph-mode.md §8).
+        regions = torch.compiler.is_compiling() and isinstance(cache, KDSAStaticCache) and sequence_parallel is None
         if self.layer_type == KDA_LAYER:
             # KDA only needs to know which of the current tokens are padding.
             current_mask = token_mask
             if current_mask is None and attention_mask is not None:
-                current_mask = attention_mask[:, -hidden_states.shape[1] :]
-            mixed = self.linear_attn(
-                hidden_states, attention_mask=current_mask, cache=cache, sequence_parallel=sequence_parallel
-            )
+                current_mask = attention_mask[:, -layer_input.shape[1] :]
+            state = cache.layers[self.layer_idx] if regions else None
+            if isinstance(state, StaticKDALayer) and state.has_previous_state[0]:
+                mixed = _kda_sublayer(self, layer_input, current_mask, state.conv_states[0], state.recurrent_states[0])
+            else:
+                mixed = self.linear_attn(
+                    self.input_layernorm(layer_input),
+                    attention_mask=current_mask,
+                    cache=cache,
+                    sequence_parallel=sequence_parallel,
+                )
         else:
             # The model's RoPE table may exist for other layers (a DSA indexer) while this one rotates nothing.
             if not self.self_attn.uses_position_embeddings:
                 position_embeddings = None
-            selection = {}  # a DSA layer takes or hands over a top-k selection (docs/dsa.md §10)
-            if self.layer_type == DSA_LAYER:
-                selection = {
-                    "topk_indices": topk_indices if self.self_attn.shares_indexer else None,
-                    "return_topk_indices": self.hands_over_topk,
-                }
-            mixed = self.self_attn(
-                hidden_states,
-                position_embeddings=position_embeddings,
-                attention_mask=attention_mask,
-                cache=cache,
-                sequence_parallel=sequence_parallel,
-                **selection,
-            )
+            if self.layer_type != DSA_LAYER or not self.self_attn.shares_indexer:
+                topk_indices = None
+            if regions and getattr(cache.layers[self.layer_idx], "is_initialized", False):
+                mixed = _attention_sublayer(self, layer_input, position_embeddings, attention_mask, cache, topk_indices)
+            else:
+                mixed = self._attention(
+                    layer_input, position_embeddings, attention_mask, cache, topk_indices, sequence_parallel
+                )
         handed_over = None
         if self.hands_over_topk:
             mixed, handed_over = mixed
         stream.add_output(attn_idx, mixed)
-        hidden_states = self.post_attention_layernorm(stream.input_for(mlp_idx))
         router_logits = None
         if output_router_logits and isinstance(self.mlp, KDSAMoE):
+            hidden_states = self.post_attention_layernorm(stream.input_for(mlp_idx))
             mlp_output, router_logits = self.mlp(hidden_states, output_router_logits=True)
+        elif regions:
+            mlp_output = _feed_forward_sublayer(self, stream.input_for(mlp_idx))
         else:
-            mlp_output = self.mlp(hidden_states)
+            mlp_output = self.mlp(self.post_attention_layernorm(stream.input_for(mlp_idx)))
         stream.add_output(mlp_idx, mlp_output)
         return stream, layer_input, handed_over, router_logits
+
+    def _attention(
+        self,
+        layer_input: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None,
+        cache: KDSACache | None,
+        topk_indices: torch.Tensor | None,
+        sequence_parallel: SequenceParallelContext | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Norm + DSA / dense MLA mixer; with `hands_over_topk`, also this layer's selection."""
+        selection = {}  # a DSA layer takes or hands over a top-k selection (docs/dsa.md §10)
+        if self.layer_type == DSA_LAYER:
+            selection = {"topk_indices": topk_indices, "return_topk_indices": self.hands_over_topk}
+        return self.self_attn(
+            self.input_layernorm(layer_input),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            cache=cache,
+            sequence_parallel=sequence_parallel,
+            **selection,
+        )
 
 
 class KDSAPreTrainedModel(PreTrainedModel):

@@ -15,6 +15,7 @@ cache contents, and the number of graphs compiled over all steps is reported (1 
 Caches are filled with random rows / states through their own write paths (no prefill), so long contexts are cheap.
 
 Usage:  .venv/bin/python scripts/bench_graph_mode.py [--quick] [--contexts 4096 65536] [--repeats 10] [--out PATH]
+        [--inductor-options NAME=VALUE ...]   (CompileConfig.options, e.g. freezing=true)
 Writes JSON (default runs/bench_graph_mode.json) and prints a table.
 """
 
@@ -83,8 +84,9 @@ def build_model(config: KDSAConfig) -> KDSAForCausalLM:
     return KDSAForCausalLM(config).to(DTYPE).eval()
 
 
-def compile_config() -> CompileConfig:
-    config = CompileConfig(fullgraph=True, mode="default")
+def compile_config(options: dict | None = None) -> CompileConfig:
+    """generate()'s compile config; `options`: inductor settings (torch.compile takes them instead of a mode)."""
+    config = CompileConfig(fullgraph=True, mode=None if options else "default", options=options or None)
     config._compile_all_devices = True  # generate()'s switch to compile on CPU
     return config
 
@@ -121,12 +123,12 @@ def timed(call) -> float:
     return time.perf_counter() - start
 
 
-def measure_context(model, config: KDSAConfig, context: int, repeats: int) -> dict:
+def measure_context(model, config: KDSAConfig, context: int, repeats: int, options: dict | None = None) -> dict:
     capacity = context + 2 * repeats + 8
     dynamic = fill(KDSACache(config), config, context)
     eager_static = fill(KDSAStaticCache(config, capacity), config, context)
     compiled_static = fill(KDSAStaticCache(config, capacity), config, context)
-    compiled = model.get_compiled_call(compile_config())
+    compiled = model.get_compiled_call(compile_config(options))
     torch._dynamo.utils.counters.clear()
 
     with torch.inference_mode():
@@ -184,17 +186,17 @@ def op_profile(call, steps: int = 3, top: int = 8) -> dict:
     )
 
 
-def compile_probe(quick: bool, context: int) -> float:
+def compile_probe(quick: bool, context: int, options: dict | None = None) -> float:
     """Seconds to the end of the first compiled step in this process (model built and cache filled before)."""
     config = bench_config(quick)
     model = build_model(config)
     cache = fill(KDSAStaticCache(config, context + 8), config, context)
-    compiled = model.get_compiled_call(compile_config())
+    compiled = model.get_compiled_call(compile_config(options))
     with torch.inference_mode():
         return timed(lambda: compiled(**step_inputs(cache)))
 
 
-def compile_times(quick: bool, context: int, threads: int) -> dict:
+def compile_times(quick: bool, context: int, threads: int, options: list[str] | None = None) -> dict:
     """Cold and warm compile of the step in two fresh processes sharing a new inductor cache directory."""
     with tempfile.TemporaryDirectory(prefix="kdsa-inductor-") as cache_dir:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
@@ -211,6 +213,8 @@ def compile_times(quick: bool, context: int, threads: int) -> dict:
             ]
             if quick:
                 command.append("--quick")
+            if options:
+                command += ["--inductor-options", *options]
             output = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
             results[f"{name}_s"] = json.loads(output.strip().splitlines()[-1])["compile_s"]
     return results
@@ -263,8 +267,29 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="small model, context 128, 3 repeats (smoke test)")
     parser.add_argument("--skip-compile-times", action="store_true", help="no cold/warm compile probes")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "bench_graph_mode.json")
+    parser.add_argument(
+        "--inductor-options",
+        nargs="+",
+        default=None,
+        metavar="NAME=VALUE",
+        help="torch._inductor.config settings for the compiled step (CompileConfig.options), e.g. freezing=true",
+    )
     parser.add_argument("--compile-probe", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def parse_options(pairs: list[str] | None) -> dict:
+    """`NAME=VALUE` pairs → inductor options; VALUE is read as JSON (true, 1, "x"), else kept as a string."""
+    options = {}
+    for pair in pairs or []:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--inductor-options takes NAME=VALUE, got {pair!r}")
+        try:
+            options[name] = json.loads(value)
+        except json.JSONDecodeError:
+            options[name] = value
+    return options
 
 
 def main(argv=None) -> dict:
@@ -273,9 +298,10 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     contexts = args.contexts or ([128] if args.quick else [4096])
+    options = parse_options(args.inductor_options)
     try:
         if args.compile_probe:
-            print(json.dumps(dict(compile_s=compile_probe(args.quick, contexts[0]))))
+            print(json.dumps(dict(compile_s=compile_probe(args.quick, contexts[0], options))))
             return {}
         repeats = 3 if args.quick and args.repeats == 10 else args.repeats
         config = bench_config(args.quick)
@@ -290,10 +316,11 @@ def main(argv=None) -> dict:
                 batch=BATCH,
             ),
             quick=args.quick,
-            decode=[measure_context(model, config, context, repeats) for context in contexts],
+            inductor_options=options,
+            decode=[measure_context(model, config, context, repeats, options) for context in contexts],
         )
         if not args.skip_compile_times:
-            report["compile"] = compile_times(args.quick, contexts[0], torch.get_num_threads())
+            report["compile"] = compile_times(args.quick, contexts[0], torch.get_num_threads(), args.inductor_options)
     finally:
         torch.set_num_threads(previous_threads)
     args.out.parent.mkdir(parents=True, exist_ok=True)

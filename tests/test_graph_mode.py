@@ -177,6 +177,33 @@ def test_compiled_static_decode_is_one_graph_and_gives_eager_tokens():
     assert len(CAPTURED_GRAPHS) == 1 and host_syncs(CAPTURED_GRAPHS) == []
 
 
+def region_calls(graph_module) -> list[str]:
+    """The body each `invoke_subgraph` call of a captured graph runs (a compile region, docs/graph-mode.md §7)."""
+    return [
+        node.args[0].target
+        for node in graph_module.graph.nodes
+        if node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph
+    ]
+
+
+def test_compiled_static_decode_compiles_each_layer_body_once():
+    """The compiled step runs each layer's sublayers (KDA; DSA; MoE) as compile regions: one `invoke_subgraph` call
+    per layer and sublayer, all calls of a kind running one body, which inductor compiles once (dynamo inlines a body
+    called once: here the dense MLP of layer 0). Without the regions the graph has no `invoke_subgraph` at all."""
+    model = tiny_model()
+    ids, mask = prompt(length=20)
+    expected = greedy(model, ids, mask, 4)
+    got = greedy(model, ids, mask, 4, cache_implementation="static", compile_config=compile_config())
+    assert torch.equal(got, expected)
+    assert len(CAPTURED_GRAPHS) == 1
+    config = model.config
+    kinds = [config.layer_types.count("linear_attention"), config.layer_types.count("indexed_attention")]
+    kinds.append(config.mlp_layer_types.count("sparse"))
+    assert min(kinds) >= 2
+    calls = region_calls(CAPTURED_GRAPHS[0])
+    assert sorted(calls.count(body) for body in set(calls)) == sorted(kinds)
+
+
 # Dense MLA ("full_attention"), a shared-indexer DSA layer, mHC and group routing in one model.
 OTHER_LAYER_KINDS = dict(
     layer_types=["linear_attention", "indexed_attention", "indexed_attention", "full_attention"],
