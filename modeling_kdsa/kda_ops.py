@@ -122,16 +122,18 @@ def recurrent_kda(
         state = q.new_zeros(batch_size, num_heads, head_k_dim, head_v_dim)
     else:
         state = initial_state.float()
+    # Shaped once for the per-step products over all heads (rows [.., 1, K], columns [.., K, 1]), so that a step
+    # (a decode step: T = 1) is a handful of batched ops.
+    k_rows, k_cols, q_rows = k.unsqueeze(-2), k.unsqueeze(-1), q.unsqueeze(-2)  # [B, T, H, 1, K] / [B, T, H, K, 1]
+    decay, v, beta = decay.unsqueeze(-1), v.unsqueeze(-2), beta[..., None, None]  # [B,T,H,K,1], [B,T,H,1,V], [..,1,1]
     outputs = []
     for t in range(seq_len):
-        k_t = k[:, t].unsqueeze(-1)  # [B, H, K, 1]
-        state = state * decay[:, t].unsqueeze(-1)
+        state = state * decay[:, t]
         # Delta rule: move the state's prediction for k_t (kᵀS) a fraction beta towards v_t.
-        predicted = (k_t.transpose(-1, -2) @ state).squeeze(-2)  # [B, H, V]
-        delta = beta[:, t].unsqueeze(-1) * (v[:, t] - predicted)
-        state = state + k_t * delta.unsqueeze(-2)
-        outputs.append((q[:, t].unsqueeze(-2) @ state).squeeze(-2))
-    o = torch.stack(outputs, dim=1).to(out_dtype)
+        delta = beta[:, t] * (v[:, t] - k_rows[:, t] @ state)  # [B, H, 1, V]
+        state = state + k_cols[:, t] * delta
+        outputs.append(q_rows[:, t] @ state)  # [B, H, 1, V]
+    o = torch.cat(outputs, dim=-2).transpose(1, 2).to(out_dtype)
     return o, (state if output_final_state else None)
 
 
