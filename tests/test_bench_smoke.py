@@ -67,7 +67,22 @@ def test_quick_run_writes_every_section(tmp_path):
             assert pair["fp32"]["same_tokens"] and pair["fp32"]["steps"] == 8, pair
             assert pair["fp32"]["first_step_logits_relative_difference"] < 1e-5, pair
 
+    for entry in report["dsa_layer_decode"]:
+        steady = entry["steadiness"]
+        assert 2 <= steady["batches"] <= steady["max_batches"] or not steady["criterion_met"]
+        assert set(steady["pair_ratios"]) == {"ours_dense", "DeepseekV32"} and entry["speedup_vs_DeepseekV32"] > 0
+    for entry in report["model_decode"]:
+        for pair in entry["pairs"].values():
+            assert pair["steadiness"]["batches"] >= 1 and pair["speedup_of_minima"] > 0
+
     assert report["prefill"]["context"] == 128
+    assert set(report["prefill"]["pairs"]) == set(FAMILIES)
+    for family, pair in report["prefill"]["pairs"].items():
+        assert pair["speedup"] > 0 and pair["steadiness"]["reference"] == f"KDSA:{family}"
+    whole = report["whole_step"]
+    assert whole["context"] == 256 and whole["eager_paged_s"] > 0 and whole["compiled_static_s"] > 0
+    calls = {name: profile["aten_calls_per_step"] for name, profile in whole["op_profile"].items()}
+    assert 0 < calls["compiled_static"] < calls["eager_static"] and calls["eager_paged"] > 0
     for name in MODELS:
         result = report["prefill"]["models"][name]
         assert result.get("skipped") or result["median_s"] > 0, name
@@ -110,6 +125,32 @@ def test_same_weight_pair_decodes_alike_from_filled_caches(family, tmp_path):
             logits = pair.kdsa(input_ids=token, cache=ours, use_cache=True).logits[:, -1]
             assert float((logits - reference).abs().max() / reference.abs().max()) < 1e-5
             token = reference.argmax(-1, keepdim=True)
+
+
+def test_interleaved_timing_stops_when_the_ratio_is_steady(monkeypatch):
+    """`time_interleaved` on a fake clock: a constant 2:1 ratio stops after two batches with the 10 % criterion met;
+    a ratio that keeps jumping runs the cap and says it was not met. The steps run A B A B."""
+    bench = load_bench()
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    calls = []
+
+    def step(name, costs):
+        def run():
+            calls.append(name)
+            clock[0] += costs[len([c for c in calls if c == name]) % len(costs)]
+
+        return run
+
+    _, steady = bench.time_interleaved({"a": step("a", [1.0]), "b": step("b", [2.0])}, 1, 3, 5)
+    assert steady["batches"] == 2 and steady["criterion_met"] and steady["last_change"] == 0.0
+    assert steady["pair_ratios"]["b"]["median"] == 2.0
+    assert calls[:4] == ["a", "b", "a", "b"]
+    # b costs 1, 1, 1 then 9, 9, 9, ...: the median ratio jumps from 1 to 9 and keeps moving until the cap.
+    calls.clear()
+    results, steady = bench.time_interleaved({"a": step("a", [1.0]), "b": step("b", [1.0] * 4 + [9.0] * 20)}, 0, 3, 3)
+    assert steady["batches"] == 3 and not steady["criterion_met"]
+    assert results["b"]["min_s"] == 1.0 and len(results["b"]["times_s"]) == 9
 
 
 def test_bytes_per_decode_step_formula():
