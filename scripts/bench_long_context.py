@@ -488,13 +488,13 @@ STEADY_TOLERANCE = 0.10  # stop once every ratio moved by at most this between c
 def time_interleaved(steps: dict, warmup: int, batch: int, max_batches: int) -> tuple[dict, dict]:
     """Time the named `steps` (callables; the first is the reference) in turns, A B A B ..., so that every step sees
     the same machine state. After `warmup` untimed rounds (each step's first call, warm-up or timed, runs under its
-    own `PeakRSS`), batches
-    of `batch` rounds run until the ratio of every step's median time so far to the reference's moved by at most
-    `STEADY_TOLERANCE` from the previous batch's (at least two batches), or `max_batches` ran.
+    own `PeakRSS`), batches of `batch` rounds run until each batch's ratio to the reference (the median of its
+    pair-by-pair ratios) is within `STEADY_TOLERANCE` of the previous batch's, i.e. two independent measurements
+    agree (at least two batches), or `max_batches` ran.
 
     Returns `(results, steadiness)`: per step its median, min and all times (s) and the peak RSS growth of one call;
-    `steadiness` says how many batches ran, whether the criterion was met, the ratio after each batch and, per
-    non-reference step, the spread of the pair-by-pair ratios (min, median, max)."""
+    `steadiness` says how many batches ran, whether the criterion was met, each batch's ratio and, per
+    non-reference step, the spread of all pair-by-pair ratios (min, median, max)."""
     names = list(steps)
     peaks = {}
 
@@ -518,8 +518,12 @@ def time_interleaved(steps: dict, warmup: int, batch: int, max_batches: int) -> 
                 start = time.perf_counter()
                 call(name)
                 times[name].append(time.perf_counter() - start)
-        medians = {name: statistics.median(values) for name, values in times.items()}
-        history.append({name: medians[name] / medians[names[0]] for name in names[1:]})
+        # This batch's own ratio (median of its pair-by-pair ratios), independent of the earlier batches'.
+        batch_ratios = {
+            name: statistics.median(t / r for t, r in zip(times[name][-batch:], times[names[0]][-batch:], strict=True))
+            for name in names[1:]
+        }
+        history.append(batch_ratios)
         if len(history) >= 2 and all(
             abs(history[-1][name] / history[-2][name] - 1) <= STEADY_TOLERANCE for name in names[1:]
         ):
@@ -542,7 +546,7 @@ def time_interleaved(steps: dict, warmup: int, batch: int, max_batches: int) -> 
         max_batches=max_batches,
         tolerance=STEADY_TOLERANCE,
         criterion_met=met,
-        ratio_of_medians_per_batch=history,
+        ratio_per_batch=history,
         last_change=max((abs(history[-1][n] / history[-2][n] - 1) for n in names[1:]), default=0.0)
         if len(history) >= 2
         else None,

@@ -129,28 +129,36 @@ def test_same_weight_pair_decodes_alike_from_filled_caches(family, tmp_path):
 
 def test_interleaved_timing_stops_when_the_ratio_is_steady(monkeypatch):
     """`time_interleaved` on a fake clock: a constant 2:1 ratio stops after two batches with the 10 % criterion met;
-    a ratio that keeps jumping runs the cap and says it was not met. The steps run A B A B."""
+    a ratio that alternates between batches (1, 3, 1, ...) runs to the cap and says the criterion was not met; a
+    ratio that jumps once and then holds stops when two batches agree. The steps run A B A B."""
     bench = load_bench()
     clock = [0.0]
     monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
     calls = []
 
-    def step(name, costs):
+    def step(name, cost):
         def run():
             calls.append(name)
-            clock[0] += costs[len([c for c in calls if c == name]) % len(costs)]
+            clock[0] += cost(calls.count(name))  # cost of the n-th call
 
         return run
 
-    _, steady = bench.time_interleaved({"a": step("a", [1.0]), "b": step("b", [2.0])}, 1, 3, 5)
+    _, steady = bench.time_interleaved({"a": step("a", lambda n: 1.0), "b": step("b", lambda n: 2.0)}, 1, 3, 5)
     assert steady["batches"] == 2 and steady["criterion_met"] and steady["last_change"] == 0.0
-    assert steady["pair_ratios"]["b"]["median"] == 2.0
+    assert steady["pair_ratios"]["b"]["median"] == 2.0 and steady["ratio_per_batch"] == [{"b": 2.0}] * 2
     assert calls[:4] == ["a", "b", "a", "b"]
-    # b costs 1, 1, 1 then 9, 9, 9, ...: the median ratio jumps from 1 to 9 and keeps moving until the cap.
+
+    def alternating(n):
+        return 1.0 if (n - 1) // 3 % 2 == 0 else 3.0  # calls 1-3 cost 1, 4-6 cost 3, 7-9 cost 1, ...
+
     calls.clear()
-    results, steady = bench.time_interleaved({"a": step("a", [1.0]), "b": step("b", [1.0] * 4 + [9.0] * 20)}, 0, 3, 3)
-    assert steady["batches"] == 3 and not steady["criterion_met"]
-    assert results["b"]["min_s"] == 1.0 and len(results["b"]["times_s"]) == 9
+    results, steady = bench.time_interleaved({"a": step("a", lambda n: 1.0), "b": step("b", alternating)}, 0, 3, 4)
+    assert steady["batches"] == 4 and not steady["criterion_met"]
+    assert results["b"]["min_s"] == 1.0 and len(results["b"]["times_s"]) == 12
+    calls.clear()
+    jump_once = step("b", lambda n: 1.0 if n <= 3 else 2.0)
+    _, steady = bench.time_interleaved({"a": step("a", lambda n: 1.0), "b": jump_once}, 0, 3, 5)
+    assert steady["batches"] == 3 and steady["criterion_met"]
 
 
 def test_bytes_per_decode_step_formula():
