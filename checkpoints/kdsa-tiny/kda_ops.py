@@ -190,10 +190,12 @@ def chunk_kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunk-parallel KDA in the WY/UT form (docs/kda.md §5), the prefill path. Same contract as
     `recurrent_kda`; any T (the last chunk is padded with identity steps: k = v = 0, beta = 0, g = 0).
+    The default of 32 tokens per chunk is the fastest on CPU (docs/kda.md §5: the triangular solve and the
+    cross-sub-chunk factors grow with the chunk, the per-chunk state update shrinks).
     chunk_size must be a multiple of `SUB_CHUNK_SIZE` (8, the sub-chunk size of `_intra_chunk_scores`).
 
     Per chunk, with `G` the chunk-local cumulative log decay and `S0` the state entering the chunk, the corrected
