@@ -199,6 +199,22 @@ def test_speculative_bench_quick_run(tmp_path):
             assert row["rollback_bytes_per_pending_token"] > 0
 
 
+def test_prefill_bench_runs_and_times_every_module_kind(tmp_path):
+    """scripts/bench_prefill.py on 64 tokens (a subprocess: it wraps the module classes' forwards with timers): JSON
+    with positive wall and CPU times and a timer for every module kind and KDA kernel of this checkout."""
+    out = tmp_path / "prefill.json"
+    script = SCRIPT.with_name("bench_prefill.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, str(script), "--tokens", "64", "--threads", "1", "--out", str(out)],
+                            env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["tokens"] == 64 and report["wall_s"] > 0 and report["cpu_s"] > 0
+    assert report["package"] == str(SCRIPT.parent.parent)
+    expected = {"KDA layers", "DSA layers", "MoE", "dense MLP and shared experts", "kernel chunk_kda", "kernel l2norm"}
+    assert expected <= set(report["module_wall_s"]) and all(t > 0 for t in report["module_wall_s"].values())
+
+
 @pytest.mark.slow
 def test_graph_mode_bench_quick_run(tmp_path):
     """scripts/bench_graph_mode.py --quick (small model, context 128): eager and compiled whole decode steps, the
