@@ -151,8 +151,8 @@ def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, cum_g: torch.Tensor) -
     Each exponent must stay <= 0 (a positive one overflows fp32 for strong gates). Inside a sub-chunk the pairwise
     differences are masked above the diagonal before `exp`. Across sub-chunks the decay is split at the anchor `r`,
     the first position of the row's sub-chunk: `exp(G_i − G_j) = exp(G_i − G_r) · exp(G_r − G_j)` with j < r <= i,
-    so both factors are <= 1 and the block is a plain matmul. q and k are stacked as the two rows `x` of one product,
-    and the large temporaries are updated in place (each is several MiB per chunk).
+    so both factors are <= 1 and the block is a plain matmul. q and k are stacked as the two rows `x` of one product;
+    masking and exp run in place on fresh temporaries (several MiB per chunk), never on a tensor autograd keeps.
     """
     batch_size, num_heads, chunk_size, head_k_dim = k.shape
     num_sub = chunk_size // SUB_CHUNK_SIZE
@@ -165,14 +165,14 @@ def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, cum_g: torch.Tensor) -
     positions = torch.arange(chunk_size, device=k.device)
     earlier = positions.unsqueeze(0) < positions[::SUB_CHUNK_SIZE].unsqueeze(1)  # [NS, C]: j before sub-chunk a
     right = (anchor - cum_g.unsqueeze(2)).masked_fill_(~earlier.unsqueeze(-1), float("-inf")).exp_()  # [B,H,NS,C,K]
-    k_right = right.mul_(k.unsqueeze(2)).transpose(-1, -2).unsqueeze(3)  # [B, H, NS, 1, K, C]
+    k_right = (right * k.unsqueeze(2)).transpose(-1, -2).unsqueeze(3)  # [B, H, NS, 1, K, C]
     scores = x_sub.mul((g_sub - anchor).exp_().unsqueeze(3)) @ k_right  # [B, H, NS, 2, SUB, C], 0 from the diagonal
 
     # Diagonal blocks: pairwise decays [B, H, NS, SUB(i), SUB(j), K], causal (diagonal included), times k_j, then
     # contracted with x_i over K as one batched matmul per row i.
     causal = torch.ones(SUB_CHUNK_SIZE, SUB_CHUNK_SIZE, dtype=torch.bool, device=k.device).tril()
     k_decayed = (g_sub.unsqueeze(-2) - g_sub.unsqueeze(-3)).masked_fill_(~causal.unsqueeze(-1), float("-inf"))
-    k_decayed = k_decayed.exp_().mul_(k_sub.unsqueeze(-3))
+    k_decayed = k_decayed.exp_() * k_sub.unsqueeze(-3)  # not in place: autograd keeps exp's output
     diagonal = k_decayed @ x_sub.permute(0, 1, 2, 4, 5, 3)  # [B, H, NS, SUB(i), SUB(j), 2]
     blocks = scores.view(batch_size, num_heads, num_sub, 2, SUB_CHUNK_SIZE, num_sub, SUB_CHUNK_SIZE)
     sub = torch.arange(num_sub, device=k.device)
