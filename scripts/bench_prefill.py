@@ -17,6 +17,7 @@ Writes JSON (default runs/bench_prefill.json) and prints a summary.
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import sys
@@ -50,8 +51,18 @@ def add_timers(totals: collections.Counter) -> None:
         return wrapper
 
     for name in ("chunk_kda", "causal_short_conv", "l2norm", "kda_gate"):
-        if hasattr(kda, name):  # another checkout may dispatch its kernels elsewhere: then no kernel timers
+        if hasattr(kda, name):
             setattr(kda, name, timed(getattr(kda, name), f"kernel {name}"))
+    if hasattr(kda, "kernel_set"):  # the chunked kernel looked up through a kernel registry
+        lookup = kda.kernel_set
+
+        def kernel_set(*args, **kwargs):
+            kernels = lookup(*args, **kwargs)
+            if kernels.kda_chunk is None:
+                return kernels
+            return dataclasses.replace(kernels, kda_chunk=timed(kernels.kda_chunk, "kernel chunk_kda"))
+
+        kda.kernel_set = kernel_set
     layers = {"KDA layers": kda.KDSAKimiDeltaAttention, "DSA layers": dsa.KDSASparseAttention, "MoE": moe.KDSAMoE}
     layers["dense MLP and shared experts"] = moe.KDSAMLP
     for key, cls in layers.items():
