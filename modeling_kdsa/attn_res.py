@@ -33,7 +33,9 @@ class KDSADepthAttention(nn.Module):
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
         """Direct formula. `sources`: n tensors `[B, T, D]` → `[B, T, D]` in the sources' dtype."""
         values = torch.stack(sources)  # [n, B, T, D]
-        logits = torch.einsum("d,nbtd->nbt", self.query.float(), self.key_norm(values).float())
+        # A product and a sum rather than a GEMV: a loaded query may sit at any alignment inside the checkpoint's
+        # memory map, and the BLAS GEMV's rounding depends on it (a model and its reload gave different bits).
+        logits = (self.key_norm(values).float() * self.query.float()).sum(dim=-1)
         weights = logits.softmax(dim=0)  # fp32 softmax over depth (docs/design.md §6)
         return torch.einsum("nbt,nbtd->btd", weights, values.float()).to(values.dtype)
 
@@ -55,8 +57,10 @@ class BlockAttnResStream:
     - phase 1, at a block's first sublayer: for all of the block's queries at once, the softmax statistics over the
       completed blocks (running max `m`, denominator `ℓ`, numerator `o`), with each query's RMSNorm gain folded
       into it (`wᵀ(g ⊙ x / rms(x)) = (w ⊙ g)ᵀ x / rms(x)`) and `rms(b_j)` computed once per block representation;
-    - phase 2, per sublayer: the online-softmax merge of those statistics with the one intra-block source, the
-      partial sum.
+    - phase 2, per sublayer: the merge of those statistics with the one intra-block source, the partial sum. Phase 1
+      keeps, per query, the softmax output over the blocks alone `o_blocks` and its log-sum-exp `a`; with the
+      partial's logit `l`, the two-source softmax is `o = o_blocks + σ(l − a)·(partial − o_blocks)` (one `lerp`:
+      the partial's weight is `e^l / (e^a + e^l) = σ(l − a)`), a few element-wise ops per sublayer at decode.
     Transient memory: the completed blocks `n·[B, T, D]` plus phase-1 statistics `block_size·[B, T, D]` in fp32.
     """
 
@@ -88,9 +92,8 @@ class BlockAttnResStream:
         # Phase-1 statistics of the current block, one row per sublayer of the block (two-phase only).
         self.block_first_sublayer = 0
         self.block_queries: torch.Tensor | None = None  # [S, D] fp32, gain-folded queries
-        self.block_max: torch.Tensor | None = None  # [S, B, T]
-        self.block_denominator: torch.Tensor | None = None  # [S, B, T]
-        self.block_numerator: torch.Tensor | None = None  # [S, B, T, D]
+        self.block_output: torch.Tensor | None = None  # [S, B, T, D] fp32: softmax over the completed blocks only
+        self.block_log_sum_exp: torch.Tensor | None = None  # [S, B, T] fp32: log Σ_j exp(logit_j) over those blocks
 
     def input_for(self, sublayer_idx: int) -> torch.Tensor:
         """Depth-attended input `[B, T, D]` of sublayer `sublayer_idx` (call before its `add_output`)."""
@@ -161,32 +164,28 @@ class BlockAttnResStream:
         """Phase 1: softmax statistics over the completed blocks for every query of the block starting here."""
         attns = self.depth_attns[first_sublayer : first_sublayer + self.block_size]
         # Fold each RMSNorm gain into its query: the keys b_j / rms(b_j) are then shared by all queries.
-        self.block_queries = torch.stack([a.query.float() * a.key_norm.weight.float() for a in attns])  # [S, D]
+        queries = torch.stack([a.query for a in attns]).float()
+        self.block_queries = queries * torch.stack([a.key_norm.weight for a in attns]).float()  # [S, D]
         self.block_first_sublayer = first_sublayer
         values = torch.stack(self.blocks).float()  # [n, B, T, D]
         inv_rms = torch.stack(self.block_inv_rms)  # [n, B, T]
         logits = torch.einsum("sd,nbtd->snbt", self.block_queries, values) * inv_rms  # [S, n, B, T]
-        self.block_max = logits.amax(dim=1)  # [S, B, T]
-        exp = (logits - self.block_max.unsqueeze(1)).exp()
-        self.block_denominator = exp.sum(dim=1)  # [S, B, T]
-        self.block_numerator = torch.einsum("snbt,nbtd->sbtd", exp, values)  # [S, B, T, D]
+        max_ = logits.amax(dim=1)  # [S, B, T]
+        exp = (logits - max_.unsqueeze(1)).exp()
+        denominator = exp.sum(dim=1)  # [S, B, T], >= 1
+        self.block_output = torch.einsum("snbt,nbtd->sbtd", exp, values) / denominator.unsqueeze(-1)  # [S, B, T, D]
+        self.block_log_sum_exp = max_ + denominator.log()
 
     def _merge_partial(self, sublayer_idx: int, partial: torch.Tensor | None) -> torch.Tensor:
-        """Phase 2: online-softmax merge of the phase-1 statistics with the partial sum (None at a block start)."""
+        """Phase 2: two-source softmax of the blocks' statistics and the partial sum (None at a block start)."""
         slot = sublayer_idx - self.block_first_sublayer
-        max_, denominator = self.block_max[slot], self.block_denominator[slot]  # [B, T]
-        numerator = self.block_numerator[slot]  # [B, T, D]
         out_dtype = self.blocks[0].dtype
         if partial is None:
-            return (numerator / denominator.unsqueeze(-1)).to(out_dtype)
+            return self.block_output[slot].to(out_dtype)
         partial = partial.float()
-        logit = (partial @ self.block_queries[slot]) * self._inv_rms(partial)  # [B, T]
-        new_max = torch.maximum(max_, logit)
-        inter_scale = (max_ - new_max).exp()  # rescales the block statistics to the new running max
-        partial_weight = (logit - new_max).exp()
-        numerator = inter_scale.unsqueeze(-1) * numerator + partial_weight.unsqueeze(-1) * partial
-        denominator = inter_scale * denominator + partial_weight
-        return (numerator / denominator.unsqueeze(-1)).to(out_dtype)
+        logit = (partial * self.block_queries[slot]).sum(dim=-1) * self._inv_rms(partial)  # [B, T]
+        partial_weight = torch.sigmoid(logit - self.block_log_sum_exp[slot])  # its softmax weight against the blocks
+        return torch.lerp(self.block_output[slot], partial, partial_weight.unsqueeze(-1)).to(out_dtype)
 
 
 __all__ = ["KDSADepthAttention", "BlockAttnResStream"]

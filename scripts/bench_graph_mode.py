@@ -8,7 +8,7 @@ At each context (default 4k; batch 1; bf16; the benchmark shape = KDSAConfig def
 Eager-static and compiled steps alternate, one pair per repeat, so both see the same machine state; the ratio is taken
 per pair (min and median reported). The compiled step's logits are compared with the eager-static step's on the same
 cache contents, and the number of graphs compiled over all steps is reported (1 = no recompile as the context grows).
-  4. an operator profile (torch.profiler) of both steps: the top operators and the aten calls per step;
+  4. an operator profile (torch.profiler) of the three steps: the top operators and the aten calls per step;
   5. compile time of that step, cold and warm: two fresh processes sharing one new inductor cache directory (the first
      fills it, the second reuses it, as a second run of a user's program would).
 
@@ -144,6 +144,7 @@ def measure_context(model, config: KDSAConfig, context: int, repeats: int, optio
             eager_s.append(timed(lambda: model(**step_inputs(eager_static))))
             compiled_s.append(timed(lambda: compiled(**step_inputs(compiled_static))))
         profiles = dict(
+            eager_paged=op_profile(lambda: model(**step_inputs(dynamic))),
             eager_static=op_profile(lambda: model(**step_inputs(eager_static))),
             compiled_static=op_profile(lambda: compiled(**step_inputs(compiled_static))),
         )

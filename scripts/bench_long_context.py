@@ -1,7 +1,10 @@
 """Long-context benchmark: KDSA vs transformers' DeepseekV32 / KimiLinear / Glm5Next on CPU, side by side in one run.
 
-What it measures, at each context (default 4k, 16k, 64k; batch 1; bf16; `torch.inference_mode()`; median of a few
-repeats after warm-up):
+What it measures, at each context (default 4k, 16k, 64k; batch 1; bf16; `torch.inference_mode()`). Every
+comparison interleaves its two (or three) sides step by step, A B A B ..., in batches of `--repeats` rounds, and
+takes more batches until each ratio of medians moves by at most 10 % between consecutive batches (at most
+`--max-batches`; prefill: `--prefill-max-batches`); the JSON holds min and median times, the batches run, whether
+the 10 % criterion was met and the spread of the pair-by-pair ratios (`steadiness`):
   1. one DSA layer's decode step: ours (index_topk 512), ours dense (index_topk >= context, same weights) and
      transformers' `DeepseekV32Attention` with the same dims and weights (eager, its own cache);
   2. whole-model decode step (tokens/s): KDSA at its benchmark shape (KDSAConfig defaults), and two same-weight
@@ -10,12 +13,15 @@ repeats after warm-up):
      decodes from identical caches (one set of random tensors written into both; `fill_same_caches`): the speed-up,
      and whether both pick the same greedy tokens over `--token-steps` steps, in bf16 (as timed) and in fp32 copies
      of the same weights (bf16 logits tie often enough that two correct implementations may pick different tokens);
-  3. whole-model prefill at one context (default 16k): ours for real; the peers only when the estimated memory of
-     their eager attention fits (`--max-prefill-gib`), otherwise skipped with the estimate; then each pair prefills
-     one real prompt (`--token-prompt`) and generates greedily, fp32 and bf16: same tokens or not;
+  3. whole-model prefill at one context (default 16k): ours for real; each same-weight pair interleaved (peer /
+     KDSA ratio) when the estimated memory of the peer's attention (`--peer-prefill-attn`, e.g. sdpa at 4k) fits
+     (`--max-prefill-gib`), otherwise the peer is skipped with the estimate; then each pair prefills one real prompt
+     (`--token-prompt`) and generates greedily, fp32 and bf16: same tokens or not;
   4. peak RSS growth per measurement, cache bytes per token, and the physical limit: bytes a decode step must read
      divided by this machine's memory bandwidth, measured in the same run, as the fraction of it achieved;
-  5. graph mode (torch.compile) on/off for the DSA kernels, and cold/warm compile time in fresh processes.
+  5. graph mode (torch.compile) on/off for the DSA kernels, and cold/warm compile time in fresh processes; and at the
+     first context the whole decode step eager (paged and static cache) vs compiled by generate()'s own compile call,
+     with an operator profile (top operators, aten calls per step) of each (scripts/bench_graph_mode.py).
 
 Long caches are not filled by prefill (a 64k eager prefill would allocate [H, T, T]): caches are filled directly with
 random tensors of the right shapes and dtypes through each cache's update API, then decode is timed. A pair is
@@ -476,6 +482,79 @@ def time_repeated(step, warmup: int, repeats: int) -> dict:
     return dict(median_s=statistics.median(times), times_s=times, peak_rss_growth_bytes=peak.growth_bytes)
 
 
+STEADY_TOLERANCE = 0.10  # stop once every ratio moved by at most this between consecutive batches
+
+
+def time_interleaved(steps: dict, warmup: int, batch: int, max_batches: int) -> tuple[dict, dict]:
+    """Time the named `steps` (callables; the first is the reference) in turns, A B A B ..., so that every step sees
+    the same machine state. After `warmup` untimed rounds (each step's first call, warm-up or timed, runs under its
+    own `PeakRSS`), batches of `batch` rounds run until each batch's ratio to the reference (the median of its
+    pair-by-pair ratios) is within `STEADY_TOLERANCE` of the previous batch's, i.e. two independent measurements
+    agree (at least two batches), or `max_batches` ran.
+
+    Returns `(results, steadiness)`: per step its median, min and all times (s) and the peak RSS growth of one call;
+    `steadiness` says how many batches ran, whether the criterion was met, each batch's ratio and, per
+    non-reference step, the spread of all pair-by-pair ratios (min, median, max)."""
+    names = list(steps)
+    peaks = {}
+
+    def call(name):
+        if name in peaks:
+            steps[name]()
+            return
+        with PeakRSS() as peak:
+            steps[name]()
+        peaks[name] = peak.growth_bytes
+
+    for _ in range(warmup):
+        for name in names:
+            call(name)
+    times = {name: [] for name in names}
+    history = []
+    met = False
+    for _ in range(max_batches):
+        for _ in range(batch):
+            for name in names:
+                start = time.perf_counter()
+                call(name)
+                times[name].append(time.perf_counter() - start)
+        # This batch's own ratio (median of its pair-by-pair ratios), independent of the earlier batches'.
+        batch_ratios = {
+            name: statistics.median(t / r for t, r in zip(times[name][-batch:], times[names[0]][-batch:], strict=True))
+            for name in names[1:]
+        }
+        history.append(batch_ratios)
+        if len(history) >= 2 and all(
+            abs(history[-1][name] / history[-2][name] - 1) <= STEADY_TOLERANCE for name in names[1:]
+        ):
+            met = True
+            break
+    results = {
+        name: dict(median_s=statistics.median(values), min_s=min(values), times_s=values,
+                   peak_rss_growth_bytes=peaks[name])
+        for name, values in times.items()
+    }  # fmt: skip
+    pair_ratios = {}
+    for name in names[1:]:
+        ratios = [t / r for t, r in zip(times[name], times[names[0]], strict=True)]
+        pair_ratios[name] = dict(min=min(ratios), median=statistics.median(ratios), max=max(ratios),
+                                 relative_spread=(max(ratios) - min(ratios)) / statistics.median(ratios))  # fmt: skip
+    steadiness = dict(
+        reference=names[0],
+        batches=len(history),
+        batch_rounds=batch,
+        max_batches=max_batches,
+        tolerance=STEADY_TOLERANCE,
+        criterion_met=met,
+        ratio_per_batch=history,
+        last_change=max((abs(history[-1][n] / history[-2][n] - 1) for n in names[1:]), default=0.0)
+        if len(history) >= 2
+        else None,
+        pair_ratios=pair_ratios,
+    )
+    return results, steadiness
+
+
 def measure_bandwidth(size_mib: int = 512, repeats: int = 5) -> dict:
     """Memory bandwidth with torch's threads: a large fp32 reduction (bytes read / time) and a large copy
     ((bytes read + bytes written) / time); median of `repeats`, GB/s = 1e9 bytes/s. The buffer is far larger than
@@ -502,9 +581,9 @@ def measure_bandwidth(size_mib: int = 512, repeats: int = 5) -> dict:
 # Timed operations
 
 
-def time_dsa_decode_step(layer, context: int, warmup: int, repeats: int, fill_cache, rotary) -> dict:
-    """Decode step of one DSA layer (ours or DeepseekV32) on a cache holding `context` tokens. Each call appends
-    one token, so the context grows by warmup + repeats tokens during the measurement (negligible)."""
+def dsa_decode_stepper(layer, context: int, fill_cache, rotary):
+    """`(step, cache)`: a decode step of one DSA layer (ours or DeepseekV32) on a cache holding `context` tokens.
+    Each call appends one token, so the context grows by the number of steps timed (negligible)."""
     cache = fill_cache(context)
     generator = torch.Generator().manual_seed(1)
     hidden = _random((BATCH, 1, layer.hidden_size), DTYPE, generator)
@@ -520,33 +599,38 @@ def time_dsa_decode_step(layer, context: int, warmup: int, repeats: int, fill_ca
         mask = torch.zeros(BATCH, 1, 1, position + 1, dtype=DTYPE)
         return layer(hidden, position_embeddings, mask, cache=cache, position_ids=position_ids)[0]
 
-    result = time_repeated(step, warmup, repeats)
-    result["cache_bytes"] = cache_bytes(cache)
-    return result
+    return step, cache
 
 
-def time_model_decode(model, cache, warmup: int, repeats: int, extra_steps: int = 0) -> dict:
-    """Greedy one-token decode steps of a whole model (backbone + lm_head on that token) on a pre-filled cache,
-    starting from token 7: `warmup` untimed steps, `repeats` timed ones, then `extra_steps` untimed ones. Returns
-    the timings, every step's greedy token, its margin (top-1 minus top-2 logit) and the first step's logits."""
+def model_decode_stepper(model, cache):
+    """`(step, record)`: greedy one-token decode steps of a whole model (backbone + lm_head on that token) on a
+    pre-filled cache, starting from token 7; `record` collects every step's greedy token, its margin (top-1 minus
+    top-2 logit) and the first step's logits."""
     token = torch.tensor([[7]], dtype=torch.long)
-    tokens, margins, first_logits = [], [], []
+    record = dict(tokens=[], margins=[], first_logits=None)
 
     def step():
         nonlocal token
         logits = model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
         top2 = logits.topk(2, dim=-1)
         token = top2.indices[:, :1]
-        tokens.append(int(token))
-        margins.append(float(top2.values[0, 0] - top2.values[0, 1]))
-        if not first_logits:
-            first_logits.append(logits[0])
+        record["tokens"].append(int(token))
+        record["margins"].append(float(top2.values[0, 0] - top2.values[0, 1]))
+        if record["first_logits"] is None:
+            record["first_logits"] = logits[0]
 
+    return step, record
+
+
+def time_model_decode(model, cache, warmup: int, repeats: int, extra_steps: int = 0) -> dict:
+    """`model_decode_stepper` timed alone: `warmup` untimed steps, `repeats` timed ones, then `extra_steps` untimed
+    ones. Returns the timings, every step's greedy token and margin, and the first step's logits."""
+    step, record = model_decode_stepper(model, cache)
     result = time_repeated(step, warmup, repeats)
     for _ in range(extra_steps):
         step()
-    result.update(tokens_per_s=1.0 / result["median_s"], tokens=tokens, margins=margins)
-    result["first_logits"] = first_logits[0]  # dropped before the JSON is written
+    result.update(tokens_per_s=1.0 / result["median_s"], tokens=record["tokens"], margins=record["margins"])
+    result["first_logits"] = record["first_logits"]  # dropped before the JSON is written
     return result
 
 
@@ -578,6 +662,26 @@ def time_prefill(model, make_cache, context: int, warmup_tokens: int, repeats: i
     return result
 
 
+def prefill_stepper(model, context: int, warmup_tokens: int):
+    """`(step, estimate_s)`: a real prefill of `context` tokens into a fresh cache (logits for the last token only),
+    after one short prefill of `warmup_tokens` (warm-up) whose time scaled linearly to `context` is the estimate."""
+    generator = torch.Generator().manual_seed(2)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (BATCH, context), generator=generator)
+    if isinstance(model, KDSAForCausalLM):
+        make_cache = lambda: KDSACache(model.config)  # noqa: E731
+    else:
+        make_cache = lambda: DynamicCache(config=model.config.get_text_config())  # noqa: E731
+    start = time.perf_counter()
+    model(input_ids=ids[:, :warmup_tokens], cache=make_cache(), use_cache=True, logits_to_keep=1)
+    estimate_s = (time.perf_counter() - start) * context / warmup_tokens
+
+    def step():
+        return model(input_ids=ids, cache=make_cache(), use_cache=True, logits_to_keep=1)
+
+    return step, estimate_s
+
+
 def time_graph_mode(model, config: KDSAConfig, contexts: list[int], warmup: int, repeats: int, quick: bool) -> dict:
     """Graph mode on/off: the same model decoding with the paged DSA kernels under torch.compile (cache built with
     `kernel_backend="compiled"`) vs eager fused kernels (`"cpu"`), per context; plus cold vs warm compile time of
@@ -595,6 +699,16 @@ def time_graph_mode(model, config: KDSAConfig, contexts: list[int], warmup: int,
         compiled = time_model_decode(model, fill_cache_kdsa(compiled_config, context), warmup + 1, repeats)
         rows.append(dict(context=context, eager_s=eager["median_s"], compiled_s=compiled["median_s"]))
     return dict(decode=rows, compile=bench_dsa_kernels.compile_times(quick))
+
+
+def whole_step_figures(model, config: KDSAConfig, context: int, repeats: int) -> dict:
+    """The whole decode step eager (paged `KDSACache`, and `KDSAStaticCache`) vs compiled by generate()'s own compile
+    call on the static cache, interleaved per repeat, with an operator profile of each (scripts/bench_graph_mode.py,
+    docs/graph-mode.md §6)."""
+    spec = importlib.util.spec_from_file_location("bench_graph_mode", Path(__file__).with_name("bench_graph_mode.py"))
+    bench_graph_mode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_graph_mode)
+    return bench_graph_mode.measure_context(model, config, context, repeats)
 
 
 def dsa_layer_prefill_memory(config: KDSAConfig, context: int) -> dict:
@@ -872,6 +986,26 @@ def print_report(report: dict) -> None:
                 f"{pair['bf16']['first_step_logits_relative_difference']:.1e}", tokens(pair["fp32"]),
                 f"{pair['fp32']['first_step_logits_relative_difference']:.1e}",
             ])  # fmt: skip
+    steady_rows = [
+        [fmt_ctx(entry["context"]), "DSA layer: others / ours", entry["steadiness"]]
+        for entry in report["dsa_layer_decode"]
+    ]
+    for entry in report["model_decode"]:
+        for family, pair in entry["pairs"].items():
+            if not pair.get("skipped"):
+                steady_rows.append([fmt_ctx(entry["context"]), f"{PEER_NAMES[family]} / KDSA", pair["steadiness"]])
+    for family, pair in report["prefill"]["pairs"].items():
+        context = fmt_ctx(report["prefill"]["context"])
+        steady_rows.append([f"{context} prefill", f"{PEER_NAMES[family]} / KDSA", pair["steadiness"]])
+    print_table(
+        "Steadiness: steps interleaved A B A B, batches until every ratio moves <= 10% (pair ratios: other / ref.)",
+        ["context", "comparison", "batches", "10% met", "last change", "pair ratios min..median..max"],
+        [[c, name, f"{st['batches']} x {st['batch_rounds']}", "yes" if st["criterion_met"] else "no",
+          "-" if st["last_change"] is None else f"{st['last_change']:.1%}",
+          "; ".join(f"{other} {r['min']:.2f}..{r['median']:.2f}..{r['max']:.2f}" for other, r in
+                    st["pair_ratios"].items())] for c, name, st in steady_rows],
+    )  # fmt: skip
+
     print_table(
         "2b. Same weights, identical caches: transformers' whole model / KDSA decode step, greedy tokens "
         "(margin: the peer's top-1 minus top-2 logit there)",
@@ -889,10 +1023,14 @@ def print_report(report: dict) -> None:
             [name, f"{r['median_s']:.2f}", f"{r['tokens_per_s']:.0f}", fmt_bytes(r["peak_rss_growth_bytes"]), ""]
         )
     print_table(
-        f"3. Whole-model prefill of {fmt_ctx(prefill['context'])} tokens",
+        f"3. Whole-model prefill of {fmt_ctx(prefill['context'])} tokens (peers: {prefill['peer_attention']})",
         ["model", "s", "tokens/s", "peak RSS +", "note"],
         rows,
     )
+    rows = [
+        [family, f"{p['speedup']:.2f}x", f"{p['speedup_of_minima']:.2f}x"] for family, p in prefill["pairs"].items()
+    ]
+    print_table("3a. Same weights, prefill interleaved: peer s / KDSA s", ["family", "median", "of minima"], rows)
 
     rows = []
     for family, checks in report["same_tokens_after_prefill"].items():
@@ -940,6 +1078,20 @@ def print_report(report: dict) -> None:
              f"{warm['fx_graph_cache_hits']}/{warm['fx_graph_cache_misses']}"],
         ],
     )  # fmt: skip
+    whole = report["whole_step"]
+    print_table(
+        f"5b. Whole decode step at {fmt_ctx(whole['context'])}: eager (paged / static cache) vs compiled by "
+        "generate()'s compile call (static cache), interleaved",
+        ["eager paged", "eager static", "compiled", "eager static / compiled (median, min..max)", "graphs"],
+        [[fmt_ms(whole["eager_paged_s"]), fmt_ms(whole["eager_static_s"]), fmt_ms(whole["compiled_static_s"]),
+          f"{whole['speedup_median']:.2f}x, {whole['speedup_min']:.2f}..{whole['speedup_max']:.2f}",
+          str(whole["graphs_compiled"])]],
+    )  # fmt: skip
+    for name, profile in whole["op_profile"].items():
+        top = ", ".join(f"{op['name']} {op['self_ms_per_step']:.2f} ms x{op['calls_per_step']:.0f}"
+                        for op in profile["top"][:5])  # fmt: skip
+        print(f"   {name}: {profile['aten_calls_per_step']:.0f} aten calls/step, "
+              f"{profile['total_ms_per_step']:.2f} ms profiled; top: {top}")  # fmt: skip
     memory = report["dsa_layer_prefill_memory"]
     print(
         f"\n6. One DSA layer's {fmt_ctx(memory['context'])}-token prefill: {memory['seconds']:.1f} s, "
@@ -963,7 +1115,17 @@ def parse_args(argv=None):
     parser.add_argument("--prefill-context", type=int, default=None, help="prefill length (default 16384)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--prefill-repeats", type=int, default=1)
+    parser.add_argument(
+        "--max-batches",
+        type=int,
+        default=5,
+        help="decode comparisons: batches of --repeats interleaved rounds until the ratio moves <= 10%% (at most this)",
+    )
+    parser.add_argument("--prefill-repeats", type=int, default=1, help="interleaved prefill rounds per batch")
+    parser.add_argument("--prefill-max-batches", type=int, default=3, help="prefill pairs: batches at most")
+    parser.add_argument(
+        "--whole-step-repeats", type=int, default=10, help="eager vs compiled whole step (first context): repeats"
+    )
     parser.add_argument("--max-prefill-gib", type=float, default=12.0, help="skip a peer prefill estimated above this")
     parser.add_argument(
         "--prefill-budget-s",
@@ -1001,6 +1163,7 @@ def parse_args(argv=None):
         args.prefill_context = args.prefill_context or 128
         args.layer_prefill_context = args.layer_prefill_context or 512
         args.warmup, args.repeats = 2, 2
+        args.whole_step_repeats = 3
         args.token_prompt = args.token_prompt or 32
     args.contexts = sorted(args.contexts or [4096, 16384, 65536])
     args.prefill_context = args.prefill_context or 16384
@@ -1116,7 +1279,6 @@ def run_all(args, report: dict) -> None:
     advance("built models")
 
     bandwidth = report["bandwidth"]["best_gbs"]
-    extra_steps = max(0, args.token_steps - args.warmup - args.repeats)
     report["dsa_layer_decode"], report["model_decode"] = [], []
     cache_summary = {}
 
@@ -1139,20 +1301,26 @@ def run_all(args, report: dict) -> None:
         entry = dict(context=context)
         fill_ours = lambda s: fill_cache_kdsa(config, s, layers=[dsa_idx])  # noqa: E731
         fill_dsv32 = lambda s: fill_cache_deepseek_v32_layer(dsv32_config, s)  # noqa: E731
-        dense_layer = build_dense_dsa_layer(ours_layer, config, context + args.warmup + args.repeats + 1)
+        steps_at_most = args.warmup + args.repeats * args.max_batches
+        dense_layer = build_dense_dsa_layer(ours_layer, config, context + steps_at_most + 1)
         variants = {
             "ours": (ours_layer, fill_ours, our_rotary, config.index_topk),
             "ours_dense": (dense_layer, fill_ours, our_rotary, None),
             "DeepseekV32": (dsv32_layer, fill_dsv32, dsv32_rotary, config.index_topk),
         }  # fmt: skip
-        for name, (layer, fill, rotary, top_k) in variants.items():
-            result = time_dsa_decode_step(layer, context, args.warmup, args.repeats, fill, rotary)
-            layer_cache = [c for c in result.pop("cache_bytes") if c["kind"] != "linear" or c["state_bytes"]]
+        steps, caches = {}, {}
+        for name, (layer, fill, rotary, _) in variants.items():
+            steps[name], caches[name] = dsa_decode_stepper(layer, context, fill, rotary)
+        results, entry["steadiness"] = time_interleaved(steps, args.warmup, args.repeats, args.max_batches)
+        for name, (layer, _, _, top_k) in variants.items():
+            result = results[name]
+            layer_cache = [c for c in cache_bytes(caches[name]) if c["kind"] != "linear" or c["state_bytes"]]
             result["bytes_needed"] = bytes_per_decode_step(layer_weight_bytes(layer), layer_cache, context, top_k)
             result["limit"] = physical_limit(result["bytes_needed"]["total_bytes"], result["median_s"], bandwidth)
             entry[name] = result
             advance(f"{fmt_ctx(context)} layer {name}")
-        del dense_layer
+        entry["speedup_vs_DeepseekV32"] = entry["DeepseekV32"]["median_s"] / entry["ours"]["median_s"]
+        del dense_layer, steps, caches
         report["dsa_layer_decode"].append(entry)
 
         model_entry = dict(context=context, models={}, pairs={})
@@ -1176,11 +1344,27 @@ def run_all(args, report: dict) -> None:
                     advance(f"{fmt_ctx(context)} {family} skipped")
                 continue
             theirs, ours = fill_same_caches(pair, context)
-            peer_result = time_model_decode(pair.peer, theirs, args.warmup, args.repeats, extra_steps)
+            peer_step, peer_steps = model_decode_stepper(pair.peer, theirs)
+            ours_step, ours_steps = model_decode_stepper(pair.kdsa, ours)
+            timed, steadiness = time_interleaved(
+                {f"KDSA:{family}": ours_step, peer_name: peer_step}, args.warmup, args.repeats, args.max_batches
+            )
+            while len(ours_steps["tokens"]) < args.token_steps:  # the token check compares `token_steps` steps
+                peer_step()
+                ours_step()
+            peer_result, ours_result = timed[peer_name], timed[f"KDSA:{family}"]
+            for result, steps_done in ((peer_result, peer_steps), (ours_result, ours_steps)):
+                result.update(tokens_per_s=1.0 / result["median_s"], first_logits=steps_done["first_logits"],
+                              tokens=steps_done["tokens"][: args.token_steps],
+                              margins=steps_done["margins"][: args.token_steps])  # fmt: skip
             advance(f"{fmt_ctx(context)} model {peer_name}")
-            ours_result = time_model_decode(pair.kdsa, ours, args.warmup, args.repeats, extra_steps)
             advance(f"{fmt_ctx(context)} model KDSA:{family}")
-            summary = dict(speedup=peer_result["median_s"] / ours_result["median_s"], peer_estimated_bytes=estimate)
+            summary = dict(
+                speedup=peer_result["median_s"] / ours_result["median_s"],
+                speedup_of_minima=peer_result["min_s"] / ours_result["min_s"],
+                steadiness=steadiness,
+                peer_estimated_bytes=estimate,
+            )
             summary["bf16"] = compare_tokens(peer_result, ours_result)
             record(model_entry, peer_name, theirs, peer_result)
             record(model_entry, f"KDSA:{family}", ours, ours_result)
@@ -1198,31 +1382,58 @@ def run_all(args, report: dict) -> None:
         report["model_decode"].append(model_entry)
     report["cache"] = cache_summary
 
-    prefill = dict(context=args.prefill_context, max_gib=args.max_prefill_gib, models={})
+    prefill = dict(context=args.prefill_context, max_gib=args.max_prefill_gib, models={}, pairs={})
     warmup_tokens = min(1024, args.prefill_context // 4)
     prefill["peer_attention"] = args.peer_prefill_attn
-    for name, model in models.items():
-        if isinstance(model, KDSAForCausalLM):
-            make_cache = lambda model=model: KDSACache(model.config)  # noqa: E731
+    model = models["KDSA"]
+    prefill["models"]["KDSA"] = time_prefill(
+        model, lambda: KDSACache(model.config), args.prefill_context, warmup_tokens, args.prefill_repeats,
+        args.prefill_budget_s,
+    )  # fmt: skip
+    advance("prefill KDSA")
+    for family, pair in pairs.items():
+        # Same weights, ours and the peer's prefill interleaved (A B A B ...) until their ratio is steady.
+        peer_name, ours_name = PEER_NAMES[family], f"KDSA:{family}"
+        estimate = estimate_peer_prefill_bytes(peer_name, pair.peer.config, args.prefill_context,
+                                               args.peer_prefill_attn)  # fmt: skip
+        if estimate > args.max_prefill_gib * GIB:
+            prefill["models"][peer_name] = dict(
+                skipped=True,
+                estimated_bytes=estimate,
+                reason=f"{args.peer_prefill_attn} attention would allocate ~{estimate / GIB:.0f} GiB > "
+                f"{args.max_prefill_gib:g} GiB",
+            )
+            prefill["models"][ours_name] = time_prefill(
+                pair.kdsa, lambda pair=pair: KDSACache(pair.kdsa.config), args.prefill_context, warmup_tokens,
+                args.prefill_repeats, args.prefill_budget_s,
+            )  # fmt: skip
+            advance(f"prefill {peer_name} skipped")
+            advance(f"prefill {ours_name}")
+            continue
+        pair.peer.set_attn_implementation(args.peer_prefill_attn)  # same weights, maybe another attention kernel
+        ours_step, ours_estimate = prefill_stepper(pair.kdsa, args.prefill_context, warmup_tokens)
+        peer_step, peer_estimate = prefill_stepper(pair.peer, args.prefill_context, warmup_tokens)
+        most_runs = args.prefill_repeats * args.prefill_max_batches
+        if args.prefill_budget_s and (ours_estimate + peer_estimate) * most_runs > args.prefill_budget_s:
+            reason = (f"estimated {ours_estimate:.0f} + {peer_estimate:.0f} s per pair of runs (linear from "
+                      f"{warmup_tokens} tokens), x{most_runs} > budget {args.prefill_budget_s:g} s")  # fmt: skip
+            for name, estimate_s in ((ours_name, ours_estimate), (peer_name, peer_estimate)):
+                prefill["models"][name] = dict(skipped=True, estimated_s=estimate_s, reason=reason)
         else:
-            make_cache = lambda model=model: DynamicCache(config=model.config.get_text_config())  # noqa: E731
-            estimate = estimate_peer_prefill_bytes(name, model.config, args.prefill_context, args.peer_prefill_attn)
-            if estimate > args.max_prefill_gib * GIB:
-                prefill["models"][name] = dict(
-                    skipped=True,
-                    estimated_bytes=estimate,
-                    reason=f"{args.peer_prefill_attn} attention would allocate ~{estimate / GIB:.0f} GiB > "
-                    f"{args.max_prefill_gib:g} GiB",
-                )
-                advance(f"prefill {name} skipped")
-                continue
-            model.set_attn_implementation(args.peer_prefill_attn)  # same weights, maybe another attention kernel
-        prefill["models"][name] = time_prefill(
-            model, make_cache, args.prefill_context, warmup_tokens, args.prefill_repeats, args.prefill_budget_s
-        )
-        if not isinstance(model, KDSAForCausalLM):
-            model.set_attn_implementation(args.peer_attn)
-        advance(f"prefill {name}")
+            timed, steadiness = time_interleaved({ours_name: ours_step, peer_name: peer_step}, 0,
+                                                 args.prefill_repeats, args.prefill_max_batches)  # fmt: skip
+            for name, estimate_s in ((ours_name, ours_estimate), (peer_name, peer_estimate)):
+                timed[name].update(tokens_per_s=args.prefill_context / timed[name]["median_s"],
+                                   estimated_s_before_run=estimate_s)  # fmt: skip
+                prefill["models"][name] = timed[name]
+            prefill["pairs"][family] = dict(
+                speedup=timed[peer_name]["median_s"] / timed[ours_name]["median_s"],
+                speedup_of_minima=timed[peer_name]["min_s"] / timed[ours_name]["min_s"],
+                steadiness=steadiness,
+            )
+        pair.peer.set_attn_implementation(args.peer_attn)
+        advance(f"prefill {peer_name}")
+        advance(f"prefill {ours_name}")
     report["prefill"] = prefill
 
     report["same_tokens_after_prefill"] = {}
@@ -1236,6 +1447,7 @@ def run_all(args, report: dict) -> None:
     progress.close()
 
     report["graph_mode"] = time_graph_mode(models["KDSA"], config, contexts, args.warmup, args.repeats, args.quick)
+    report["whole_step"] = whole_step_figures(models["KDSA"], config, contexts[0], args.whole_step_repeats)
     report["dsa_layer_prefill_memory"] = dsa_layer_prefill_memory(config, args.layer_prefill_context)
     report["memory_method"] = _memory_method_text()
 

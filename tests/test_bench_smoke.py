@@ -67,7 +67,22 @@ def test_quick_run_writes_every_section(tmp_path):
             assert pair["fp32"]["same_tokens"] and pair["fp32"]["steps"] == 8, pair
             assert pair["fp32"]["first_step_logits_relative_difference"] < 1e-5, pair
 
+    for entry in report["dsa_layer_decode"]:
+        steady = entry["steadiness"]
+        assert 2 <= steady["batches"] <= steady["max_batches"] or not steady["criterion_met"]
+        assert set(steady["pair_ratios"]) == {"ours_dense", "DeepseekV32"} and entry["speedup_vs_DeepseekV32"] > 0
+    for entry in report["model_decode"]:
+        for pair in entry["pairs"].values():
+            assert pair["steadiness"]["batches"] >= 1 and pair["speedup_of_minima"] > 0
+
     assert report["prefill"]["context"] == 128
+    assert set(report["prefill"]["pairs"]) == set(FAMILIES)
+    for family, pair in report["prefill"]["pairs"].items():
+        assert pair["speedup"] > 0 and pair["steadiness"]["reference"] == f"KDSA:{family}"
+    whole = report["whole_step"]
+    assert whole["context"] == 256 and whole["eager_paged_s"] > 0 and whole["compiled_static_s"] > 0
+    calls = {name: profile["aten_calls_per_step"] for name, profile in whole["op_profile"].items()}
+    assert 0 < calls["compiled_static"] < calls["eager_static"] and calls["eager_paged"] > 0
     for name in MODELS:
         result = report["prefill"]["models"][name]
         assert result.get("skipped") or result["median_s"] > 0, name
@@ -112,6 +127,40 @@ def test_same_weight_pair_decodes_alike_from_filled_caches(family, tmp_path):
             token = reference.argmax(-1, keepdim=True)
 
 
+def test_interleaved_timing_stops_when_the_ratio_is_steady(monkeypatch):
+    """`time_interleaved` on a fake clock: a constant 2:1 ratio stops after two batches with the 10 % criterion met;
+    a ratio that alternates between batches (1, 3, 1, ...) runs to the cap and says the criterion was not met; a
+    ratio that jumps once and then holds stops when two batches agree. The steps run A B A B."""
+    bench = load_bench()
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    calls = []
+
+    def step(name, cost):
+        def run():
+            calls.append(name)
+            clock[0] += cost(calls.count(name))  # cost of the n-th call
+
+        return run
+
+    _, steady = bench.time_interleaved({"a": step("a", lambda n: 1.0), "b": step("b", lambda n: 2.0)}, 1, 3, 5)
+    assert steady["batches"] == 2 and steady["criterion_met"] and steady["last_change"] == 0.0
+    assert steady["pair_ratios"]["b"]["median"] == 2.0 and steady["ratio_per_batch"] == [{"b": 2.0}] * 2
+    assert calls[:4] == ["a", "b", "a", "b"]
+
+    def alternating(n):
+        return 1.0 if (n - 1) // 3 % 2 == 0 else 3.0  # calls 1-3 cost 1, 4-6 cost 3, 7-9 cost 1, ...
+
+    calls.clear()
+    results, steady = bench.time_interleaved({"a": step("a", lambda n: 1.0), "b": step("b", alternating)}, 0, 3, 4)
+    assert steady["batches"] == 4 and not steady["criterion_met"]
+    assert results["b"]["min_s"] == 1.0 and len(results["b"]["times_s"]) == 12
+    calls.clear()
+    jump_once = step("b", lambda n: 1.0 if n <= 3 else 2.0)
+    _, steady = bench.time_interleaved({"a": step("a", lambda n: 1.0), "b": jump_once}, 0, 3, 5)
+    assert steady["batches"] == 3 and steady["criterion_met"]
+
+
 def test_bytes_per_decode_step_formula():
     bench = load_bench()
     layers = [
@@ -148,6 +197,22 @@ def test_speculative_bench_quick_run(tmp_path):
         else:
             assert 0.0 <= row["acceptance_rate"] <= 1.0
             assert row["rollback_bytes_per_pending_token"] > 0
+
+
+def test_prefill_bench_runs_and_times_every_module_kind(tmp_path):
+    """scripts/bench_prefill.py on 64 tokens (a subprocess: it wraps the module classes' forwards with timers): JSON
+    with positive wall and CPU times and a timer for every module kind and KDA kernel of this checkout."""
+    out = tmp_path / "prefill.json"
+    script = SCRIPT.with_name("bench_prefill.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, str(script), "--tokens", "64", "--threads", "1", "--out", str(out)],
+                            env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["tokens"] == 64 and report["wall_s"] > 0 and report["cpu_s"] > 0
+    assert report["package"] == str(SCRIPT.parent.parent)
+    expected = {"KDA layers", "DSA layers", "MoE", "dense MLP and shared experts", "kernel chunk_kda", "kernel l2norm"}
+    assert expected <= set(report["module_wall_s"]) and all(t > 0 for t in report["module_wall_s"].values())
 
 
 @pytest.mark.slow

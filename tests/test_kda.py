@@ -103,6 +103,20 @@ def test_chunk_equals_recurrent_bf16_inputs(seq_len):
     torch.testing.assert_close(s_chunk, s_rec, atol=2e-5, rtol=1e-5)
 
 
+def test_chunk_gradients_equal_recurrent_gradients():
+    """Training backpropagates through chunk_kda: every input's gradient equals the recurrent kernel's (fp32
+    rounding). Guards the in-place temporaries of the intra-chunk products (autograd keeps exp's output)."""
+    inputs = [x.requires_grad_() for x in kda_inputs(seq_len=40, seed=3)]
+    probe = torch.randn(2, 40, 2, 32, generator=torch.Generator().manual_seed(4))
+    grads = []
+    for kernel in (chunk_kda, recurrent_kda):
+        o, s = kernel(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+        grads.append(torch.autograd.grad((o * probe).sum() + s.sum(), inputs))
+    for name, chunked, recurrent in zip("q k v g beta state".split(), *grads, strict=True):
+        assert chunked.abs().max() > 0, name
+        torch.testing.assert_close(chunked, recurrent, atol=1e-4, rtol=1e-4, msg=name)
+
+
 def test_chunk_sizes_and_strong_gates_agree():
     """Decays as strong as exp(-30) per step (the unbounded Kimi gate) must not overflow the chunked form, whose
     naive version would need exp(+30·64)."""
@@ -127,7 +141,7 @@ def test_ops_reject_bad_shapes():
         with pytest.raises(ValueError, match="initial_state must be"):
             kernel(q, k, v, g, beta, initial_state=state[:, :, :3])
     with pytest.raises(ValueError, match="chunk_size"):
-        chunk_kda(q, k, v, g, beta, chunk_size=24)
+        chunk_kda(q, k, v, g, beta, chunk_size=20)
     with pytest.raises(ValueError, match="A_log"):
         kda_gate(torch.zeros(1, 2, 3, 4), torch.zeros(2), torch.zeros(12))
 

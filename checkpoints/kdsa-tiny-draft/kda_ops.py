@@ -122,21 +122,24 @@ def recurrent_kda(
         state = q.new_zeros(batch_size, num_heads, head_k_dim, head_v_dim)
     else:
         state = initial_state.float()
+    # Shaped once for the per-step products over all heads (rows [.., 1, K], columns [.., K, 1]), so that a step
+    # (a decode step: T = 1) is a handful of batched ops.
+    k_rows, k_cols, q_rows = k.unsqueeze(-2), k.unsqueeze(-1), q.unsqueeze(-2)  # [B, T, H, 1, K] / [B, T, H, K, 1]
+    decay, v, beta = decay.unsqueeze(-1), v.unsqueeze(-2), beta[..., None, None]  # [B,T,H,K,1], [B,T,H,1,V], [..,1,1]
     outputs = []
     for t in range(seq_len):
-        k_t = k[:, t].unsqueeze(-1)  # [B, H, K, 1]
-        state = state * decay[:, t].unsqueeze(-1)
+        state = state * decay[:, t]
         # Delta rule: move the state's prediction for k_t (kᵀS) a fraction beta towards v_t.
-        predicted = (k_t.transpose(-1, -2) @ state).squeeze(-2)  # [B, H, V]
-        delta = beta[:, t].unsqueeze(-1) * (v[:, t] - predicted)
-        state = state + k_t * delta.unsqueeze(-2)
-        outputs.append((q[:, t].unsqueeze(-2) @ state).squeeze(-2))
-    o = torch.stack(outputs, dim=1).to(out_dtype)
+        delta = beta[:, t] * (v[:, t] - k_rows[:, t] @ state)  # [B, H, 1, V]
+        state = state + k_cols[:, t] * delta
+        outputs.append(q_rows[:, t] @ state)  # [B, H, 1, V]
+    o = torch.cat(outputs, dim=-2).transpose(1, 2).to(out_dtype)
     return o, (state if output_final_state else None)
 
 
-# Secondary chunking inside a chunk: pairwise decays only within 16-token sub-chunks, matmuls across them.
-SUB_CHUNK_SIZE = 16
+# Secondary chunking inside a chunk: pairwise decays only within 8-token sub-chunks, matmuls across them. 8 rather
+# than 16 halves the pairwise `[SUB, SUB, K]` work, which dominated the prefill, for a few more small matmuls.
+SUB_CHUNK_SIZE = 8
 
 
 def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, cum_g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,35 +151,34 @@ def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, cum_g: torch.Tensor) -
     Each exponent must stay <= 0 (a positive one overflows fp32 for strong gates). Inside a sub-chunk the pairwise
     differences are masked above the diagonal before `exp`. Across sub-chunks the decay is split at the anchor `r`,
     the first position of the row's sub-chunk: `exp(G_i − G_j) = exp(G_i − G_r) · exp(G_r − G_j)` with j < r <= i,
-    so both factors are <= 1 and the block is a plain matmul.
+    so both factors are <= 1 and the block is a plain matmul. q and k are stacked as the two rows `x` of one product;
+    masking and exp run in place on fresh temporaries (several MiB per chunk), never on a tensor autograd keeps.
     """
     batch_size, num_heads, chunk_size, head_k_dim = k.shape
     num_sub = chunk_size // SUB_CHUNK_SIZE
     sub_shape = (batch_size, num_heads, num_sub, SUB_CHUNK_SIZE, head_k_dim)
-    q_sub, k_sub, g_sub = q.reshape(sub_shape), k.reshape(sub_shape), cum_g.reshape(sub_shape)
+    k_sub, g_sub = k.reshape(sub_shape), cum_g.reshape(sub_shape)
+    x_sub = torch.stack([q.reshape(sub_shape), k_sub], dim=3)  # [B, H, NS, 2, SUB, K]: rows of A_qk and A_kk
     anchor = g_sub[..., :1, :]  # [B, H, NS, 1, K]
 
     # Blocks left of the diagonal: rows of sub-chunk a against every column j of an earlier sub-chunk.
     positions = torch.arange(chunk_size, device=k.device)
     earlier = positions.unsqueeze(0) < positions[::SUB_CHUNK_SIZE].unsqueeze(1)  # [NS, C]: j before sub-chunk a
-    right = (anchor - cum_g.unsqueeze(2)).masked_fill(~earlier.unsqueeze(-1), float("-inf")).exp()  # [B,H,NS,C,K]
-    k_right = (k.unsqueeze(2) * right).transpose(-1, -2)  # [B, H, NS, K, C]
-    left = (g_sub - anchor).exp()
-    A_qk = (q_sub * left) @ k_right  # [B, H, NS, SUB, C], zero on and right of the diagonal block
-    A_kk = (k_sub * left) @ k_right
+    right = (anchor - cum_g.unsqueeze(2)).masked_fill_(~earlier.unsqueeze(-1), float("-inf")).exp_()  # [B,H,NS,C,K]
+    k_right = (right * k.unsqueeze(2)).transpose(-1, -2).unsqueeze(3)  # [B, H, NS, 1, K, C]
+    scores = x_sub.mul((g_sub - anchor).exp_().unsqueeze(3)) @ k_right  # [B, H, NS, 2, SUB, C], 0 from the diagonal
 
-    # Diagonal blocks: pairwise decays [B, H, NS, SUB(i), SUB(j), K], causal (diagonal included).
+    # Diagonal blocks: pairwise decays [B, H, NS, SUB(i), SUB(j), K], causal (diagonal included), times k_j, then
+    # contracted with x_i over K as one batched matmul per row i.
     causal = torch.ones(SUB_CHUNK_SIZE, SUB_CHUNK_SIZE, dtype=torch.bool, device=k.device).tril()
-    diff = g_sub.unsqueeze(-2) - g_sub.unsqueeze(-3)
-    k_decayed = diff.masked_fill(~causal.unsqueeze(-1), float("-inf")).exp() * k_sub.unsqueeze(-3)
-    qk_diag = (k_decayed * q_sub.unsqueeze(-2)).sum(-1)  # [B, H, NS, SUB, SUB]
-    kk_diag = (k_decayed * k_sub.unsqueeze(-2)).sum(-1)
-    for a in range(num_sub):
-        block = slice(a * SUB_CHUNK_SIZE, (a + 1) * SUB_CHUNK_SIZE)
-        A_qk[:, :, a, :, block] = qk_diag[:, :, a]
-        A_kk[:, :, a, :, block] = kk_diag[:, :, a]
-    full_shape = (batch_size, num_heads, chunk_size, chunk_size)
-    return A_qk.reshape(full_shape), A_kk.reshape(full_shape)
+    k_decayed = (g_sub.unsqueeze(-2) - g_sub.unsqueeze(-3)).masked_fill_(~causal.unsqueeze(-1), float("-inf"))
+    k_decayed = k_decayed.exp_() * k_sub.unsqueeze(-3)  # not in place: autograd keeps exp's output
+    diagonal = k_decayed @ x_sub.permute(0, 1, 2, 4, 5, 3)  # [B, H, NS, SUB(i), SUB(j), 2]
+    blocks = scores.view(batch_size, num_heads, num_sub, 2, SUB_CHUNK_SIZE, num_sub, SUB_CHUNK_SIZE)
+    sub = torch.arange(num_sub, device=k.device)
+    blocks[:, :, sub, :, :, sub] = diagonal.permute(2, 0, 1, 5, 3, 4)  # [NS, B, H, 2, SUB(i), SUB(j)]
+    scores = scores.transpose(2, 3).reshape(batch_size, num_heads, 2, chunk_size, chunk_size)
+    return scores[:, :, 0], scores[:, :, 1]
 
 
 def chunk_kda(
@@ -188,11 +190,13 @@ def chunk_kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunk-parallel KDA in the WY/UT form (docs/kda.md §5), the prefill path. Same contract as
     `recurrent_kda`; any T (the last chunk is padded with identity steps: k = v = 0, beta = 0, g = 0).
-    chunk_size must be a multiple of 16 (the sub-chunk size of `_intra_chunk_scores`).
+    The default of 32 tokens per chunk is the fastest on CPU (docs/kda.md §5: the triangular solve and the
+    cross-sub-chunk factors grow with the chunk, the per-chunk state update shrinks).
+    chunk_size must be a multiple of `SUB_CHUNK_SIZE` (8, the sub-chunk size of `_intra_chunk_scores`).
 
     Per chunk, with `G` the chunk-local cumulative log decay and `S0` the state entering the chunk, the corrected
     values `U` (what each token writes into the state) solve the unit lower-triangular system
