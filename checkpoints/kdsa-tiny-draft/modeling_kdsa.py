@@ -192,6 +192,10 @@ class KDSADecoderLayer(GradientCheckpointingLayer):
         # Compiling a step on a static cache: the sublayers run as compile regions, so that inductor compiles each
         # distinct body once, not once per layer (docs/graph-mode.md §8).
         regions = torch.compiler.is_compiling() and isinstance(cache, KDSAStaticCache) and sequence_parallel is None
+        if regions:
+            # A region's traced body is reused for the next layer only if the inputs' strides match; a stream may hand
+            # out a strided view (Block AttnRes: a slice of the block statistics).
+            layer_input = layer_input.contiguous()
         if self.layer_type == KDA_LAYER:
             # KDA only needs to know which of the current tokens are padding.
             current_mask = token_mask
@@ -228,7 +232,7 @@ class KDSADecoderLayer(GradientCheckpointingLayer):
             hidden_states = self.post_attention_layernorm(stream.input_for(mlp_idx))
             mlp_output, router_logits = self.mlp(hidden_states, output_router_logits=True)
         elif regions:
-            mlp_output = _feed_forward_sublayer(self, stream.input_for(mlp_idx))
+            mlp_output = _feed_forward_sublayer(self, stream.input_for(mlp_idx).contiguous())
         else:
             mlp_output = self.mlp(self.post_attention_layernorm(stream.input_for(mlp_idx)))
         stream.add_output(mlp_idx, mlp_output)
