@@ -222,6 +222,18 @@ def test_model_refuses_what_a_sequence_parallel_forward_cannot_take():
         model.model(ids[:, :9], sequence_parallel=context)
 
 
+def test_causal_lm_refuses_sequence_parallel():
+    """`KDSAForCausalLM.forward` takes `**kwargs`: a `sequence_parallel` context passed there must raise, not be
+    swallowed (the local share, padding slot included, would run as a whole sequence of its own)."""
+    from modeling_kdsa.parallel import MeshSequenceContext, PrefillStats
+
+    model = tiny_model()
+    context = MeshSequenceContext(single_process_mesh(), SequenceLayout(9, 1), PrefillStats())
+    ids = torch.randint(3, 128, (1, context.positions.numel()), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="KDSAForCausalLM.forward takes no sequence_parallel"):
+        model(ids, sequence_parallel=context)
+
+
 def test_cp_path_refuses_router_logits():
     model = tiny_model(output_router_logits=True)
     with pytest.raises(ValueError, match="output_router_logits"):
