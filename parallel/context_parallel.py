@@ -142,6 +142,15 @@ class MeshSequenceContext(SequenceParallelContext):
     def query_segments(self) -> list[QuerySegment]:
         return [QuerySegment(s.start, s.num_real, self.layout.chunk_len - s.num_real) for s in self.segments]
 
+    def _refuse_autograd(self, *tensors: torch.Tensor) -> None:
+        """The cp collectives (torch.distributed) pass no gradients: a forward that records autograd over cp > 1
+        ranks would give gradients without the other ranks' contributions, silently."""
+        if self.mesh.cp_size > 1 and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            raise ValueError(
+                "MeshSequenceContext supports no autograd (training) over cp > 1 ranks: its collectives pass no "
+                "gradients; run the forward under torch.no_grad() (context_parallel_prefill does)"
+            )
+
     def _values_at_positions(self, x: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
         """`x[..., p]` for the original positions `wanted` `[N]`, wherever they live: `x` `[B, C, L]` holds this
         rank's tokens. Each rank writes the positions it holds into a zero buffer and the buffers are summed over cp
@@ -158,6 +167,7 @@ class MeshSequenceContext(SequenceParallelContext):
     def short_conv(self, x, weight, keep_window):
         """Halo: the `W−1` inputs before every chunk start (and with `keep_window` the last `W` inputs), one
         all-reduce; then each segment's conv continues from its halo."""
+        self._refuse_autograd(x, weight)
         width = weight.shape[-1]
         halo_offsets = torch.arange(-(width - 1), 0)
         wanted = [self.layout.chunk_start(chunk) + halo_offsets for chunk in range(self.layout.num_chunks)]
@@ -175,6 +185,7 @@ class MeshSequenceContext(SequenceParallelContext):
         """State passing (docs/parallel.md §3): an affine summary of each local segment (one `kda_chunk` pass each),
         one all-gather of all `2·cp` summaries, the prefix fold in fp32, then each segment's outputs from its start
         state."""
+        self._refuse_autograd(q, k, v, g, beta)
         chunk_len, head_k_dim = self.layout.chunk_len, k.shape[-1]
         summaries = []
         for segment in self.segments:
@@ -194,6 +205,7 @@ class MeshSequenceContext(SequenceParallelContext):
 
     def gather_sequence(self, parts, name):
         """One all-gather over cp of the parts side by side (in the first part's dtype), put back in sequence order."""
+        self._refuse_autograd(*parts)
         widths = [part.shape[-1] for part in parts]
         local = torch.cat([part.to(parts[0].dtype) for part in parts], dim=-1)
         gathered = self.layout.unshard(torch.cat(self.mesh.all_gather(local, "cp", f"cp.{name}"), dim=1))

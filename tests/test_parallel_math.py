@@ -222,6 +222,18 @@ def test_model_refuses_what_a_sequence_parallel_forward_cannot_take():
         model.model(ids[:, :9], sequence_parallel=context)
 
 
+def test_causal_lm_refuses_sequence_parallel():
+    """`KDSAForCausalLM.forward` takes `**kwargs`: a `sequence_parallel` context passed there must raise, not be
+    swallowed (the local share, padding slot included, would run as a whole sequence of its own)."""
+    from modeling_kdsa.parallel import MeshSequenceContext, PrefillStats
+
+    model = tiny_model()
+    context = MeshSequenceContext(single_process_mesh(), SequenceLayout(9, 1), PrefillStats())
+    ids = torch.randint(3, 128, (1, context.positions.numel()), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="KDSAForCausalLM.forward takes no sequence_parallel"):
+        model(ids, sequence_parallel=context)
+
+
 def test_cp_path_refuses_router_logits():
     model = tiny_model(output_router_logits=True)
     with pytest.raises(ValueError, match="output_router_logits"):
@@ -435,6 +447,7 @@ def _layer_under_cp(cp: int, layout: str, x: torch.Tensor, run_local) -> torch.T
 
     sequence = SequenceLayout(x.shape[1], cp, layout)
 
+    @torch.no_grad()  # grad mode is per thread: the caller's no_grad does not reach the rank threads
     def rank(mesh):
         context = MeshSequenceContext(mesh, sequence, PrefillStats())
         return run_local(context, sequence.shard(x, mesh.cp_rank))
@@ -483,3 +496,25 @@ def test_dsa_layer_under_cp_matches_transformers_deepseek_v32(layout):
         return ours(local_x, rope_for(config, local_x, positions), sequence_parallel=context)
 
     assert max_rel_err(_layer_under_cp(2, layout, x, run_local), expected) < 1e-5
+
+
+def test_mesh_context_refuses_autograd_over_cp_ranks():
+    """The cp collectives pass no gradients, so a forward recording autograd over cp > 1 ranks would train on
+    gradients that miss the other ranks' terms: each hook that communicates raises before its collective."""
+    from modeling_kdsa.parallel import MeshSequenceContext, PrefillStats
+
+    mesh = _ThreadMesh(2, 1, 0, 0, _Exchange(2), None, torch.device("cpu"))
+    context = MeshSequenceContext(mesh, SequenceLayout(8, 2), PrefillStats())
+    local = context.positions.numel()
+    weight = torch.randn(6, 1, 4, requires_grad=True)
+    q, k = (l2norm(torch.randn(1, local, 2, 4)).requires_grad_() for _ in range(2))
+    v, g, beta = torch.randn(1, local, 2, 4), -torch.rand(1, local, 2, 4), torch.rand(1, local, 2)
+    hooks = {
+        "short_conv": lambda: context.short_conv(torch.randn(1, 6, local), weight, keep_window=False),
+        "kda_recurrence": lambda: context.kda_recurrence(q, k, v, g, beta, kda_chunk=None),
+        "gather_sequence": lambda: context.gather_sequence([torch.randn(1, local, 3, requires_grad=True)], "x"),
+    }
+    mesh.cp_group.barrier.abort()  # a collective reached (no second rank runs) fails at once
+    for call in hooks.values():
+        with pytest.raises(ValueError, match="supports no autograd"):
+            call()

@@ -783,6 +783,13 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         """transformers' MoE causal-LM forward. With `output_router_logits` (default `config.output_router_logits`):
         `router_logits` per MoE layer and `aux_loss`, the load-balancing loss over the current tokens (padding left
         out), added to `loss` times `config.router_aux_loss_coef` when `labels` are given (docs/design.md §9)."""
+        if kwargs.get("sequence_parallel") is not None:
+            # `**kwargs` would swallow it and run the local share as if it were the whole sequence.
+            raise ValueError(
+                "KDSAForCausalLM.forward takes no sequence_parallel (its labels, loss and logits assume the whole "
+                "sequence): run a context-parallel prefill with parallel.context_parallel_prefill, or call "
+                "KDSAModel.forward(..., sequence_parallel=) (docs/parallel.md §7)"
+            )
         output_router_logits = (
             self.config.output_router_logits if output_router_logits is None else output_router_logits
         )
