@@ -7,7 +7,8 @@ natural-log decay, fp32 state `[B, H, K, V]`, `o` in v's dtype) to the device ke
   `[N, H, K, V]` (fp32; `chunk_kda` asserts it), same default scale. Every in-kernel preprocessing is switched off
   (`use_qk_l2norm_in_kernel`, `use_gate_in_kernel`, `use_beta_sigmoid_in_kernel`), because the layer has applied
   each already. Inputs go in fp32, the dtype our kernels compute in (fla's own layer feeds bf16 q, k, v), so this
-  backend's KDA differs from the torch kernels by summation order, not by rounding.
+  backend's KDA differs from the torch kernels by summation order, not by rounding. `chunk_kda` asserts K <= 256;
+  the adapter refuses a wider key head with a ValueError instead.
 - Ascend (`kernel_backend="npu"`): decode through `torch_npu.npu_recurrent_gated_delta_rule` (Ascend/op-plugin
   `docs/zh/custom_APIs/torch_npu/torch_npu-npu_recurrent_gated_delta_rule.md`, op-plugin 7.3.0 and later): tokens
   flattened to TND `[T, N, D]`; per-key decay `gk = g` (`[T, Nv, Dk]` fp32, the op's decay is `exp(gk)`); state
@@ -57,8 +58,16 @@ def _fla_call(which: int, q, k, v, g, beta, scale, initial_state, output_final_s
     return o.to(v.dtype), (final_state.float() if output_final_state else None)
 
 
+FLA_CHUNK_MAX_HEAD_DIM = 256  # fla's chunk_kda asserts K <= 256
+
+
 def fla_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
-    """`kda_ops.chunk_kda`'s contract on fla's Triton `chunk_kda`."""
+    """`kda_ops.chunk_kda`'s contract on fla's Triton `chunk_kda`; ValueError for a key head dim it does not take."""
+    if q.dim() == 4 and q.shape[-1] > FLA_CHUNK_MAX_HEAD_DIM:
+        raise ValueError(
+            f"kernel_backend='triton': fla's chunk_kda takes linear_head_dim <= {FLA_CHUNK_MAX_HEAD_DIM}, got "
+            f"{q.shape[-1]}"
+        )
     return _fla_call(0, q, k, v, g, beta, scale, initial_state, output_final_state)
 
 

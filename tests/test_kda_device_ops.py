@@ -90,6 +90,14 @@ def test_fla_adapters_check_shapes_and_need_fla(monkeypatch):
         kda_device_ops.require_fla()
 
 
+def test_fla_chunk_adapter_refuses_a_key_head_dim_fla_asserts_on(fla_naive):
+    q, k, v, g, beta, _ = kda_case(3, seed=0)
+    wide = [torch.cat([x] * 9, dim=-1) for x in (q, k, g)]  # K = 288, past fla's chunk_kda limit
+    assert wide[0].shape[-1] > kda_device_ops.FLA_CHUNK_MAX_HEAD_DIM
+    with pytest.raises(ValueError, match="linear_head_dim <= 256"):
+        kda_device_ops.fla_chunk_kda(wide[0], wide[1], v, wide[2], beta)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The fake recurrent gated delta rule follows its doc
 
