@@ -2,9 +2,9 @@
 
 What it measures, at each context (default 4k, 16k, 64k; batch 1; bf16; `torch.inference_mode()`). Every
 comparison interleaves its two (or three) sides step by step, A B A B ..., in batches of `--repeats` rounds, and
-takes more batches until each ratio of medians moves by at most 10 % between consecutive batches (at most
-`--max-batches`; prefill: `--prefill-max-batches`); the JSON holds min and median times, the batches run, whether
-the 10 % criterion was met and the spread of the pair-by-pair ratios (`steadiness`):
+takes more batches until each batch's ratio (the median of its pair-by-pair ratios) moves by at most 10 % from the
+previous batch's (at most `--max-batches`; prefill: `--prefill-max-batches`); the JSON holds min and median times,
+the batches run, whether the 10 % criterion was met and the spread of the pair-by-pair ratios (`steadiness`):
   1. one DSA layer's decode step: ours (index_topk 512), ours dense (index_topk >= context, same weights) and
      transformers' `DeepseekV32Attention` with the same dims and weights (eager, its own cache);
   2. whole-model decode step (tokens/s): KDSA at its benchmark shape (KDSAConfig defaults), and two same-weight

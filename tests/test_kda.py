@@ -123,7 +123,7 @@ def test_chunk_sizes_and_strong_gates_agree():
     q, k, v, g, beta, state = kda_inputs(seq_len=150, gate_scale=15.0)
     assert g.min() < -25
     o_rec, s_rec = recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True)
-    for chunk_size in (16, 64):
+    for chunk_size in (16, 32, 64):
         o, s = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=True, chunk_size=chunk_size)
         assert torch.isfinite(o).all() and torch.isfinite(s).all()
         # fp32, rounding only.

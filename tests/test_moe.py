@@ -119,6 +119,25 @@ def test_experts_without_tokens_and_single_token():
         assert_close_to_scale(moe(hidden), naive_moe_forward(moe, hidden), rel=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_path_is_bit_identical_to_the_grouped_path(dtype):
+    """A single token (batch-1 decode) skips the sort / count / scatter, and must give the grouped path's bits: the
+    same one-row GEMV per expert, summed in fp32 in expert order. Two tokens on disjoint experts make the grouped path
+    run the same one-row GEMVs, so each token's row must equal the one-token path's output exactly."""
+    config = make_config(n_routed_experts=64, num_experts_per_tok=4)
+    experts = make_moe(config, seed=7).experts.to(dtype)
+    generator = torch.Generator().manual_seed(8)
+    for _ in range(10):
+        hidden = torch.randn(2, HIDDEN, generator=generator).to(dtype)
+        indices = torch.randperm(64, generator=generator)[:8].reshape(2, 4)  # disjoint, in no particular order
+        weights = torch.rand(2, 4, generator=generator).to(dtype)
+        with torch.no_grad():
+            grouped = experts(hidden, indices, weights)
+            for row in range(2):
+                alone = experts(hidden[row : row + 1], indices[row : row + 1], weights[row : row + 1])
+                assert torch.equal(alone[0], grouped[row]), (row, indices[row])
+
+
 def routed_case(norm_topk_prob: bool, routed_scaling_factor: float):
     """A router over 8 experts with a bias large enough to change many choices; returns the router, the inputs,
     the unbiased scores and the router's output."""
