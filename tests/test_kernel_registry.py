@@ -242,6 +242,10 @@ def test_static_kpool_indexer_topk(kernels, select_tail):
     store = StaticKPoolLayer(capacity, kv_width=8, index_width=INDEX_DIM, kernel_backend=kernels.name, page_size=64,
                              index_kpool=kpool)  # fmt: skip
     rows = torch.randn(3, capacity, 2 * INDEX_DIM, generator=generator)
+    if kernels.kpool_indexer_topk is None:  # a backend without the k-pool indexer refuses the store at its first write
+        with pytest.raises(ValueError, match="does not implement the kpool_indexer_topk kernel"):
+            store.append(torch.zeros(3, 97, 8), rows[:, :97], torch.ones(3, capacity, dtype=torch.bool), ape)
+        return
     q_index = torch.randn(3, 40, 8, INDEX_DIM, generator=generator)
     weights = torch.randn(3, 40, 8, generator=generator)
     for start, num_keys in ((0, 97), (97, 98), (98, capacity)):
