@@ -7,7 +7,8 @@ natural-log decay, fp32 state `[B, H, K, V]`, `o` in v's dtype) to the device ke
   `[N, H, K, V]` (fp32; `chunk_kda` asserts it), same default scale. Every in-kernel preprocessing is switched off
   (`use_qk_l2norm_in_kernel`, `use_gate_in_kernel`, `use_beta_sigmoid_in_kernel`), because the layer has applied
   each already. Inputs go in fp32, the dtype our kernels compute in (fla's own layer feeds bf16 q, k, v), so this
-  backend's KDA differs from the torch kernels by summation order, not by rounding. `chunk_kda` asserts K <= 256;
+  backend's KDA should differ from the torch kernels by summation order, plus TF32 rounding wherever fla's fp32 dots
+  run in TF32 on the GPU (not measured, docs/backends.md §4). `chunk_kda` asserts K <= 256;
   the adapter refuses a wider key head with a ValueError instead.
 - Ascend (`kernel_backend="npu"`): decode through `torch_npu.npu_recurrent_gated_delta_rule` (Ascend/op-plugin
   `docs/zh/custom_APIs/torch_npu/torch_npu-npu_recurrent_gated_delta_rule.md`, op-plugin 7.3.0 and later): tokens
