@@ -37,7 +37,7 @@ from .norms import KDSARMSNorm
 from .numeric_formats import mxfp4_quantize
 from .rotary import KDSARotaryEmbedding
 from .sequence_parallel import SequenceParallelContext
-from .static_cache import KDSAStaticCache, StaticKDALayer
+from .static_cache import KDSAStaticCache, StaticKDALayer, append_conv_window
 from .stop_strings import VocabularyProbeStopStringCriteria, stop_string_probe
 
 logger = logging.get_logger(__name__)
@@ -82,9 +82,7 @@ class _KDAStateView:
         return self.recurrent_state
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, **kwargs) -> None:
-        width = self.conv_state.shape[-1]
-        window = torch.cat([self.conv_state, conv_states.to(self.conv_state.dtype)], dim=-1)[..., -width:]
-        self.conv_state.copy_(window)
+        append_conv_window(self.conv_state, conv_states)
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int) -> None:
         self.recurrent_state.copy_(recurrent_states)

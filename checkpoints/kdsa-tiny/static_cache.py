@@ -59,6 +59,12 @@ def _mark_static(tensor: torch.Tensor) -> None:
 # Layers
 
 
+def append_conv_window(conv_state: torch.Tensor, columns: torch.Tensor) -> None:
+    """Slide the conv window `[B, C, W]` in place over the new pre-conv columns `[B, C, T]` (fixed address)."""
+    width = conv_state.shape[-1]
+    conv_state.copy_(torch.cat([conv_state, columns.to(conv_state.dtype)], dim=-1)[..., -width:])
+
+
 class StaticKDALayer(KDAReplayLayer):
     """KDA layer state at fixed addresses: allocated by the first (eager) write, then updated with `copy_`.
     No rollback records (`rollback_tokens = 0`): `crop` raises."""
@@ -81,8 +87,7 @@ class StaticKDALayer(KDAReplayLayer):
             self.conv_states[0] = conv_states.new_zeros(*conv_states.shape[:-1], width)
             _mark_static(self.conv_states[0])
             self.is_conv_states_initialized[0] = True
-        window = torch.cat([self.conv_states[0], conv_states.to(self.conv_states[0].dtype)], dim=-1)[..., -width:]
-        self.conv_states[0].copy_(window)
+        append_conv_window(self.conv_states[0], conv_states)
         self.has_previous_state[0] = True
         return self.conv_states[0]
 
