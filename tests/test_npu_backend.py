@@ -521,15 +521,21 @@ SHARED_INDEXER = dict(
 )
 
 
-@pytest.mark.parametrize("layers", [{}, SHARED_INDEXER], ids=["dsa+dense", "shared-indexer"])
-def test_generate_over_the_npu_ops_equals_cpu(npu_dsa_ops, layers):
-    """Left-padded batch of 2, prompts longer than index_topk (really sparse) and than a 64-token page, greedy. A
-    shared-indexer DSA layer (docs/dsa.md §10) reads its predecessor's selection through the npu sparse attention."""
-    generator = torch.Generator().manual_seed(0)
+def left_padded_prompt(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of 2 prompts of 70 tokens (longer than index_topk and a 64-token page), the second left-padded by 6."""
+    generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, 128, (2, 70), generator=generator)
     attention_mask = torch.ones_like(prompt)
     attention_mask[1, :6] = 0
     prompt[1, :6] = 0
+    return prompt, attention_mask
+
+
+@pytest.mark.parametrize("layers", [{}, SHARED_INDEXER], ids=["dsa+dense", "shared-indexer"])
+def test_generate_over_the_npu_ops_equals_cpu(npu_dsa_ops, layers):
+    """Left-padded batch of 2, prompts longer than index_topk (really sparse) and than a 64-token page, greedy. A
+    shared-indexer DSA layer (docs/dsa.md §10) reads its predecessor's selection through the npu sparse attention."""
+    prompt, attention_mask = left_padded_prompt()
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     outputs = {}
     for backend in ("npu", "cpu"):
@@ -547,11 +553,7 @@ def test_generate_over_the_npu_ops_equals_cpu(npu_dsa_ops, layers):
 def test_generate_with_the_fp8_cache_over_the_npu_ops_equals_cpu(npu_dsa_ops):
     """kv_cache="fp8": the DSA and dense-MLA layers read their packed FP8 pages through the KV-quant attention op;
     left-padded greedy generate equals the cpu backend's on the same FP8 cache."""
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, 128, (2, 70), generator=generator)
-    attention_mask = torch.ones_like(prompt)
-    attention_mask[1, :6] = 0
-    prompt[1, :6] = 0
+    prompt, attention_mask = left_padded_prompt()
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     outputs = {}
     for backend in ("npu", "cpu"):
