@@ -4,8 +4,9 @@ every forward dequantizes the weight to the activation dtype before the matmul (
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .linear import linear
 
 
 def check_tile_grid(values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
@@ -46,21 +47,21 @@ class KDSAFP8Linear(nn.Module):
         self.bias = bias
 
     @classmethod
-    def like(cls, linear: nn.Module, block: tuple[int, int]) -> "KDSAFP8Linear":
-        """An uninitialised FP8 layer of `linear`'s shape, for the checkpoint's values and scales to load into."""
-        if type(linear) is not nn.Linear:
-            raise ValueError(f"only nn.Linear layers can hold FP8 weights, got a {type(linear).__name__}")
-        rows, cols = linear.weight.shape
-        device = linear.weight.device
+    def like(cls, layer: nn.Module, block: tuple[int, int]) -> "KDSAFP8Linear":
+        """An uninitialised FP8 layer of `layer`'s shape, for the checkpoint's values and scales to load into."""
+        if not isinstance(layer, nn.Linear):
+            raise ValueError(f"only nn.Linear layers can hold FP8 weights, got a {type(layer).__name__}")
+        rows, cols = layer.weight.shape
+        device = layer.weight.device
         values = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=device)
         scale_inv = torch.empty(-(-rows // block[0]), -(-cols // block[1]), dtype=torch.float32, device=device)
-        return cls(values, scale_inv, block, linear.bias)
+        return cls(values, scale_inv, block, layer.bias)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_tiles(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.dequantized_weight(hidden_states.dtype), self.bias)
+        return linear(hidden_states, self.dequantized_weight(hidden_states.dtype), self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block={self.block}"

@@ -32,6 +32,7 @@ from .dsa import KDSAIndexer, KDSAMultiLatentAttention, KDSASparseAttention
 from .fp8_linear import KDSAFP8Linear
 from .hyper_connections import HyperConnectionStream, KDSAHyperConnection
 from .kda import KDSAKimiDeltaAttention
+from .linear import KDSALinear
 from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter, load_balancing_loss
 from .norms import KDSARMSNorm
 from .numeric_formats import mxfp4_quantize
@@ -621,7 +622,7 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = KDSAModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = KDSALinear(config.hidden_size, config.vocab_size, bias=False)
         for name, block in self._fp8_held_layers.items():  # set only while an FP8 folder loads (conversion.py)
             self.set_submodule(name, KDSAFP8Linear.like(self.get_submodule(name), block))
         self.post_init()

@@ -79,10 +79,16 @@ def test_quick_run_writes_every_section(tmp_path):
     assert set(report["prefill"]["pairs"]) == set(FAMILIES)
     for family, pair in report["prefill"]["pairs"].items():
         assert pair["speedup"] > 0 and pair["steadiness"]["reference"] == f"KDSA:{family}"
-    whole = report["whole_step"]
-    assert whole["context"] == 256 and whole["eager_paged_s"] > 0 and whole["compiled_static_s"] > 0
-    calls = {name: profile["aten_calls_per_step"] for name, profile in whole["op_profile"].items()}
-    assert 0 < calls["compiled_static"] < calls["eager_static"] and calls["eager_paged"] > 0
+    assert [whole["context"] for whole in report["whole_step"]] == [256, 512]
+    for whole, decode in zip(report["whole_step"], report["model_decode"], strict=True):
+        assert whole["eager_paged_s"] > 0 and whole["compiled_static_s"] > 0
+        calls = {name: profile["aten_calls_per_step"] for name, profile in whole["op_profile"].items()}
+        assert 0 < calls["compiled_static"] < calls["eager_static"] and calls["eager_paged"] > 0
+        # The compiled step's limit uses the eager decode's bytes at the same context.
+        assert whole["bytes_needed"] == decode["models"]["KDSA"]["bytes_needed"]
+        limit = whole["compiled_limit"]
+        assert limit["fraction_achieved"] == pytest.approx(limit["limit_s"] / whole["compiled_static_s"])
+        assert 0 < limit["fraction_achieved"] <= 1
     for name in MODELS:
         result = report["prefill"]["models"][name]
         assert result.get("skipped") or result["median_s"] > 0, name

@@ -14,6 +14,7 @@ from transformers import CompileConfig
 
 from modeling_kdsa import KDSAQuantizationConfig, static_cache
 from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer
+from modeling_kdsa.linear import KDSALinear
 from modeling_kdsa.static_cache import KDSAStaticCache, StaticKPoolLayer
 
 CAPTURED_GRAPHS = []
@@ -158,6 +159,69 @@ def test_fixed_shape_moe_paths_match_the_grouped_loop(features):
         expected = moe.experts(hidden, indices, weights)
         torch.testing.assert_close(moe.experts._forward_gathered(hidden, indices, weights), expected)
         torch.testing.assert_close(moe.experts._forward_dense(hidden, indices, weights), expected)
+
+
+# ------------------------------------------------------------------------------------- fused single-row products
+
+
+def linear_calls(graph_module) -> int:
+    """`F.linear` calls in a captured graph and in the bodies of its compile regions."""
+    return sum(
+        node.op == "call_function" and node.target in (torch._C._nn.linear, torch.nn.functional.linear)
+        for module in graph_module.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_single_row_linear_streams_the_weight_only_when_compiled(dtype, bias):
+    """KDSALinear is `F.linear` bit for bit eagerly; compiled on CPU, a single row takes the multiply-and-sum form
+    (no linear call left in the graph) and gives the GEMM's result up to fp32 summation order; two rows stay a
+    GEMM (docs/graph-mode.md §9)."""
+    layer = KDSALinear(48, 40, bias=bias, dtype=dtype)
+    compiled = torch.compile(layer, backend=recording_backend, fullgraph=True)
+    for rows, streamed in ((1, True), (2, False)):
+        CAPTURED_GRAPHS.clear()
+        x = torch.randn(rows, 1, 48, dtype=dtype)
+        expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        assert torch.equal(layer(x), expected)
+        with torch.no_grad():
+            got = compiled(x)
+        assert linear_calls(CAPTURED_GRAPHS[-1]) == (0 if streamed else 1)
+        reference = torch.nn.functional.linear(x.double(), layer.weight.double(), layer.bias.double() if bias else None)
+        # Both round the same fp32 sum (in another order) to the output dtype.
+        tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(got.double(), reference, **tolerance)
+        assert got.dtype == dtype and got.shape == expected.shape
+
+
+@pytest.mark.parametrize("features", [{}, {"routed_expert_weight_format": "mxfp4", "moe_intermediate_size": 64}])
+def test_compiled_gathered_experts_match_the_grouped_loop(features):
+    """The gathered-expert decode path under compile (the multiply-and-sum over gathered weights) equals the eager
+    loop up to fp32 summation order."""
+    model = tiny_model(**features)
+    experts = model.model.layers[1].mlp.experts
+    hidden = torch.randn(1, model.config.hidden_size)
+    indices, weights = model.model.layers[1].mlp.gate(hidden)
+    with torch.no_grad():
+        expected = experts(hidden, indices, weights)
+        got = torch.compile(experts, backend=recording_backend, fullgraph=True)(hidden, indices, weights)
+    assert not any(
+        node.target in (torch.matmul, torch.bmm) for node in CAPTURED_GRAPHS[-1].graph.nodes
+    )  # the fused form, not the batched GEMV
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_batch_one_decode_streams_every_weight():
+    """Batch 1: every linear layer of the compiled step takes the fused form, and the tokens are eager's."""
+    model = tiny_model()
+    ids, mask = prompt(batch=1, length=40, padded=0)
+    expected = greedy(model, ids, mask, 32)
+    got = greedy(model, ids, mask, 32, cache_implementation="static", compile_config=compile_config())
+    assert torch.equal(got, expected)
+    assert len(CAPTURED_GRAPHS) == 1 and linear_calls(CAPTURED_GRAPHS[0]) == 0
 
 
 # ----------------------------------------------------------------------------------------------- compiled decode
@@ -325,9 +389,11 @@ def test_compiled_static_kpool_decode_inductor():
 
 @pytest.mark.slow
 def test_compiled_static_decode_inductor_256_steps():
-    """Inductor, 256 compiled steps (tokens exactly eager's), then a second generate() without a recompile."""
+    """Inductor, batch 1 (every product a single row, so every linear layer takes the fused multiply-and-sum form):
+    256 compiled steps (tokens exactly eager's), then a second generate() without a recompile. Batches of several
+    rows run under inductor in the k-pool test above."""
     model = tiny_model()
-    ids, mask = prompt(length=30)
+    ids, mask = prompt(batch=1, length=30, padded=0)
     expected = greedy(model, ids, mask, 256)
     config = compile_config(backend="inductor")
     got = greedy(model, ids, mask, 256, cache_implementation="static", compile_config=config)

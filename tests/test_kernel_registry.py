@@ -337,6 +337,33 @@ def test_static_kernels(kernels):
         torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
 
 
+def test_static_indexer_topk_bf16(kernels):
+    """bf16 takes the fixed-shape kernel's own all-heads product (`keys @ qᵀ`, docs/graph-mode.md §9): ternary
+    values keep every product exact, so it selects what the paged reference selects, up to the order of equal
+    scores."""
+    generator = torch.Generator().manual_seed(4)
+    batch, page_size, pages_per_row, num_keys, topk = 2, 4, 6, 21, 8
+    pool = batch * pages_per_row
+    table = torch.randperm(pool, generator=generator).view(batch, pages_per_row)
+    k_index = ternary((batch, pages_per_row * page_size, INDEX_DIM), generator)
+    index_pages = torch.empty(pool, page_size, INDEX_DIM, dtype=torch.bfloat16)
+    index_pages[table.reshape(-1)] = k_index.view(pool, page_size, INDEX_DIM)  # page table[b, p] holds block p of b
+    padding = torch.ones(batch, pages_per_row * page_size, dtype=torch.bool)
+    padding[1, :2] = False
+    for num_queries in (1, 3):
+        query_start = num_keys - num_queries
+        q_index = ternary((batch, num_queries, 4, INDEX_DIM), generator)
+        weights = torch.randn(batch, num_queries, 4, generator=generator)
+        visible = dsa_ops.visible_keys_mask(query_start, num_queries, num_keys, padding[:, :num_keys], q_index.device)
+        scores = dsa_ops.indexer_scores(q_index, weights, k_index[:, :num_keys], visible)
+        paged_args = (q_index, weights, index_pages, table, num_keys, topk, query_start, padding[:, :num_keys])
+        expected = TORCH_KERNELS.indexer_topk(*paged_args)
+        got = run(kernels, "static_indexer_topk", q_index, weights, index_pages, table, torch.tensor(num_keys), topk,
+                  torch.tensor(query_start), padding)  # fmt: skip
+        same_selection(got[..., : expected.shape[-1]], expected, scores)
+        assert bool((got[..., expected.shape[-1] :] == -1).all())
+
+
 @pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
 def test_kv_store(kernels, kv_cache):
     """The layout a backend's store keeps kv rows in reads back as the rows the reference stores (bf16: the rows

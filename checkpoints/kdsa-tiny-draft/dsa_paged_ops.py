@@ -281,14 +281,23 @@ def _unpack_indices(packed: torch.Tensor) -> torch.Tensor:
     return positions.masked_fill(packed < _MASKED_KEY_BOUND, -1)
 
 
-def _weighted_head_scores(q_index: torch.Tensor, scaled_weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """`Σ_h scaled_weights[h] · ReLU(q[h]·k)` fp32 `[B, T, n]` for keys `[B, n, DI]` (the reference's head order)."""
+def _weighted_head_scores(
+    q_index: torch.Tensor, scaled_weights: torch.Tensor, keys: torch.Tensor, keys_first: bool = False
+) -> torch.Tensor:
+    """`Σ_h scaled_weights[h] · ReLU(q[h]·k)` fp32 `[B, T, n]` for keys `[B, n, DI]` (the reference's head order).
+
+    keys_first (bf16 only): the all-heads GEMM as `keys @ q^T` rather than `q @ keys^T`, for compiled steps: inductor
+    hands the second form a transposed key operand with a zero batch stride, which aten's bmm first copies whole
+    (4.5 ms a layer at 64k keys), while eagerly that form is the faster one (docs/graph-mode.md §9)."""
     batch, num_queries, num_heads, head_dim = q_index.shape
     keys_t = keys.transpose(1, 2)  # [B, DI, n]
     if q_index.dtype == torch.float32:
         # One GEMM per head, the shapes dsa_ops.indexer_scores uses: fp32 products are then bit-identical to the
         # reference's (a single [T*HI, DI] GEMM would sum in another order for T = 1), so the top-k is exact.
         all_products = None
+    elif keys_first:
+        products = torch.bmm(keys, q_index.flatten(1, 2).transpose(1, 2))  # [B, n, T*HI]
+        all_products = products.transpose(1, 2).view(batch, num_queries, num_heads, -1)
     else:
         # bf16: one GEMM for all heads (the fast path; a per-head GEMV is ~7x slower in bf16 on CPU).
         all_products = torch.bmm(q_index.flatten(1, 2), keys_t).view(batch, num_queries, num_heads, -1)
@@ -308,15 +317,16 @@ def _score_block(
     key_positions: torch.Tensor,
     last_visible_key: torch.Tensor,
     key_padding: torch.Tensor | None,
+    keys_first: bool = False,
 ) -> torch.Tensor:
     """Indexer logits of one block of keys, masked and packed for the running top-k (docs/dsa.md §1).
 
     q_index: `[B, T, HI, DI]`; scaled_weights: fp32 `[B, T, HI]` (head weights times `HI^-0.5 · DI^-0.5`); keys:
     `[B, n, DI]`; key_positions: int64 `[n]`; last_visible_key: int64 `[T]`, query `t` sees the keys at positions
     `<= last_visible_key[t]` (causal limit and end of the context); key_padding: bool `[B, n]` or None.
-    Returns int64 `[B, T, n]` (`_pack_scores`).
+    Returns int64 `[B, T, n]` (`_pack_scores`); keys_first: see `_weighted_head_scores`.
     """
-    scores = _weighted_head_scores(q_index, scaled_weights, keys)
+    scores = _weighted_head_scores(q_index, scaled_weights, keys, keys_first)
     visible = (key_positions[None, :] <= last_visible_key[:, None])[None]  # [1, T, n]
     if key_padding is not None:
         visible = visible & key_padding[:, None, :]
@@ -408,6 +418,7 @@ def _score_pool_block(
     pool_ends: torch.Tensor,
     last_visible_key: torch.Tensor,
     first_pool_end: torch.Tensor,
+    keys_first: bool = False,
 ) -> torch.Tensor:
     """k-pool indexer logits of one block of pooled keys, masked and packed (docs/dsa.md §9).
 
@@ -415,7 +426,7 @@ def _score_pool_block(
     slot when `first_pool_end[b] <= end <= last_visible_key[t]` (slots before a sequence's first pool hold nothing).
     Returns int64 `[B, T, n]` (`_pack_scores` with the pool end as the key position).
     """
-    scores = _weighted_head_scores(q_index, scaled_weights, keys)
+    scores = _weighted_head_scores(q_index, scaled_weights, keys, keys_first)
     visible = (pool_ends[:, None, :] <= last_visible_key[None, :, None]) & (pool_ends >= first_pool_end[:, None])[
         :, None, :
     ]
@@ -923,7 +934,7 @@ def static_indexer_topk(
     key_positions = torch.arange(capacity, device=q_index.device)
     limit = _visible_limit(query_start, num_queries, num_keys)
     padding = None if key_padding_mask is None else key_padding_mask.bool()
-    packed = _score_block(q_index.contiguous(), scaled_weights, keys, key_positions, limit, padding)
+    packed = _score_block(q_index.contiguous(), scaled_weights, keys, key_positions, limit, padding, keys_first=True)
     return _unpack_indices(packed.topk(min(index_topk, capacity), dim=-1).values)
 
 
@@ -967,7 +978,9 @@ def static_kpool_indexer_topk(
     pool_ends = kpool * torch.arange(num_slots, device=q_index.device)[None, :] + (first_pool_end % kpool)[:, None]
     scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
     limit = _visible_limit(query_start, num_queries, num_keys)
-    packed = _score_pool_block(q_index.contiguous(), scaled_weights, keys, pool_ends, limit, first_pool_end)
+    packed = _score_pool_block(
+        q_index.contiguous(), scaled_weights, keys, pool_ends, limit, first_pool_end, keys_first=True
+    )
     best = packed.topk(min(index_topk // kpool, num_slots), dim=-1).values
     return kpool_expand(_unpack_indices(best), kpool, query_start, origin, select_tail)
 

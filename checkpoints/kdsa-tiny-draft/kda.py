@@ -14,6 +14,7 @@ from .cache import KDSACache
 from .configuration_kdsa import KDA_LAYER
 from .kda_ops import causal_short_conv, causal_short_conv_step, kda_gate, l2norm
 from .kernels import kernel_set
+from .linear import KDSALinear
 from .sequence_parallel import SequenceParallelContext
 
 
@@ -61,30 +62,30 @@ class KDSAKimiDeltaAttention(nn.Module):
         self.key_dim = key_dim = self.num_heads * self.head_k_dim
         self.value_dim = value_dim = self.num_heads * self.head_v_dim
 
-        self.q_proj = nn.Linear(self.hidden_size, key_dim, bias=False)
-        self.k_proj = nn.Linear(self.hidden_size, key_dim, bias=False)
-        self.v_proj = nn.Linear(self.hidden_size, value_dim, bias=False)
+        self.q_proj = KDSALinear(self.hidden_size, key_dim, bias=False)
+        self.k_proj = KDSALinear(self.hidden_size, key_dim, bias=False)
+        self.v_proj = KDSALinear(self.hidden_size, value_dim, bias=False)
         self.q_conv1d = self._short_conv(key_dim)
         self.k_conv1d = self._short_conv(key_dim)
         self.v_conv1d = self._short_conv(value_dim)
         # Decay gate: low rank (rank K) projection, then -exp(A_log)·softplus(· + dt_bias), or with a lower bound
         # lb·sigmoid(exp(A_log)·(· + dt_bias)) (kda_ops.kda_gate); A_log and dt_bias kept in fp32.
         self.lower_bound = config.linear_lower_bound
-        self.f_a_proj = nn.Linear(self.hidden_size, self.head_k_dim, bias=False)
-        self.f_b_proj = nn.Linear(self.head_k_dim, key_dim, bias=False)
+        self.f_a_proj = KDSALinear(self.hidden_size, self.head_k_dim, bias=False)
+        self.f_b_proj = KDSALinear(self.head_k_dim, key_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(key_dim, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(1, 1, self.num_heads, 1, dtype=torch.float32))
-        self.b_proj = nn.Linear(self.hidden_size, self.num_heads, bias=False)
+        self.b_proj = KDSALinear(self.hidden_size, self.num_heads, bias=False)
         # Output gate into the sigmoid of the gated norm: low rank (rank V, Kimi-Linear), or one full-rank projection
         # (Kimi K3's `use_full_rank_gate`, docs/kimi-k3.md §2).
         self.full_rank_gate = config.linear_use_full_rank_gate
         if self.full_rank_gate:
-            self.g_proj = nn.Linear(self.hidden_size, value_dim, bias=False)
+            self.g_proj = KDSALinear(self.hidden_size, value_dim, bias=False)
         else:
-            self.g_a_proj = nn.Linear(self.hidden_size, self.head_v_dim, bias=False)
-            self.g_b_proj = nn.Linear(self.head_v_dim, value_dim, bias=False)
+            self.g_a_proj = KDSALinear(self.hidden_size, self.head_v_dim, bias=False)
+            self.g_b_proj = KDSALinear(self.head_v_dim, value_dim, bias=False)
         self.o_norm = KDSAGatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
-        self.o_proj = nn.Linear(value_dim, self.hidden_size, bias=False)
+        self.o_proj = KDSALinear(value_dim, self.hidden_size, bias=False)
 
     def _short_conv(self, channels: int) -> nn.Conv1d:
         """Depthwise causal conv, weight `[channels, 1, W]`. Only its weight is used (`kda_ops.causal_short_conv`)."""

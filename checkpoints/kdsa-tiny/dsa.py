@@ -20,6 +20,7 @@ from torch import nn
 from .cache import KDSAPagedMLALayer, attention_store_class
 from .dsa_ops import QUERY_BLOCK_SIZE
 from .kernels import kernel_set
+from .linear import KDSALinear, linear
 from .norms import KDSARMSNorm
 from .rotary import apply_rotary_half, apply_rotary_interleaved
 from .sequence_parallel import SequenceParallelContext
@@ -58,10 +59,10 @@ class KDSAIndexer(nn.Module):
         self.head_dim = config.index_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         query_input_dim = config.hidden_size if config.q_lora_rank is None else config.q_lora_rank
-        self.wq_b = nn.Linear(query_input_dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.wq_b = KDSALinear(query_input_dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = KDSALinear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
+        self.weights_proj = KDSALinear(config.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
         self.index_kpool = config.index_kpool
         if self.index_kpool > 1:
             # GLM-5.3-Flash's names, so its checkpoints load by name.
@@ -103,7 +104,7 @@ class KDSAIndexer(nn.Module):
 
     def project_weights(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Head weights `[B, T, HI]` in fp32 (docs/dsa.md §1); the model keeps `weights_proj` in fp32 too."""
-        return F.linear(hidden_states.float(), self.weights_proj.weight.float())
+        return linear(hidden_states.float(), self.weights_proj.weight.float())
 
     def project_key(self, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
         """`k_index` `[B, T, DI]` (k-pool indexer: `[B, T, 2·DI]`, the key then its gate scores)."""
@@ -120,7 +121,7 @@ class KDSAIndexer(nn.Module):
             cos, sin = position_embeddings
             k_index = self._rotate(k_index, cos, sin)
         if self.index_kpool > 1:
-            gate_scores = F.linear(hidden_states, self.index_kpool_compress_gate.to(hidden_states.dtype))
+            gate_scores = linear(hidden_states, self.index_kpool_compress_gate.to(hidden_states.dtype))
             k_index = torch.cat([k_index, gate_scores], dim=-1)
         return k_index
 
@@ -162,23 +163,23 @@ class KDSAMultiLatentAttention(nn.Module):
         norm_eps = config.rms_norm_eps if config.mla_layernorm_eps is None else config.mla_layernorm_eps
 
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(self.hidden_size, self.num_heads * self.qk_head_dim, bias=False)
+            self.q_proj = KDSALinear(self.hidden_size, self.num_heads * self.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(self.hidden_size, self.q_lora_rank, bias=config.attention_bias)
+            self.q_a_proj = KDSALinear(self.hidden_size, self.q_lora_rank, bias=config.attention_bias)
             self.q_a_layernorm = KDSARMSNorm(self.q_lora_rank, eps=norm_eps)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(
+            self.q_b_proj = KDSALinear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = KDSALinear(
             self.hidden_size, self.kv_lora_rank + self.qk_rope_head_dim, bias=config.attention_bias
         )
         self.kv_a_layernorm = KDSARMSNorm(self.kv_lora_rank, eps=norm_eps)
         # No bias: absorbing W_UK / W_UV into the query / output needs a purely linear up-projection.
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = KDSALinear(
             self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
         )
-        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, self.hidden_size, bias=config.attention_bias)
+        self.o_proj = KDSALinear(self.num_heads * self.v_head_dim, self.hidden_size, bias=config.attention_bias)
         # Kimi K3's gated MLA (docs/kimi-k3.md §2): the attention output times sigmoid(g_proj(x)) before o_proj.
         self.g_proj = (
-            nn.Linear(self.hidden_size, self.num_heads * self.v_head_dim, bias=False)
+            KDSALinear(self.hidden_size, self.num_heads * self.v_head_dim, bias=False)
             if config.mla_use_output_gate
             else None
         )

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from .linear import KDSALinear, linear, row_times_weight
 from .norms import KDSARMSNorm
 from .numeric_formats import mxfp4_dequantize
 
@@ -64,9 +65,9 @@ class KDSAMLP(nn.Module):
         super().__init__()
         hidden_size = config.hidden_size
         intermediate_size = config.intermediate_size if intermediate_size is None else intermediate_size
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = KDSALinear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = KDSALinear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = KDSALinear(intermediate_size, hidden_size, bias=False)
         self.activation = GatedActivation(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -99,7 +100,7 @@ class KDSATopkRouter(nn.Module):
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The router logits `[N, E]` in fp32 (before the sigmoid): what `output_router_logits` returns."""
-        return F.linear(hidden_states.float(), self.weight.float())
+        return linear(hidden_states.float(), self.weight.float())
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`router_logits: [N, E]` → `(topk_indices [N, k] int64, topk_weights [N, k] fp32)`."""
@@ -223,10 +224,16 @@ class KDSAExperts(nn.Module):
     def _run_expert(self, inputs: torch.Tensor, expert: int) -> torch.Tensor:
         """Expert `expert`'s gated MLP on `inputs: [n, D]` → `[n, D]`, in the inputs' dtype."""
         gate_up_weight, down_weight = self.expert_weights(expert, inputs.dtype)
-        gate, up = F.linear(inputs, gate_up_weight).chunk(2, dim=-1)
-        return F.linear(self.activation(gate, up), down_weight)
+        gate, up = linear(inputs, gate_up_weight).chunk(2, dim=-1)
+        return linear(self.activation(gate, up), down_weight)
 
     def _expert_mlp(self, inputs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """Each row of `inputs [n, D]` through its own expert's weights `gate_up [n, 2I, D]`, `down [n, D, I]`."""
+        if torch.compiler.is_compiling() and inputs.device.type == "cpu":
+            # Every row has its own weights, so none is reused: the fused multiply-and-sum reads each gathered weight
+            # once, with the gather folded into that read instead of a copy first (docs/graph-mode.md §9).
+            gate, up = row_times_weight(inputs, gate_up).chunk(2, dim=-1)
+            return row_times_weight(self.activation(gate, up), down)
         gate, up = torch.matmul(gate_up, inputs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
         return torch.matmul(down, self.activation(gate, up).unsqueeze(-1)).squeeze(-1)
 
@@ -280,8 +287,8 @@ class KDSAMoE(nn.Module):
         latent = config.routed_expert_hidden_size
         self.latent = latent is not None
         if self.latent:
-            self.routed_expert_down_proj = nn.Linear(config.hidden_size, latent, bias=False)
-            self.routed_expert_up_proj = nn.Linear(latent, config.hidden_size, bias=False)
+            self.routed_expert_down_proj = KDSALinear(config.hidden_size, latent, bias=False)
+            self.routed_expert_up_proj = KDSALinear(latent, config.hidden_size, bias=False)
             self.routed_expert_norm = (
                 KDSARMSNorm(latent, eps=config.rms_norm_eps) if config.latent_moe_use_norm else None
             )

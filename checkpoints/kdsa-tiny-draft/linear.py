@@ -1,0 +1,46 @@
+"""The model's linear layers: `nn.Linear` whose single-row product, in a graph compiled for the CPU, streams the weight
+once through one fused multiply-and-sum instead of calling a GEMM (docs/graph-mode.md §9).
+
+Batch-1 decode multiplies every weight matrix by one row. On CPU, oneDNN's bf16 GEMV for that shape reads a cold
+weight at about half the memory bandwidth a plain streaming pass reaches; written as `(w * x).sum(-1)`, inductor
+generates one vectorised reduction that reads each weight element once at close to streaming speed, and for gathered
+expert weights it fuses the gather into that read (no copy). Everywhere else (eager, more than one row, GPUs, NPUs)
+the layer is exactly `nn.Linear`.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def streams_weight(hidden_states: torch.Tensor) -> bool:
+    """Whether a product with `hidden_states` takes the fused single-row form: one row, on CPU, inside a compile."""
+    return (
+        torch.compiler.is_compiling()
+        and hidden_states.device.type == "cpu"
+        and hidden_states.numel() == hidden_states.shape[-1]
+    )
+
+
+def row_times_weight(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`rows @ weight.T (+ bias)` as a multiply-and-sum over the input dim, accumulated in fp32 like a GEMM, returned
+    in `rows`' dtype. rows `[..., in]` broadcasts against weight `[..., out, in]`: `[..., out]`."""
+    out = (weight.float() * rows.float().unsqueeze(-2)).sum(-1)
+    return (out if bias is None else out + bias.float()).to(rows.dtype)
+
+
+def linear(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, in the fused single-row form when `streams_weight(hidden_states)`."""
+    if streams_weight(hidden_states):
+        return row_times_weight(hidden_states, weight, bias)
+    return F.linear(hidden_states, weight, bias)
+
+
+class KDSALinear(nn.Linear):
+    """`nn.Linear` (same parameters, same checkpoint keys) whose forward is `linear` above."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return linear(hidden_states, self.weight, self.bias)
+
+
+__all__ = ["KDSALinear", "linear", "row_times_weight", "streams_weight"]
