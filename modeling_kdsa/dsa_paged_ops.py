@@ -583,9 +583,12 @@ def _attend(
     # Only the selected rows are copied, never the context.
     rows = read_rows(kv_pages, slots.flatten(), q_latent.dtype).view(batch, num_queries, num_selected, width)
 
-    # Scores and the weighted sum as batched GEMMs in the input dtype; softmax statistics in fp32.
-    query = torch.cat([q_latent, q_pe], dim=-1)  # [B, T, H, C + R]
-    scores = torch.matmul(query, rows.transpose(-1, -2)).float() * softmax_scale  # [B, T, H, K]
+    # Scores and the weighted sum as batched GEMMs over the B·T queries in the input dtype; softmax statistics in
+    # fp32. `bmm` reads the transposed rows in place (a 4-D `matmul` copies them first).
+    query = torch.cat([q_latent, q_pe], dim=-1).flatten(0, 1)  # [B·T, H, C + R]
+    rows = rows.flatten(0, 1)  # [B·T, K, C + R]
+    scores = torch.bmm(query, rows.transpose(1, 2)).view(batch, num_queries, -1, num_selected)  # [B, T, H, K]
+    scores = scores.float() * softmax_scale
     scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
     # A row with no valid key would be NaN (all -inf): its weights become 0 and its output 0 (§6).
     row_max = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
@@ -593,8 +596,8 @@ def _attend(
     denominator = probs.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
     # Multiply by the whole `[c | k_pe]` rows and drop the k_pe columns afterwards: a GEMM on the strided `c`
     # columns alone makes torch copy them first, which costs 5x the 12% of extra products.
-    out = torch.matmul(probs.to(rows.dtype), rows)[..., : q_latent.shape[-1]]  # [B, T, H, C]
-    return (out.float() / denominator).to(q_latent.dtype)
+    out = torch.bmm(probs.to(rows.dtype).flatten(0, 1), rows).view(batch, num_queries, -1, width)
+    return (out[..., : q_latent.shape[-1]].float() / denominator).to(q_latent.dtype)  # [B, T, H, C]
 
 
 def _chunked_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale, attend) -> torch.Tensor:
