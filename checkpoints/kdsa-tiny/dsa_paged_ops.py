@@ -412,8 +412,9 @@ def paged_indexer_topk_fused(
     max_pages]`; key_padding_mask `[B, num_keys]` or None. Returns int64 `[B, T, min(index_topk, S')]`,
     `S' = min(num_keys, query_start + T)`.
 
-    Keys are read in blocks of whole pages (one `index_select` each, at most KEY_BLOCK_ELEMENTS products per
-    sequence) and merged into a running top-k, so the `[T, S]` logits are never materialised. fp32 inputs give
+    Keys are read in blocks of whole pages (one `index_select` each, or a slice of the pool when a single sequence's
+    pages are consecutive, docs/dsa.md §7; at most KEY_BLOCK_ELEMENTS products per sequence) and merged into a
+    running top-k, so the `[T, S]` logits are never materialised. fp32 inputs give
     exactly the reference's indices (same products, same head order, same tie rule). bf16 inputs multiply q·k in
     bf16 (fp32 accumulation inside the GEMM, bf16 result) and do ReLU, weighting and the head sum in fp32.
     """
