@@ -379,8 +379,8 @@ def _blocked_indexer_topk(
             page_ids = block_table[:, first_page:last_page].reshape(-1)
             keys = read_pages(index_pages, page_ids, q_index.dtype)
         else:
-            # Consecutive pages: the block is a slice of the pool, read in place (at a 64k decode the copy cost as
-            # much as the scoring GEMM that reads the keys anyway).
+            # Consecutive pages: the block is a slice of the pool, scored in place (the copy is a second pass over
+            # every key, ~0.3 ms of a 64k decode step on one core).
             keys = index_pages[first_pool_page + first_page : first_pool_page + last_page]
         keys = keys.view(batch, -1, head_dim)
         block = slice(first_page * page_size, last_page * page_size)
