@@ -204,13 +204,20 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         first_page = self.num_tokens // self.page_size
         last_page = (self.num_tokens + new_tokens - 1) // self.page_size
         table = self.block_table
+        shared_partial = self.num_tokens % self.page_size != 0
+        if last_page < table.shape[1]:
+            # Most decode steps write into pages every sequence already owns: nothing to do, and no O(pages) copy
+            # of the table through Python lists.
+            written = table[:, first_page : last_page + 1].tolist()
+            owned = all(page >= 0 for row in written for page in row)
+            if owned and not (shared_partial and any(self.page_refcount[row[0]] > 1 for row in written)):
+                return
         if last_page >= table.shape[1]:
             pad = torch.full(
                 (table.shape[0], last_page + 1 - table.shape[1]), -1, dtype=torch.long, device=table.device
             )
             table = torch.cat([table, pad], dim=1)
         rows = table.tolist()
-        shared_partial = self.num_tokens % self.page_size != 0
         needed = sum(1 for row in rows for p in range(first_page, last_page + 1) if row[p] < 0)
         if shared_partial:
             needed += sum(1 for row in rows if self.page_refcount[row[first_page]] > 1)

@@ -45,10 +45,12 @@ from .dsa_ops import (
 )
 from .numeric_formats import PLANAR_ROWS, stored_planes
 
-# Bound on what the indexer holds per key block and sequence, the gathered keys `[n, DI]` plus the products
+# Bound on what the indexer holds per key block and sequence, the gathered keys `[n, DI]` (none when the block's
+# pages are consecutive in the pool: the keys are then a view, see `_consecutive_pages`) plus the products
 # `[T, HI, n]`: 2M elements whatever the context length. Blocks are as large as this allows because every block
-# costs a fixed ~40 small ops: a decode step (T = 1, HI 8, DI 64) reads 455 pages per block, a prefill block of
-# 128 queries 30 pages.
+# costs a fixed ~20 small ops and a top-k merge: a decode step (T = 1, HI 8, DI 64) reads 455 pages per block when
+# it copies them, 4096 (a 256k context in one block) when they are consecutive; a prefill block of 128 queries 30
+# or 32 pages.
 KEY_BLOCK_ELEMENTS = 1 << 21
 
 # Bound on the selected `[c | k_pe]` rows that sparse attention gathers at once: 4M elements (8 MiB in bf16), i.e.
@@ -64,7 +66,7 @@ DENSE_BLOCK_ELEMENTS = 1 << 22
 # Running top-k keys (see `_pack_scores`): the score's order-preserving int32 image in the high 32 bits, the
 # reversed key position in the low 32 bits. Keys below this bound carry the score -inf (masked key).
 _LOW_BITS = 0xFFFFFFFF
-_NEG_INF_ORDERED = int(torch.tensor(float("-inf")).view(torch.int32)) ^ 0x7FFFFFFF
+_NEG_INF_ORDERED = -int(torch.tensor(float("inf")).view(torch.int32))  # minus the magnitude bits of inf
 _MASKED_KEY_BOUND = (_NEG_INF_ORDERED + 1) * (1 << 32)
 
 # Where inductor's FX graph and AOTAutograd caches live unless the user set TORCHINDUCTOR_CACHE_DIR.
@@ -266,12 +268,11 @@ def _pack_scores(scores: torch.Tensor, key_positions: torch.Tensor) -> torch.Ten
     earlier key first), and a running top-k over blocks is exact: the top k of a union is the top k of the
     union of the parts' top k. A stable sort would do the same but costs ~6x more per block than `topk`.
     """
-    # The reference's sort treats -0.0 and +0.0 as equal (w · ReLU(q·k) = 0 carries the sign of w); their bits differ.
-    scores = torch.where(scores == 0, torch.zeros_like(scores), scores)
     bits = scores.view(torch.int32)
-    # IEEE floats order like sign-magnitude integers: flipping the magnitude bits of negative values makes the
-    # bit patterns order like the two's complement integers they are read as.
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    # IEEE floats order like sign-magnitude integers: the magnitude bits times the sign (`bits >> 31 | 1` is -1 for
+    # negative values, 1 otherwise) order like the floats, and -0.0 and +0.0 both give 0, as equal as the
+    # reference's sort treats them (w · ReLU(q·k) = 0 carries the sign of w).
+    ordered = (bits & 0x7FFFFFFF) * ((bits >> 31) | 1)
     return ordered.to(torch.int64) * (1 << 32) + (_LOW_BITS - key_positions)
 
 
@@ -284,30 +285,31 @@ def _unpack_indices(packed: torch.Tensor) -> torch.Tensor:
 def _weighted_head_scores(
     q_index: torch.Tensor, scaled_weights: torch.Tensor, keys: torch.Tensor, keys_first: bool = False
 ) -> torch.Tensor:
-    """`Σ_h scaled_weights[h] · ReLU(q[h]·k)` fp32 `[B, T, n]` for keys `[B, n, DI]` (the reference's head order).
+    """`Σ_h scaled_weights[h] · ReLU(q[h]·k)` fp32 `[B, T, n]` for keys `[B, n, DI]`.
 
-    keys_first (bf16 only): the all-heads GEMM as `keys @ q^T` rather than `q @ keys^T`, for compiled steps: inductor
+    keys_first (bf16 only): the all-heads GEMM as `keys @ qᵀ` rather than `q @ keysᵀ`, for compiled steps: inductor
     hands the second form a transposed key operand with a zero batch stride, which aten's bmm first copies whole
     (4.5 ms a layer at 64k keys), while eagerly that form is the faster one (docs/graph-mode.md §9)."""
     batch, num_queries, num_heads, head_dim = q_index.shape
     keys_t = keys.transpose(1, 2)  # [B, DI, n]
     if q_index.dtype == torch.float32:
-        # One GEMM per head, the shapes dsa_ops.indexer_scores uses: fp32 products are then bit-identical to the
-        # reference's (a single [T*HI, DI] GEMM would sum in another order for T = 1), so the top-k is exact.
-        all_products = None
-    elif keys_first:
-        products = torch.bmm(keys, q_index.flatten(1, 2).transpose(1, 2))  # [B, n, T*HI]
-        all_products = products.transpose(1, 2).view(batch, num_queries, num_heads, -1)
+        # One GEMM per head and the heads added one by one in the reference's order, the shapes
+        # dsa_ops.indexer_scores uses: fp32 products and sums are then bit-identical to the reference's (a single
+        # [T*HI, DI] GEMM would sum in another order for T = 1), so the top-k is exact.
+        scores = None
+        for head in range(num_heads):
+            head_scores = torch.relu(torch.bmm(q_index[:, :, head], keys_t)) * scaled_weights[:, :, head, None]
+            scores = head_scores if scores is None else scores + head_scores
+        return scores
+    # bf16: one GEMM for all heads (a per-head GEMV is ~7x slower in bf16 on CPU), its bf16 products made fp32, then
+    # ReLU and the weighted head sum as one batched fp32 product `[1, HI] @ [HI, n]` per query: 4 ops whatever HI,
+    # half the time of a loop over heads (the head sum's order is the GEMM's; bf16 is not bit-exact anyway).
+    if keys_first:
+        products = torch.bmm(keys, q_index.flatten(1, 2).transpose(1, 2)).float().relu_()  # [B, n, T*HI]
+        products = products.view(batch, -1, num_queries, num_heads).permute(0, 2, 3, 1)  # [B, T, HI, n]
     else:
-        # bf16: one GEMM for all heads (the fast path; a per-head GEMV is ~7x slower in bf16 on CPU).
-        all_products = torch.bmm(q_index.flatten(1, 2), keys_t).view(batch, num_queries, num_heads, -1)
-    scores = None
-    for head in range(num_heads):
-        products = torch.bmm(q_index[:, :, head], keys_t) if all_products is None else all_products[:, :, head]
-        # ReLU, weighting and the head sum in fp32, heads added in the reference's order.
-        head_scores = torch.relu(products).float() * scaled_weights[:, :, head, None]
-        scores = head_scores if scores is None else scores + head_scores
-    return scores
+        products = torch.bmm(q_index.flatten(1, 2), keys_t).float().relu_().view(batch, num_queries, num_heads, -1)
+    return torch.matmul(scaled_weights[:, :, None, :], products).squeeze(2)
 
 
 def _score_block(
@@ -327,16 +329,29 @@ def _score_block(
     Returns int64 `[B, T, n]` (`_pack_scores`); keys_first: see `_weighted_head_scores`.
     """
     scores = _weighted_head_scores(q_index, scaled_weights, keys, keys_first)
-    visible = (key_positions[None, :] <= last_visible_key[:, None])[None]  # [1, T, n]
+    hidden = (key_positions[None, :] > last_visible_key[:, None])[None]  # [1, T, n]
     if key_padding is not None:
-        visible = visible & key_padding[:, None, :]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return _pack_scores(scores, key_positions)
+        hidden = hidden | ~key_padding[:, None, :]
+    return _pack_scores(scores.masked_fill_(hidden, float("-inf")), key_positions)
 
 
-def _key_block_pages(num_queries: int, num_heads: int, head_dim: int, page_size: int) -> int:
-    """Pages per indexer key block: keys `[n, DI]` plus products `[T, HI, n]` stay within KEY_BLOCK_ELEMENTS."""
-    return max(1, KEY_BLOCK_ELEMENTS // ((num_queries * num_heads + head_dim) * page_size))
+def _key_block_pages(num_queries: int, num_heads: int, head_dim: int, page_size: int, copies_keys: bool) -> int:
+    """Pages per indexer key block: the products `[T, HI, n]`, plus the keys `[n, DI]` when the block copies them,
+    stay within KEY_BLOCK_ELEMENTS."""
+    per_key = num_queries * num_heads + (head_dim if copies_keys else 0)
+    return max(1, KEY_BLOCK_ELEMENTS // (per_key * page_size))
+
+
+def _consecutive_pages(block_table: torch.Tensor, num_pages: int) -> int | None:
+    """The first page id when the block table has one sequence whose first `num_pages` pages are consecutive ids
+    (`first, first + 1, ...`: what the store hands a single sequence that grew without crops or shared pages), so
+    that a block of pages is a slice of the pool; None otherwise. A host read, skipped (None) while compiling."""
+    if block_table.shape[0] != 1 or num_pages == 0 or torch.compiler.is_compiling():
+        return None
+    used = block_table[0, :num_pages]
+    first = int(used[0])
+    consecutive = torch.arange(first, first + num_pages, dtype=used.dtype, device=used.device)
+    return first if torch.equal(used, consecutive) else None
 
 
 def _blocked_indexer_topk(
@@ -362,13 +377,23 @@ def _blocked_indexer_topk(
             key_padding_mask[:, :num_visible].bool(), (0, num_pages_read * page_size - num_visible)
         )
 
-    pages_per_block = _key_block_pages(num_queries, num_heads, head_dim, page_size)
+    # Plain pages that are consecutive in the pool are read in place; quantized ones are dequantized (a copy) anyway.
+    in_place = not isinstance(index_pages, PLANAR_ROWS) and index_pages.is_contiguous()
+    first_pool_page = _consecutive_pages(block_table, num_pages_read) if in_place else None
+    copies_keys = first_pool_page is None
+    pages_per_block = _key_block_pages(num_queries, num_heads, head_dim, page_size, copies_keys)
     best = None  # packed keys [B, T, <= num_selected], best first
     for first_page in range(0, num_pages_read, pages_per_block):
         last_page = min(first_page + pages_per_block, num_pages_read)
-        page_ids = block_table[:, first_page:last_page].reshape(-1)
-        # One index_select per block copies its pages (never the whole context) into a contiguous [B, n, DI].
-        keys = read_pages(index_pages, page_ids, q_index.dtype).view(batch, -1, head_dim)
+        if copies_keys:
+            # One index_select per block copies its pages (never the whole context) into a contiguous [B, n, DI].
+            page_ids = block_table[:, first_page:last_page].reshape(-1)
+            keys = read_pages(index_pages, page_ids, q_index.dtype)
+        else:
+            # Consecutive pages: the block is a slice of the pool, scored in place (the copy is a second pass over
+            # every key, ~0.3 ms of a 64k decode step on one core).
+            keys = index_pages[first_pool_page + first_page : first_pool_page + last_page]
+        keys = keys.view(batch, -1, head_dim)
         block = slice(first_page * page_size, last_page * page_size)
         key_positions = torch.arange(block.start, block.stop, device=q_index.device)
         # Contiguous, so that every block has the same strides (a compiled block step never recompiles for them).
@@ -398,8 +423,9 @@ def paged_indexer_topk_fused(
     max_pages]`; key_padding_mask `[B, num_keys]` or None. Returns int64 `[B, T, min(index_topk, S')]`,
     `S' = min(num_keys, query_start + T)`.
 
-    Keys are read in blocks of whole pages (one `index_select` each, at most KEY_BLOCK_ELEMENTS products per
-    sequence) and merged into a running top-k, so the `[T, S]` logits are never materialised. fp32 inputs give
+    Keys are read in blocks of whole pages (one `index_select` each, or a slice of the pool when a single sequence's
+    pages are consecutive, docs/dsa.md §7; at most KEY_BLOCK_ELEMENTS products per sequence) and merged into a
+    running top-k, so the `[T, S]` logits are never materialised. fp32 inputs give
     exactly the reference's indices (same products, same head order, same tie rule). bf16 inputs multiply q·k in
     bf16 (fp32 accumulation inside the GEMM, bf16 result) and do ReLU, weighting and the head sum in fp32.
     """
@@ -500,7 +526,7 @@ def _blocked_kpool_indexer_topk(
     # group of kp tokens (docs/dsa.md §9).
     phase = first_pool_end % kpool
     num_pages_read = _ceil_div(num_visible, page_size)
-    pages_per_block = _key_block_pages(num_queries, num_heads, head_dim, page_size // kpool)
+    pages_per_block = _key_block_pages(num_queries, num_heads, head_dim, page_size // kpool, copies_keys=True)
     best = None
     for first_page in range(0, num_pages_read, pages_per_block):
         last_page = min(first_page + pages_per_block, num_pages_read)
@@ -570,9 +596,12 @@ def _attend(
     # Only the selected rows are copied, never the context.
     rows = read_rows(kv_pages, slots.flatten(), q_latent.dtype).view(batch, num_queries, num_selected, width)
 
-    # Scores and the weighted sum as batched GEMMs in the input dtype; softmax statistics in fp32.
-    query = torch.cat([q_latent, q_pe], dim=-1)  # [B, T, H, C + R]
-    scores = torch.matmul(query, rows.transpose(-1, -2)).float() * softmax_scale  # [B, T, H, K]
+    # Scores and the weighted sum as batched GEMMs over the B·T queries in the input dtype; softmax statistics in
+    # fp32. `bmm` reads the transposed rows in place (a 4-D `matmul` copies them first).
+    query = torch.cat([q_latent, q_pe], dim=-1).flatten(0, 1)  # [B·T, H, C + R]
+    rows = rows.flatten(0, 1)  # [B·T, K, C + R]
+    scores = torch.bmm(query, rows.transpose(1, 2)).view(batch, num_queries, -1, num_selected)  # [B, T, H, K]
+    scores = scores.float() * softmax_scale
     scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
     # A row with no valid key would be NaN (all -inf): its weights become 0 and its output 0 (§6).
     row_max = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
@@ -580,8 +609,8 @@ def _attend(
     denominator = probs.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
     # Multiply by the whole `[c | k_pe]` rows and drop the k_pe columns afterwards: a GEMM on the strided `c`
     # columns alone makes torch copy them first, which costs 5x the 12% of extra products.
-    out = torch.matmul(probs.to(rows.dtype), rows)[..., : q_latent.shape[-1]]  # [B, T, H, C]
-    return (out.float() / denominator).to(q_latent.dtype)
+    out = torch.bmm(probs.to(rows.dtype).flatten(0, 1), rows).view(batch, num_queries, -1, width)
+    return (out[..., : q_latent.shape[-1]].float() / denominator).to(q_latent.dtype)  # [B, T, H, C]
 
 
 def _chunked_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale, attend) -> torch.Tensor:

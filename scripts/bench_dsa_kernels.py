@@ -9,7 +9,9 @@ pages of 64 tokens), bf16, batch 1, `torch.inference_mode()`, median of `--repea
   2. compile time cold and warm: two fresh subprocesses compile the decode and prefill graphs against one new,
      empty inductor cache directory; the second must hit inductor's on-disk FX graph cache.
 
-The pages are random and placed through a shuffled block table, as a paged cache would hold them.
+The pages are random and placed through a shuffled block table, as a paged cache holding several sequences would
+hold them; the `decode-seq` case places them at consecutive page ids instead, as the cache hands them to a single
+sequence (the fused indexer then reads them in place, docs/dsa.md §7).
 
 Usage:  .venv/bin/python scripts/bench_dsa_kernels.py [--quick] [--repeats N] [--out PATH]
 Writes JSON (default runs/bench_dsa_kernels.json) and prints a table.
@@ -38,16 +40,24 @@ from modeling_kdsa.kernels import COMPILED_KERNELS, CPU_KERNELS, TORCH_KERNELS  
 
 DTYPE = torch.bfloat16
 PAGE_SIZE = 64
-FULL_CASES = [("decode", 4096, 1), ("decode", 16384, 1), ("decode", 65536, 1), ("prefill", 16384, 128)]
-QUICK_CASES = [("decode", 512, 1), ("decode", 2048, 1), ("prefill", 2048, 32)]
+FULL_CASES = [
+    ("decode", 4096, 1),
+    ("decode", 16384, 1),
+    ("decode", 65536, 1),
+    ("decode-seq", 65536, 1),
+    ("prefill", 16384, 128),
+]
+QUICK_CASES = [("decode", 512, 1), ("decode", 2048, 1), ("decode-seq", 2048, 1), ("prefill", 2048, 32)]
 
 
-def case_inputs(config: KDSAConfig, num_keys: int, num_queries: int, seed: int = 0) -> dict:
-    """Random queries and pages for the last `num_queries` positions of a `num_keys` context, pages shuffled."""
+def case_inputs(config: KDSAConfig, num_keys: int, num_queries: int, seed: int = 0, consecutive: bool = False) -> dict:
+    """Random queries and pages for the last `num_queries` positions of a `num_keys` context, pages shuffled (or at
+    consecutive page ids)."""
     generator = torch.Generator().manual_seed(seed)
     num_pages = -(-num_keys // PAGE_SIZE)
     heads, latent_dim, rope_dim = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
-    block_table = torch.randperm(num_pages + 4, generator=generator)[:num_pages].view(1, num_pages)
+    shuffled = torch.randperm(num_pages + 4, generator=generator)[:num_pages]
+    block_table = (torch.arange(2, num_pages + 2) if consecutive else shuffled).view(1, num_pages)
 
     def randn(*shape):
         return torch.randn(*shape, generator=generator).to(DTYPE)
@@ -82,7 +92,7 @@ def recall(selected: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def bench_case(config, kind: str, num_keys: int, num_queries: int, repeats: int) -> list[dict]:
-    inputs = case_inputs(config, num_keys, num_queries)
+    inputs = case_inputs(config, num_keys, num_queries, consecutive=kind == "decode-seq")
     query_start = num_keys - num_queries
     scale = mla_softmax_scale(config)
     index_args = (
@@ -168,12 +178,12 @@ def compile_times(quick: bool) -> dict:
 
 
 def print_table(rows: list[dict], compile_runs: dict) -> None:
-    header = f"{'case':<8}{'context':>8}{'T':>5}  {'backend':<9}{'indexer ms':>11}{'attn ms':>9}{'total ms':>10}"
+    header = f"{'case':<11}{'context':>8}{'T':>5}  {'backend':<9}{'indexer ms':>11}{'attn ms':>9}{'total ms':>10}"
     print(header + f"{'recall':>8}")
     print("-" * (len(header) + 8))
     for row in rows:
         print(
-            f"{row['case']:<8}{row['context']:>8}{row['queries']:>5}  {row['backend']:<9}{row['indexer_ms']:>11.2f}"
+            f"{row['case']:<11}{row['context']:>8}{row['queries']:>5}  {row['backend']:<9}{row['indexer_ms']:>11.2f}"
             f"{row['attention_ms']:>9.2f}{row['total_ms']:>10.2f}{row['recall_vs_reference']:>8.4f}"
         )
     print()

@@ -6,7 +6,9 @@ takes more batches until each batch's ratio (the median of its pair-by-pair rati
 previous batch's (at most `--max-batches`; prefill: `--prefill-max-batches`); the JSON holds min and median times,
 the batches run, whether the 10 % criterion was met and the spread of the pair-by-pair ratios (`steadiness`):
   1. one DSA layer's decode step: ours (index_topk 512), ours dense (index_topk >= context, same weights) and
-     transformers' `DeepseekV32Attention` with the same dims and weights (eager, its own cache);
+     transformers' `DeepseekV32Attention` with the same dims and weights (eager, its own cache), each as a % of its
+     limit: the bytes the step must read (`dsa_layer_bytes_per_step`: indexer keys, selected rows, the layer's
+     weights) over the bandwidth measured in the same run (`--dsa-layer-only` runs this section alone);
   2. whole-model decode step (tokens/s): KDSA at its benchmark shape (KDSAConfig defaults), and two same-weight
      pairs: transformers builds `KimiLinearForCausalLM` and `Glm5NextForConditionalGeneration` in the bench size with
      their families' components, saves them, and `KDSAForCausalLM.from_pretrained` loads those folders. Each pair
@@ -861,9 +863,29 @@ def bytes_per_decode_step(weight_bytes: int, cache_layers: list[dict], context: 
     )
 
 
+def dsa_layer_bytes_per_step(config: KDSAConfig, layer: nn.Module, context: int, selected: int | None) -> dict:
+    """Bytes one DSA layer's decode step must read at `context` cached tokens, from the dims (its floor):
+
+        indexer_bytes = context · DI · b                  every cached indexer key is scored against the query
+        latent_bytes  = min(K, context) · (C + R) · b     sparse attention reads only the K selected [c | k_pe] rows
+        weight_bytes  = Σ parameter bytes of the layer    every weight is used once per token
+
+    b: bytes per cached element (bf16: 2), DI index_head_dim, C kv_lora_rank, R qk_rope_head_dim, K = `selected`
+    (index_topk; None = every row, the dense variant). Not counted: writing the new token's rows and the query-side
+    activations (a few KiB)."""
+    element = torch.finfo(DTYPE).bits // 8
+    rows = context if selected is None else min(selected, context)
+    indexer = context * config.index_head_dim * element
+    latent = rows * (config.kv_lora_rank + config.qk_rope_head_dim) * element
+    weights = layer_weight_bytes(layer)
+    return dict(weight_bytes=weights, indexer_bytes=indexer, latent_bytes=latent, cache_read_bytes=indexer + latent,
+                total_bytes=weights + indexer + latent)  # fmt: skip
+
+
 def physical_limit(bytes_needed: float, measured_s: float, bandwidth_gbs: float) -> dict:
+    """The step's floor `bytes_needed / bandwidth` and how close the measured step came to it."""
     limit_s = bytes_needed / (bandwidth_gbs * 1e9)
-    return dict(limit_s=limit_s, fraction_achieved=limit_s / measured_s)
+    return dict(limit_s=limit_s, fraction_achieved=limit_s / measured_s, percent_of_limit=100 * limit_s / measured_s)
 
 
 def layer_weight_bytes(layer: nn.Module) -> int:
@@ -915,18 +937,20 @@ def print_report(report: dict) -> None:
     )
 
     rows = []
-    for family, info in report["same_weights"].items():
+    for family, info in report.get("same_weights", {}).items():
         kdsa = info["kdsa_config"]
         rows.append([
             family, info["peer"], f"{info['parameters']['peer'] / 1e6:.1f} M",
             f"{info['parameters']['kdsa'] / 1e6:.1f} M", fmt_bytes(info["checkpoint_bytes"]),
             " ".join("K" if t == "linear_attention" else "A" for t in kdsa["layer_types"]),
         ])  # fmt: skip
-    print_table(
-        "Same-weight pairs: transformers' model, saved, loaded by KDSAForCausalLM.from_pretrained (K KDA, A MLA/DSA)",
-        ["family", "peer", "peer params", "KDSA params", "checkpoint", "layers"],
-        rows,
-    )
+    if rows:
+        print_table(
+            "Same-weight pairs: transformers' model, saved, loaded by KDSAForCausalLM.from_pretrained (K KDA, A "
+            "MLA/DSA)",
+            ["family", "peer", "peer params", "KDSA params", "checkpoint", "layers"],
+            rows,
+        )
 
     rows = []
     for entry in report["dsa_layer_decode"]:
@@ -939,15 +963,18 @@ def print_report(report: dict) -> None:
                     fmt_ms(r["median_s"]),
                     fmt_bytes(r["bytes_needed"]["total_bytes"]),
                     fmt_ms(r["limit"]["limit_s"]),
-                    f"{r['limit']['fraction_achieved']:.1%}",
+                    f"{r['limit']['percent_of_limit']:.1f}%",
                     fmt_bytes(r["peak_rss_growth_bytes"]),
                 ]
             )
     print_table(
-        "1. One DSA layer, decode step (ms)",
-        ["context", "layer", "ms/step", "bytes must read", "limit ms", "of limit", "peak RSS +"],
+        "1. One DSA layer, decode step (ms); limit: bytes a step must read (indexer keys, selected rows, weights) / "
+        "bandwidth",
+        ["context", "layer", "ms/step", "bytes must read", "limit ms", "% of limit", "peak RSS +"],
         rows,
     )
+    if "model_decode" not in report:  # --dsa-layer-only
+        return
 
     rows = []
     for entry in report["model_decode"]:
@@ -1158,6 +1185,9 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench_long_context.json"))
     parser.add_argument(
+        "--dsa-layer-only", action="store_true", help="only the bandwidth and section 1 (one DSA layer's decode step)"
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="smoke test: narrow models (kdsa_config), contexts 256 and 512, 2 repeats"
     )
     args = parser.parse_args(argv)
@@ -1203,7 +1233,7 @@ def main(argv=None) -> dict:
     )
     try:
         with torch.inference_mode():
-            run_all(args, report)
+            (run_dsa_layer_only if args.dsa_layer_only else run_all)(args, report)
     finally:
         torch.set_num_threads(previous_threads)
     report["process_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -1273,12 +1303,7 @@ def run_all(args, report: dict) -> None:
     report["parameters"] = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
     report["weights"] = weights
 
-    dsa_idx = config.layer_types.index(DSA_LAYER)
-    ours_layer = build_dsa_layer(config, dsa_idx)
-    dsv32_config = deepseek_v32_layer_config(config)
-    dsv32_layer = build_peer_deepseek_v32_attention(ours_layer, dsv32_config)
-    our_rotary = KDSARotaryEmbedding(config)
-    dsv32_rotary = hf_dsv32.DeepseekV32RotaryEmbedding(dsv32_config)
+    dsa_layers = DSALayerBench(config)
     advance("built models")
 
     bandwidth = report["bandwidth"]["best_gbs"]
@@ -1301,30 +1326,7 @@ def run_all(args, report: dict) -> None:
         )
 
     for context in contexts:
-        entry = dict(context=context)
-        fill_ours = lambda s: fill_cache_kdsa(config, s, layers=[dsa_idx])  # noqa: E731
-        fill_dsv32 = lambda s: fill_cache_deepseek_v32_layer(dsv32_config, s)  # noqa: E731
-        steps_at_most = args.warmup + args.repeats * args.max_batches
-        dense_layer = build_dense_dsa_layer(ours_layer, config, context + steps_at_most + 1)
-        variants = {
-            "ours": (ours_layer, fill_ours, our_rotary, config.index_topk),
-            "ours_dense": (dense_layer, fill_ours, our_rotary, None),
-            "DeepseekV32": (dsv32_layer, fill_dsv32, dsv32_rotary, config.index_topk),
-        }  # fmt: skip
-        steps, caches = {}, {}
-        for name, (layer, fill, rotary, _) in variants.items():
-            steps[name], caches[name] = dsa_decode_stepper(layer, context, fill, rotary)
-        results, entry["steadiness"] = time_interleaved(steps, args.warmup, args.repeats, args.max_batches)
-        for name, (layer, _, _, top_k) in variants.items():
-            result = results[name]
-            layer_cache = [c for c in cache_bytes(caches[name]) if c["kind"] != "linear" or c["state_bytes"]]
-            result["bytes_needed"] = bytes_per_decode_step(layer_weight_bytes(layer), layer_cache, context, top_k)
-            result["limit"] = physical_limit(result["bytes_needed"]["total_bytes"], result["median_s"], bandwidth)
-            entry[name] = result
-            advance(f"{fmt_ctx(context)} layer {name}")
-        entry["speedup_vs_DeepseekV32"] = entry["DeepseekV32"]["median_s"] / entry["ours"]["median_s"]
-        del dense_layer, steps, caches
-        report["dsa_layer_decode"].append(entry)
+        report["dsa_layer_decode"].append(dsa_layers.decode_entry(context, args, bandwidth, advance))
 
         model_entry = dict(context=context, models={}, pairs={})
         cache = fill_cache_kdsa(config, context)
@@ -1463,6 +1465,62 @@ def run_all(args, report: dict) -> None:
         report["whole_step"].append(figures)
     report["dsa_layer_prefill_memory"] = dsa_layer_prefill_memory(config, args.layer_prefill_context)
     report["memory_method"] = _memory_method_text()
+
+
+class DSALayerBench:
+    """Section 1: one DSA layer's decode step, ours (index_topk), ours dense (the same weights with top-k >= the
+    context) and transformers' `DeepseekV32Attention` with the same dims and weights, interleaved."""
+
+    def __init__(self, config: KDSAConfig):
+        self.config = config
+        self.layer_idx = config.layer_types.index(DSA_LAYER)
+        self.ours = build_dsa_layer(config, self.layer_idx)
+        self.dsv32_config = deepseek_v32_layer_config(config)
+        self.dsv32 = build_peer_deepseek_v32_attention(self.ours, self.dsv32_config)
+        self.our_rotary = KDSARotaryEmbedding(config)
+        self.dsv32_rotary = hf_dsv32.DeepseekV32RotaryEmbedding(self.dsv32_config)
+
+    def decode_entry(self, context: int, args, bandwidth_gbs: float, advance) -> dict:
+        """The three variants at `context` cached tokens: times, steadiness, and each step's bytes and % of its limit
+        (`dsa_layer_bytes_per_step`, checked against what the variant's cache holds per token)."""
+        config, entry = self.config, dict(context=context)
+        fill_ours = lambda s: fill_cache_kdsa(config, s, layers=[self.layer_idx])  # noqa: E731
+        fill_dsv32 = lambda s: fill_cache_deepseek_v32_layer(self.dsv32_config, s)  # noqa: E731
+        steps_at_most = args.warmup + args.repeats * args.max_batches
+        dense_layer = build_dense_dsa_layer(self.ours, config, context + steps_at_most + 1)
+        variants = {
+            "ours": (self.ours, fill_ours, self.our_rotary, config.index_topk),
+            "ours_dense": (dense_layer, fill_ours, self.our_rotary, None),
+            "DeepseekV32": (self.dsv32, fill_dsv32, self.dsv32_rotary, config.index_topk),
+        }  # fmt: skip
+        steps, caches = {}, {}
+        for name, (layer, fill, rotary, _) in variants.items():
+            steps[name], caches[name] = dsa_decode_stepper(layer, context, fill, rotary)
+        results, entry["steadiness"] = time_interleaved(steps, args.warmup, args.repeats, args.max_batches)
+        for name, (layer, _, _, top_k) in variants.items():
+            result = results[name]
+            result["bytes_needed"] = dsa_layer_bytes_per_step(config, layer, context, top_k)
+            # The same bound from the bytes per token the variant's cache really holds (cache_bytes): equal unless
+            # the formula above missed something a cache stores.
+            layer_cache = [c for c in cache_bytes(caches[name]) if c["kind"] != "linear" or c["state_bytes"]]
+            from_cache = bytes_per_decode_step(layer_weight_bytes(layer), layer_cache, context, top_k)
+            result["bytes_needed"]["from_cache_total_bytes"] = from_cache["total_bytes"]
+            result["limit"] = physical_limit(result["bytes_needed"]["total_bytes"], result["median_s"], bandwidth_gbs)
+            entry[name] = result
+            advance(f"{fmt_ctx(context)} layer {name}")
+        entry["speedup_vs_DeepseekV32"] = entry["DeepseekV32"]["median_s"] / entry["ours"]["median_s"]
+        entry["ours_percent_of_limit"] = entry["ours"]["limit"]["percent_of_limit"]
+        return entry
+
+
+def run_dsa_layer_only(args, report: dict) -> None:
+    """`--dsa-layer-only`: the bandwidth and section 1 alone (about a minute at 4k + 64k)."""
+    report["bandwidth"] = measure_bandwidth()
+    dsa_layers = DSALayerBench(kdsa_config(args.quick))
+    bandwidth = report["bandwidth"]["best_gbs"]
+    report["dsa_layer_decode"] = [
+        dsa_layers.decode_entry(context, args, bandwidth, lambda label: None) for context in args.contexts
+    ]
 
 
 def name_family(name: str) -> str:

@@ -51,6 +51,9 @@ def test_quick_run_writes_every_section(tmp_path):
             assert result["median_s"] > 0
             assert result["bytes_needed"]["total_bytes"] > 0
             assert result["limit"]["fraction_achieved"] > 0
+            assert 0 < result["limit"]["percent_of_limit"] <= 100
+            assert result["bytes_needed"]["total_bytes"] == result["bytes_needed"]["from_cache_total_bytes"]
+        assert entry["ours_percent_of_limit"] == entry["ours"]["limit"]["percent_of_limit"]
         # Dense reads every latent row, sparse only the top-k; at 512 cached tokens top-512 is everything.
         assert entry["ours_dense"]["bytes_needed"]["total_bytes"] >= entry["ours"]["bytes_needed"]["total_bytes"]
 
@@ -165,6 +168,32 @@ def test_interleaved_timing_stops_when_the_ratio_is_steady(monkeypatch):
     jump_once = step("b", lambda n: 1.0 if n <= 3 else 2.0)
     _, steady = bench.time_interleaved({"a": step("a", lambda n: 1.0), "b": jump_once}, 0, 3, 5)
     assert steady["batches"] == 3 and steady["criterion_met"]
+
+
+def test_dsa_layer_only_reports_the_percent_of_its_limit(tmp_path):
+    """`--quick --dsa-layer-only`: section 1 alone. Each variant's bytes a step must read, written from the dims
+    (indexer keys over the context, the selected `[c | k_pe]` rows, the layer's weights), equal what its own cache
+    holds per token plus its weights, and the step is a % of that limit in (0, 100]."""
+    bench = load_bench()
+    out = tmp_path / "dsa.json"
+    bench.main(["--quick", "--dsa-layer-only", "--threads", "1", "--repeats", "2", "--max-batches", "2",
+                "--out", str(out)])  # fmt: skip
+    report = json.loads(out.read_text())
+    assert set(report) >= {"bandwidth", "dsa_layer_decode"} and "model_decode" not in report
+    config = bench.kdsa_config(quick=True)
+    row_bytes = 2 * (config.kv_lora_rank + config.qk_rope_head_dim)  # bf16 [c | k_pe]
+    assert [entry["context"] for entry in report["dsa_layer_decode"]] == [256, 512]
+    for entry in report["dsa_layer_decode"]:
+        context = entry["context"]
+        selected = min(config.index_topk, context)
+        for name, rows in (("ours", selected), ("ours_dense", context), ("DeepseekV32", selected)):
+            needed = entry[name]["bytes_needed"]
+            assert needed["indexer_bytes"] == 2 * context * config.index_head_dim
+            assert needed["latent_bytes"] == rows * row_bytes
+            assert needed["weight_bytes"] > 0
+            assert needed["total_bytes"] == needed["from_cache_total_bytes"], name
+            assert 0 < entry[name]["limit"]["percent_of_limit"] <= 100
+        assert entry["ours_percent_of_limit"] == entry["ours"]["limit"]["percent_of_limit"]
 
 
 def test_bytes_per_decode_step_formula():

@@ -140,6 +140,51 @@ def test_fused_indexer_equals_reference(num_keys, num_queries, query_start, inde
     assert torch.equal(fused, expected)  # same keys, same order (equal scores: earlier key first), same -1
 
 
+def consecutive_pages(logical: torch.Tensor, page_size: int, first: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence `[1, S, W]` in consecutive pool pages `first, first + 1, ...` (what the store hands a single
+    sequence), NaN in the pages before and after and in the slots after the last token."""
+    _, num_tokens, width = logical.shape
+    num_pages = -(-num_tokens // page_size)
+    pages = torch.full((first + num_pages + 2, page_size, width), float("nan"), dtype=logical.dtype)
+    pages.view(-1, width)[first * page_size : first * page_size + num_tokens] = logical[0]
+    block_table = torch.full((1, num_pages + 2), -1, dtype=torch.int64)
+    block_table[0, :num_pages] = torch.arange(first, first + num_pages)
+    return pages, block_table
+
+
+@pytest.mark.parametrize("blocks", ["default", "one_page"])
+@pytest.mark.parametrize("kind", ["gaussian", "integer"])
+@pytest.mark.parametrize(("num_keys", "num_queries", "query_start"), INDEXER_CASES)
+def test_fused_indexer_reads_consecutive_pages_in_place(num_keys, num_queries, query_start, kind, blocks, request):
+    """A single sequence in consecutive pages is scored from slices of the pool (no copy of the keys), exactly as the
+    reference in fp32; one page out of order falls back to the copying path, still exact."""
+    if blocks == "one_page":
+        request.getfixturevalue("one_page_blocks")
+    q_index, weights, k_index, _, _ = indexer_inputs(num_keys, num_queries, kind, num_keys)
+    q_index, weights, k_index = q_index[:1], weights[:1], k_index[:1]
+    index_pages, block_table = consecutive_pages(k_index, 16)
+    args = (q_index, weights, index_pages, block_table, num_keys, 16, query_start)
+    expected = dsa_ops.indexer_topk(q_index, weights, k_index, 16, query_start)
+    assert torch.equal(paged_indexer_topk_fused(*args), expected)
+    if block_table[0, 1] >= 0:  # two pages or more: swap the first two pages' contents and their table entries
+        swapped_pages, swapped_table = index_pages.clone(), block_table.clone()
+        swapped_pages[[2, 3]], swapped_table[0, :2] = index_pages[[3, 2]], torch.tensor([3, 2])
+        swapped = paged_indexer_topk_fused(q_index, weights, swapped_pages, swapped_table, *args[4:])
+        assert torch.equal(swapped, expected)
+
+
+def test_fused_indexer_does_not_copy_consecutive_pages():
+    """Decode over one sequence in consecutive pages: nothing as large as its keys `[S, DI]` is allocated (the
+    products `[HI, S]` are the largest tensor), while shuffled pages are copied block by block."""
+    num_keys, heads, head_dim = 1000, 4, 16
+    q_index, weights, k_index, _, _ = indexer_inputs(num_keys, 1, "gaussian", seed=14, heads=heads, head_dim=head_dim)
+    index_pages, block_table = consecutive_pages(k_index[:1], 16)
+    args = (q_index[:1], weights[:1], index_pages, block_table, num_keys, 16, num_keys - 1)
+    assert largest_tensor(paged_indexer_topk_fused, *args) < num_keys * head_dim
+    shuffled = (q_index[:1], weights[:1], index_pages, block_table[:, [1, 0, *range(2, block_table.shape[1])]])
+    assert largest_tensor(paged_indexer_topk_fused, *shuffled, *args[4:]) >= num_keys * head_dim
+
+
 def test_packed_top_k_orders_like_the_reference_stable_sort():
     """The running top-k's packed keys rank exactly like dsa_ops.select_topk: descending score, equal scores
     (-0.0 == +0.0 included) by ascending position, -inf (not visible) as -1."""
