@@ -17,6 +17,7 @@ from transformers.models.kimi_linear import modeling_kimi_linear
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 
 from modeling_kdsa import KDSAConfig, kernels
+from modeling_kdsa import kda as kda_module
 from modeling_kdsa.cache import KDSACache
 from modeling_kdsa.kda import KDSAKimiDeltaAttention
 from modeling_kdsa.kda_ops import (
@@ -324,6 +325,31 @@ def test_prefill_in_two_chunks_equals_full_forward():
     first, second = layer(x[:, :50], cache=cache), layer(x[:, 50:], cache=cache)
     # fp32, chunk boundaries fall elsewhere: rounding only.
     torch.testing.assert_close(torch.cat([first, second], dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_segmented_prefill_is_bit_identical(monkeypatch, dtype, with_cache):
+    """A prefill longer than `PREFILL_SEGMENT` runs as consecutive segments (docs/kda.md §8): with the same chunk
+    boundaries and the state handed over in fp32, outputs and cached states are exactly those of one pass. 97
+    tokens in segments of 32: the last segment takes the remainder (33 tokens; a one-token segment would run its
+    projections as matrix-vector products, rounded differently). One row is left-padded."""
+    layer = make_layer(seed=5, dtype=dtype)
+    x = torch.randn(2, 97, HIDDEN, generator=torch.Generator().manual_seed(5)).to(dtype)
+    mask = torch.ones(2, 97, dtype=torch.long)
+    mask[1, :9] = 0
+    results = []
+    for segment in (1 << 30, 32):
+        monkeypatch.setattr(kda_module, "PREFILL_SEGMENT", segment)
+        cache = new_cache() if with_cache else None
+        out = layer(x, attention_mask=mask, cache=cache)
+        results.append((out, cache))
+    (full, full_cache), (segmented, cache) = results
+    assert torch.equal(segmented, full)
+    if with_cache:
+        assert torch.equal(cache.get_recurrent_state(0), full_cache.get_recurrent_state(0))
+        assert torch.equal(cache.get_conv_state(0), full_cache.get_conv_state(0))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -183,8 +183,9 @@ def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, cum_g: torch.Tensor) -
     # Blocks left of the diagonal: rows of sub-chunk a against every column j of an earlier sub-chunk (the columns
     # from the anchor on get factor 1: the diagonal block is overwritten below, the rest discarded).
     right = _decay(anchor - cum_g.unsqueeze(1))  # [X, NS, C, K]: exp(G_r − G_j)
-    k_right = (right * k.unsqueeze(1)).transpose(-1, -2).unsqueeze(2)  # [X, NS, 1, K, C]
-    scores = x_sub.mul(_decay(g_sub - anchor).unsqueeze(2)) @ k_right  # [X, NS, 2, SUB, C]
+    k_right = (right * k.unsqueeze(1)).transpose(-1, -2)  # [X, NS, K, C]
+    x_left = x_sub.mul(_decay(g_sub - anchor).unsqueeze(2)).view(rows, num_sub, 2 * SUB_CHUNK_SIZE, head_k_dim)
+    scores = (x_left @ k_right).view(rows, num_sub, 2, SUB_CHUNK_SIZE, chunk_size)  # [X, NS, 2, SUB, C]
 
     # Diagonal blocks: pairwise decays [X, NS, SUB(i), SUB(j), K] times k_j, then contracted with x_i over K as one
     # batched matmul per row i.
@@ -251,12 +252,14 @@ def chunk_kda(
         q_c, k_c, v_c, G, beta_c = q[n], k[n], v[n], cum_g[n], beta[n]
         A_qk, A_kk = _intra_chunk_scores(q_c, k_c, G)
         # UT transform: [W | U~] = (I + StrictTril(Diag(β) Akk))⁻¹ Diag(β) [K ⊙ exp G | V]. The solver reads
-        # only the strict lower triangle (unit diagonal).
+        # only the strict lower triangle (unit diagonal). Solved transposed, [W | U~]ᵀ (I + ...)ᵀ = (...)ᵀ, which
+        # takes our row-major operands as LAPACK's column-major ones: about 3x faster than the direct form on CPU.
         exp_g = _decay(G)
         rhs = beta_c * torch.cat([k_c * exp_g, v_c], dim=-1)
-        w, u = torch.linalg.solve_triangular(beta_c * A_kk, rhs, upper=False, unitriangular=True).split(
-            [head_k_dim, head_v_dim], dim=-1
+        wu = torch.linalg.solve_triangular(
+            (beta_c * A_kk).transpose(-1, -2), rhs.transpose(-1, -2), upper=True, left=False, unitriangular=True
         )
+        w, u = wu.transpose(-1, -2).split([head_k_dim, head_v_dim], dim=-1)
         u = torch.baddbmm(u, w, state, alpha=-1)  # corrected values: remove what S0 already predicts
         o[n] = torch.baddbmm((q_c * exp_g) @ state, A_qk, u)
         G_last = G[:, -1:, :]  # [B·H, 1, K]
