@@ -142,7 +142,7 @@ def test_ops_reject_bad_shapes():
         with pytest.raises(ValueError, match="initial_state must be"):
             kernel(q, k, v, g, beta, initial_state=state[:, :, :3])
     with pytest.raises(ValueError, match="chunk_size"):
-        chunk_kda(q, k, v, g, beta, chunk_size=20)
+        chunk_kda(q, k, v, g, beta, chunk_size=18)
     with pytest.raises(ValueError, match="A_log"):
         kda_gate(torch.zeros(1, 2, 3, 4), torch.zeros(2), torch.zeros(12))
 

@@ -16,7 +16,7 @@ from .kda_ops import causal_short_conv, causal_short_conv_step, kda_gate, l2norm
 from .kernels import kernel_set
 from .sequence_parallel import SequenceParallelContext
 
-# A prefill longer than this runs in segments of this many tokens (docs/kda.md §8), a multiple of every chunk size.
+# A prefill longer than this runs in segments of this many tokens (docs/kda.md §8), a multiple of the chunk size.
 PREFILL_SEGMENT = 2048
 
 

@@ -142,9 +142,10 @@ def recurrent_kda(
     return o, (state if output_final_state else None)
 
 
-# Secondary chunking inside a chunk: pairwise decays only within 8-token sub-chunks, matmuls across them. 8 rather
-# than 16 halves the pairwise `[SUB, SUB, K]` work, which dominated the prefill, for a few more small matmuls.
-SUB_CHUNK_SIZE = 8
+# Secondary chunking inside a chunk: pairwise decays only within 4-token sub-chunks, matmuls across them. The
+# pairwise `[SUB, SUB, K]` work per token grows with SUB, the cross-sub-chunk factors `[C / SUB, C, K]` per token with
+# C / SUB; with 16-token chunks, 4 balances them (docs/kda.md §5).
+SUB_CHUNK_SIZE = 4
 
 
 # Floor of the log decays that reach `exp`: below about -87 fp32 `exp` leaves its vectorised path (10-30x slower per
@@ -187,13 +188,16 @@ def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, cum_g: torch.Tensor) -
     x_left = x_sub.mul(_decay(g_sub - anchor).unsqueeze(2)).view(rows, num_sub, 2 * SUB_CHUNK_SIZE, head_k_dim)
     scores = (x_left @ k_right).view(rows, num_sub, 2, SUB_CHUNK_SIZE, chunk_size)  # [X, NS, 2, SUB, C]
 
-    # Diagonal blocks: pairwise decays [X, NS, SUB(i), SUB(j), K] times k_j, then contracted with x_i over K as one
-    # batched matmul per row i.
+    # Diagonal blocks: pairwise decays times k_j, [X, NS, SUB(i)·SUB(j), K], against every row x_(t, i') of the
+    # sub-chunk in one matmul, keeping the i' = i entries: SUB times the products of a batch of per-row matrix-vector
+    # products, but one large matmul, about twice as fast on CPU.
     k_decayed = _decay(g_sub.unsqueeze(-2) - g_sub.unsqueeze(-3)) * k_sub.unsqueeze(-3)  # not in place: exp's output
-    diagonal = k_decayed @ x_sub.permute(0, 1, 3, 4, 2)  # [X, NS, SUB(i), SUB(j), 2]
+    pairs = k_decayed.view(rows, num_sub, SUB_CHUNK_SIZE * SUB_CHUNK_SIZE, head_k_dim)
+    all_rows = x_sub.view(rows, num_sub, 2 * SUB_CHUNK_SIZE, head_k_dim) @ pairs.transpose(-1, -2)
+    shape = (rows, num_sub, 2, SUB_CHUNK_SIZE, SUB_CHUNK_SIZE, SUB_CHUNK_SIZE)
+    diagonal = torch.diagonal(all_rows.view(shape), dim1=3, dim2=4)  # [X, NS, 2, SUB(j), SUB(i)]
     blocks = scores.view(rows, num_sub, 2, SUB_CHUNK_SIZE, num_sub, SUB_CHUNK_SIZE)
-    sub = torch.arange(num_sub, device=k.device)
-    blocks[:, sub, :, :, sub] = diagonal.permute(1, 0, 4, 2, 3)  # [NS, X, 2, SUB(i), SUB(j)]
+    torch.diagonal(blocks, dim1=1, dim2=4).copy_(diagonal.permute(0, 2, 4, 3, 1))  # [X, 2, SUB(i), SUB(j), NS]
     scores = scores.transpose(1, 2).reshape(rows, 2, chunk_size, chunk_size)
     return scores[:, 0].tril(), scores[:, 1]
 
@@ -207,13 +211,13 @@ def chunk_kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    chunk_size: int = 32,
+    chunk_size: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunk-parallel KDA in the WY/UT form (docs/kda.md §5), the prefill path. Same contract as
     `recurrent_kda`; any T (the last chunk is padded with identity steps: k = v = 0, beta = 0, g = 0).
-    The default is 32 tokens per chunk (docs/kda.md §5: the triangular solve and the cross-sub-chunk factors grow
-    with the chunk, the state update shrinks). chunk_size must be a multiple of `SUB_CHUNK_SIZE` (8, the sub-chunk
-    size of `_intra_chunk_scores`).
+    The default is 16 tokens per chunk (docs/kda.md §5: the triangular solve and the cross-sub-chunk factors grow
+    with the chunk, the sequential state updates with the number of chunks). chunk_size must be a multiple of
+    `SUB_CHUNK_SIZE` (4, the sub-chunk size of `_intra_chunk_scores`).
 
     Per chunk, with `G` the chunk-local cumulative log decay and `S0` the state entering the chunk, the corrected
     values `U` (what each token writes into the state) solve the unit lower-triangular system
