@@ -167,6 +167,21 @@ def test_gate_and_short_conv_helpers():
     torch.testing.assert_close(causal_short_conv(x[..., 5:], weight, left_context=x[..., :5]), full[..., 5:])
 
 
+def test_short_conv_is_bit_identical_to_channel_major_conv1d():
+    """`causal_short_conv` convolves token-major (a channels-last conv2d) but gives exactly the values of the
+    channel-major `F.conv1d` over the zero- or context-padded sequence, for bf16 and fp32 (GLM) weights."""
+    gen = torch.Generator().manual_seed(9)
+    tokens = torch.randn(2, 37, 48, generator=gen).bfloat16()  # [B, T, C], as the layer's projections give them
+    context = torch.randn(2, 48, 5, generator=gen).bfloat16()
+    for weight_dtype in (torch.bfloat16, torch.float32):
+        weight = torch.randn(48, 1, CONV, generator=gen).to(weight_dtype)
+        for left in (None, context):
+            pad = tokens.new_zeros(2, 48, CONV - 1) if left is None else left[..., -(CONV - 1) :]
+            padded = torch.cat([pad, tokens.transpose(1, 2)], dim=-1).to(weight_dtype)
+            reference = F.silu(F.conv1d(padded, weight, groups=48)).bfloat16()
+            assert torch.equal(causal_short_conv(tokens.transpose(1, 2), weight, left_context=left), reference)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Layer helpers
 

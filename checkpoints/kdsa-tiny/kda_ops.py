@@ -144,7 +144,7 @@ def recurrent_kda(
 
 # Secondary chunking inside a chunk: pairwise decays only within 4-token sub-chunks, matmuls across them. The
 # pairwise `[SUB, SUB, K]` work per token grows with SUB, the cross-sub-chunk factors `[C / SUB, C, K]` per token with
-# C / SUB; with 16-token chunks, 4 balances them (docs/kda.md §5).
+# C / SUB (docs/kda.md §5).
 SUB_CHUNK_SIZE = 4
 
 
@@ -211,12 +211,13 @@ def chunk_kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    chunk_size: int = 16,
+    chunk_size: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunk-parallel KDA in the WY/UT form (docs/kda.md §5), the prefill path. Same contract as
     `recurrent_kda`; any T (the last chunk is padded with identity steps: k = v = 0, beta = 0, g = 0).
-    The default is 16 tokens per chunk (docs/kda.md §5: the triangular solve and the cross-sub-chunk factors grow
-    with the chunk, the sequential state updates with the number of chunks). chunk_size must be a multiple of
+    The default is 32 tokens per chunk (docs/kda.md §5: the triangular solve and the cross-sub-chunk factors grow
+    with the chunk, the sequential state updates, and their rounding, with the number of chunks). chunk_size must be
+    a multiple of
     `SUB_CHUNK_SIZE` (4, the sub-chunk size of `_intra_chunk_scores`).
 
     Per chunk, with `G` the chunk-local cumulative log decay and `S0` the state entering the chunk, the corrected
