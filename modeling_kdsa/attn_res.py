@@ -14,7 +14,7 @@ import copy
 import torch
 from torch import nn
 
-from .norms import KDSARMSNorm
+from .norms import KDSARMSNorm, token_segments
 
 
 class KDSADepthAttention(nn.Module):
@@ -31,7 +31,14 @@ class KDSADepthAttention(nn.Module):
         self.key_norm = KDSARMSNorm(hidden_size, eps=eps).float()
 
     def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        """Direct formula. `sources`: n tensors `[B, T, D]` → `[B, T, D]` in the sources' dtype."""
+        """Direct formula. `sources`: n tensors `[B, T, D]` → `[B, T, D]` in the sources' dtype. Position-wise, so a
+        long sequence runs in token segments (docs/design.md §12)."""
+        segments = token_segments(sources[0].shape[1])
+        if len(segments) == 1:
+            return self._attend(sources)
+        return torch.cat([self._attend([source[:, part] for source in sources]) for part in segments], dim=1)
+
+    def _attend(self, sources: list[torch.Tensor]) -> torch.Tensor:
         values = torch.stack(sources)  # [n, B, T, D]
         # A product and a sum rather than a GEMV: a loaded query may sit at any alignment inside the checkpoint's
         # memory map, and the BLAS GEMV's rounding depends on it (a model and its reload gave different bits).
@@ -158,7 +165,8 @@ class BlockAttnResStream:
 
     def _inv_rms(self, x: torch.Tensor) -> torch.Tensor:
         """`1 / rms(x)` over the hidden dim, as `KDSARMSNorm` computes it: `[B, T, D]` → `[B, T]` fp32."""
-        return torch.rsqrt(x.float().pow(2).mean(dim=-1) + self.eps)
+        segments = token_segments(x.shape[1])  # docs/design.md §12
+        return torch.cat([torch.rsqrt(x[:, part].float().pow(2).mean(dim=-1) + self.eps) for part in segments], dim=1)
 
     def _inter_block_statistics(self, first_sublayer: int) -> None:
         """Phase 1: softmax statistics over the completed blocks for every query of the block starting here."""
@@ -167,14 +175,20 @@ class BlockAttnResStream:
         queries = torch.stack([a.query for a in attns]).float()
         self.block_queries = queries * torch.stack([a.key_norm.weight for a in attns]).float()  # [S, D]
         self.block_first_sublayer = first_sublayer
-        values = torch.stack(self.blocks).float()  # [n, B, T, D]
-        inv_rms = torch.stack(self.block_inv_rms)  # [n, B, T]
-        logits = torch.einsum("sd,nbtd->snbt", self.block_queries, values) * inv_rms  # [S, n, B, T]
-        max_ = logits.amax(dim=1)  # [S, B, T]
-        exp = (logits - max_.unsqueeze(1)).exp()
-        denominator = exp.sum(dim=1)  # [S, B, T], >= 1
-        self.block_output = torch.einsum("snbt,nbtd->sbtd", exp, values) / denominator.unsqueeze(-1)  # [S, B, T, D]
-        self.block_log_sum_exp = max_ + denominator.log()
+        # Position-wise: a long sequence runs in token segments (docs/design.md §12), each writing its tokens'
+        # statistics into the full-length tensors.
+        batch_size, seq_len, hidden_size = self.blocks[0].shape
+        self.block_output = self.blocks[0].new_empty(len(attns), batch_size, seq_len, hidden_size, dtype=torch.float32)
+        self.block_log_sum_exp = self.blocks[0].new_empty(len(attns), batch_size, seq_len, dtype=torch.float32)
+        for part in token_segments(seq_len):
+            values = torch.stack([block[:, part] for block in self.blocks]).float()  # [n, B, t, D]
+            inv_rms = torch.stack([inv[:, part] for inv in self.block_inv_rms])  # [n, B, t]
+            logits = torch.einsum("sd,nbtd->snbt", self.block_queries, values) * inv_rms  # [S, n, B, t]
+            max_ = logits.amax(dim=1)  # [S, B, t]
+            exp = (logits - max_.unsqueeze(1)).exp()
+            denominator = exp.sum(dim=1)  # [S, B, t], >= 1
+            self.block_output[:, :, part] = torch.einsum("snbt,nbtd->sbtd", exp, values) / denominator.unsqueeze(-1)
+            self.block_log_sum_exp[:, :, part] = max_ + denominator.log()
 
     def _merge_partial(self, sublayer_idx: int, partial: torch.Tensor | None) -> torch.Tensor:
         """Phase 2: two-source softmax of the blocks' statistics and the partial sum (None at a block start)."""
@@ -182,10 +196,15 @@ class BlockAttnResStream:
         out_dtype = self.blocks[0].dtype
         if partial is None:
             return self.block_output[slot].to(out_dtype)
+        segments = token_segments(partial.shape[1])  # position-wise: token segments (docs/design.md §12)
+        return torch.cat([self._merge_segment(slot, partial[:, part], part).to(out_dtype) for part in segments], dim=1)
+
+    def _merge_segment(self, slot: int, partial: torch.Tensor, part: slice) -> torch.Tensor:
+        """`_merge_partial` for the tokens `part` (`partial` holds just those): fp32 `[B, t, D]`."""
         partial = partial.float()
-        logit = (partial * self.block_queries[slot]).sum(dim=-1) * self._inv_rms(partial)  # [B, T]
-        partial_weight = torch.sigmoid(logit - self.block_log_sum_exp[slot])  # its softmax weight against the blocks
-        return torch.lerp(self.block_output[slot], partial, partial_weight.unsqueeze(-1)).to(out_dtype)
+        logit = (partial * self.block_queries[slot]).sum(dim=-1) * self._inv_rms(partial)  # [B, t]
+        partial_weight = torch.sigmoid(logit - self.block_log_sum_exp[slot][:, part])  # its softmax weight vs blocks
+        return torch.lerp(self.block_output[slot][:, part], partial, partial_weight.unsqueeze(-1))
 
 
 __all__ = ["KDSADepthAttention", "BlockAttnResStream"]

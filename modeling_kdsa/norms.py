@@ -3,6 +3,17 @@
 import torch
 from torch import nn
 
+# Position-wise work on a long sequence runs in segments of this many tokens (docs/design.md §12).
+TOKEN_SEGMENT = 1024
+
+
+def token_segments(seq_len: int, size: int | None = None) -> list[slice]:
+    """Consecutive slices covering `seq_len` positions, `size` (default `TOKEN_SEGMENT`) each but the last, which
+    takes the remainder: every slice holds at least `size` positions (one slice when `seq_len < 2·size`)."""
+    size = TOKEN_SEGMENT if size is None else size
+    starts = list(range(0, max(seq_len - size, 0) + 1, size))
+    return [slice(start, end) for start, end in zip(starts, [*starts[1:], seq_len], strict=True)]
+
 
 class KDSARMSNorm(nn.Module):
     """RMSNorm: `x / sqrt(mean(x²) + eps) * weight`, normalised in fp32 and cast back to the input dtype."""
@@ -13,6 +24,14 @@ class KDSARMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Normalises each vector along the last dim; a long second-to-last dim (the tokens of a prefill) in
+        segments (docs/design.md §12), which gives the same values."""
+        segments = token_segments(hidden_states.shape[-2]) if hidden_states.dim() > 1 else [slice(None)]
+        if len(segments) == 1:
+            return self._normalize(hidden_states)
+        return torch.cat([self._normalize(hidden_states[..., part, :]) for part in segments], dim=-2)
+
+    def _normalize(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.float()
         variance = hidden_states.pow(2).mean(-1, keepdim=True)

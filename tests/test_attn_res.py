@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from modeling_kdsa import norms
 from modeling_kdsa.attn_res import BlockAttnResStream, KDSADepthAttention
 
 HIDDEN = 16
@@ -332,3 +333,27 @@ def test_misuse_raises():
         BlockAttnResStream(
             emb, block_size=2, depth_attns=[KDSADepthAttention(HIDDEN, 1e-6), KDSADepthAttention(HIDDEN, 1e-5)]
         )
+
+
+@pytest.mark.parametrize("two_phase", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_segments_are_bit_identical(monkeypatch, two_phase, dtype):
+    """A long sequence runs in token segments (docs/design.md §12): with segments of 64 tokens (the last one taking
+    the remainder: 64, 64, 70), every sublayer input, the final aggregation and the key norm are exactly those of
+    one pass, in fp32 and bf16, with two rows, and gradients still reach the queries."""
+    generator = torch.Generator().manual_seed(31)
+    attns = make_depth_attns(6, seed=32)
+    final_attn = make_depth_attns(1, seed=33)[0]
+    embeddings = torch.randn(2, 198, HIDDEN, generator=generator).to(dtype)
+    outputs = [(torch.randn(2, 198, HIDDEN, generator=generator) * 10.0 ** (s % 3 - 1)).to(dtype) for s in range(6)]
+    assert [(p.start, p.stop) for p in norms.token_segments(198, 64)] == [(0, 64), (64, 128), (128, 198)]
+    results = []
+    for segment in (1 << 30, 64):
+        monkeypatch.setattr(norms, "TOKEN_SEGMENT", segment)
+        inputs, out = run_stream(embeddings, 4, attns, constant_sublayers(outputs), two_phase, final_attn)
+        results.append([*inputs, out, attns[0].key_norm(embeddings.float())])
+    for s, (whole, segmented) in enumerate(zip(*results, strict=True)):
+        assert torch.equal(segmented, whole), s
+    assert all(a.query.grad is None for a in attns)
+    sum(x.float().sum() for x in results[1][:-1]).backward()
+    assert attns[5].query.grad is not None and attns[5].query.grad.abs().sum() > 0

@@ -17,6 +17,7 @@ from transformers.models.kimi_linear import modeling_kimi_linear
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 
 from modeling_kdsa import KDSAConfig, kernels
+from modeling_kdsa import kda as kda_module
 from modeling_kdsa.cache import KDSACache
 from modeling_kdsa.kda import KDSAKimiDeltaAttention
 from modeling_kdsa.kda_ops import (
@@ -141,7 +142,7 @@ def test_ops_reject_bad_shapes():
         with pytest.raises(ValueError, match="initial_state must be"):
             kernel(q, k, v, g, beta, initial_state=state[:, :, :3])
     with pytest.raises(ValueError, match="chunk_size"):
-        chunk_kda(q, k, v, g, beta, chunk_size=20)
+        chunk_kda(q, k, v, g, beta, chunk_size=18)
     with pytest.raises(ValueError, match="A_log"):
         kda_gate(torch.zeros(1, 2, 3, 4), torch.zeros(2), torch.zeros(12))
 
@@ -164,6 +165,21 @@ def test_gate_and_short_conv_helpers():
         steps.append(causal_short_conv_step(x[..., t : t + 1], weight, x[..., :t]))
     torch.testing.assert_close(torch.cat(steps, dim=-1), full)
     torch.testing.assert_close(causal_short_conv(x[..., 5:], weight, left_context=x[..., :5]), full[..., 5:])
+
+
+def test_short_conv_is_bit_identical_to_channel_major_conv1d():
+    """`causal_short_conv` convolves token-major (a channels-last conv2d) but gives exactly the values of the
+    channel-major `F.conv1d` over the zero- or context-padded sequence, for bf16 and fp32 (GLM) weights."""
+    gen = torch.Generator().manual_seed(9)
+    tokens = torch.randn(2, 37, 48, generator=gen).bfloat16()  # [B, T, C], as the layer's projections give them
+    context = torch.randn(2, 48, 5, generator=gen).bfloat16()
+    for weight_dtype in (torch.bfloat16, torch.float32):
+        weight = torch.randn(48, 1, CONV, generator=gen).to(weight_dtype)
+        for left in (None, context):
+            pad = tokens.new_zeros(2, 48, CONV - 1) if left is None else left[..., -(CONV - 1) :]
+            padded = torch.cat([pad, tokens.transpose(1, 2)], dim=-1).to(weight_dtype)
+            reference = F.silu(F.conv1d(padded, weight, groups=48)).bfloat16()
+            assert torch.equal(causal_short_conv(tokens.transpose(1, 2), weight, left_context=left), reference)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -324,6 +340,31 @@ def test_prefill_in_two_chunks_equals_full_forward():
     first, second = layer(x[:, :50], cache=cache), layer(x[:, 50:], cache=cache)
     # fp32, chunk boundaries fall elsewhere: rounding only.
     torch.testing.assert_close(torch.cat([first, second], dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_segmented_prefill_is_bit_identical(monkeypatch, dtype, with_cache):
+    """A prefill longer than `PREFILL_SEGMENT` runs as consecutive segments (docs/kda.md §8): with the same chunk
+    boundaries and the state handed over in fp32, outputs and cached states are exactly those of one pass. 97
+    tokens in segments of 32: the last segment takes the remainder (33 tokens; a one-token segment would run its
+    projections as matrix-vector products, rounded differently). One row is left-padded."""
+    layer = make_layer(seed=5, dtype=dtype)
+    x = torch.randn(2, 97, HIDDEN, generator=torch.Generator().manual_seed(5)).to(dtype)
+    mask = torch.ones(2, 97, dtype=torch.long)
+    mask[1, :9] = 0
+    results = []
+    for segment in (1 << 30, 32):
+        monkeypatch.setattr(kda_module, "PREFILL_SEGMENT", segment)
+        cache = new_cache() if with_cache else None
+        out = layer(x, attention_mask=mask, cache=cache)
+        results.append((out, cache))
+    (full, full_cache), (segmented, cache) = results
+    assert torch.equal(segmented, full)
+    if with_cache:
+        assert torch.equal(cache.get_recurrent_state(0), full_cache.get_recurrent_state(0))
+        assert torch.equal(cache.get_conv_state(0), full_cache.get_conv_state(0))
 
 
 # ---------------------------------------------------------------------------------------------------------------

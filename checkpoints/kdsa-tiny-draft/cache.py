@@ -725,8 +725,10 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
         return conv, torch.zeros(state_shape, dtype=torch.float32, device=conv_inputs.device)
 
     def _window(self, conv: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-        """The last W columns of `conv` followed by `columns` (contiguous: no view pins the longer tensor)."""
-        return torch.cat([conv, columns.to(conv.dtype)], dim=-1)[..., -self.conv_kernel_size[0] :].contiguous()
+        """The last W columns of `conv` followed by `columns` (contiguous: no view pins the longer tensor). Only the
+        last W columns are copied: a prefill's `columns` is a strided view of the whole sequence."""
+        width = self.conv_kernel_size[0]
+        return torch.cat([conv, columns[..., -width:].to(conv.dtype)], dim=-1)[..., -width:].contiguous()
 
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
         """Append the pre-conv columns `[B, C, T]` of the current tokens. The window is replaced, never written in

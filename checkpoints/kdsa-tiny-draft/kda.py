@@ -17,6 +17,9 @@ from .kernels import kernel_set
 from .linear import KDSALinear
 from .sequence_parallel import SequenceParallelContext
 
+# A prefill longer than this runs in segments of this many tokens (docs/kda.md §8), a multiple of the chunk size.
+PREFILL_SEGMENT = 2048
+
 
 class KDSAGatedRMSNorm(nn.Module):
     """`y = x / sqrt(mean(x²) + eps) · weight · sigmoid(gate)` over the last dim, all in fp32 like fla's
@@ -133,7 +136,42 @@ class KDSAKimiDeltaAttention(nn.Module):
         conv_state = cache.get_conv_state(self.layer_idx) if has_previous_state else None
         recurrent_state = cache.get_recurrent_state(self.layer_idx) if has_previous_state else None
         decoding = has_previous_state and seq_len == 1
+        if sequence_parallel is not None or seq_len <= PREFILL_SEGMENT or self._records_replay_inputs(cache):
+            return self._mix(hidden_states, mask, cache, sequence_parallel, conv_state, recurrent_state, decoding)[0]
+        # A long prefill runs as consecutive forwards of PREFILL_SEGMENT tokens, the last one taking the remainder
+        # (docs/kda.md §8); each hands its pre-conv columns and final state to the next, as the cache would.
+        outputs = []
+        starts = list(range(0, seq_len - PREFILL_SEGMENT + 1, PREFILL_SEGMENT))
+        for start, end in zip(starts, [*starts[1:], seq_len], strict=True):
+            part = slice(start, end)
+            segment_mask = None if mask is None else mask[:, part]
+            out, conv_state, recurrent_state = self._mix(
+                hidden_states[:, part], segment_mask, cache, None, conv_state, recurrent_state, False, True
+            )
+            outputs.append(out)
+        return torch.cat(outputs, dim=1)
 
+    def _records_replay_inputs(self, cache: Cache | None) -> bool:
+        """True when the cache keeps this layer's replay inputs for rollback (docs/kda.md §7): such a forward is not
+        split into segments, so that one forward's tokens stay one record, as long as its rollback window."""
+        return isinstance(cache, KDSACache) and cache.rollback_tokens > 0
+
+    def _mix(
+        self,
+        hidden_states: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: Cache | None,
+        sequence_parallel: SequenceParallelContext | None,
+        conv_state: torch.Tensor | None,
+        recurrent_state: torch.Tensor | None,
+        decoding: bool,
+        need_final_state: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The layer on `hidden_states: [B, T, D]` (padding already zeroed, `mask: [B, T]` bool or None) after the
+        pre-conv columns `conv_state` and the recurrent state `recurrent_state` (both None at a sequence start);
+        updates `cache` when given. Returns the output `[B, T, D]`, the pre-conv columns `[B, C, T]` and the final
+        state (None unless `cache` or `need_final_state`)."""
+        batch_size, seq_len, _ = hidden_states.shape
         # Short conv over q, k, v together: [B, C, T] with C = 2·H·K + H·V.
         qkv = torch.cat(
             [self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1
@@ -167,7 +205,13 @@ class KDSAKimiDeltaAttention(nn.Module):
             o, final_state = sequence_parallel.kda_recurrence(q, k, v, g, beta, kda_chunk=kernel)
         else:
             o, final_state = kernel(
-                q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None
+                q,
+                k,
+                v,
+                g,
+                beta,
+                initial_state=recurrent_state,
+                output_final_state=cache is not None or need_final_state,
             )
         if cache is not None:
             if isinstance(cache, KDSACache) and sequence_parallel is None:
@@ -183,7 +227,7 @@ class KDSAKimiDeltaAttention(nn.Module):
                 cache.layers[self.layer_idx].commit_unrecorded(sequence_parallel.seq_len)
 
         o = self.o_norm(o, self.output_gate(hidden_states).reshape(heads_v)).reshape(batch_size, seq_len, -1)
-        return self.o_proj(o)
+        return self.o_proj(o), qkv, final_state
 
     def output_gate(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Pre-sigmoid output gate `[B, T, H·V]` of `hidden_states: [B, T, D]` (full-rank or low-rank)."""

@@ -46,20 +46,25 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, left_context: torch
 
     x: `[B, C, T]`; weight: `[C, 1, W]` (an `nn.Conv1d(groups=C)` weight); left_context: `[B, C, L]`, the inputs
     that came before `x` (a cached conv state), or None for a sequence start. Missing context counts as zeros.
-    Computed in the weight's dtype; returns `[B, C, T]` in x's dtype.
+    Computed in the weight's dtype; returns `[B, C, T]` in x's dtype, stored token-major (its transpose is contiguous).
     """
     batch_size, channels, _ = x.shape
     width = weight.shape[-1]
     if weight.shape != (channels, 1, width):
         raise ValueError(f"causal_short_conv: weight must be [C={channels}, 1, W], got shape {tuple(weight.shape)}")
+    # Token-major `[B, T, C]` throughout (a view when x is the transpose of a token-major tensor, as the KDA layer
+    # passes it): a channels-last depthwise conv2d over `[B, C, 1, T]` reads and writes that layout directly, where
+    # the channel-major conv1d needs two transposing copies of the whole sequence, several times the conv's cost on
+    # CPU. The W-1 context columns make the un-padded conv output exactly T columns, one per input of x.
     if left_context is None:
-        context = x.new_zeros(batch_size, channels, width - 1)
+        context = x.new_zeros(batch_size, width - 1, channels)
     else:
-        context = left_context[..., max(left_context.shape[-1] - (width - 1), 0) :].to(x.dtype)
-        context = F.pad(context, (width - 1 - context.shape[-1], 0))
-    # The W-1 context columns make the un-padded conv output exactly T columns, one per input of x.
+        context = left_context[..., max(left_context.shape[-1] - (width - 1), 0) :].to(x.dtype).transpose(1, 2)
+        context = F.pad(context, (0, 0, width - 1 - context.shape[1], 0))
+    tokens = torch.cat([context, x.transpose(1, 2)], dim=1).to(weight.dtype)  # [B, W-1+T, C]
     # In the weight's dtype (fp32 weights give an fp32 conv, as GLM-5.3-Flash runs it), returned in x's dtype.
-    return F.silu(F.conv1d(torch.cat([context, x], dim=-1).to(weight.dtype), weight, groups=channels)).to(x.dtype)
+    out = F.conv2d(tokens.unsqueeze(1).permute(0, 3, 1, 2), weight.unsqueeze(2), groups=channels)  # [B, C, 1, T]
+    return F.silu(out.squeeze(2)).to(x.dtype)
 
 
 def causal_short_conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
@@ -137,48 +142,64 @@ def recurrent_kda(
     return o, (state if output_final_state else None)
 
 
-# Secondary chunking inside a chunk: pairwise decays only within 8-token sub-chunks, matmuls across them. 8 rather
-# than 16 halves the pairwise `[SUB, SUB, K]` work, which dominated the prefill, for a few more small matmuls.
-SUB_CHUNK_SIZE = 8
+# Secondary chunking inside a chunk: pairwise decays only within 4-token sub-chunks, matmuls across them. The
+# pairwise `[SUB, SUB, K]` work per token grows with SUB, the cross-sub-chunk factors `[C / SUB, C, K]` per token with
+# C / SUB (docs/kda.md §5).
+SUB_CHUNK_SIZE = 4
+
+
+# Floor of the log decays that reach `exp`: below about -87 fp32 `exp` leaves its vectorised path (10-30x slower per
+# element on CPU) for results under 1e-38. exp(-60) < 1e-26 is far below the rounding of every term it joins.
+MIN_LOG_DECAY = -60.0
+
+
+def _decay(log_decay: torch.Tensor) -> torch.Tensor:
+    """`exp(clamp(log_decay, MIN_LOG_DECAY, 0))`: a decay factor in (0, 1]. The upper clamp turns the positive
+    exponents of masked (acausal) pairs into 1, finite in the forward and backward, instead of masking them to
+    `-inf` (whose `exp` is also off the fast path); callers discard those entries."""
+    return log_decay.clamp(MIN_LOG_DECAY, 0.0).exp_()
 
 
 def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, cum_g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Decayed dot products inside one chunk (docs/kda.md §5, "secondary chunking").
 
-    q, k, cum_g: `[B, H, C, K]`, cum_g the chunk-local cumulative log decay G. Returns `(A_qk, A_kk)`, both
-    `[B, H, C, C]`, with `A_xk[i, j] = Σ_d x_i[d] k_j[d] exp(G_i[d] − G_j[d])` for j <= i and 0 above the diagonal.
+    q, k, cum_g: `[X, C, K]` (X = batch · heads), cum_g the chunk-local cumulative log decay G. Returns
+    `(A_qk, A_kk)`, both `[X, C, C]`, with `A_xk[i, j] = Σ_d x_i[d] k_j[d] exp(G_i[d] − G_j[d])` for j <= i;
+    `A_qk` is 0 above the diagonal, `A_kk` holds arbitrary finite values there (its solver reads only the strict
+    lower triangle).
 
     Each exponent must stay <= 0 (a positive one overflows fp32 for strong gates). Inside a sub-chunk the pairwise
-    differences are masked above the diagonal before `exp`. Across sub-chunks the decay is split at the anchor `r`,
-    the first position of the row's sub-chunk: `exp(G_i − G_j) = exp(G_i − G_r) · exp(G_r − G_j)` with j < r <= i,
-    so both factors are <= 1 and the block is a plain matmul. q and k are stacked as the two rows `x` of one product;
-    masking and exp run in place on fresh temporaries (several MiB per chunk), never on a tensor autograd keeps.
+    differences are clamped to <= 0 (the acausal ones are discarded). Across sub-chunks the decay is split at the
+    anchor `r`, the first position of the row's sub-chunk: `exp(G_i − G_j) = exp(G_i − G_r) · exp(G_r − G_j)` with
+    j < r <= i, so both factors are <= 1 and the block is a plain matmul. q and k are stacked as the two rows `x` of
+    one product; exp runs in place on fresh temporaries, never on a tensor autograd keeps.
     """
-    batch_size, num_heads, chunk_size, head_k_dim = k.shape
+    rows, chunk_size, head_k_dim = k.shape
     num_sub = chunk_size // SUB_CHUNK_SIZE
-    sub_shape = (batch_size, num_heads, num_sub, SUB_CHUNK_SIZE, head_k_dim)
+    sub_shape = (rows, num_sub, SUB_CHUNK_SIZE, head_k_dim)
     k_sub, g_sub = k.reshape(sub_shape), cum_g.reshape(sub_shape)
-    x_sub = torch.stack([q.reshape(sub_shape), k_sub], dim=3)  # [B, H, NS, 2, SUB, K]: rows of A_qk and A_kk
-    anchor = g_sub[..., :1, :]  # [B, H, NS, 1, K]
+    x_sub = torch.stack([q.reshape(sub_shape), k_sub], dim=2)  # [X, NS, 2, SUB, K]: rows of A_qk and A_kk
+    anchor = g_sub[..., :1, :]  # [X, NS, 1, K]
 
-    # Blocks left of the diagonal: rows of sub-chunk a against every column j of an earlier sub-chunk.
-    positions = torch.arange(chunk_size, device=k.device)
-    earlier = positions.unsqueeze(0) < positions[::SUB_CHUNK_SIZE].unsqueeze(1)  # [NS, C]: j before sub-chunk a
-    right = (anchor - cum_g.unsqueeze(2)).masked_fill_(~earlier.unsqueeze(-1), float("-inf")).exp_()  # [B,H,NS,C,K]
-    k_right = (right * k.unsqueeze(2)).transpose(-1, -2).unsqueeze(3)  # [B, H, NS, 1, K, C]
-    scores = x_sub.mul((g_sub - anchor).exp_().unsqueeze(3)) @ k_right  # [B, H, NS, 2, SUB, C], 0 from the diagonal
+    # Blocks left of the diagonal: rows of sub-chunk a against every column j of an earlier sub-chunk (the columns
+    # from the anchor on get factor 1: the diagonal block is overwritten below, the rest discarded).
+    right = _decay(anchor - cum_g.unsqueeze(1))  # [X, NS, C, K]: exp(G_r − G_j)
+    k_right = (right * k.unsqueeze(1)).transpose(-1, -2)  # [X, NS, K, C]
+    x_left = x_sub.mul(_decay(g_sub - anchor).unsqueeze(2)).view(rows, num_sub, 2 * SUB_CHUNK_SIZE, head_k_dim)
+    scores = (x_left @ k_right).view(rows, num_sub, 2, SUB_CHUNK_SIZE, chunk_size)  # [X, NS, 2, SUB, C]
 
-    # Diagonal blocks: pairwise decays [B, H, NS, SUB(i), SUB(j), K], causal (diagonal included), times k_j, then
-    # contracted with x_i over K as one batched matmul per row i.
-    causal = torch.ones(SUB_CHUNK_SIZE, SUB_CHUNK_SIZE, dtype=torch.bool, device=k.device).tril()
-    k_decayed = (g_sub.unsqueeze(-2) - g_sub.unsqueeze(-3)).masked_fill_(~causal.unsqueeze(-1), float("-inf"))
-    k_decayed = k_decayed.exp_() * k_sub.unsqueeze(-3)  # not in place: autograd keeps exp's output
-    diagonal = k_decayed @ x_sub.permute(0, 1, 2, 4, 5, 3)  # [B, H, NS, SUB(i), SUB(j), 2]
-    blocks = scores.view(batch_size, num_heads, num_sub, 2, SUB_CHUNK_SIZE, num_sub, SUB_CHUNK_SIZE)
-    sub = torch.arange(num_sub, device=k.device)
-    blocks[:, :, sub, :, :, sub] = diagonal.permute(2, 0, 1, 5, 3, 4)  # [NS, B, H, 2, SUB(i), SUB(j)]
-    scores = scores.transpose(2, 3).reshape(batch_size, num_heads, 2, chunk_size, chunk_size)
-    return scores[:, :, 0], scores[:, :, 1]
+    # Diagonal blocks: pairwise decays times k_j, [X, NS, SUB(i)·SUB(j), K], against every row x_(t, i') of the
+    # sub-chunk in one matmul, keeping the i' = i entries: SUB times the products of a batch of per-row matrix-vector
+    # products, but one large matmul, about twice as fast on CPU.
+    k_decayed = _decay(g_sub.unsqueeze(-2) - g_sub.unsqueeze(-3)) * k_sub.unsqueeze(-3)  # not in place: exp's output
+    pairs = k_decayed.view(rows, num_sub, SUB_CHUNK_SIZE * SUB_CHUNK_SIZE, head_k_dim)
+    all_rows = x_sub.view(rows, num_sub, 2 * SUB_CHUNK_SIZE, head_k_dim) @ pairs.transpose(-1, -2)
+    shape = (rows, num_sub, 2, SUB_CHUNK_SIZE, SUB_CHUNK_SIZE, SUB_CHUNK_SIZE)
+    diagonal = torch.diagonal(all_rows.view(shape), dim1=3, dim2=4)  # [X, NS, 2, SUB(j), SUB(i)]
+    blocks = scores.view(rows, num_sub, 2, SUB_CHUNK_SIZE, num_sub, SUB_CHUNK_SIZE)
+    torch.diagonal(blocks, dim1=1, dim2=4).copy_(diagonal.permute(0, 2, 4, 3, 1))  # [X, 2, SUB(i), SUB(j), NS]
+    scores = scores.transpose(1, 2).reshape(rows, 2, chunk_size, chunk_size)
+    return scores[:, 0].tril(), scores[:, 1]
 
 
 def chunk_kda(
@@ -194,9 +215,10 @@ def chunk_kda(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunk-parallel KDA in the WY/UT form (docs/kda.md §5), the prefill path. Same contract as
     `recurrent_kda`; any T (the last chunk is padded with identity steps: k = v = 0, beta = 0, g = 0).
-    The default is 32 tokens per chunk (docs/kda.md §5: on CPU 0.28 s against 0.38 s for 64 and 0.25 s for 16 in
-    one run; the triangular solve and the cross-sub-chunk factors grow with the chunk, the state update shrinks).
-    chunk_size must be a multiple of `SUB_CHUNK_SIZE` (8, the sub-chunk size of `_intra_chunk_scores`).
+    The default is 32 tokens per chunk (docs/kda.md §5: the triangular solve and the cross-sub-chunk factors grow
+    with the chunk, the sequential state updates, and their rounding, with the number of chunks). chunk_size must be
+    a multiple of
+    `SUB_CHUNK_SIZE` (4, the sub-chunk size of `_intra_chunk_scores`).
 
     Per chunk, with `G` the chunk-local cumulative log decay and `S0` the state entering the chunk, the corrected
     values `U` (what each token writes into the state) solve the unit lower-triangular system
@@ -214,34 +236,41 @@ def chunk_kda(
     out_dtype = v.dtype
     num_chunks = -(-seq_len // chunk_size)
     pad = num_chunks * chunk_size - seq_len
+    rows = batch_size * num_heads
 
     def to_chunks(x: torch.Tensor) -> torch.Tensor:
-        """`[B, T, H, D]` -> fp32 `[B, H, N, C, D]`, zero-padded at the end (zeros are identity steps)."""
-        x = F.pad(x.float().transpose(1, 2), (0, 0, 0, pad))
-        return x.reshape(batch_size, num_heads, num_chunks, chunk_size, x.shape[-1])
+        """`[B, T, H, D]` -> fp32 `[N, B·H, C, D]` (each chunk contiguous), zero-padded at the end (zeros are
+        identity steps)."""
+        x = F.pad(x.float(), (0, 0, 0, 0, 0, pad)).view(batch_size, num_chunks, chunk_size, num_heads, -1)
+        return x.permute(1, 0, 3, 2, 4).reshape(num_chunks, rows, chunk_size, x.shape[-1])
 
     q, k, v, g = to_chunks(q) * scale, to_chunks(k), to_chunks(v), to_chunks(g)
-    beta = to_chunks(beta.unsqueeze(-1))  # [B, H, N, C, 1]
+    beta = to_chunks(beta.unsqueeze(-1))  # [N, B·H, C, 1]
     cum_g = g.cumsum(dim=-2)  # chunk-local cumulative log decay G: <= 0, decreasing along C
 
     if initial_state is None:
-        state = q.new_zeros(batch_size, num_heads, head_k_dim, head_v_dim)
+        state = q.new_zeros(rows, head_k_dim, head_v_dim)
     else:
-        state = initial_state.float()
-    o = q.new_empty(batch_size, num_heads, num_chunks, chunk_size, head_v_dim)
+        state = initial_state.float().reshape(rows, head_k_dim, head_v_dim)
+    o = q.new_empty(num_chunks, rows, chunk_size, head_v_dim)
     for n in range(num_chunks):
-        q_c, k_c, v_c, G, beta_c = q[:, :, n], k[:, :, n], v[:, :, n], cum_g[:, :, n], beta[:, :, n]
+        q_c, k_c, v_c, G, beta_c = q[n], k[n], v[n], cum_g[n], beta[n]
         A_qk, A_kk = _intra_chunk_scores(q_c, k_c, G)
         # UT transform: [W | U~] = (I + StrictTril(Diag(β) Akk))⁻¹ Diag(β) [K ⊙ exp G | V]. The solver reads
-        # only the strict lower triangle (unit diagonal), so Akk's diagonal needs no masking.
-        rhs = beta_c * torch.cat([k_c * G.exp(), v_c], dim=-1)
-        w, u = torch.linalg.solve_triangular(beta_c * A_kk, rhs, upper=False, unitriangular=True).split(
-            [head_k_dim, head_v_dim], dim=-1
+        # only the strict lower triangle (unit diagonal). Solved transposed, [W | U~]ᵀ (I + ...)ᵀ = (...)ᵀ, which
+        # takes our row-major operands as LAPACK's column-major ones: about 3x faster than the direct form on CPU.
+        exp_g = _decay(G)
+        rhs = beta_c * torch.cat([k_c * exp_g, v_c], dim=-1)
+        wu = torch.linalg.solve_triangular(
+            (beta_c * A_kk).transpose(-1, -2), rhs.transpose(-1, -2), upper=True, left=False, unitriangular=True
         )
-        u = u - w @ state  # corrected values: remove what S0 already predicts
-        o[:, :, n] = (q_c * G.exp()) @ state + A_qk @ u
-        G_last = G[..., -1:, :]  # [B, H, 1, K]
-        state = state * G_last.transpose(-1, -2).exp() + (k_c * (G_last - G).exp()).transpose(-1, -2) @ u
+        w, u = wu.transpose(-1, -2).split([head_k_dim, head_v_dim], dim=-1)
+        u = torch.baddbmm(u, w, state, alpha=-1)  # corrected values: remove what S0 already predicts
+        o[n] = torch.baddbmm((q_c * exp_g) @ state, A_qk, u)
+        G_last = G[:, -1:, :]  # [B·H, 1, K]
+        state = torch.baddbmm(state * _decay(G_last.transpose(-1, -2)), (k_c * _decay(G_last - G)).transpose(-1, -2), u)
 
-    o = o.reshape(batch_size, num_heads, num_chunks * chunk_size, head_v_dim)[:, :, :seq_len]
-    return o.transpose(1, 2).to(out_dtype), (state if output_final_state else None)
+    o = o.view(num_chunks, batch_size, num_heads, chunk_size, head_v_dim).permute(1, 0, 3, 2, 4)
+    o = o.reshape(batch_size, num_chunks * chunk_size, num_heads, head_v_dim)[:, :seq_len]
+    final_state = state.view(batch_size, num_heads, head_k_dim, head_v_dim) if output_final_state else None
+    return o.to(out_dtype), final_state

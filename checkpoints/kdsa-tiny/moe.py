@@ -193,18 +193,19 @@ class KDSAExperts(nn.Module):
         # One host sync for the per-expert slice lengths.
         tokens_per_expert = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
 
-        grouped_inputs = hidden_states[token_of_pair]  # [N·k, D]
-        expert_outputs = []
+        # Each expert gathers its tokens and scatters its weighted outputs itself: the temporaries are one expert's
+        # rows, never all N·k pairs at once (at 16k tokens those were several 64-128 MiB tensors per layer).
+        output = hidden_states.new_zeros(hidden_states.shape, dtype=torch.float32)
         start = 0
         for expert, count in enumerate(tokens_per_expert):
             if count == 0:
                 continue
-            expert_outputs.append(self._run_expert(grouped_inputs[start : start + count], expert))
+            pairs = slice(start, start + count)
+            expert_output = self._run_expert(hidden_states[token_of_pair[pairs]], expert)
+            weighted = expert_output.float() * weight_of_pair[pairs].unsqueeze(-1)  # [count, D] fp32
+            # Sum each token's k weighted expert outputs in fp32, in expert order.
+            output.index_add_(0, token_of_pair[pairs], weighted)
             start += count
-
-        weighted = torch.cat(expert_outputs).float() * weight_of_pair.unsqueeze(-1)  # [N·k, D] fp32
-        output = hidden_states.new_zeros(hidden_states.shape, dtype=torch.float32)
-        output.index_add_(0, token_of_pair, weighted)  # sum each token's k weighted expert outputs in fp32
         return output.to(hidden_states.dtype)
 
     def _forward_one_token(
