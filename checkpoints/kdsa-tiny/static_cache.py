@@ -62,7 +62,8 @@ def _mark_static(tensor: torch.Tensor) -> None:
 def append_conv_window(conv_state: torch.Tensor, columns: torch.Tensor) -> None:
     """Slide the conv window `[B, C, W]` in place over the new pre-conv columns `[B, C, T]` (fixed address)."""
     width = conv_state.shape[-1]
-    conv_state.copy_(torch.cat([conv_state, columns.to(conv_state.dtype)], dim=-1)[..., -width:])
+    # Only the last W columns can reach the window: a long prefill's `[B, C, T]` is not copied whole.
+    conv_state.copy_(torch.cat([conv_state, columns[..., -width:].to(conv_state.dtype)], dim=-1)[..., -width:])
 
 
 class StaticKDALayer(KDAReplayLayer):
