@@ -9,8 +9,12 @@ TOKEN_SEGMENT = 1024
 
 def token_segments(seq_len: int, size: int | None = None) -> list[slice]:
     """Consecutive slices covering `seq_len` positions, `size` (default `TOKEN_SEGMENT`) each but the last, which
-    takes the remainder: every slice holds at least `size` positions (one slice when `seq_len < 2·size`)."""
+    takes the remainder: every slice holds at least `size` positions (one slice when `seq_len < 2·size`). Inside a
+    compile or export one slice: the segments only bound eager temporaries, and their bounds would specialise a
+    symbolic length."""
     size = TOKEN_SEGMENT if size is None else size
+    if torch.compiler.is_compiling():
+        return [slice(0, seq_len)]
     starts = list(range(0, max(seq_len - size, 0) + 1, size))
     return [slice(start, end) for start, end in zip(starts, [*starts[1:], seq_len], strict=True)]
 
