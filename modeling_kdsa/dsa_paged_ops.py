@@ -47,7 +47,8 @@ from .numeric_formats import PLANAR_ROWS, stored_planes
 
 # Bound on what the indexer holds per key block and sequence, the gathered keys `[n, DI]` (none when the block's
 # pages are consecutive in the pool: the keys are then a view, see `_consecutive_pages`) plus the products
-# `[T, HI, n]`: 2M elements whatever the context length. Blocks are as large as this allows because every block
+# `[T, HI, n]`: 2M elements whatever the context length (in bf16 the products are held twice, as the GEMM's bf16
+# output and its fp32 copy: about 12 MiB per block). Blocks are as large as this allows because every block
 # costs a fixed ~20 small ops and a top-k merge: a decode step (T = 1, HI 8, DI 64) reads 455 pages per block when
 # it copies them, 4096 (a 256k context in one block) when they are consecutive; a prefill block of 128 queries 30
 # or 32 pages.

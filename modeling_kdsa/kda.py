@@ -136,8 +136,10 @@ class KDSAKimiDeltaAttention(nn.Module):
         conv_state = cache.get_conv_state(self.layer_idx) if has_previous_state else None
         recurrent_state = cache.get_recurrent_state(self.layer_idx) if has_previous_state else None
         decoding = has_previous_state and seq_len == 1
-        # Not inside a compile or export: the segments bound eager temporaries, and would specialise a symbolic length.
-        segmented = not torch.compiler.is_compiling() and seq_len > PREFILL_SEGMENT
+        # CPU eager only (docs/kda.md §8): the segments bound eager temporaries, would specialise a symbolic length
+        # inside a compile or export, and only add kernel launches on an accelerator.
+        segmented = hidden_states.device.type == "cpu" and not torch.compiler.is_compiling()
+        segmented = segmented and seq_len > PREFILL_SEGMENT
         if sequence_parallel is not None or not segmented or self._records_replay_inputs(cache):
             return self._mix(hidden_states, mask, cache, sequence_parallel, conv_state, recurrent_state, decoding)[0]
         # A long prefill runs as consecutive forwards of PREFILL_SEGMENT tokens, the last one taking the remainder

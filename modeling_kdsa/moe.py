@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .linear import KDSALinear, linear, row_times_weight
+from .linear import KDSALinear, fuses_on_cpu, linear, row_times_weight
 from .norms import KDSARMSNorm
 from .numeric_formats import mxfp4_dequantize
 
@@ -230,7 +230,7 @@ class KDSAExperts(nn.Module):
 
     def _expert_mlp(self, inputs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """Each row of `inputs [n, D]` through its own expert's weights `gate_up [n, 2I, D]`, `down [n, D, I]`."""
-        if torch.compiler.is_compiling() and inputs.device.type == "cpu":
+        if fuses_on_cpu(inputs, gate_up):
             # Every row has its own weights, so none is reused: the fused multiply-and-sum reads each gathered weight
             # once, with the gather folded into that read instead of a copy first (docs/graph-mode.md §9).
             gate, up = row_times_weight(inputs, gate_up).chunk(2, dim=-1)

@@ -22,8 +22,9 @@ the batches run, whether the 10 % criterion was met and the spread of the pair-b
   4. peak RSS growth per measurement, cache bytes per token, and the physical limit: bytes a decode step must read
      divided by this machine's memory bandwidth, measured in the same run, as the fraction of it achieved;
   5. graph mode (torch.compile) on/off for the DSA kernels, and cold/warm compile time in fresh processes; and at the
-     first context the whole decode step eager (paged and static cache) vs compiled by generate()'s own compile call,
-     with an operator profile (top operators, aten calls per step) of each (scripts/bench_graph_mode.py).
+     smallest and largest context the whole decode step eager (paged and static cache) vs compiled by generate()'s
+     own compile call, with an operator profile (top operators, aten calls per step) of each
+     (scripts/bench_graph_mode.py) and the compiled step's fraction of the bandwidth limit.
 
 Long caches are not filled by prefill (a 64k eager prefill would allocate [H, T, T]): caches are filled directly with
 random tensors of the right shapes and dtypes through each cache's update API, then decode is timed. A pair is
@@ -46,6 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -1154,7 +1156,10 @@ def parse_args(argv=None):
     parser.add_argument("--prefill-repeats", type=int, default=1, help="interleaved prefill rounds per batch")
     parser.add_argument("--prefill-max-batches", type=int, default=3, help="prefill pairs: batches at most")
     parser.add_argument(
-        "--whole-step-repeats", type=int, default=10, help="eager vs compiled whole step (first context): repeats"
+        "--whole-step-repeats",
+        type=int,
+        default=10,
+        help="eager vs compiled whole step (smallest and largest context): repeats",
     )
     parser.add_argument("--max-prefill-gib", type=float, default=12.0, help="skip a peer prefill estimated above this")
     parser.add_argument(
@@ -1505,6 +1510,12 @@ class DSALayerBench:
             layer_cache = [c for c in cache_bytes(caches[name]) if c["kind"] != "linear" or c["state_bytes"]]
             from_cache = bytes_per_decode_step(layer_weight_bytes(layer), layer_cache, context, top_k)
             result["bytes_needed"]["from_cache_total_bytes"] = from_cache["total_bytes"]
+            if from_cache["total_bytes"] != result["bytes_needed"]["total_bytes"]:
+                warnings.warn(
+                    f"{name} at {context}: the floor from the dims ({result['bytes_needed']['total_bytes']} B) differs "
+                    f"from what its cache holds ({from_cache['total_bytes']} B)",
+                    stacklevel=1,
+                )
             result["limit"] = physical_limit(result["bytes_needed"]["total_bytes"], result["median_s"], bandwidth_gbs)
             entry[name] = result
             advance(f"{fmt_ctx(context)} layer {name}")

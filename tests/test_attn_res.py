@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from modeling_kdsa import norms
+from modeling_kdsa import attn_res, norms
 from modeling_kdsa.attn_res import BlockAttnResStream, KDSADepthAttention
 
 HIDDEN = 16
@@ -347,11 +347,15 @@ def test_token_segments_are_bit_identical(monkeypatch, two_phase, dtype):
     embeddings = torch.randn(2, 198, HIDDEN, generator=generator).to(dtype)
     outputs = [(torch.randn(2, 198, HIDDEN, generator=generator) * 10.0 ** (s % 3 - 1)).to(dtype) for s in range(6)]
     assert [(p.start, p.stop) for p in norms.token_segments(198, 64)] == [(0, 64), (64, 128), (128, 198)]
-    results = []
+    results, widest = [], []
+    segments = attn_res.token_segments
+    monkeypatch.setattr(attn_res, "token_segments", lambda *a: widest.append(len(segments(*a))) or segments(*a))
     for segment in (1 << 30, 64):
         monkeypatch.setattr(norms, "TOKEN_SEGMENT", segment)
+        widest.clear()
         inputs, out = run_stream(embeddings, 4, attns, constant_sublayers(outputs), two_phase, final_attn)
         results.append([*inputs, out, attns[0].key_norm(embeddings.float())])
+        assert max(widest) == (1 if segment > 198 else 3)  # the segmented pass did run in segments
     for s, (whole, segmented) in enumerate(zip(*results, strict=True)):
         assert torch.equal(segmented, whole), s
     assert all(a.query.grad is None for a in attns)

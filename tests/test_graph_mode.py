@@ -197,6 +197,20 @@ def test_single_row_linear_streams_the_weight_only_when_compiled(dtype, bias):
         assert got.dtype == dtype and got.shape == expected.shape
 
 
+def test_fused_form_stays_out_of_export_and_mixed_dtypes():
+    """The fused form is for inductor: a strict `torch.export` (traced by dynamo, so "compiling") records the `linear`
+    (its program may run without inductor), and activations of another dtype than the weight keep `F.linear`'s
+    behaviour, compiled or not (here its dtype error) instead of being silently cast (docs/graph-mode.md §9)."""
+    layer = KDSALinear(48, 40, bias=False)
+    x = torch.randn(1, 1, 48)
+    program = torch.export.export(layer, (x,), strict=True)
+    assert [str(node.target) for node in program.graph.nodes if node.op == "call_function"] == ["aten.linear.default"]
+    with pytest.raises(RuntimeError, match="dtype"):
+        layer(x.bfloat16())
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.compile(layer, backend=recording_backend, fullgraph=True)(x.bfloat16())
+
+
 @pytest.mark.parametrize("features", [{}, {"routed_expert_weight_format": "mxfp4", "moe_intermediate_size": 64}])
 def test_compiled_gathered_experts_match_the_grouped_loop(features):
     """The gathered-expert decode path under compile (the multiply-and-sum over gathered weights) equals the eager

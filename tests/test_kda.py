@@ -354,12 +354,15 @@ def test_segmented_prefill_is_bit_identical(monkeypatch, dtype, with_cache):
     x = torch.randn(2, 97, HIDDEN, generator=torch.Generator().manual_seed(5)).to(dtype)
     mask = torch.ones(2, 97, dtype=torch.long)
     mask[1, :9] = 0
-    results = []
+    results, mix_calls = [], []
+    mix = layer._mix
+    monkeypatch.setattr(layer, "_mix", lambda *args: mix_calls.append(args[0].shape[1]) or mix(*args))
     for segment in (1 << 30, 32):
         monkeypatch.setattr(kda_module, "PREFILL_SEGMENT", segment)
         cache = new_cache() if with_cache else None
         out = layer(x, attention_mask=mask, cache=cache)
         results.append((out, cache))
+    assert mix_calls == [97, 32, 32, 33]  # one pass, then the segments (the comparison is not of one pass twice)
     (full, full_cache), (segmented, cache) = results
     assert torch.equal(segmented, full)
     if with_cache:

@@ -364,10 +364,11 @@ def _continue(model, cache: KDSACache, cache_kind: str, steps: torch.Tensor) -> 
 # Simulated ranks run the same fp32 math as the process groups of test_parallel_distributed: the same 1e-4 bound on
 # O(1) logits (summation order only; a wrong halo, start state or causal limit moves logits by > 1e-2).
 CP_TOLERANCE = 1e-4
-# A quantized cache turns those fp32 differences into an occasional one-quantum flip of an FP8 element (measured: one
-# e4m3 byte of 29 · 64 latent values per DSA layer, logits moved by 1.8e-3 where a query selects that key), so its
-# logits get the flip's scale; the wrong halo / state / limit bugs above still move them by more.
-QUANTIZED_CP_TOLERANCE = 1e-2
+# A quantized cache can turn those fp32 differences into one FP8 element rounded the other way (measured at cp=3
+# contiguous with 2 threads: one e4m3 byte of 29 · 64 latent values per DSA layer, logits moved by 1.8e-3 where a
+# query selects that key; |logits| <= 0.55), so quantized cases allow that scale; a halo shifted by one token still
+# fails all four of them.
+QUANTIZED_CP_TOLERANCE = 5e-3
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])

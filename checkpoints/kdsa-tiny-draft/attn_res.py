@@ -165,8 +165,8 @@ class BlockAttnResStream:
 
     def _inv_rms(self, x: torch.Tensor) -> torch.Tensor:
         """`1 / rms(x)` over the hidden dim, as `KDSARMSNorm` computes it: `[B, T, D]` → `[B, T]` fp32."""
-        segments = token_segments(x.shape[1])  # docs/design.md §12
-        return torch.cat([torch.rsqrt(x[:, part].float().pow(2).mean(dim=-1) + self.eps) for part in segments], dim=1)
+        parts = [torch.rsqrt(x[:, part].float().pow(2).mean(dim=-1) + self.eps) for part in token_segments(x.shape[1])]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # docs/design.md §12
 
     def _inter_block_statistics(self, first_sublayer: int) -> None:
         """Phase 1: softmax statistics over the completed blocks for every query of the block starting here."""
@@ -196,8 +196,10 @@ class BlockAttnResStream:
         out_dtype = self.blocks[0].dtype
         if partial is None:
             return self.block_output[slot].to(out_dtype)
-        segments = token_segments(partial.shape[1])  # position-wise: token segments (docs/design.md §12)
-        return torch.cat([self._merge_segment(slot, partial[:, part], part).to(out_dtype) for part in segments], dim=1)
+        # Position-wise: token segments (docs/design.md §12); one segment needs no concatenation (a decode step).
+        segments = token_segments(partial.shape[1])
+        parts = [self._merge_segment(slot, partial[:, part], part).to(out_dtype) for part in segments]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _merge_segment(self, slot: int, partial: torch.Tensor, part: slice) -> torch.Tensor:
         """`_merge_partial` for the tokens `part` (`partial` holds just those): fp32 `[B, t, D]`."""

@@ -15,8 +15,9 @@ cache entries, and decode (`T = 1`) runs the same code.
 import copy
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .linear import linear
 
 
 def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -56,7 +57,7 @@ class KDSAHyperConnection(nn.Module):
         n = self.hc_mult
         flat = streams.reshape(*streams.shape[:2], -1).float()
         flat = flat * torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + self.norm_eps)
-        logits = F.linear(flat, self.fn.float())
+        logits = linear(flat, self.fn.float())
         pre_logit, post_logit, comb_logit = logits.split([n, n, n * n], dim=-1)
         pre_base, post_base, comb_base = self.base.float().split([n, n, n * n])
         pre_scale, post_scale, comb_scale = self.scale.float().unbind(0)

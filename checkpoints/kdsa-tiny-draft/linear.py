@@ -13,13 +13,23 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def streams_weight(hidden_states: torch.Tensor) -> bool:
-    """Whether a product with `hidden_states` takes the fused single-row form: one row, on CPU, inside a compile."""
+def fuses_on_cpu(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a product may take the fused form at all: inside a compile for inductor (not `torch.export`, whose
+    program other runtimes run op by op), on CPU, a plain weight of the activations' dtype (no tensor subclass such
+    as a quantized weight, no autocast: there `F.linear` decides the dtypes)."""
     return (
         torch.compiler.is_compiling()
+        and not torch.compiler.is_exporting()
         and hidden_states.device.type == "cpu"
-        and hidden_states.numel() == hidden_states.shape[-1]
+        and type(weight) in (torch.Tensor, nn.Parameter)
+        and weight.dtype == hidden_states.dtype
+        and not torch.is_autocast_enabled("cpu")
     )
+
+
+def streams_weight(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a product with `hidden_states` takes the fused single-row form: `fuses_on_cpu` and one row."""
+    return fuses_on_cpu(hidden_states, weight) and hidden_states.numel() == hidden_states.shape[-1]
 
 
 def row_times_weight(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -30,8 +40,8 @@ def row_times_weight(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 def linear(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, in the fused single-row form when `streams_weight(hidden_states)`."""
-    if streams_weight(hidden_states):
+    """`F.linear`, in the fused single-row form when `streams_weight(hidden_states, weight)`."""
+    if streams_weight(hidden_states, weight):
         return row_times_weight(hidden_states, weight, bias)
     return F.linear(hidden_states, weight, bias)
 
@@ -43,4 +53,4 @@ class KDSALinear(nn.Linear):
         return linear(hidden_states, self.weight, self.bias)
 
 
-__all__ = ["KDSALinear", "linear", "row_times_weight", "streams_weight"]
+__all__ = ["KDSALinear", "fuses_on_cpu", "linear", "row_times_weight", "streams_weight"]

@@ -217,8 +217,7 @@ def chunk_kda(
     `recurrent_kda`; any T (the last chunk is padded with identity steps: k = v = 0, beta = 0, g = 0).
     The default is 32 tokens per chunk (docs/kda.md §5: the triangular solve and the cross-sub-chunk factors grow
     with the chunk, the sequential state updates, and their rounding, with the number of chunks). chunk_size must be
-    a multiple of
-    `SUB_CHUNK_SIZE` (4, the sub-chunk size of `_intra_chunk_scores`).
+    a multiple of `SUB_CHUNK_SIZE` (4, the sub-chunk size of `_intra_chunk_scores`).
 
     Per chunk, with `G` the chunk-local cumulative log decay and `S0` the state entering the chunk, the corrected
     values `U` (what each token writes into the state) solve the unit lower-triangular system
