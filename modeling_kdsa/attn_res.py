@@ -14,7 +14,7 @@ import copy
 import torch
 from torch import nn
 
-from .norms import KDSARMSNorm, token_segments
+from .norms import KDSARMSNorm, join_segments, token_segments
 
 
 class KDSADepthAttention(nn.Module):
@@ -35,8 +35,8 @@ class KDSADepthAttention(nn.Module):
         long sequence runs in token segments (docs/design.md §12)."""
         segments = token_segments(sources[0].shape[1])
         if len(segments) == 1:
-            return self._attend(sources)
-        return torch.cat([self._attend([source[:, part] for source in sources]) for part in segments], dim=1)
+            return self._attend(sources)  # no slicing
+        return join_segments([self._attend([source[:, part] for source in sources]) for part in segments], dim=1)
 
     def _attend(self, sources: list[torch.Tensor]) -> torch.Tensor:
         values = torch.stack(sources)  # [n, B, T, D]
@@ -166,7 +166,7 @@ class BlockAttnResStream:
     def _inv_rms(self, x: torch.Tensor) -> torch.Tensor:
         """`1 / rms(x)` over the hidden dim, as `KDSARMSNorm` computes it: `[B, T, D]` → `[B, T]` fp32."""
         parts = [torch.rsqrt(x[:, part].float().pow(2).mean(dim=-1) + self.eps) for part in token_segments(x.shape[1])]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # docs/design.md §12
+        return join_segments(parts, dim=1)  # docs/design.md §12
 
     def _inter_block_statistics(self, first_sublayer: int) -> None:
         """Phase 1: softmax statistics over the completed blocks for every query of the block starting here."""
@@ -198,8 +198,7 @@ class BlockAttnResStream:
             return self.block_output[slot].to(out_dtype)
         # Position-wise: token segments (docs/design.md §12); one segment needs no concatenation (a decode step).
         segments = token_segments(partial.shape[1])
-        parts = [self._merge_segment(slot, partial[:, part], part).to(out_dtype) for part in segments]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return join_segments([self._merge_segment(slot, partial[:, part], part).to(out_dtype) for part in segments], 1)
 
     def _merge_segment(self, slot: int, partial: torch.Tensor, part: slice) -> torch.Tensor:
         """`_merge_partial` for the tokens `part` (`partial` holds just those): fp32 `[B, t, D]`."""

@@ -15,6 +15,7 @@ from .configuration_kdsa import KDA_LAYER
 from .kda_ops import causal_short_conv, causal_short_conv_step, kda_gate, l2norm
 from .kernels import kernel_set
 from .linear import KDSALinear
+from .norms import token_segments
 from .sequence_parallel import SequenceParallelContext
 
 # A prefill longer than this runs in segments of this many tokens (docs/kda.md §8), a multiple of the chunk size.
@@ -136,18 +137,17 @@ class KDSAKimiDeltaAttention(nn.Module):
         conv_state = cache.get_conv_state(self.layer_idx) if has_previous_state else None
         recurrent_state = cache.get_recurrent_state(self.layer_idx) if has_previous_state else None
         decoding = has_previous_state and seq_len == 1
-        # CPU eager only (docs/kda.md §8): the segments bound eager temporaries, would specialise a symbolic length
-        # inside a compile or export, and only add kernel launches on an accelerator.
-        segmented = hidden_states.device.type == "cpu" and not torch.compiler.is_compiling()
-        segmented = segmented and seq_len > PREFILL_SEGMENT
-        if sequence_parallel is not None or not segmented or self._records_replay_inputs(cache):
-            return self._mix(hidden_states, mask, cache, sequence_parallel, conv_state, recurrent_state, decoding)[0]
         # A long prefill runs as consecutive forwards of PREFILL_SEGMENT tokens, the last one taking the remainder
-        # (docs/kda.md §8); each hands its pre-conv columns and final state to the next, as the cache would.
+        # (docs/kda.md §8), on CPU only: the segments bound eager temporaries and only add kernel launches on an
+        # accelerator (token_segments gives one segment inside a compile or export).
+        segmentable = hidden_states.device.type == "cpu" and sequence_parallel is None
+        segmentable = segmentable and not self._records_replay_inputs(cache)
+        parts = token_segments(seq_len, PREFILL_SEGMENT) if segmentable else []
+        if len(parts) <= 1:
+            return self._mix(hidden_states, mask, cache, sequence_parallel, conv_state, recurrent_state, decoding)[0]
+        # Each segment hands its pre-conv columns and final state to the next, as the cache would.
         outputs = []
-        starts = list(range(0, seq_len - PREFILL_SEGMENT + 1, PREFILL_SEGMENT))
-        for start, end in zip(starts, [*starts[1:], seq_len], strict=True):
-            part = slice(start, end)
+        for part in parts:
             segment_mask = None if mask is None else mask[:, part]
             out, conv_state, recurrent_state = self._mix(
                 hidden_states[:, part], segment_mask, cache, None, conv_state, recurrent_state, False, True

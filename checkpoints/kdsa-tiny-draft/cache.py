@@ -205,25 +205,22 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         last_page = (self.num_tokens + new_tokens - 1) // self.page_size
         table = self.block_table
         shared_partial = self.num_tokens % self.page_size != 0
-        if last_page < table.shape[1]:
-            # Most decode steps write into pages every sequence already owns: nothing to do, and no O(pages) copy
-            # of the table through Python lists.
-            written = table[:, first_page : last_page + 1].tolist()
-            owned = all(page >= 0 for row in written for page in row)
-            if owned and not (shared_partial and any(self.page_refcount[row[0]] > 1 for row in written)):
-                return
         if last_page >= table.shape[1]:
             pad = torch.full(
                 (table.shape[0], last_page + 1 - table.shape[1]), -1, dtype=torch.long, device=table.device
             )
             table = torch.cat([table, pad], dim=1)
-        rows = table.tolist()
-        needed = sum(1 for row in rows for p in range(first_page, last_page + 1) if row[p] < 0)
-        if shared_partial:
-            needed += sum(1 for row in rows if self.page_refcount[row[first_page]] > 1)
+        # Count from the pages written only: most decode steps write into private pages every sequence already owns,
+        # and then the table is not rebuilt (an O(pages) trip through Python lists).
+        written = table[:, first_page : last_page + 1].tolist()
+        copies = [shared_partial and self.page_refcount[row[0]] > 1 for row in written]
+        needed = sum(page < 0 for row in written for page in row) + sum(copies)
+        if needed == 0:
+            return
         self._grow_pool(needed)
-        for row in rows:
-            if shared_partial and self.page_refcount[row[first_page]] > 1:
+        rows = table.tolist()
+        for row, copy_on_write in zip(rows, copies, strict=True):
+            if copy_on_write:
                 shared, private = row[first_page], self._take_page()
                 for plane in self._all_planes():
                     _bytes_view(plane)[private] = _bytes_view(plane)[shared]
@@ -626,6 +623,13 @@ def attention_store_class(config, layer_idx: int) -> type[KDSAPagedMLALayer]:
 ROLLBACK_TOKENS = 256
 
 
+def slid_conv_window(conv: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """The conv window `[B, C, W]` slid over the new pre-conv columns `[B, C, T]`: the last W columns of both. Only
+    the last W new columns are copied (a prefill's `columns` is a strided view of the whole sequence)."""
+    width = conv.shape[-1]
+    return torch.cat([conv, columns[..., -width:].to(conv.dtype)], dim=-1)[..., -width:]
+
+
 class KDAReplayRecord(NamedTuple):
     """What one forward fed into a KDA layer's conv and recurrence, per token, so those steps can be replayed.
 
@@ -725,10 +729,8 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
         return conv, torch.zeros(state_shape, dtype=torch.float32, device=conv_inputs.device)
 
     def _window(self, conv: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-        """The last W columns of `conv` followed by `columns` (contiguous: no view pins the longer tensor). Only the
-        last W columns are copied: a prefill's `columns` is a strided view of the whole sequence."""
-        width = self.conv_kernel_size[0]
-        return torch.cat([conv, columns[..., -width:].to(conv.dtype)], dim=-1)[..., -width:].contiguous()
+        """`slid_conv_window`, contiguous: no view pins the longer tensor."""
+        return slid_conv_window(conv, columns).contiguous()
 
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
         """Append the pre-conv columns `[B, C, T]` of the current tokens. The window is replaced, never written in

@@ -19,6 +19,11 @@ def token_segments(seq_len: int, size: int | None = None) -> list[slice]:
     return [slice(start, end) for start, end in zip(starts, [*starts[1:], seq_len], strict=True)]
 
 
+def join_segments(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """The per-segment results concatenated along `dim`; a single segment (every decode step) is returned as is."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
 class KDSARMSNorm(nn.Module):
     """RMSNorm: `x / sqrt(mean(x²) + eps) * weight`, normalised in fp32 and cast back to the input dtype."""
 
@@ -30,10 +35,10 @@ class KDSARMSNorm(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Normalises each vector along the last dim; a long second-to-last dim (the tokens of a prefill) in
         segments (docs/design.md §12), which gives the same values."""
-        segments = token_segments(hidden_states.shape[-2]) if hidden_states.dim() > 1 else [slice(None)]
-        if len(segments) == 1:
+        if hidden_states.dim() == 1:
             return self._normalize(hidden_states)
-        return torch.cat([self._normalize(hidden_states[..., part, :]) for part in segments], dim=-2)
+        segments = token_segments(hidden_states.shape[-2])
+        return join_segments([self._normalize(hidden_states[..., part, :]) for part in segments], dim=-2)
 
     def _normalize(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype

@@ -38,6 +38,7 @@ from .cache import (
     _map_planes,
     _planes,
     attention_store_class,
+    slid_conv_window,
 )
 from .configuration_kdsa import DSA_LAYER, MLA_LAYER
 from .dsa_paged_ops import static_kpool_origin
@@ -61,9 +62,7 @@ def _mark_static(tensor: torch.Tensor) -> None:
 
 def append_conv_window(conv_state: torch.Tensor, columns: torch.Tensor) -> None:
     """Slide the conv window `[B, C, W]` in place over the new pre-conv columns `[B, C, T]` (fixed address)."""
-    width = conv_state.shape[-1]
-    # Only the last W columns can reach the window: a long prefill's `[B, C, T]` is not copied whole.
-    conv_state.copy_(torch.cat([conv_state, columns[..., -width:].to(conv_state.dtype)], dim=-1)[..., -width:])
+    conv_state.copy_(slid_conv_window(conv_state, columns))
 
 
 class StaticKDALayer(KDAReplayLayer):
