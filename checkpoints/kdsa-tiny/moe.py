@@ -212,9 +212,9 @@ class KDSAExperts(nn.Module):
         self, hidden_states: torch.Tensor, topk_indices: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """One token (batch-1 decode): its k experts in turn, without the sort, counts and scatter of the grouped
-        path. Each expert's weights are read in place; the gathered batched GEMV of the compiled path would first copy
-        them (about 2.5x slower on CPU at the benchmark shape). Bit-identical to `forward`: the same GEMVs, summed
-        in fp32 in the same (expert) order."""
+        path. Each expert's weights are read in place; eagerly, the gathered batched GEMV of `_forward_gathered` would
+        first copy them (about 2.5x slower on CPU at the benchmark shape; compiled, the gather fuses into the read).
+        Bit-identical to `forward`: the same GEMVs, summed in fp32 in the same (expert) order."""
         weights = topk_weights.reshape(-1, 1).float()  # [k, 1]
         output = None
         for slot, expert in sorted(enumerate(topk_indices.reshape(-1).tolist()), key=lambda pair: pair[1]):
