@@ -39,6 +39,21 @@ def host_syncs(graphs) -> list[str]:
     return syncs
 
 
+def page_gathers(graphs) -> list[str]:
+    """`index_select`s of the captured graphs (their compile regions included) that gather whole pages `[n, P, W]`
+    rather than rows: a fixed-shape read that copies the pool instead of viewing it (docs/graph-mode.md §3)."""
+    gathers = []
+    for graph in graphs:
+        for module in graph.modules():
+            if not isinstance(module, torch.fx.GraphModule):
+                continue
+            for node in module.graph.nodes:
+                value = node.meta.get("example_value")
+                if "index_select" in str(node.target) and isinstance(value, torch.Tensor) and value.dim() == 3:
+                    gathers.append(f"{node.name} {tuple(value.shape)}")
+    return gathers
+
+
 def compile_config(backend=recording_backend, **overrides) -> CompileConfig:
     """What generate() needs to compile on CPU: `_compile_all_devices` (a class attribute, not an init argument)."""
     config = CompileConfig(fullgraph=True, mode="default", backend=backend, **overrides)
@@ -301,6 +316,7 @@ def test_compiled_static_decode_other_layer_kinds():
     got = greedy(model, ids, mask, 16, cache_implementation="static", compile_config=compile_config())
     assert torch.equal(got, expected)
     assert len(CAPTURED_GRAPHS) == 1 and host_syncs(CAPTURED_GRAPHS) == []
+    assert page_gathers(CAPTURED_GRAPHS) == []  # dense MLA and the indexer read their pools in place
 
 
 # GLM-5.3-Flash's shape: NoPE, the k-pool indexer (kp = 4, 2 pools + the tail of 3 per query), a shared-indexer layer
@@ -388,6 +404,7 @@ def test_compiled_static_decode_with_kpool_indexer():
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), atol=2e-5, rtol=1e-5)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert len(CAPTURED_GRAPHS) == 1 and host_syncs(CAPTURED_GRAPHS) == []
+    assert page_gathers(CAPTURED_GRAPHS) == []  # the pooled keys are read in place
 
 
 @pytest.mark.slow
@@ -494,3 +511,4 @@ def test_quantized_static_cache_eager_and_compiled():
     compiled = greedy(model, ids, mask, 12, cache_implementation="static", compile_config=compile_config())
     assert torch.equal(compiled, paged.sequences)
     assert len(CAPTURED_GRAPHS) == 1 and host_syncs(CAPTURED_GRAPHS) == []
+    assert page_gathers(CAPTURED_GRAPHS) == []  # quantized pools are dequantized whole, not gathered first

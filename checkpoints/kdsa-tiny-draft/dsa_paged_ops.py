@@ -99,6 +99,16 @@ def read_pages(pages, page_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     return pages.index_select(0, page_ids)
 
 
+def sequence_rows(pages, block_table: torch.Tensor | None, batch: int, dtype: torch.dtype) -> torch.Tensor:
+    """Every slot of every sequence, `[B, n·P, W]` values. block_table `[B, n]`: the pages are gathered (a copy of
+    the whole pool). None: the pages are in sequence order, sequence `b` owning pages `b·n … b·n + n - 1` (the static
+    store's fixed mapping), so plain pages are read in place, as a view of the pool (docs/graph-mode.md §3)."""
+    if block_table is not None:
+        return read_pages(pages, block_table.reshape(-1), dtype).view(batch, -1, page_geometry(pages)[2])
+    values = pages.dequantize(dtype) if isinstance(pages, PLANAR_ROWS) else pages
+    return values.view(batch, -1, values.shape[-1])
+
+
 def read_rows(pages, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows at flat slot ids `slots` `[n]` (`page * P + offset`) as values `[n, W]`: plain rows as stored, quantized
     rows gathered with their scales and dequantized into `dtype` (only the rows read)."""
@@ -946,7 +956,7 @@ def static_indexer_topk(
     q_index: torch.Tensor,
     weights: torch.Tensor,
     index_pages,
-    block_table: torch.Tensor,
+    block_table: torch.Tensor | None,
     num_keys: torch.Tensor,
     index_topk: int,
     query_start: torch.Tensor,
@@ -956,9 +966,9 @@ def static_indexer_topk(
     index_pages `[N, P, DI]` (or quantized), block_table `[B, n]` fully mapped, num_keys / query_start 0-d int64
     tensors, key_padding_mask bool `[B, L]` or None. Returns int64 `[B, T, min(index_topk, L)]`, best first, -1 = no
     key. The selection equals `paged_indexer_topk_*`'s (same scores, same tie rule: `_pack_scores`); only the width
-    differs, the extra slots being -1."""
+    differs, the extra slots being -1. block_table None: the pages are in sequence order (`sequence_rows`)."""
     batch, num_queries, num_heads, head_dim = q_index.shape
-    keys = read_pages(index_pages, block_table.reshape(-1), q_index.dtype).view(batch, -1, head_dim)
+    keys = sequence_rows(index_pages, block_table, batch, q_index.dtype)
     capacity = keys.shape[1]
     scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
     key_positions = torch.arange(capacity, device=q_index.device)
@@ -982,7 +992,7 @@ def static_kpool_indexer_topk(
     weights: torch.Tensor,
     index_pages: torch.Tensor,
     pool_pages: torch.Tensor,
-    block_table: torch.Tensor,
+    block_table: torch.Tensor | None,
     num_keys: torch.Tensor,
     index_topk: int,
     query_start: torch.Tensor,
@@ -993,7 +1003,8 @@ def static_kpool_indexer_topk(
     """k-pool indexer top-k over every pooled-key slot of the block table (docs/dsa.md §9, docs/graph-mode.md §3).
 
     Arguments as `paged_kpool_indexer_topk_*` (`index_pages` is not read: the store pools keys when they complete),
-    except num_keys / query_start: 0-d int64 tensors, and key_padding_mask: bool `[B, L]` padded to the capacity.
+    except num_keys / query_start: 0-d int64 tensors, key_padding_mask: bool `[B, L]` padded to the capacity, and
+    block_table None: the pages are in sequence order (`sequence_rows`).
     Slot `r` of a sequence holds the pool ending in its `r`-th group of `kp` tokens, at `r·kp + (origin + kp - 1) mod
     kp`; a query sees it when that end is at or after the first pool's end and at or before the query and the last
     cached token (a pool is written when its last token arrives, so nothing later is read). Returns int64 `[B, T,
@@ -1001,7 +1012,7 @@ def static_kpool_indexer_topk(
     scores and tie rule) with extra -1 slots."""
     batch, num_queries, num_heads, head_dim = q_index.shape
     kpool = ape.shape[0]
-    keys = read_pages(pool_pages, block_table.reshape(-1), q_index.dtype).view(batch, -1, head_dim)
+    keys = sequence_rows(pool_pages, block_table, batch, q_index.dtype)
     num_slots = keys.shape[1]
     origin = static_kpool_origin(key_padding_mask, batch, q_index.device)
     first_pool_end = origin + kpool - 1
@@ -1024,7 +1035,7 @@ def static_dense_mla(
     q_latent: torch.Tensor,
     q_pe: torch.Tensor,
     kv_pages,
-    block_table: torch.Tensor,
+    block_table: torch.Tensor | None,
     num_keys: torch.Tensor,
     query_start: torch.Tensor,
     softmax_scale: float,
@@ -1032,10 +1043,11 @@ def static_dense_mla(
 ) -> torch.Tensor:
     """Dense causal absorbed MLA over every slot of the block table under the visibility mask: one `_dense_block`
     step (the online-softmax block the paged kernels use) over all `L` rows.
-    Shapes as `paged_dense_mla_fused`; returns `[B, T, H, C]`."""
+    Shapes as `paged_dense_mla_fused` (block_table None: pages in sequence order, `sequence_rows`); returns
+    `[B, T, H, C]`."""
     batch, num_queries, num_heads, latent_width = q_latent.shape
     query = torch.cat([q_latent, q_pe], dim=-1).contiguous()
-    rows = read_pages(kv_pages, block_table.reshape(-1), query.dtype).view(batch, -1, query.shape[-1])
+    rows = sequence_rows(kv_pages, block_table, batch, query.dtype)
     key_positions = torch.arange(rows.shape[1], device=query.device)
     limit = _visible_limit(query_start, num_queries, num_keys)
     visible = (key_positions[None, :] <= limit[:, None])[None]
@@ -1055,6 +1067,7 @@ __all__ = [
     "page_geometry",
     "read_pages",
     "read_rows",
+    "sequence_rows",
     "paged_indexer_topk_reference",
     "paged_sparse_mla_reference",
     "paged_indexer_topk_fused",

@@ -155,6 +155,8 @@ class _StaticPagedMixin:
         for name, store in zip(self.store_names, pools, strict=True):
             # Own contiguous planes (an encoding may return views): the kernels read rows by flat slot id.
             setattr(self, name, _map_planes(store, lambda plane: plane.contiguous().clone()))
+        # Sequence b owns pages b·n … b·n + n - 1, in order: the fixed-shape reads take the pool in that order, in
+        # place (block table None, dsa_paged_ops.sequence_rows); the table serves the eager kernels and the writes.
         self.block_table = torch.arange(num_pages, device=self.device).view(batch_size, self.pages_per_sequence)
         self.num_tokens = torch.zeros((), dtype=torch.long, device=self.device)
         for tensor in (*self._all_planes(), self.block_table, self.num_tokens):
@@ -199,7 +201,7 @@ class _StaticPagedMixin:
     def dense_attention(self, q_latent, q_pe, query_start, softmax_scale, key_padding_mask=None):
         if _compiling():
             return self.static_dense_kernel(
-                q_latent, q_pe, self.kv_pages, self.block_table, self.num_tokens, query_start, softmax_scale,
+                q_latent, q_pe, self.kv_pages, None, self.num_tokens, query_start, softmax_scale,
                 key_padding_mask,
             )  # fmt: skip
         num_keys, start, mask = self._eager_args(query_start, key_padding_mask)
@@ -274,7 +276,7 @@ class StaticPagedLayer(_StaticPagedMixin, KDSAPagedLayer):
         q_index = self.formats.quantize_index_queries(q_index)
         if _compiling():
             return self.static_indexer_kernel(
-                q_index, weights, self.index_pages, self.block_table, self.num_tokens, index_topk, query_start,
+                q_index, weights, self.index_pages, None, self.num_tokens, index_topk, query_start,
                 key_padding_mask,
             )  # fmt: skip
         num_keys, start, mask = self._eager_args(query_start, key_padding_mask)
@@ -326,7 +328,7 @@ class StaticKPoolLayer(_StaticPagedMixin, KDSAPagedKPoolLayer):
     def kpool_indexer_topk(self, q_index, weights, query_start, index_topk, key_padding_mask, ape, select_tail):
         if _compiling():
             return self.static_kpool_kernel(
-                q_index, weights, self.index_pages, self.pool_pages, self.block_table, self.num_tokens, index_topk,
+                q_index, weights, self.index_pages, self.pool_pages, None, self.num_tokens, index_topk,
                 query_start, key_padding_mask, ape, select_tail,
             )  # fmt: skip
         num_keys, start, mask = self._eager_args(query_start, key_padding_mask)
