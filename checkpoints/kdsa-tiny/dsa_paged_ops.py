@@ -293,14 +293,12 @@ def _unpack_indices(packed: torch.Tensor) -> torch.Tensor:
     return positions.masked_fill(packed < _MASKED_KEY_BOUND, -1)
 
 
-def _weighted_head_scores(
-    q_index: torch.Tensor, scaled_weights: torch.Tensor, keys: torch.Tensor, keys_first: bool = False
-) -> torch.Tensor:
+def _weighted_head_scores(q_index: torch.Tensor, scaled_weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """`Σ_h scaled_weights[h] · ReLU(q[h]·k)` fp32 `[B, T, n]` for keys `[B, n, DI]`.
 
-    keys_first (bf16 only): the all-heads GEMM as `keys @ qᵀ` rather than `q @ keysᵀ`, for compiled steps: inductor
-    hands the second form a transposed key operand with a zero batch stride, which aten's bmm first copies whole
-    (4.5 ms a layer at 64k keys), while eagerly that form is the faster one (docs/graph-mode.md §9)."""
+    In bf16 a single query (a decode step) takes the all-heads GEMM as `keys @ qᵀ`, the keys as its row operand, read
+    in place; more queries (prefill) take `q @ keysᵀ`, whose `[T·HI, n]` result the head sum reads without a copy
+    (docs/graph-mode.md §9)."""
     batch, num_queries, num_heads, head_dim = q_index.shape
     keys_t = keys.transpose(1, 2)  # [B, DI, n]
     if q_index.dtype == torch.float32:
@@ -315,9 +313,9 @@ def _weighted_head_scores(
     # bf16: one GEMM for all heads (a per-head GEMV is ~7x slower in bf16 on CPU), its bf16 products made fp32, then
     # ReLU and the weighted head sum as one batched fp32 product `[1, HI] @ [HI, n]` per query: 4 ops whatever HI,
     # half the time of a loop over heads (the head sum's order is the GEMM's; bf16 is not bit-exact anyway).
-    if keys_first:
-        products = torch.bmm(keys, q_index.flatten(1, 2).transpose(1, 2)).float().relu_()  # [B, n, T*HI]
-        products = products.view(batch, -1, num_queries, num_heads).permute(0, 2, 3, 1)  # [B, T, HI, n]
+    if num_queries == 1:
+        products = torch.bmm(keys, q_index.flatten(1, 2).transpose(1, 2)).float().relu_()  # [B, n, HI]
+        products = products.transpose(1, 2).unsqueeze(1)  # [B, 1, HI, n]
     else:
         products = torch.bmm(q_index.flatten(1, 2), keys_t).float().relu_().view(batch, num_queries, num_heads, -1)
     return torch.matmul(scaled_weights[:, :, None, :], products).squeeze(2)
@@ -330,16 +328,15 @@ def _score_block(
     key_positions: torch.Tensor,
     last_visible_key: torch.Tensor,
     key_padding: torch.Tensor | None,
-    keys_first: bool = False,
 ) -> torch.Tensor:
     """Indexer logits of one block of keys, masked and packed for the running top-k (docs/dsa.md §1).
 
     q_index: `[B, T, HI, DI]`; scaled_weights: fp32 `[B, T, HI]` (head weights times `HI^-0.5 · DI^-0.5`); keys:
     `[B, n, DI]`; key_positions: int64 `[n]`; last_visible_key: int64 `[T]`, query `t` sees the keys at positions
     `<= last_visible_key[t]` (causal limit and end of the context); key_padding: bool `[B, n]` or None.
-    Returns int64 `[B, T, n]` (`_pack_scores`); keys_first: see `_weighted_head_scores`.
+    Returns int64 `[B, T, n]` (`_pack_scores`).
     """
-    scores = _weighted_head_scores(q_index, scaled_weights, keys, keys_first)
+    scores = _weighted_head_scores(q_index, scaled_weights, keys)
     hidden = (key_positions[None, :] > last_visible_key[:, None])[None]  # [1, T, n]
     if key_padding is not None:
         hidden = hidden | ~key_padding[:, None, :]
@@ -455,7 +452,6 @@ def _score_pool_block(
     pool_ends: torch.Tensor,
     last_visible_key: torch.Tensor,
     first_pool_end: torch.Tensor,
-    keys_first: bool = False,
 ) -> torch.Tensor:
     """k-pool indexer logits of one block of pooled keys, masked and packed (docs/dsa.md §9).
 
@@ -463,7 +459,7 @@ def _score_pool_block(
     slot when `first_pool_end[b] <= end <= last_visible_key[t]` (slots before a sequence's first pool hold nothing).
     Returns int64 `[B, T, n]` (`_pack_scores` with the pool end as the key position).
     """
-    scores = _weighted_head_scores(q_index, scaled_weights, keys, keys_first)
+    scores = _weighted_head_scores(q_index, scaled_weights, keys)
     visible = (pool_ends[:, None, :] <= last_visible_key[None, :, None]) & (pool_ends >= first_pool_end[:, None])[
         :, None, :
     ]
@@ -974,7 +970,7 @@ def static_indexer_topk(
     key_positions = torch.arange(capacity, device=q_index.device)
     limit = _visible_limit(query_start, num_queries, num_keys)
     padding = None if key_padding_mask is None else key_padding_mask.bool()
-    packed = _score_block(q_index.contiguous(), scaled_weights, keys, key_positions, limit, padding, keys_first=True)
+    packed = _score_block(q_index.contiguous(), scaled_weights, keys, key_positions, limit, padding)
     return _unpack_indices(packed.topk(min(index_topk, capacity), dim=-1).values)
 
 
@@ -1019,9 +1015,7 @@ def static_kpool_indexer_topk(
     pool_ends = kpool * torch.arange(num_slots, device=q_index.device)[None, :] + (first_pool_end % kpool)[:, None]
     scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
     limit = _visible_limit(query_start, num_queries, num_keys)
-    packed = _score_pool_block(
-        q_index.contiguous(), scaled_weights, keys, pool_ends, limit, first_pool_end, keys_first=True
-    )
+    packed = _score_pool_block(q_index.contiguous(), scaled_weights, keys, pool_ends, limit, first_pool_end)
     best = packed.topk(min(index_topk // kpool, num_slots), dim=-1).values
     return kpool_expand(_unpack_indices(best), kpool, query_start, origin, select_tail)
 
