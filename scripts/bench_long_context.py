@@ -5,7 +5,8 @@ comparison interleaves its two (or three) sides step by step, A B A B ..., in ba
 takes more batches until each batch's ratio (the median of its pair-by-pair ratios) moves by at most 10 % from the
 previous batch's (at most `--max-batches`; prefill: `--prefill-max-batches`); the JSON holds min and median times,
 the batches run, whether the 10 % criterion was met and the spread of the pair-by-pair ratios (`steadiness`):
-  1. one DSA layer's decode step: ours (index_topk 512), ours dense (index_topk >= context, same weights) and
+  1. one DSA layer's decode step: ours (index_topk 512) eager and compiled (the layer's step as the compiled decode
+     step runs it: static cache, fixed-shape kernels, inductor), ours dense (index_topk >= context, same weights) and
      transformers' `DeepseekV32Attention` with the same dims and weights (eager, its own cache), each as a % of its
      limit: the bytes the step must read (`dsa_layer_bytes_per_step`: indexer keys, selected rows, the layer's
      weights) over the bandwidth measured in the same run (`--dsa-layer-only` runs this section alone);
@@ -71,6 +72,7 @@ from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer, KDSAPagedLayer, 
 from modeling_kdsa.configuration_kdsa import DSA_LAYER, KDA_LAYER  # noqa: E402
 from modeling_kdsa.dsa import KDSASparseAttention  # noqa: E402
 from modeling_kdsa.rotary import KDSARotaryEmbedding  # noqa: E402
+from modeling_kdsa.static_cache import KDSAStaticCache  # noqa: E402
 
 DTYPE = torch.bfloat16
 BATCH = 1
@@ -295,14 +297,17 @@ def new_kdsa_cache(config: KDSAConfig) -> KDSACache:
     return KDSACache(config)
 
 
-def fill_cache_kdsa(config: KDSAConfig, context: int, seed: int = 0, layers: list[int] | None = None):
-    """KDSA cache holding `context` tokens (only the layers in `layers`, if given).
+def fill_cache_kdsa(
+    config: KDSAConfig, context: int, seed: int = 0, layers: list[int] | None = None, capacity: int | None = None
+):
+    """KDSA cache holding `context` tokens (only the layers in `layers`, if given): a paged `KDSACache`, or with
+    `capacity` a `KDSAStaticCache` of that many tokens (the compiled decode step's cache).
 
-    DSA layers (paged `KDSACache`): rows `[c | k_pe]` `[B, S, C+R]` and indexer keys `[B, S, DI]` through the paged
-    layer's `append` (the model-level token count through `begin_forward`). KDA layers: conv state
-    `[B, 2HK+HV, W]` and fp32 recurrent state `[B,H,K,V]`."""
+    DSA layers: rows `[c | k_pe]` `[B, S, C+R]` and indexer keys `[B, S, DI]` through the paged layer's `append`
+    (the model-level token count through `begin_forward`). KDA layers: conv state `[B, 2HK+HV, W]` and fp32 recurrent
+    state `[B,H,K,V]`."""
     generator = torch.Generator().manual_seed(seed)
-    cache = new_kdsa_cache(config)
+    cache = new_kdsa_cache(config) if capacity is None else KDSAStaticCache(config, capacity)
     for idx, layer_type in enumerate(config.layer_types):
         if layers is not None and idx not in layers:
             continue
@@ -604,6 +609,25 @@ def dsa_decode_stepper(layer, context: int, fill_cache, rotary):
         return layer(hidden, position_embeddings, mask, cache=cache, position_ids=position_ids)[0]
 
     return step, cache
+
+
+def compiled_dsa_decode_stepper(layer, context: int, fill_cache, rotary):
+    """`(step, cache)` as `dsa_decode_stepper`, for our layer's decode step as the compiled whole-model step runs it:
+    a `KDSAStaticCache` (`fill_cache` builds one), the fixed-shape kernels, inductor, one graph (docs/graph-mode.md
+    §2, §3). The layer alone is compiled here, not inside generate()'s model graph. The first call, which compiles,
+    runs here, untimed."""
+    cache = fill_cache(context)
+    hidden = _random((BATCH, 1, layer.hidden_size), DTYPE, torch.Generator().manual_seed(1))
+
+    def layer_step(hidden, cache):
+        position_ids = cache.get_seq_length().view(1, 1).expand(BATCH, 1)
+        position_embeddings = rotary(hidden, position_ids)
+        cache.begin_forward(1)
+        return layer(hidden, position_embeddings=position_embeddings, cache=cache)
+
+    compiled = torch.compile(layer_step, fullgraph=True, dynamic=False)
+    compiled(hidden, cache)
+    return (lambda: compiled(hidden, cache)), cache
 
 
 def model_decode_stepper(model, cache):
@@ -956,7 +980,7 @@ def print_report(report: dict) -> None:
 
     rows = []
     for entry in report["dsa_layer_decode"]:
-        for name in ("ours", "ours_dense", "DeepseekV32"):
+        for name in ("ours", "ours_compiled", "ours_dense", "DeepseekV32"):
             r = entry[name]
             rows.append(
                 [
@@ -1473,8 +1497,9 @@ def run_all(args, report: dict) -> None:
 
 
 class DSALayerBench:
-    """Section 1: one DSA layer's decode step, ours (index_topk), ours dense (the same weights with top-k >= the
-    context) and transformers' `DeepseekV32Attention` with the same dims and weights, interleaved."""
+    """Section 1: one DSA layer's decode step, ours (index_topk) eager and compiled (`compiled_dsa_decode_stepper`),
+    ours dense (the same weights with top-k >= the context) and transformers' `DeepseekV32Attention` with the same
+    dims and weights, interleaved."""
 
     def __init__(self, config: KDSAConfig):
         self.config = config
@@ -1493,14 +1518,18 @@ class DSALayerBench:
         fill_dsv32 = lambda s: fill_cache_deepseek_v32_layer(self.dsv32_config, s)  # noqa: E731
         steps_at_most = args.warmup + args.repeats * args.max_batches
         dense_layer = build_dense_dsa_layer(self.ours, config, context + steps_at_most + 1)
+        capacity = context + steps_at_most + 2  # + the compiling call
+        fill_static = lambda s: fill_cache_kdsa(config, s, layers=[self.layer_idx], capacity=capacity)  # noqa: E731
         variants = {
             "ours": (self.ours, fill_ours, self.our_rotary, config.index_topk),
+            "ours_compiled": (self.ours, fill_static, self.our_rotary, config.index_topk),
             "ours_dense": (dense_layer, fill_ours, self.our_rotary, None),
             "DeepseekV32": (self.dsv32, fill_dsv32, self.dsv32_rotary, config.index_topk),
         }  # fmt: skip
         steps, caches = {}, {}
         for name, (layer, fill, rotary, _) in variants.items():
-            steps[name], caches[name] = dsa_decode_stepper(layer, context, fill, rotary)
+            stepper = compiled_dsa_decode_stepper if name == "ours_compiled" else dsa_decode_stepper
+            steps[name], caches[name] = stepper(layer, context, fill, rotary)
         results, entry["steadiness"] = time_interleaved(steps, args.warmup, args.repeats, args.max_batches)
         for name, (layer, _, _, top_k) in variants.items():
             result = results[name]
@@ -1521,6 +1550,7 @@ class DSALayerBench:
             advance(f"{fmt_ctx(context)} layer {name}")
         entry["speedup_vs_DeepseekV32"] = entry["DeepseekV32"]["median_s"] / entry["ours"]["median_s"]
         entry["ours_percent_of_limit"] = entry["ours"]["limit"]["percent_of_limit"]
+        entry["ours_compiled_percent_of_limit"] = entry["ours_compiled"]["limit"]["percent_of_limit"]
         return entry
 
 

@@ -47,7 +47,7 @@ def test_quick_run_writes_every_section(tmp_path):
 
     bandwidth = report["bandwidth"]["best_gbs"]
     for entry in report["dsa_layer_decode"]:
-        for name in ("ours", "ours_dense", "DeepseekV32"):
+        for name in ("ours", "ours_compiled", "ours_dense", "DeepseekV32"):
             result = entry[name]
             assert result["median_s"] > 0
             assert result["bytes_needed"]["total_bytes"] > 0
@@ -75,7 +75,8 @@ def test_quick_run_writes_every_section(tmp_path):
     for entry in report["dsa_layer_decode"]:
         steady = entry["steadiness"]
         assert 2 <= steady["batches"] <= steady["max_batches"] or not steady["criterion_met"]
-        assert set(steady["pair_ratios"]) == {"ours_dense", "DeepseekV32"} and entry["speedup_vs_DeepseekV32"] > 0
+        assert set(steady["pair_ratios"]) == {"ours_compiled", "ours_dense", "DeepseekV32"}
+        assert entry["speedup_vs_DeepseekV32"] > 0
     for entry in report["model_decode"]:
         for pair in entry["pairs"].values():
             assert pair["steadiness"]["batches"] >= 1 and pair["speedup_of_minima"] > 0
@@ -187,7 +188,8 @@ def test_dsa_layer_only_reports_the_percent_of_its_limit(tmp_path):
     for entry in report["dsa_layer_decode"]:
         context = entry["context"]
         selected = min(config.index_topk, context)
-        for name, rows in (("ours", selected), ("ours_dense", context), ("DeepseekV32", selected)):
+        variants = (("ours", selected), ("ours_compiled", selected), ("ours_dense", context), ("DeepseekV32", selected))
+        for name, rows in variants:
             needed = entry[name]["bytes_needed"]
             assert needed["indexer_bytes"] == 2 * context * config.index_head_dim
             assert needed["latent_bytes"] == rows * row_bytes
