@@ -478,20 +478,39 @@ class PeakRSS:
         return False
 
 
-def time_repeated(step, warmup: int, repeats: int) -> dict:
-    """Median and all wall-clock times (s) of `step()` after `warmup` untimed calls, with the peak RSS growth."""
+STEADY_TOLERANCE = 0.10  # stop once every ratio moved by at most this between consecutive batches
+
+
+def time_repeated(step, warmup: int, repeats: int, max_batches: int = 1) -> dict:
+    """Median, min and all wall-clock times (s) of `step()` after `warmup` untimed calls, with the peak RSS growth.
+
+    With `max_batches > 1` the steps run in batches of `repeats` until two consecutive batches' medians agree within
+    STEADY_TOLERANCE (a step timed alone has no partner to interleave with), and the median is taken over those two
+    batches: a transient left by the previous measurement (cold caches, pages) does not set it. `steadiness` records
+    the batches, their medians and whether they agreed; without agreement the median is over every timed step."""
     for _ in range(warmup):
         step()
-    times = []
+    times, batch_medians, met = [], [], False
     with PeakRSS() as peak:
-        for _ in range(repeats):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-    return dict(median_s=statistics.median(times), times_s=times, peak_rss_growth_bytes=peak.growth_bytes)
-
-
-STEADY_TOLERANCE = 0.10  # stop once every ratio moved by at most this between consecutive batches
+        for _ in range(max_batches):
+            batch = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                step()
+                batch.append(time.perf_counter() - start)
+            times += batch
+            batch_medians.append(statistics.median(batch))
+            if len(batch_medians) >= 2 and abs(batch_medians[-1] / batch_medians[-2] - 1) <= STEADY_TOLERANCE:
+                met = True
+                break
+    steady = times[-2 * repeats :] if met else times
+    last_change = abs(batch_medians[-1] / batch_medians[-2] - 1) if len(batch_medians) >= 2 else None
+    return dict(
+        median_s=statistics.median(steady), min_s=min(times), times_s=times, peak_rss_growth_bytes=peak.growth_bytes,
+        steadiness=dict(batches=len(batch_medians), batch_rounds=repeats, max_batches=max_batches, criterion_met=met,
+                        tolerance=STEADY_TOLERANCE, batch_medians_s=batch_medians,
+                        last_change=last_change),
+    )  # fmt: skip
 
 
 def time_interleaved(steps: dict, warmup: int, batch: int, max_batches: int) -> tuple[dict, dict]:
@@ -650,11 +669,12 @@ def model_decode_stepper(model, cache):
     return step, record
 
 
-def time_model_decode(model, cache, warmup: int, repeats: int, extra_steps: int = 0) -> dict:
-    """`model_decode_stepper` timed alone: `warmup` untimed steps, `repeats` timed ones, then `extra_steps` untimed
-    ones. Returns the timings, every step's greedy token and margin, and the first step's logits."""
+def time_model_decode(model, cache, warmup: int, repeats: int, extra_steps: int = 0, max_batches: int = 1) -> dict:
+    """`model_decode_stepper` timed alone: `warmup` untimed steps, `repeats` timed ones (in batches until steady, see
+    `time_repeated`), then `extra_steps` untimed ones. Returns the timings, every step's greedy token and margin, and
+    the first step's logits."""
     step, record = model_decode_stepper(model, cache)
-    result = time_repeated(step, warmup, repeats)
+    result = time_repeated(step, warmup, repeats, max_batches)
     for _ in range(extra_steps):
         step()
     result.update(tokens_per_s=1.0 / result["median_s"], tokens=record["tokens"], margins=record["margins"])
@@ -1044,19 +1064,26 @@ def print_report(report: dict) -> None:
         for entry in report["dsa_layer_decode"]
     ]
     for entry in report["model_decode"]:
+        steady_rows.append([fmt_ctx(entry["context"]), "KDSA alone", entry["models"]["KDSA"]["steadiness"]])
         for family, pair in entry["pairs"].items():
             if not pair.get("skipped"):
                 steady_rows.append([fmt_ctx(entry["context"]), f"{PEER_NAMES[family]} / KDSA", pair["steadiness"]])
     for family, pair in report["prefill"]["pairs"].items():
         context = fmt_ctx(report["prefill"]["context"])
         steady_rows.append([f"{context} prefill", f"{PEER_NAMES[family]} / KDSA", pair["steadiness"]])
+
+    def detail(st):
+        if "pair_ratios" not in st:  # a step timed alone: its batches' medians
+            return "batch medians " + ", ".join(fmt_ms(m) for m in st["batch_medians_s"]) + " ms"
+        return "; ".join(f"{other} {r['min']:.2f}..{r['median']:.2f}..{r['max']:.2f}" for other, r in
+                         st["pair_ratios"].items())  # fmt: skip
+
     print_table(
-        "Steadiness: steps interleaved A B A B, batches until every ratio moves <= 10% (pair ratios: other / ref.)",
+        "Steadiness: steps interleaved A B A B (a step alone: batches of steps), batches until every ratio (median) "
+        "moves <= 10% (pair ratios: other / ref.)",
         ["context", "comparison", "batches", "10% met", "last change", "pair ratios min..median..max"],
         [[c, name, f"{st['batches']} x {st['batch_rounds']}", "yes" if st["criterion_met"] else "no",
-          "-" if st["last_change"] is None else f"{st['last_change']:.1%}",
-          "; ".join(f"{other} {r['min']:.2f}..{r['median']:.2f}..{r['max']:.2f}" for other, r in
-                    st["pair_ratios"].items())] for c, name, st in steady_rows],
+          "-" if st["last_change"] is None else f"{st['last_change']:.1%}", detail(st)] for c, name, st in steady_rows],
     )  # fmt: skip
 
     print_table(
@@ -1359,7 +1386,7 @@ def run_all(args, report: dict) -> None:
 
         model_entry = dict(context=context, models={}, pairs={})
         cache = fill_cache_kdsa(config, context)
-        result = time_model_decode(models["KDSA"], cache, args.warmup, args.repeats)
+        result = time_model_decode(models["KDSA"], cache, args.warmup, args.repeats, max_batches=args.max_batches)
         del result["first_logits"]
         record(model_entry, "KDSA", cache, result)
         del cache

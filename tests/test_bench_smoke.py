@@ -64,7 +64,9 @@ def test_quick_run_writes_every_section(tmp_path):
         for name, result in entry["models"].items():
             assert result["median_s"] > 0 and result["tokens_per_s"] > 0
             assert result["bytes_needed"]["weight_bytes"] > 0 and result["bytes_needed"]["cache_read_bytes"] > 0
-            assert len(result["tokens"]) == (4 if name == "KDSA" else 8), name  # warm-up + repeats; pairs: 8
+            # KDSA alone: the warm-up steps + its batches (time_repeated); the pairs' token checks: 8 steps
+            warmup = report["environment"]["warmup"]
+            assert len(result["tokens"]) == (warmup + len(result["times_s"]) if name == "KDSA" else 8), name
         assert set(entry["pairs"]) == set(FAMILIES)
         for pair in entry["pairs"].values():
             assert pair["speedup"] > 0 and pair["bf16"]["steps"] == 8
@@ -197,6 +199,41 @@ def test_dsa_layer_only_reports_the_percent_of_its_limit(tmp_path):
             assert needed["total_bytes"] == needed["from_cache_total_bytes"], name
             limit = entry[name]["limit"]
             assert limit["percent_of_limit"] == pytest.approx(100 * limit["limit_s"] / entry[name]["median_s"])
+
+
+class ScriptedClock:
+    """`time.perf_counter` replacement: each step() advances it by the next scripted duration."""
+
+    def __init__(self, durations):
+        self.now, self.durations = 0.0, list(durations)
+
+    def perf_counter(self):
+        return self.now
+
+    def step(self):
+        self.now += self.durations.pop(0)
+
+
+def test_time_repeated_takes_batches_until_two_agree(monkeypatch):
+    """A step timed alone: batches of `repeats` until two consecutive batch medians agree within 10 %, the median over
+    those two (a slow first batch, a transient, does not set it), min over all; one batch: the median of all."""
+    bench = load_bench()
+    clock = ScriptedClock([9.0] + [5.0, 5.0, 5.0] + [1.0, 1.2, 1.0] + [1.05, 1.0, 1.1])  # warm-up, 3 batches
+    monkeypatch.setattr(bench, "time", clock)
+    result = bench.time_repeated(clock.step, warmup=1, repeats=3, max_batches=5)
+    steady = result["steadiness"]
+    assert steady["batches"] == 3 and steady["criterion_met"]
+    assert steady["batch_medians_s"] == pytest.approx([5.0, 1.0, 1.05])
+    assert result["median_s"] == pytest.approx(1.025) and result["min_s"] == 1.0 and len(result["times_s"]) == 9
+    assert steady["last_change"] == pytest.approx(0.05)
+
+    clock = ScriptedClock([5.0, 1.0, 1.0, 1.0, 3.0, 3.0])  # never steady: every timed step counts
+    monkeypatch.setattr(bench, "time", clock)
+    result = bench.time_repeated(clock.step, warmup=0, repeats=2, max_batches=3)
+    assert not result["steadiness"]["criterion_met"] and result["median_s"] == pytest.approx(2.0)
+    clock = ScriptedClock([5.0, 1.0, 2.0])  # one batch (the default): the median of all
+    monkeypatch.setattr(bench, "time", clock)
+    assert bench.time_repeated(clock.step, warmup=0, repeats=3)["median_s"] == pytest.approx(2.0)
 
 
 def test_bytes_per_decode_step_formula():
