@@ -3,9 +3,10 @@
 What it measures, in one run, with the default KDSAConfig dims (H 16, C 256, R 32, HI 8, DI 64, index_topk 512,
 pages of 64 tokens), bf16, batch 1, `torch.inference_mode()`, median of `--repeats` timed calls after warm-up:
   1. decode (T = 1) at contexts 4k, 16k, 64k and one prefill query block (T = 128) at 16k: indexer top-k and
-     sparse attention, separately and together, for the backends `torch` (gather pages + dsa_ops reference),
-     `cpu` (fused) and `compiled` (fused with torch.compile), plus the fused/compiled top-k recall against the
-     reference's selection (bf16 products make a few near-equal keys swap);
+     sparse attention, separately and together, and dense MLA over the whole context (a Kimi-Linear full-attention
+     layer's kernel), for the backends `torch` (gather pages + dsa_ops reference), `cpu` (fused) and `compiled`
+     (fused with torch.compile), plus the fused/compiled top-k recall against the reference's selection (bf16
+     products make a few near-equal keys swap) and the dense output's largest difference from the reference's;
   2. compile time cold and warm: two fresh subprocesses compile the decode and prefill graphs against one new,
      empty inductor cache directory; the second must hit inductor's on-disk FX graph cache.
 
@@ -105,6 +106,9 @@ def bench_case(config, kind: str, num_keys: int, num_queries: int, repeats: int)
         query_start,
     )
     reference_indices = TORCH_KERNELS.indexer_topk(*index_args)
+    dense_args = (inputs["q_latent"], inputs["q_pe"], inputs["kv_pages"], inputs["block_table"], num_keys, query_start,
+                  scale)  # fmt: skip
+    reference_dense = TORCH_KERNELS.dense_mla(*dense_args).float()
     rows = []
     for kernels in (TORCH_KERNELS, CPU_KERNELS, COMPILED_KERNELS):
         backend, indexer, sparse_mla = kernels.name, kernels.indexer_topk, kernels.sparse_mla
@@ -127,6 +131,11 @@ def bench_case(config, kind: str, num_keys: int, num_queries: int, repeats: int)
                 "attention_ms": attention_ms,
                 "total_ms": median_ms(both, repeats),
                 "recall_vs_reference": recall(indices, reference_indices),
+                "dense_ms": median_ms(lambda dense=kernels.dense_mla: dense(*dense_args), repeats),
+                "dense_max_abs_diff_vs_reference": (kernels.dense_mla(*dense_args).float() - reference_dense)
+                .abs()
+                .max()
+                .item(),
             }
         )
     return rows
@@ -179,12 +188,14 @@ def compile_times(quick: bool) -> dict:
 
 def print_table(rows: list[dict], compile_runs: dict) -> None:
     header = f"{'case':<11}{'context':>8}{'T':>5}  {'backend':<9}{'indexer ms':>11}{'attn ms':>9}{'total ms':>10}"
-    print(header + f"{'recall':>8}")
-    print("-" * (len(header) + 8))
+    header += f"{'recall':>8}{'dense ms':>10}{'dense diff':>12}"
+    print(header)
+    print("-" * len(header))
     for row in rows:
         print(
             f"{row['case']:<11}{row['context']:>8}{row['queries']:>5}  {row['backend']:<9}{row['indexer_ms']:>11.2f}"
             f"{row['attention_ms']:>9.2f}{row['total_ms']:>10.2f}{row['recall_vs_reference']:>8.4f}"
+            f"{row['dense_ms']:>10.2f}{row['dense_max_abs_diff_vs_reference']:>12.1e}"
         )
     print()
     for name, run in compile_runs.items():

@@ -311,3 +311,21 @@ def test_graph_mode_bench_quick_run(tmp_path):
     profiles = row["op_profile"]
     assert 0 < profiles["compiled_static"]["aten_calls_per_step"] < profiles["eager_static"]["aten_calls_per_step"]
     assert all(profile["top"] for profile in profiles.values())
+
+
+@pytest.mark.slow
+def test_dsa_kernel_bench_case_times_every_kernel_of_every_backend():
+    """`scripts/bench_dsa_kernels.py`'s per-case measurement at a small context: the indexer, sparse attention and
+    dense MLA of the torch, cpu and compiled backends, each timed and compared with the torch reference."""
+    spec = importlib.util.spec_from_file_location("bench_dsa_kernels", SCRIPT.parent / "bench_dsa_kernels.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with torch.inference_mode():
+        rows = bench.bench_case(bench.KDSAConfig(), "decode-seq", 8192, 1, repeats=1)  # 3 dense key blocks
+    assert [row["backend"] for row in rows] == ["torch", "cpu", "compiled"]
+    for row in rows:
+        assert min(row["indexer_ms"], row["attention_ms"], row["total_ms"], row["dense_ms"]) > 0
+        assert row["recall_vs_reference"] >= 0.99
+        # bf16 outputs of the same attention: within a few bf16 ulps of the reference's, exactly 0 for the reference
+        assert row["dense_max_abs_diff_vs_reference"] < 0.05
+    assert rows[0]["dense_max_abs_diff_vs_reference"] == 0.0
