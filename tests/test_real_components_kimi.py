@@ -208,10 +208,9 @@ def test_fused_dense_kernel_never_builds_the_score_matrix(monkeypatch):
     assert probe.max_numel <= 1 << 16 < queries * num_keys
 
 
-def test_fused_dense_decode_reads_cache_sized_row_blocks(monkeypatch):
-    """A decode step's key blocks hold at most DENSE_ROWS_ELEMENTS row elements (read twice, scores then values, so
-    they should stay in cache), although DENSE_BLOCK_ELEMENTS alone would allow blocks 16x larger; the output is the
-    same as with one block."""
+def test_fused_dense_decode_reads_bounded_row_blocks(monkeypatch):
+    """A decode step's key blocks hold at most DENSE_BLOCK_ELEMENTS row elements (the rows are read twice, scores then
+    values, so the bound keeps them in cache), and the output is the same as with one block."""
     generator = torch.Generator().manual_seed(8)
     heads, num_keys, width, page_size = 4, 2048, 40, 64
     kv_pages = torch.randn(num_keys // page_size, page_size, width, generator=generator)
@@ -219,9 +218,8 @@ def test_fused_dense_decode_reads_cache_sized_row_blocks(monkeypatch):
     q_latent = torch.randn(1, 1, heads, 32, generator=generator)
     q_pe = torch.randn(1, 1, heads, 8, generator=generator)
     args = (q_latent, q_pe, kv_pages, block_table, num_keys, num_keys - 1, 0.2)
-    whole = paged_dense_mla_fused(*args)  # one block: 2048 rows are within the default bounds
-    monkeypatch.setattr(dsa_paged_ops, "DENSE_BLOCK_ELEMENTS", 16 * 4 * page_size * width)
-    monkeypatch.setattr(dsa_paged_ops, "DENSE_ROWS_ELEMENTS", 4 * page_size * width)
+    whole = paged_dense_mla_fused(*args)  # one block: 2048 rows are within the default bound
+    monkeypatch.setattr(dsa_paged_ops, "DENSE_BLOCK_ELEMENTS", 4 * page_size * width)
     with LargestTensor() as probe:
         blocked = paged_dense_mla_fused(*args)
     assert probe.max_numel == 4 * page_size * width  # a block of 4 pages' rows is the largest tensor

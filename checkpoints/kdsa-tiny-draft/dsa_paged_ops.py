@@ -60,16 +60,14 @@ KEY_BLOCK_ELEMENTS = 1 << 21
 # threshold page-faults in on every call while smaller ones are reused from the heap.
 ATTENTION_ROWS_ELEMENTS = 1 << 22
 
-# Bound on one dense-MLA key block: its scores `[T, H, n]` and its rows `[n, C + R]` each stay within 4M elements per
-# sequence (16 MiB in fp32), and the fp32 accumulator `[T, H, C]` of a chunk of queries too, whatever the context.
-DENSE_BLOCK_ELEMENTS = 1 << 22
-
-# Tighter bound on one dense-MLA key block's rows, for speed: 1M elements (2 MiB in bf16, 3640 rows of C + R = 288).
-# A block's rows are read twice, for the scores and then for the values; within this bound they are still in the
-# core's L2 cache the second time. A 64k-key decode step (16 heads, one thread) took 19-20 ms per layer with 4M-element
-# blocks and 8.4-8.9 ms with these; gathering the block's pages still beats reading consecutive pages in place, whose
-# rows then come from memory twice (10-11 ms; ad-hoc timings).
-DENSE_ROWS_ELEMENTS = 1 << 20
+# Bound on one dense-MLA key block: its scores `[T, H, n]` and its rows `[n, C + R]` each stay within 1M elements per
+# sequence, and the fp32 accumulator `[T, H, C]` of a chunk of queries too, whatever the context. Small enough to stay
+# in the core's cache between the block's passes: the rows are read twice (scores, then values; 2 MiB in bf16, 3640
+# rows of C + R = 288) and the fp32 scores several times (4 MiB). Against 4M-element blocks, on one thread: a 64k-key
+# decode step (16 heads) 19-20 -> 8.1-8.9 ms per layer in an ad-hoc timing, a 128-query prefill block at 16k keys
+# 215 -> 87 ms (scripts/bench_dsa_kernels.py). Gathering a block's pages still beats reading consecutive pages in
+# place, whose rows then come from memory twice (10-11 ms at 64k).
+DENSE_BLOCK_ELEMENTS = 1 << 20
 
 # Running top-k keys (see `_pack_scores`): the score's order-preserving int32 image in the high 32 bits, the
 # reversed key position in the low 32 bits. Keys below this bound carry the score -inf (masked key).
@@ -793,8 +791,7 @@ def _blocked_dense_mla(
             padding = torch.nn.functional.pad(
                 key_padding_mask[:, :num_visible].bool(), (0, num_pages_read * page_size - num_visible)
             )
-        rows_per_block = min(DENSE_BLOCK_ELEMENTS, DENSE_ROWS_ELEMENTS) // width
-        keys_per_block = min(DENSE_BLOCK_ELEMENTS // ((last - first) * num_heads), rows_per_block)
+        keys_per_block = min(DENSE_BLOCK_ELEMENTS // ((last - first) * num_heads), DENSE_BLOCK_ELEMENTS // width)
         pages_per_block = max(1, keys_per_block // page_size)
         for first_page in range(0, num_pages_read, pages_per_block):
             last_page = min(first_page + pages_per_block, num_pages_read)
@@ -827,8 +824,7 @@ def paged_dense_mla_fused(
 
     Queries are processed in chunks and keys in blocks of whole pages, so the scores, the rows read and the fp32
     accumulator each stay within DENSE_BLOCK_ELEMENTS per sequence whatever the context length: a `[T, S]` score
-    matrix is never built; the rows within DENSE_ROWS_ELEMENTS, so that they are still in cache for the values. Pages
-    after a chunk's last query are not read.
+    matrix is never built. Pages after a chunk's last query are not read.
     """
     _check_dense_inputs(q_latent, q_pe, kv_pages, block_table, num_keys, query_start, key_padding_mask)
     return _blocked_dense_mla(
