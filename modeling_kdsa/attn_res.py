@@ -34,8 +34,6 @@ class KDSADepthAttention(nn.Module):
         """Direct formula. `sources`: n tensors `[B, T, D]` → `[B, T, D]` in the sources' dtype. Position-wise, so a
         long sequence runs in token segments (docs/design.md §12)."""
         segments = token_segments(sources[0].shape[1])
-        if len(segments) == 1:
-            return self._attend(sources)  # no slicing
         return join_segments([self._attend([source[:, part] for source in sources]) for part in segments], dim=1)
 
     def _attend(self, sources: list[torch.Tensor]) -> torch.Tensor:

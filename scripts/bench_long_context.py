@@ -38,6 +38,7 @@ Writes JSON (default runs/bench_long_context.json) and prints one table per sect
 import argparse
 import copy
 import ctypes
+import functools
 import gc
 import importlib.util
 import json
@@ -490,7 +491,7 @@ def time_repeated(step, warmup: int, repeats: int, max_batches: int = 1) -> dict
     the batches, their medians and whether they agreed; without agreement the median is over every timed step."""
     for _ in range(warmup):
         step()
-    times, batch_medians, met = [], [], False
+    times, batch_medians, last_change = [], [], None
     with PeakRSS() as peak:
         for _ in range(max_batches):
             batch = []
@@ -500,11 +501,12 @@ def time_repeated(step, warmup: int, repeats: int, max_batches: int = 1) -> dict
                 batch.append(time.perf_counter() - start)
             times += batch
             batch_medians.append(statistics.median(batch))
-            if len(batch_medians) >= 2 and abs(batch_medians[-1] / batch_medians[-2] - 1) <= STEADY_TOLERANCE:
-                met = True
-                break
+            if len(batch_medians) >= 2:
+                last_change = abs(batch_medians[-1] / batch_medians[-2] - 1)
+                if last_change <= STEADY_TOLERANCE:
+                    break
+    met = last_change is not None and last_change <= STEADY_TOLERANCE
     steady = times[-2 * repeats :] if met else times
-    last_change = abs(batch_medians[-1] / batch_medians[-2] - 1) if len(batch_medians) >= 2 else None
     return dict(
         median_s=statistics.median(steady), min_s=min(times), times_s=times, peak_rss_growth_bytes=peak.growth_bytes,
         steadiness=dict(batches=len(batch_medians), batch_rounds=repeats, max_batches=max_batches, criterion_met=met,
@@ -734,10 +736,6 @@ def time_graph_mode(model, config: KDSAConfig, contexts: list[int], warmup: int,
     """Graph mode on/off: the same model decoding with the paged DSA kernels under torch.compile (cache built with
     `kernel_backend="compiled"`) vs eager fused kernels (`"cpu"`), per context; plus cold vs warm compile time of
     those kernels in two fresh processes sharing one new inductor cache directory (scripts/bench_dsa_kernels.py)."""
-    spec = importlib.util.spec_from_file_location("bench_dsa_kernels", Path(__file__).with_name("bench_dsa_kernels.py"))
-    bench_dsa_kernels = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_dsa_kernels)
-
     eager_config, compiled_config = copy.deepcopy(config), copy.deepcopy(config)
     eager_config.kernel_backend, compiled_config.kernel_backend = "cpu", "compiled"
     rows = []
@@ -746,17 +744,23 @@ def time_graph_mode(model, config: KDSAConfig, contexts: list[int], warmup: int,
         # One extra warm-up step: the first compiled call compiles (or loads from the on-disk cache).
         compiled = time_model_decode(model, fill_cache_kdsa(compiled_config, context), warmup + 1, repeats)
         rows.append(dict(context=context, eager_s=eager["median_s"], compiled_s=compiled["median_s"]))
-    return dict(decode=rows, compile=bench_dsa_kernels.compile_times(quick))
+    return dict(decode=rows, compile=sibling_script("bench_dsa_kernels").compile_times(quick))
 
 
 def whole_step_figures(model, config: KDSAConfig, context: int, repeats: int) -> dict:
     """The whole decode step eager (paged `KDSACache`, and `KDSAStaticCache`) vs compiled by generate()'s own compile
     call on the static cache, interleaved per repeat, with an operator profile of each (scripts/bench_graph_mode.py,
     docs/graph-mode.md §6)."""
-    spec = importlib.util.spec_from_file_location("bench_graph_mode", Path(__file__).with_name("bench_graph_mode.py"))
-    bench_graph_mode = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_graph_mode)
-    return bench_graph_mode.measure_context(model, config, context, repeats)
+    return sibling_script("bench_graph_mode").measure_context(model, config, context, repeats)
+
+
+@functools.cache
+def sibling_script(name: str):
+    """scripts/`name`.py as a module, loaded once per process."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def dsa_layer_prefill_memory(config: KDSAConfig, context: int) -> dict:

@@ -177,7 +177,7 @@ def test_interleaved_timing_stops_when_the_ratio_is_steady(monkeypatch):
 def test_dsa_layer_only_reports_the_percent_of_its_limit(tmp_path):
     """`--quick --dsa-layer-only`: section 1 alone. Each variant's bytes a step must read, written from the dims
     (indexer keys over the context, the selected `[c | k_pe]` rows, the layer's weights), equal what its own cache
-    holds per token plus its weights, and the step is a % of that limit in (0, 100]."""
+    holds per token plus its weights, and the % of the limit is that floor over the step's median."""
     bench = load_bench()
     out = tmp_path / "dsa.json"
     bench.main(["--quick", "--dsa-layer-only", "--threads", "1", "--repeats", "2", "--max-batches", "2",
@@ -201,39 +201,35 @@ def test_dsa_layer_only_reports_the_percent_of_its_limit(tmp_path):
             assert limit["percent_of_limit"] == pytest.approx(100 * limit["limit_s"] / entry[name]["median_s"])
 
 
-class ScriptedClock:
-    """`time.perf_counter` replacement: each step() advances it by the next scripted duration."""
-
-    def __init__(self, durations):
-        self.now, self.durations = 0.0, list(durations)
-
-    def perf_counter(self):
-        return self.now
-
-    def step(self):
-        self.now += self.durations.pop(0)
-
-
 def test_time_repeated_takes_batches_until_two_agree(monkeypatch):
-    """A step timed alone: batches of `repeats` until two consecutive batch medians agree within 10 %, the median over
-    those two (a slow first batch, a transient, does not set it), min over all; one batch: the median of all."""
+    """`time_repeated` on a fake clock (as above), a step timed alone: batches of `repeats` until two consecutive
+    batch medians agree within 10 %, the median over those two (a slow first batch, a transient, does not set it), min
+    over all; one batch: the median of all."""
     bench = load_bench()
-    clock = ScriptedClock([9.0] + [5.0, 5.0, 5.0] + [1.0, 1.2, 1.0] + [1.05, 1.0, 1.1])  # warm-up, 3 batches
-    monkeypatch.setattr(bench, "time", clock)
-    result = bench.time_repeated(clock.step, warmup=1, repeats=3, max_batches=5)
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
+    def step_costing(*costs):
+        costs = list(costs)
+
+        def run():
+            clock[0] += costs.pop(0)
+
+        return run
+
+    step = step_costing(9.0, 5.0, 5.0, 5.0, 1.0, 1.2, 1.0, 1.05, 1.0, 1.1)  # warm-up, then 3 batches of 3
+    result = bench.time_repeated(step, warmup=1, repeats=3, max_batches=5)
     steady = result["steadiness"]
     assert steady["batches"] == 3 and steady["criterion_met"]
     assert steady["batch_medians_s"] == pytest.approx([5.0, 1.0, 1.05])
     assert result["median_s"] == pytest.approx(1.025) and result["min_s"] == 1.0 and len(result["times_s"]) == 9
     assert steady["last_change"] == pytest.approx(0.05)
 
-    clock = ScriptedClock([5.0, 1.0, 1.0, 1.0, 3.0, 3.0])  # never steady: every timed step counts
-    monkeypatch.setattr(bench, "time", clock)
-    result = bench.time_repeated(clock.step, warmup=0, repeats=2, max_batches=3)
+    never_steady = step_costing(5.0, 1.0, 1.0, 1.0, 3.0, 3.0)  # every timed step counts
+    result = bench.time_repeated(never_steady, warmup=0, repeats=2, max_batches=3)
     assert not result["steadiness"]["criterion_met"] and result["median_s"] == pytest.approx(2.0)
-    clock = ScriptedClock([5.0, 1.0, 2.0])  # one batch (the default): the median of all
-    monkeypatch.setattr(bench, "time", clock)
-    assert bench.time_repeated(clock.step, warmup=0, repeats=3)["median_s"] == pytest.approx(2.0)
+    one_batch = step_costing(5.0, 1.0, 2.0)  # max_batches 1 (the default): the median of all
+    assert bench.time_repeated(one_batch, warmup=0, repeats=3)["median_s"] == pytest.approx(2.0)
 
 
 def test_bytes_per_decode_step_formula():

@@ -26,31 +26,34 @@ def recording_backend(graph_module, example_inputs):
     return graph_module.forward
 
 
+def all_nodes(graphs):
+    """Every FX node of the captured graphs and of the bodies of their compile regions (docs/graph-mode.md §8)."""
+    for graph in graphs:
+        for module in graph.modules():
+            if isinstance(module, torch.fx.GraphModule):
+                yield from module.graph.nodes
+
+
 def host_syncs(graphs) -> list[str]:
     """Ops of the captured graphs that read a tensor's value on the host. torch 2.13 traces `.item()` / `.tolist()`
     without a graph break (an unbacked scalar), so fullgraph alone does not exclude them; on a GPU each is a sync."""
     syncs = []
-    for graph in graphs:
-        for node in graph.graph.nodes:
-            if node.op == "call_method" and node.target in ("item", "tolist"):
-                syncs.append(node.target)
-            elif node.op == "call_function" and "_local_scalar_dense" in str(node.target):
-                syncs.append(str(node.target))
+    for node in all_nodes(graphs):
+        if node.op == "call_method" and node.target in ("item", "tolist"):
+            syncs.append(node.target)
+        elif node.op == "call_function" and "_local_scalar_dense" in str(node.target):
+            syncs.append(str(node.target))
     return syncs
 
 
 def page_gathers(graphs) -> list[str]:
-    """`index_select`s of the captured graphs (their compile regions included) that gather whole pages `[n, P, W]`
-    rather than rows: a fixed-shape read that copies the pool instead of viewing it (docs/graph-mode.md §3)."""
+    """`index_select`s of the captured graphs that gather whole pages `[n, P, W]` rather than rows: a fixed-shape read
+    that copies the pool instead of viewing it (docs/graph-mode.md §3)."""
     gathers = []
-    for graph in graphs:
-        for module in graph.modules():
-            if not isinstance(module, torch.fx.GraphModule):
-                continue
-            for node in module.graph.nodes:
-                value = node.meta.get("example_value")
-                if "index_select" in str(node.target) and isinstance(value, torch.Tensor) and value.dim() == 3:
-                    gathers.append(f"{node.name} {tuple(value.shape)}")
+    for node in all_nodes(graphs):
+        value = node.meta.get("example_value")
+        if "index_select" in str(node.target) and isinstance(value, torch.Tensor) and value.dim() == 3:
+            gathers.append(f"{node.name} {tuple(value.shape)}")
     return gathers
 
 
@@ -181,12 +184,8 @@ def test_fixed_shape_moe_paths_match_the_grouped_loop(features):
 
 def linear_calls(graph_module) -> int:
     """`F.linear` calls in a captured graph and in the bodies of its compile regions."""
-    return sum(
-        node.op == "call_function" and node.target in (torch._C._nn.linear, torch.nn.functional.linear)
-        for module in graph_module.modules()
-        if isinstance(module, torch.fx.GraphModule)
-        for node in module.graph.nodes
-    )
+    linears = (torch._C._nn.linear, torch.nn.functional.linear)
+    return sum(node.op == "call_function" and node.target in linears for node in all_nodes([graph_module]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -237,9 +236,7 @@ def test_compiled_gathered_experts_match_the_grouped_loop(features):
     with torch.no_grad():
         expected = experts(hidden, indices, weights)
         got = torch.compile(experts, backend=recording_backend, fullgraph=True)(hidden, indices, weights)
-    assert not any(
-        node.target in (torch.matmul, torch.bmm) for node in CAPTURED_GRAPHS[-1].graph.nodes
-    )  # the fused form, not the batched GEMV
+    assert not any(node.target in (torch.matmul, torch.bmm) for node in all_nodes(CAPTURED_GRAPHS))  # the fused form
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
