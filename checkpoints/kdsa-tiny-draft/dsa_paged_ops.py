@@ -34,6 +34,7 @@ import os
 import torch
 import torch.fx.experimental._config
 
+from .cpu_indexer import decode_kernel_applies, indexer_topk_decode
 from .dsa_ops import (
     ScoredPairs,
     dense_mla_attention,
@@ -445,9 +446,26 @@ def paged_indexer_topk_fused(
     _check_indexer_inputs(
         q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask
     )
+    num_selected = min(index_topk, num_keys, query_start + 1)
+    if num_selected > 0 and decode_kernel_applies(q_index, index_pages):
+        # A decode step: the hand-written kernel reads the pages through the block table (docs/dsa.md §11).
+        visible = torch.tensor(min(num_keys, query_start + 1))
+        return _decode_topk_cpu(q_index, weights, index_pages, block_table, visible, key_padding_mask, num_selected)
     return _blocked_indexer_topk(
         q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, _score_block
     )
+
+
+def _decode_topk_cpu(q_index, weights, index_pages, block_table, num_visible, key_padding_mask, num_selected):
+    """`cpu_indexer.indexer_topk_decode` for q_index `[B, 1, HI, DI]`: int64 `[B, 1, num_selected]`, best first, -1
+    where fewer keys are visible; the head weights scaled as `_blocked_indexer_topk` scales them."""
+    num_heads, head_dim = q_index.shape[2:]
+    scaled_weights = weights[:, 0].float() * (num_heads**-0.5 * head_dim**-0.5)
+    padding = None if key_padding_mask is None else key_padding_mask.bool()
+    selected = indexer_topk_decode(
+        q_index[:, 0], scaled_weights, index_pages, block_table, num_visible, padding, num_selected, num_selected
+    )
+    return selected.unsqueeze(1)
 
 
 def _score_pool_block(
@@ -977,6 +995,31 @@ def static_indexer_topk(
     padding = None if key_padding_mask is None else key_padding_mask.bool()
     packed = _score_block(q_index.contiguous(), scaled_weights, keys, key_positions, limit, padding)
     return _unpack_indices(packed.topk(min(index_topk, capacity), dim=-1).values)
+
+
+def static_indexer_topk_cpu(
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    index_pages,
+    block_table: torch.Tensor | None,
+    num_keys: torch.Tensor,
+    index_topk: int,
+    query_start: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`static_indexer_topk` for the cpu backend: a decode step where `cpu_indexer` applies goes through its kernel
+    (one opaque op in the compiled graph, docs/dsa.md §11), anything else through `static_indexer_topk`."""
+    if not decode_kernel_applies(q_index, index_pages):
+        return static_indexer_topk(
+            q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask
+        )
+    batch = q_index.shape[0]
+    if block_table is None:  # the static store's mapping: sequence b owns pages b·n … b·n + n - 1
+        block_table = torch.arange(index_pages.shape[0], device=q_index.device).view(batch, -1)
+    capacity = block_table.shape[1] * index_pages.shape[1]
+    num_visible = torch.minimum(query_start + 1, num_keys)
+    width = min(index_topk, capacity)
+    return _decode_topk_cpu(q_index, weights, index_pages, block_table, num_visible, key_padding_mask, width)
 
 
 def static_kpool_origin(key_padding_mask: torch.Tensor | None, batch: int, device) -> torch.Tensor:

@@ -40,6 +40,7 @@ from .dsa_paged_ops import (
     paged_sparse_mla_reference,
     static_dense_mla,
     static_indexer_topk,
+    static_indexer_topk_cpu,
     static_kpool_indexer_topk,
     static_sparse_mla,
 )
@@ -98,6 +99,7 @@ CPU_KERNELS = KernelSet(
     sparse_mla=paged_sparse_mla_fused,
     kpool_indexer_topk=paged_kpool_indexer_topk_fused,
     dense_mla=paged_dense_mla_fused,
+    static_indexer_topk=static_indexer_topk_cpu,
 )
 COMPILED_KERNELS = KernelSet(
     "compiled",

@@ -1,0 +1,310 @@
+"""The Lightning Indexer's decode step on x86 CPUs as one hand-written kernel (docs/dsa.md §11).
+
+One query per sequence (a decode step) scores every visible cached key and keeps the top k. Written with torch ops
+this is a bf16 GEMM `keys @ qᵀ` with only `HI` columns (8 at the benchmark shape), then passes for ReLU, the head
+weights, the mask, a packed sort key and `topk`. On one core the GEMM is compute-bound (`HI · DI` multiply-adds per
+key: 4 per byte read at HI = 8) and oneDNN does not overlap it with the memory reads, so a 64k-key step spent ~0.75 ms
+on it against ~0.29 ms for plain reading the keys. This kernel streams the keys once: AVX512-BF16 dot products
+(`vdpbf16ps`) of 8 keys at a time against 8 heads at a time, software prefetch a few KiB ahead, ReLU, the head
+weights and the sum in registers, and a bounded heap for the top k, so no score is written to memory.
+
+It is compiled from the C++ source below with the system C++ compiler (`$CXX`, default `g++`; the same compiler
+inductor needs) into a small shared library on first use, cached per source and compiler, and called through
+`ctypes` (the call releases the GIL). `kdsa::indexer_topk_decode` wraps it as a custom op, so a compiled step calls it
+as one opaque kernel. Where it cannot run — no AVX512-BF16, no compiler, another dtype or geometry — the callers keep
+the torch path; a failed compile warns once.
+
+Result: the reference's selection (`dsa_ops.select_topk`: score descending, ties to the earlier key) over scores
+computed in fp32 from the bf16 inputs (the torch bf16 path rounds each head's product to bf16 first)."""
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+import warnings
+from functools import cache
+
+import torch
+
+# Keys per thread below which a step is not split across threads (a thread start costs ~30 µs; 16k keys take
+# ~0.1 ms at the benchmark shape).
+MIN_KEYS_PER_THREAD = 16384
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <algorithm>
+#include <thread>
+#include <vector>
+
+namespace {
+
+struct Candidate {
+  float score;
+  int64_t position;
+};
+
+// The reference's order: higher score first, then the earlier key.
+inline bool better(const Candidate& a, const Candidate& b) {
+  return a.score > b.score || (a.score == b.score && a.position < b.position);
+}
+
+// Candidates for the best k: every key scoring above `threshold` is kept until the buffer holds 4k, then the buffer
+// is cut to its best k and `threshold` becomes the worst of those. Positions arrive in increasing order, so a key
+// scoring exactly `threshold` loses its tie to every key kept with that score.
+struct TopK {
+  std::vector<Candidate> buffer;
+  size_t k;
+  float threshold = -INFINITY;
+  explicit TopK(size_t k) : k(k) { buffer.reserve(4 * k); }
+  inline void offer(float score, int64_t position) {
+    if (!(score > threshold)) return;
+    buffer.push_back({score, position});
+    if (buffer.size() == 4 * k) {
+      std::nth_element(buffer.begin(), buffer.begin() + (k - 1), buffer.end(), better);
+      buffer.resize(k);
+      threshold = buffer[k - 1].score;
+    }
+  }
+};
+
+// Sums of each of 8 vectors' 8 lanes, as one vector.
+inline __m256 lane_sums(const __m256* v) {
+  __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+  __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+  __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t widened = (uint32_t)bits << 16;
+  float value;
+  memcpy(&value, &widened, 4);
+  return value;
+}
+
+struct Sequence {
+  const uint16_t* pages;      // the pool, [num_pages, page_size, dim]
+  const int64_t* table;       // this sequence's pages, in order
+  int64_t page_size, dim, heads;
+  const uint16_t* packed_q;   // [heads / 8][dim / 2][8][2]: 8 heads' pairs of query elements per 256-bit row
+  const float* weights;       // [heads]
+  const uint8_t* padding;     // [keys]: 1 = a real key; or null
+  const float* query;         // [heads][dim] fp32, for the tail
+};
+
+// A key position walked forward through the block table without a division per step.
+struct Cursor {
+  const Sequence& s;
+  int64_t page, offset;
+  Cursor(const Sequence& s, int64_t key) : s(s), page(key / s.page_size), offset(key % s.page_size) {}
+  inline const uint16_t* row() const { return s.pages + (s.table[page] * s.page_size + offset) * s.dim; }
+  inline void advance(int64_t keys) {  // keys <= page_size
+    offset += keys;
+    if (offset >= s.page_size) offset -= s.page_size, ++page;
+  }
+};
+
+// Scores keys [begin, end) of one sequence into `best`; begin is a multiple of 8.
+void score_range(const Sequence& s, int64_t begin, int64_t end, TopK& best) {
+  const int64_t groups = s.heads / 8, pairs = s.dim / 2;
+  const int64_t ahead = std::min(s.page_size, std::max<int64_t>(8, (8192 / (2 * s.dim)) / 8 * 8));  // ~8 KiB
+  const __m256 zero = _mm256_setzero_ps();
+  alignas(32) float scores[8];
+  int64_t key = begin;
+  Cursor at(s, begin), next(s, begin + ahead);
+  for (; key + 8 <= end; key += 8, at.advance(8), next.advance(8)) {
+    if (key + ahead + 8 <= end) {
+      const char* bytes = (const char*)next.row();
+      for (int64_t byte = 0; byte < 16 * s.dim; byte += 64) _mm_prefetch(bytes + byte, _MM_HINT_T0);
+    }
+    const uint16_t* keys = at.row();  // 8 keys in one page (page_size is a multiple of 8)
+    __m256 total[8];
+    for (int r = 0; r < 8; ++r) total[r] = zero;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 dot[8];
+      for (int r = 0; r < 8; ++r) dot[r] = zero;
+      const uint16_t* q = s.packed_q + g * pairs * 16;
+      for (int64_t p = 0; p < pairs; ++p) {
+        __m256bh q_pairs = (__m256bh)_mm256_loadu_si256((const __m256i*)(q + p * 16));
+        for (int r = 0; r < 8; ++r) {
+          int32_t k_pair;
+          memcpy(&k_pair, keys + r * s.dim + 2 * p, 4);
+          dot[r] = _mm256_dpbf16_ps(dot[r], (__m256bh)_mm256_set1_epi32(k_pair), q_pairs);
+        }
+      }
+      __m256 w = _mm256_loadu_ps(s.weights + g * 8);
+      for (int r = 0; r < 8; ++r) total[r] = _mm256_fmadd_ps(_mm256_max_ps(dot[r], zero), w, total[r]);
+    }
+    __m256 group_scores = lane_sums(total);
+    // Most groups have no score above the threshold: one comparison skips all 8.
+    if (_mm256_movemask_ps(_mm256_cmp_ps(group_scores, _mm256_set1_ps(best.threshold), _CMP_GT_OQ)) == 0) continue;
+    _mm256_store_ps(scores, group_scores);
+    for (int r = 0; r < 8; ++r)
+      if (!s.padding || s.padding[key + r]) best.offer(scores[r], key + r);
+  }
+  for (; key < end; ++key, at.advance(1)) {  // the last < 8 keys
+    if (s.padding && !s.padding[key]) continue;
+    const uint16_t* k = at.row();
+    float score = 0.f;
+    for (int64_t h = 0; h < s.heads; ++h) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < s.dim; ++d) dot += bf16_to_float(k[d]) * s.query[h * s.dim + d];
+      score += s.weights[h] * (dot > 0.f ? dot : 0.f);
+    }
+    best.offer(score, key);
+  }
+}
+
+}  // namespace
+
+// For each of `batch` sequences: the `top_k` best of its first `num_keys` keys under
+// score = sum_h weights[h] * relu(q[h] . key), best first, into out [batch, width] (-1 past the last found).
+extern "C" void kdsa_indexer_topk_decode(
+    const uint16_t* pages, int64_t page_size, int64_t dim, const int64_t* table, int64_t table_stride,
+    const uint16_t* q, const float* weights, int64_t heads, int64_t num_keys, const uint8_t* padding,
+    int64_t padding_stride, int64_t batch, int64_t top_k, int64_t width, int64_t threads,
+    int64_t min_keys_per_thread, int64_t* out) {
+  const int64_t pairs = dim / 2;
+  std::vector<uint16_t> packed(heads * dim);
+  std::vector<float> query(heads * dim);
+  for (int64_t b = 0; b < batch; ++b) {
+    const uint16_t* qb = q + b * heads * dim;
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t p = 0; p < pairs; ++p)
+        for (int i = 0; i < 2; ++i) {
+          packed[((h / 8) * pairs + p) * 16 + (h % 8) * 2 + i] = qb[h * dim + 2 * p + i];
+          query[h * dim + 2 * p + i] = bf16_to_float(qb[h * dim + 2 * p + i]);
+        }
+    Sequence s{pages, table + b * table_stride, page_size, dim, heads, packed.data(), weights + b * heads,
+               padding ? padding + b * padding_stride : nullptr, query.data()};
+    const int64_t per_thread = std::max<int64_t>(1, min_keys_per_thread);
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, num_keys / per_thread));
+    int64_t step = ((num_keys + parts - 1) / parts + 7) / 8 * 8;
+    std::vector<TopK> found(parts, TopK(top_k));
+    std::vector<std::thread> workers;
+    for (int64_t part = 1; part < parts; ++part)
+      workers.emplace_back([&, part] {
+        score_range(s, std::min(num_keys, part * step), std::min(num_keys, (part + 1) * step), found[part]);
+      });
+    score_range(s, 0, std::min(num_keys, step), found[0]);
+    for (auto& worker : workers) worker.join();
+    std::vector<Candidate> all;
+    for (auto& part : found) all.insert(all.end(), part.buffer.begin(), part.buffer.end());
+    int64_t kept = std::min<int64_t>(top_k, (int64_t)all.size());
+    std::partial_sort(all.begin(), all.begin() + kept, all.end(), better);
+    for (int64_t i = 0; i < width; ++i) out[b * width + i] = i < kept ? all[i].position : -1;
+  }
+}
+"""
+
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-mavx2", "-mfma", "-mavx512f", "-mavx512vl"]
+_FLAGS += ["-mavx512bf16"]
+
+
+def _cache_dir() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kdsa-kernels")
+
+
+@cache
+def _library(compiler: str):
+    """The compiled kernel (a `ctypes` function), built on first use and cached on disk per source, flags and
+    compiler; None, with one warning, when the build fails."""
+    digest = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS]).encode()).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), f"indexer_topk_decode_{digest}.so")
+    if not os.path.exists(path):
+        os.makedirs(_cache_dir(), exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=_cache_dir()) as build:
+            source, target = os.path.join(build, "kernel.cpp"), os.path.join(build, "kernel.so")
+            with open(source, "w") as f:
+                f.write(_SOURCE)
+            try:
+                subprocess.run([compiler, *_FLAGS, source, "-o", target], check=True, capture_output=True, text=True)
+            except (OSError, subprocess.CalledProcessError) as error:
+                detail = getattr(error, "stderr", None) or str(error)
+                warnings.warn(
+                    f"the CPU indexer kernel did not compile with {compiler!r} ({detail.strip()[-300:]}); the "
+                    "indexer's decode step keeps the torch path (set CXX to a C++17 compiler with AVX512-BF16)",
+                    stacklevel=3,
+                )
+                return None
+            os.replace(target, path)  # atomic: a concurrent process sees the whole library or none
+    function = ctypes.CDLL(path).kdsa_indexer_topk_decode
+    function.restype = None
+    function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p, ctypes.c_int64]
+    function.argtypes += [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p]
+    function.argtypes += [*[ctypes.c_int64] * 6, ctypes.c_void_p]
+    return function
+
+
+def compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def cpu_supports_kernel() -> bool:
+    """The CPU has AVX512-BF16 (the kernel's `vdpbf16ps`)."""
+    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+
+
+@torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
+def kernel_available() -> bool:
+    """The CPU supports the kernel and it compiled."""
+    return cpu_supports_kernel() and _library(compiler()) is not None
+
+
+def decode_kernel_applies(q_index: torch.Tensor, index_pages) -> bool:
+    """The kernel handles this decode step: bf16 plain pages on a CPU that supports it, one query per sequence, a
+    head count that is a multiple of 8, an even head dim and pages of a multiple of 8 rows — and it compiled."""
+    return (
+        q_index.device.type == "cpu"
+        and q_index.dtype == torch.bfloat16
+        and q_index.shape[1] == 1
+        and q_index.shape[2] % 8 == 0
+        and q_index.shape[3] % 2 == 0
+        and isinstance(index_pages, torch.Tensor)
+        and index_pages.dtype == torch.bfloat16
+        and index_pages.is_contiguous()
+        and index_pages.shape[1] % 8 == 0
+        and kernel_available()
+    )
+
+
+@torch.library.custom_op("kdsa::indexer_topk_decode", mutates_args=())
+def indexer_topk_decode(
+    q_index: torch.Tensor,
+    scaled_weights: torch.Tensor,
+    index_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    num_keys: torch.Tensor,
+    key_padding: torch.Tensor | None,
+    top_k: int,
+    width: int,
+) -> torch.Tensor:
+    """Top `top_k` keys of one query per sequence, best first, as int64 `[B, width]` (-1 past the last visible key).
+
+    q_index: bf16 `[B, HI, DI]`; scaled_weights: fp32 `[B, HI]` (head weights times `HI^-0.5 · DI^-0.5`);
+    index_pages: bf16 `[N, P, DI]`; block_table: int64 `[B, n]`, sequence `b`'s keys at `block_table[b, i // P]`,
+    row `i % P`; num_keys: 0-d int64, the keys `0 … num_keys - 1` are visible (read on the host: a CPU kernel);
+    key_padding: bool `[B, >= num_keys]` (True = a real key) or None."""
+    batch, heads, dim = q_index.shape
+    if top_k < 1 or width < 0:
+        raise ValueError(f"indexer_topk_decode needs top_k >= 1 and width >= 0, got top_k={top_k}, width={width}")
+    out = torch.empty(batch, width, dtype=torch.int64)
+    q_index, scaled_weights = q_index.contiguous(), scaled_weights.float().contiguous()
+    block_table = block_table.to(torch.int64).contiguous()
+    padding = None if key_padding is None else key_padding.to(torch.bool).contiguous()
+    _library(compiler())(
+        index_pages.data_ptr(), index_pages.shape[1], dim, block_table.data_ptr(), block_table.stride(0),
+        q_index.data_ptr(), scaled_weights.data_ptr(), heads, int(num_keys),
+        None if padding is None else padding.data_ptr(), 0 if padding is None else padding.stride(0),
+        batch, top_k, width, torch.get_num_threads(), MIN_KEYS_PER_THREAD, out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+@indexer_topk_decode.register_fake
+def _(q_index, scaled_weights, index_pages, block_table, num_keys, key_padding, top_k, width):
+    return q_index.new_empty(q_index.shape[0], width, dtype=torch.int64)

@@ -1,0 +1,159 @@
+"""The hand-written CPU kernel of the indexer's decode step (modeling_kdsa/cpu_indexer.py, docs/dsa.md §11): its
+selection against the torch reference, the block table, padding, threads, the callers that route to it, its fallback
+and its build failure."""
+
+import pytest
+import torch
+
+from modeling_kdsa import cpu_indexer, dsa_paged_ops
+from modeling_kdsa.dsa_paged_ops import (
+    paged_indexer_topk_fused,
+    paged_indexer_topk_reference,
+    static_indexer_topk,
+    static_indexer_topk_cpu,
+)
+
+needs_kernel = pytest.mark.skipif(not cpu_indexer.cpu_supports_kernel(), reason="the CPU has no AVX512-BF16")
+
+
+def exact_case(batch=2, heads=16, dim=64, page_size=64, num_keys=1000, seed=0):
+    """Inputs whose scores are exact in fp32 whatever the summation order: small integer queries and keys (exact in
+    bf16), head weights ±2^j, and HI · DI = 16 · 64 so that the weight scale HI^-0.5 · DI^-0.5 is 2^-5. Many scores
+    tie, so the tie rule (earlier key first) is exercised too. The pages are shuffled and one spare page is unused."""
+    generator = torch.Generator().manual_seed(seed)
+    pages_per_sequence = -(-num_keys // page_size)
+    num_pages = batch * pages_per_sequence + 1
+    pages = torch.randint(-2, 3, (num_pages, page_size, dim), generator=generator).float()
+    table = torch.randperm(num_pages, generator=generator)[: batch * pages_per_sequence].view(batch, -1)
+    q_index = torch.randint(-2, 3, (batch, 1, heads, dim), generator=generator).float()
+    sign = torch.randint(0, 2, (batch, 1, heads), generator=generator).float() * 2 - 1
+    weights = sign * 2.0 ** torch.randint(-3, 3, (batch, 1, heads), generator=generator).float()
+    return q_index, weights, pages, table
+
+
+def padding_mask(batch, num_keys, pads=(0, 37)):
+    mask = torch.ones(batch, num_keys, dtype=torch.bool)
+    for row, pad in enumerate(pads[:batch]):
+        mask[row, :pad] = False
+    return mask
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "batch, heads, dim, num_keys, top_k, padded",
+    [
+        (2, 16, 64, 1000, 64, True),  # shuffled pages, a padded row, ties
+        (2, 16, 64, 1003, 7, False),  # a last group of 3 keys (the scalar tail)
+        (2, 16, 64, 5, 64, True),  # fewer visible keys than top_k: -1 past them
+        (1, 64, 128, 300, 20, True),  # DeepSeek-V3.2's indexer geometry (64 heads of 128)
+    ],
+)
+def test_kernel_selects_exactly_the_references_keys(batch, heads, dim, num_keys, top_k, padded):
+    q_index, weights, pages, table = exact_case(batch, heads, dim, num_keys=num_keys)
+    mask = padding_mask(batch, num_keys) if padded else None
+    expected = paged_indexer_topk_reference(q_index, weights, pages, table, num_keys, top_k, num_keys - 1, mask)
+    q16, pages16 = q_index.bfloat16(), pages.bfloat16()
+    assert cpu_indexer.decode_kernel_applies(q16, pages16)
+    got = paged_indexer_topk_fused(q16, weights, pages16, table, num_keys, top_k, num_keys - 1, mask)
+    assert torch.equal(got, expected)
+
+
+@needs_kernel
+def test_kernel_split_across_threads_selects_the_same_keys(monkeypatch):
+    """With several threads each scores a part of the keys into its own top k; the merge must keep the tie rule
+    across parts (equal scores in two parts: the earlier part's key first)."""
+    q_index, weights, pages, table = exact_case(batch=2, num_keys=3000)
+    mask = padding_mask(2, 3000, pads=(0, 100))
+    expected = paged_indexer_topk_reference(q_index, weights, pages, table, 3000, 100, 2999, mask)
+    monkeypatch.setattr(cpu_indexer, "MIN_KEYS_PER_THREAD", 256)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        got = paged_indexer_topk_fused(q_index.bfloat16(), weights, pages.bfloat16(), table, 3000, 100, 2999, mask)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, expected)
+
+
+@needs_kernel
+def test_bf16_scores_are_the_fp32_products_of_the_bf16_inputs():
+    """On random bf16 data the kernel's selection is the fp32 selection on the upcast inputs (the torch bf16 path
+    rounds each head's product to bf16 and may differ at near ties; the kernel must not)."""
+    generator = torch.Generator().manual_seed(3)
+    pages = torch.randn(20, 64, 64, generator=generator).bfloat16()
+    table = torch.arange(20).view(1, 20)
+    q_index = torch.randn(1, 1, 8, 64, generator=generator).bfloat16()
+    weights = torch.randn(1, 1, 8, generator=generator)
+    expected = paged_indexer_topk_reference(q_index.float(), weights, pages.float(), table, 1270, 128, 1269)
+    got = paged_indexer_topk_fused(q_index, weights, pages, table, 1270, 128, 1269)
+    assert torch.equal(got, expected)
+
+
+@needs_kernel
+def test_static_cpu_indexer_uses_the_kernel_and_equals_the_torch_static_indexer(monkeypatch):
+    """The cpu backend's fixed-shape indexer (a compiled step's) goes through the kernel, reading the static store's
+    pages in sequence order (no block table), and selects what the torch one selects: only the keys up to the query's
+    position, -1 padding included."""
+    q_index, weights, pages, _ = exact_case(batch=2, num_keys=256)  # 2 x 4 pages in sequence order + a spare
+    pages = pages[:8]
+    mask = padding_mask(2, 256, pads=(0, 9))
+    args = (torch.tensor(200), 64, torch.tensor(150), mask)  # the query at 150 sees keys 0 … 150 of 200
+    expected = static_indexer_topk(q_index, weights, pages, None, *args)
+    calls = []
+    original = dsa_paged_ops.indexer_topk_decode
+
+    def spy(*inputs):
+        calls.append(inputs)
+        return original(*inputs)
+
+    monkeypatch.setattr(dsa_paged_ops, "indexer_topk_decode", spy)
+    got = static_indexer_topk_cpu(q_index.bfloat16(), weights, pages.bfloat16(), None, *args)
+    assert len(calls) == 1 and torch.equal(got, expected)
+
+
+@needs_kernel
+def test_compiled_static_cpu_indexer_is_one_graph():
+    """Inside torch.compile(fullgraph=True) the kernel is one opaque op (a custom op with a fake implementation):
+    inductor compiles around it and the result is the eager one."""
+    q_index, weights, pages, _ = exact_case(batch=1, num_keys=128)
+    q16, pages16 = q_index.bfloat16(), pages[:2].bfloat16()
+    args = (torch.tensor(120), 16, torch.tensor(119), None)
+    expected = static_indexer_topk_cpu(q16, weights, pages16, None, *args)
+    torch._dynamo.reset()
+    compiled = torch.compile(static_indexer_topk_cpu, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(q16, weights, pages16, None, *args), expected)
+
+
+def test_callers_keep_the_torch_path_where_the_kernel_does_not_apply(monkeypatch):
+    """fp32 queries, prefill blocks, head counts that are not a multiple of 8 and pages not stored contiguously never
+    reach the kernel (nor do quantized pages: not a plain tensor), and nothing does when it is unavailable: the torch
+    path's result comes back."""
+    q_index, weights, pages, table = exact_case(batch=1, num_keys=200)
+    q16, pages16 = q_index.bfloat16(), pages.bfloat16()
+    assert not cpu_indexer.decode_kernel_applies(q_index, pages)  # fp32
+    assert not cpu_indexer.decode_kernel_applies(q16.expand(1, 2, 16, 64), pages16)  # two queries
+    assert not cpu_indexer.decode_kernel_applies(q16[:, :, :12], pages16)  # 12 heads
+    assert not cpu_indexer.decode_kernel_applies(q16, pages16.transpose(1, 2).contiguous().transpose(1, 2))
+    monkeypatch.setattr(cpu_indexer, "kernel_available", lambda: False)
+    assert not cpu_indexer.decode_kernel_applies(q16, pages16)
+    monkeypatch.setattr(dsa_paged_ops, "indexer_topk_decode", None)  # would raise if called
+    expected = paged_indexer_topk_reference(q_index, weights, pages, table, 200, 32, 199)
+    assert torch.equal(paged_indexer_topk_fused(q16, weights, pages16, table, 200, 32, 199), expected)
+
+
+def test_a_failed_build_warns_once_and_leaves_the_torch_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    compiler = "/bin/false"
+    with pytest.warns(UserWarning, match="did not compile with '/bin/false'"):
+        assert cpu_indexer._library(compiler) is None
+    assert cpu_indexer._library(compiler) is None  # cached: no second build, no second warning
+    assert not any(tmp_path.rglob("*.so"))
+
+
+@needs_kernel
+def test_kernel_refuses_an_empty_selection():
+    q_index, weights, pages, table = exact_case(batch=1, num_keys=64)
+    with pytest.raises(ValueError, match="top_k >= 1"):
+        cpu_indexer.indexer_topk_decode(
+            q_index[:, 0].bfloat16(), weights[:, 0], pages.bfloat16(), table, torch.tensor(64), None, 0, 0
+        )
