@@ -6,13 +6,13 @@ weights, the mask, a packed sort key and `topk`. On one core the GEMM is compute
 key: 4 per byte read at HI = 8) and oneDNN does not overlap it with the memory reads, so a 64k-key step spent ~0.75 ms
 on it against ~0.29 ms for plain reading the keys. This kernel streams the keys once: AVX512-BF16 dot products
 (`vdpbf16ps`) of 8 keys at a time against 8 heads at a time, software prefetch a few KiB ahead, ReLU, the head
-weights and the sum in registers, and a bounded heap for the top k, so no score is written to memory.
+weights and the sum in registers, and a candidate buffer for the top k, so no score is written to memory.
 
 It is compiled from the C++ source below with the system C++ compiler (`$CXX`, default `g++`; the same compiler
 inductor needs) into a small shared library on first use, cached per source and compiler, and called through
-`ctypes` (the call releases the GIL). `kdsa::indexer_topk_decode` wraps it as a custom op, so a compiled step calls it
-as one opaque kernel. Where it cannot run — no AVX512-BF16, no compiler, another dtype or geometry — the callers keep
-the torch path; a failed compile warns once.
+`ctypes` (the call releases the GIL). `kdsa::indexer_topk_decode` registers it as a `torch.library` op with a fake
+implementation, so a compiled step calls it as one opaque kernel. Where it cannot run — no AVX512-BF16, no compiler,
+another dtype or geometry — the callers keep the torch path; a failed compile warns once.
 
 Result: the reference's selection (`dsa_ops.select_topk`: score descending, ties to the earlier key) over scores
 computed in fp32 from the bf16 inputs (the torch bf16 path rounds each head's product to bf16 first)."""
@@ -272,39 +272,53 @@ def decode_kernel_applies(q_index: torch.Tensor, index_pages) -> bool:
     )
 
 
-@torch.library.custom_op("kdsa::indexer_topk_decode", mutates_args=())
-def indexer_topk_decode(
-    q_index: torch.Tensor,
-    scaled_weights: torch.Tensor,
-    index_pages: torch.Tensor,
-    block_table: torch.Tensor,
-    num_keys: torch.Tensor,
-    key_padding: torch.Tensor | None,
-    top_k: int,
-    width: int,
-) -> torch.Tensor:
+_SCHEMA = (
+    "indexer_topk_decode(Tensor q_index, Tensor scaled_weights, Tensor index_pages, Tensor block_table, "
+    "Tensor num_keys, Tensor? key_padding, int top_k, int width) -> Tensor"
+)
+
+
+def _indexer_topk_decode(q_index, scaled_weights, index_pages, block_table, num_keys, key_padding, top_k, width):
     """Top `top_k` keys of one query per sequence, best first, as int64 `[B, width]` (-1 past the last visible key).
 
     q_index: bf16 `[B, HI, DI]`; scaled_weights: fp32 `[B, HI]` (head weights times `HI^-0.5 · DI^-0.5`);
     index_pages: bf16 `[N, P, DI]`; block_table: int64 `[B, n]`, sequence `b`'s keys at `block_table[b, i // P]`,
     row `i % P`; num_keys: 0-d int64, the keys `0 … num_keys - 1` are visible (read on the host: a CPU kernel);
-    key_padding: bool `[B, >= num_keys]` (True = a real key) or None."""
+    key_padding: bool `[B, >= num_keys]` (True = a real key) or None. Every tensor contiguous.
+
+    Lean on purpose: the kernel's fixed cost is this function's Python (~40 µs when the step has evicted it from the
+    caches), so the caller converts the inputs and this only checks them."""
+    inputs = (q_index, scaled_weights, index_pages, block_table, key_padding)
+    dtypes = (torch.bfloat16, torch.float32, torch.bfloat16, torch.int64, torch.bool)
+    wrong = [x is not None and (x.dtype != d or not x.is_contiguous()) for x, d in zip(inputs, dtypes, strict=True)]
+    if top_k < 1 or any(wrong):
+        raise ValueError(
+            "indexer_topk_decode takes contiguous bf16 q_index and index_pages, fp32 scaled_weights, int64 "
+            f"block_table, bool key_padding and top_k >= 1; got {[None if x is None else x.dtype for x in inputs]}, "
+            f"top_k={top_k}"
+        )
     batch, heads, dim = q_index.shape
-    if top_k < 1 or width < 0:
-        raise ValueError(f"indexer_topk_decode needs top_k >= 1 and width >= 0, got top_k={top_k}, width={width}")
     out = torch.empty(batch, width, dtype=torch.int64)
-    q_index, scaled_weights = q_index.contiguous(), scaled_weights.float().contiguous()
-    block_table = block_table.to(torch.int64).contiguous()
-    padding = None if key_padding is None else key_padding.to(torch.bool).contiguous()
     _library(compiler())(
-        index_pages.data_ptr(), index_pages.shape[1], dim, block_table.data_ptr(), block_table.stride(0),
+        index_pages.data_ptr(), index_pages.shape[1], dim, block_table.data_ptr(), block_table.shape[1],
         q_index.data_ptr(), scaled_weights.data_ptr(), heads, int(num_keys),
-        None if padding is None else padding.data_ptr(), 0 if padding is None else padding.stride(0),
+        None if key_padding is None else key_padding.data_ptr(), 0 if key_padding is None else key_padding.shape[1],
         batch, top_k, width, torch.get_num_threads(), MIN_KEYS_PER_THREAD, out.data_ptr(),
     )  # fmt: skip
     return out
 
 
-@indexer_topk_decode.register_fake
-def _(q_index, scaled_weights, index_pages, block_table, num_keys, key_padding, top_k, width):
+def _fake_indexer_topk_decode(q_index, scaled_weights, index_pages, block_table, num_keys, key_padding, top_k, width):
     return q_index.new_empty(q_index.shape[0], width, dtype=torch.int64)
+
+
+# `kdsa::indexer_topk_decode`: the dispatcher calls the Python function above directly for CPU tensors (a plain
+# `torch.library` kernel: about half the per-call cost of `torch.library.custom_op`'s wrappers), and a compiled graph
+# holds it as one op, its shape from the fake. The package and a checkpoint's copy of this file may both be imported
+# in one process: the first registration stands (the copies are identical).
+_LIBRARY = torch.library.Library("kdsa", "FRAGMENT")
+if not hasattr(torch.ops.kdsa, "indexer_topk_decode"):
+    _LIBRARY.define(_SCHEMA)
+    _LIBRARY.impl("indexer_topk_decode", _indexer_topk_decode, "CPU")
+    torch.library.register_fake("kdsa::indexer_topk_decode", _fake_indexer_topk_decode, lib=_LIBRARY)
+indexer_topk_decode = torch.ops.kdsa.indexer_topk_decode

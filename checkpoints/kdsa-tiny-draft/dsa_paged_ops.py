@@ -460,11 +460,12 @@ def _decode_topk_cpu(q_index, weights, index_pages, block_table, num_visible, ke
     """`cpu_indexer.indexer_topk_decode` for q_index `[B, 1, HI, DI]`: int64 `[B, 1, num_selected]`, best first, -1
     where fewer keys are visible; the head weights scaled as `_blocked_indexer_topk` scales them."""
     num_heads, head_dim = q_index.shape[2:]
-    scaled_weights = weights[:, 0].float() * (num_heads**-0.5 * head_dim**-0.5)
-    padding = None if key_padding_mask is None else key_padding_mask.bool()
+    scaled_weights = (weights[:, 0].float() * (num_heads**-0.5 * head_dim**-0.5)).contiguous()
+    padding = None if key_padding_mask is None else key_padding_mask.bool().contiguous()
     selected = indexer_topk_decode(
-        q_index[:, 0], scaled_weights, index_pages, block_table, num_visible, padding, num_selected, num_selected
-    )
+        q_index[:, 0].contiguous(), scaled_weights, index_pages, block_table.long().contiguous(), num_visible,
+        padding, num_selected, num_selected,
+    )  # fmt: skip
     return selected.unsqueeze(1)
 
 
