@@ -52,18 +52,18 @@ inline bool better(const Candidate& a, const Candidate& b) {
   return a.score > b.score || (a.score == b.score && a.position < b.position);
 }
 
-// Candidates for the best k: every key scoring above `threshold` is kept until the buffer holds 4k, then the buffer
+// Candidates for the best k: every key scoring above `threshold` is kept until the buffer holds 2k, then the buffer
 // is cut to its best k and `threshold` becomes the worst of those. Positions arrive in increasing order, so a key
 // scoring exactly `threshold` loses its tie to every key kept with that score.
 struct TopK {
   std::vector<Candidate> buffer;
   size_t k;
   float threshold = -INFINITY;
-  explicit TopK(size_t k) : k(k) { buffer.reserve(4 * k); }
+  explicit TopK(size_t k) : k(k) { buffer.reserve(2 * k); }
   inline void offer(float score, int64_t position) {
     if (!(score > threshold)) return;
     buffer.push_back({score, position});
-    if (buffer.size() == 4 * k) {
+    if (buffer.size() == 2 * k) {
       std::nth_element(buffer.begin(), buffer.begin() + (k - 1), buffer.end(), better);
       buffer.resize(k);
       threshold = buffer[k - 1].score;
@@ -140,11 +140,14 @@ void score_range(const Sequence& s, int64_t begin, int64_t end, TopK& best) {
       for (int r = 0; r < 8; ++r) total[r] = _mm256_fmadd_ps(_mm256_max_ps(dot[r], zero), w, total[r]);
     }
     __m256 group_scores = lane_sums(total);
-    // Most groups have no score above the threshold: one comparison skips all 8.
-    if (_mm256_movemask_ps(_mm256_cmp_ps(group_scores, _mm256_set1_ps(best.threshold), _CMP_GT_OQ)) == 0) continue;
+    // One comparison finds the keys above the threshold (usually none); only those are offered.
+    int above = _mm256_movemask_ps(_mm256_cmp_ps(group_scores, _mm256_set1_ps(best.threshold), _CMP_GT_OQ));
+    if (above == 0) continue;
     _mm256_store_ps(scores, group_scores);
-    for (int r = 0; r < 8; ++r)
+    for (; above != 0; above &= above - 1) {
+      const int r = __builtin_ctz(above);
       if (!s.padding || s.padding[key + r]) best.offer(scores[r], key + r);
+    }
   }
   for (; key < end; ++key, at.advance(1)) {  // the last < 8 keys
     if (s.padding && !s.padding[key]) continue;
@@ -195,7 +198,8 @@ extern "C" void kdsa_indexer_topk_decode(
     std::vector<Candidate> all;
     for (auto& part : found) all.insert(all.end(), part.buffer.begin(), part.buffer.end());
     int64_t kept = std::min<int64_t>(top_k, (int64_t)all.size());
-    std::partial_sort(all.begin(), all.begin() + kept, all.end(), better);
+    if (kept < (int64_t)all.size()) std::nth_element(all.begin(), all.begin() + (kept - 1), all.end(), better);
+    std::sort(all.begin(), all.begin() + kept, better);
     for (int64_t i = 0; i < width; ++i) out[b * width + i] = i < kept ? all[i].position : -1;
   }
 }

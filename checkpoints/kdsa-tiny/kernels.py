@@ -12,8 +12,8 @@ Kernels and their contracts:
 - `kda_chunk` (prefill) and `kda_recurrent` (decode, and the replay of a rollback): the KDA delta rule (signatures of
   `kda_ops.chunk_kda` / `kda_ops.recurrent_kda`, docs/kda.md §3, §5).
 - `static_indexer_topk`, `static_kpool_indexer_topk`, `static_sparse_mla`, `static_dense_mla`: the fixed-shape reads
-  of a compiled static-cache step (`dsa_paged_ops.static_*`, docs/graph-mode.md §3); the torch ones for every backend
-  so far.
+  of a compiled static-cache step (`dsa_paged_ops.static_*`, docs/graph-mode.md §3); the torch ones for every backend,
+  except that the cpu backend's `static_indexer_topk` runs a decode step through the C++ kernel (docs/dsa.md §11).
 - `kv_store`: the layout the paged store keeps kv rows in, the one its attention kernels read
   (`(formats, kv_rows, latent_width) -> stored rows`).
 - `dsa_decode_prolog`: the projections of a DSA decode step (`(layer, hidden_states, position_embeddings)`, the
