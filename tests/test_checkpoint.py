@@ -14,6 +14,7 @@ import torch
 from modeling_kdsa.eval import accuracy, synthetic
 from modeling_kdsa.eval.make_data import load_docs
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.dynamic_module_utils import check_imports, get_imports, get_relative_import_files
 
 from modeling_kdsa import KDSAForCausalLM
 
@@ -52,11 +53,16 @@ def test_folder_carries_weights_config_remote_code_tokenizer_and_card(folder):
     config = json.loads((folder / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_kdsa.KDSAForCausalLM"
     assert config["auto_map"]["AutoConfig"] == "configuration_kdsa.KDSAConfig"
-    # Every module the remote code imports relatively is in the folder.
-    for path in folder.glob("*.py"):
-        for line in path.read_text().splitlines():
-            if line.startswith("from .") and " import " in line:
-                assert (folder / f"{line.split()[1][1:]}.py").exists(), line
+    # transformers' remote-code loader fetches the modules it finds imported as `from .module import`: every module
+    # of the folder must be among them (the device backends' too). It then requires every package those modules
+    # import to be installed, so the device backends' packages (fla, triton, torch_npu) must stay out of its sight.
+    modules = {folder / "modeling_kdsa.py", folder / "configuration_kdsa.py"}
+    for module in list(modules):
+        modules.update(Path(path) for path in get_relative_import_files(module))
+    assert modules == set(folder.glob("*.py"))
+    for module in modules:
+        assert not {"fla", "triton", "torch_npu"} & set(get_imports(module)), module.name
+        check_imports(module)
     card = (folder / "README.md").read_text()
     assert "## Results" in card and "## Training" in card and "seed" in card
 

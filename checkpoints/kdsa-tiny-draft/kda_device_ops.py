@@ -18,16 +18,19 @@ natural-log decay, fp32 state `[B, H, K, V]`, `o` in v's dtype) to the device ke
   stays on the torch kernel.
 """
 
+import importlib
+
 import torch
 
 from .kda_ops import _check_kda_inputs
 
 
 def _fla_kda_ops():
-    """fla's Triton `(chunk_kda, fused_recurrent_kda)`, imported on first use (fla's package imports triton)."""
-    from fla.ops.kda import chunk_kda, fused_recurrent_kda
-
-    return chunk_kda, fused_recurrent_kda
+    """fla's Triton `(chunk_kda, fused_recurrent_kda)`, imported on first use (fla's package imports triton). Not an
+    import statement: transformers requires every package a remote-code file imports to be installed, and only the
+    triton backend needs fla."""
+    kda = importlib.import_module("fla.ops.kda")
+    return kda.chunk_kda, kda.fused_recurrent_kda
 
 
 def require_fla() -> None:

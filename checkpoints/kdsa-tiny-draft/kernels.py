@@ -112,36 +112,48 @@ COMPILED_KERNELS = KernelSet(
 
 def _npu_kernels() -> KernelSet:
     """torch_npu's fused ops (docs/backends.md §2); ValueError unless torch_npu and an NPU are available."""
-    from . import kda_device_ops, npu_kernels
+    # `from .module import` form (here and below): transformers' remote-code loader fetches only the modules it finds
+    # imported that way, so this is how a Hub checkpoint's copy of these device modules reaches its users.
+    from .kda_device_ops import npu_recurrent_kda
+    from .npu_kernels import (
+        npu_kv_store,
+        paged_dense_mla_npu,
+        paged_indexer_topk_npu,
+        paged_kpool_indexer_topk_npu,
+        paged_sparse_mla_npu,
+        three_stream_prolog,
+        torch_npu_module,
+    )
 
-    npu_kernels.torch_npu_module()
+    torch_npu_module()
     return KernelSet(
         "npu",
-        indexer_topk=npu_kernels.paged_indexer_topk_npu,
-        sparse_mla=npu_kernels.paged_sparse_mla_npu,
-        kpool_indexer_topk=npu_kernels.paged_kpool_indexer_topk_npu,
-        dense_mla=npu_kernels.paged_dense_mla_npu,
+        indexer_topk=paged_indexer_topk_npu,
+        sparse_mla=paged_sparse_mla_npu,
+        kpool_indexer_topk=paged_kpool_indexer_topk_npu,
+        dense_mla=paged_dense_mla_npu,
         # kda_chunk stays the torch reference: torch_npu's chunked gated delta rule takes a per-head decay only.
-        kda_recurrent=kda_device_ops.npu_recurrent_kda,
-        kv_store=npu_kernels.npu_kv_store,
-        dsa_decode_prolog=npu_kernels.three_stream_prolog,
+        kda_recurrent=npu_recurrent_kda,
+        kv_store=npu_kv_store,
+        dsa_decode_prolog=three_stream_prolog,
     )
 
 
 def _triton_kernels() -> KernelSet:
     """Our Triton DSA kernels and fla's Triton KDA (docs/backends.md §4); ValueError without triton or fla."""
-    from . import kda_device_ops, triton_kernels
+    from .kda_device_ops import fla_chunk_kda, fla_recurrent_kda, require_fla
+    from .triton_kernels import paged_indexer_topk_triton, paged_sparse_mla_triton, require_triton
 
-    triton_kernels.require_triton()
-    kda_device_ops.require_fla()
+    require_triton()
+    require_fla()
     return KernelSet(
         "triton",
-        indexer_topk=triton_kernels.paged_indexer_topk_triton,
-        sparse_mla=triton_kernels.paged_sparse_mla_triton,
+        indexer_topk=paged_indexer_topk_triton,
+        sparse_mla=paged_sparse_mla_triton,
         kpool_indexer_topk=None,  # the Triton indexer scores one key per token (docs/backends.md §4)
         # dense_mla stays the torch reference (no Triton dense kernel).
-        kda_chunk=kda_device_ops.fla_chunk_kda,
-        kda_recurrent=kda_device_ops.fla_recurrent_kda,
+        kda_chunk=fla_chunk_kda,
+        kda_recurrent=fla_recurrent_kda,
     )
 
 
