@@ -151,9 +151,17 @@ def test_a_failed_build_warns_once_and_leaves_the_torch_path(tmp_path, monkeypat
 
 
 @needs_kernel
-def test_kernel_refuses_an_empty_selection():
+def test_kernel_refuses_inputs_it_cannot_read():
+    """The op reads raw pointers: a wrong dtype, a strided tensor or an empty selection is a ValueError, not a crash."""
     q_index, weights, pages, table = exact_case(batch=1, num_keys=64)
-    with pytest.raises(ValueError, match="top_k >= 1"):
-        cpu_indexer.indexer_topk_decode(
-            q_index[:, 0].bfloat16(), weights[:, 0], pages.bfloat16(), table, torch.tensor(64), None, 0, 0
-        )
+    good = [q_index[:, 0].bfloat16(), weights[:, 0], pages.bfloat16(), table, torch.tensor(64), None, 8, 8]
+    assert cpu_indexer.indexer_topk_decode(*good).shape == (1, 8)
+    for position, bad in [
+        (0, q_index[:, 0]),  # fp32 queries
+        (2, pages.bfloat16().transpose(1, 2)),  # strided pages
+        (3, table.int()),  # int32 block table
+        (5, torch.ones(1, 64, dtype=torch.uint8)),  # a byte mask instead of bool
+        (6, 0),  # top_k 0
+    ]:
+        with pytest.raises(ValueError, match="indexer_topk_decode takes"):
+            cpu_indexer.indexer_topk_decode(*good[:position], bad, *good[position + 1 :])
