@@ -216,27 +216,28 @@ def _cache_dir() -> str:
 @cache
 def _library(compiler: str):
     """The compiled kernel (a `ctypes` function), built on first use and cached on disk per source, flags and
-    compiler; None, with one warning, when the build fails."""
+    compiler; None, with one warning, when it cannot be built or loaded (no compiler, no writable cache directory)."""
     digest = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS]).encode()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"indexer_topk_decode_{digest}.so")
-    if not os.path.exists(path):
-        os.makedirs(_cache_dir(), exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=_cache_dir()) as build:
-            source, target = os.path.join(build, "kernel.cpp"), os.path.join(build, "kernel.so")
-            with open(source, "w") as f:
-                f.write(_SOURCE)
-            try:
+    try:
+        if not os.path.exists(path):
+            os.makedirs(_cache_dir(), exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=_cache_dir()) as build:
+                source, target = os.path.join(build, "kernel.cpp"), os.path.join(build, "kernel.so")
+                with open(source, "w") as f:
+                    f.write(_SOURCE)
                 subprocess.run([compiler, *_FLAGS, source, "-o", target], check=True, capture_output=True, text=True)
-            except (OSError, subprocess.CalledProcessError) as error:
-                detail = getattr(error, "stderr", None) or str(error)
-                warnings.warn(
-                    f"the CPU indexer kernel did not compile with {compiler!r} ({detail.strip()[-300:]}); the "
-                    "indexer's decode step keeps the torch path (set CXX to a C++17 compiler with AVX512-BF16)",
-                    stacklevel=3,
-                )
-                return None
-            os.replace(target, path)  # atomic: a concurrent process sees the whole library or none
-    function = ctypes.CDLL(path).kdsa_indexer_topk_decode
+                os.replace(target, path)  # atomic: a concurrent process sees the whole library or none
+        function = ctypes.CDLL(path).kdsa_indexer_topk_decode
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", None) or str(error)
+        warnings.warn(
+            f"the CPU indexer kernel could not be built with {compiler!r} in {_cache_dir()} ({detail.strip()[-300:]});"
+            " the indexer's decode step keeps the torch path (set CXX to a C++17 compiler with AVX512-BF16, or "
+            "XDG_CACHE_HOME to a writable directory)",
+            stacklevel=3,
+        )
+        return None
     function.restype = None
     function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p, ctypes.c_int64]
     function.argtypes += [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p]
@@ -288,24 +289,39 @@ def _indexer_topk_decode(q_index, scaled_weights, index_pages, block_table, num_
     q_index: bf16 `[B, HI, DI]`; scaled_weights: fp32 `[B, HI]` (head weights times `HI^-0.5 · DI^-0.5`);
     index_pages: bf16 `[N, P, DI]`; block_table: int64 `[B, n]`, sequence `b`'s keys at `block_table[b, i // P]`,
     row `i % P`; num_keys: 0-d int64, the keys `0 … num_keys - 1` are visible (read on the host: a CPU kernel);
-    key_padding: bool `[B, >= num_keys]` (True = a real key) or None. Every tensor contiguous.
+    key_padding: bool `[B, >= num_keys]` (True = a real key) or None. Every tensor contiguous. The table's entries
+    are trusted (`paged_indexer_topk_fused` checks them; a static store's table is the identity).
 
     Lean on purpose: the kernel's fixed cost is this function's Python (~40 µs when the step has evicted it from the
-    caches), so the caller converts the inputs and this only checks them."""
+    caches), so the caller converts the inputs and this only checks them: dtypes, layouts and the shapes the kernel's
+    pointer arithmetic relies on, so that bad input is a ValueError, not a read out of bounds."""
     inputs = (q_index, scaled_weights, index_pages, block_table, key_padding)
     dtypes = (torch.bfloat16, torch.float32, torch.bfloat16, torch.int64, torch.bool)
     wrong = [x is not None and (x.dtype != d or not x.is_contiguous()) for x, d in zip(inputs, dtypes, strict=True)]
-    if top_k < 1 or any(wrong):
-        raise ValueError(
-            "indexer_topk_decode takes contiguous bf16 q_index and index_pages, fp32 scaled_weights, int64 "
-            f"block_table, bool key_padding and top_k >= 1; got {[None if x is None else x.dtype for x in inputs]}, "
-            f"top_k={top_k}"
-        )
     batch, heads, dim = q_index.shape
+    keys = int(num_keys)
+    page_size = index_pages.shape[1]
+    shapes_fit = (
+        heads % 8 == 0
+        and dim % 2 == 0
+        and page_size % 8 == 0
+        and index_pages.shape[2] == dim
+        and scaled_weights.shape == (batch, heads)
+        and block_table.shape[0] == batch
+        and 0 <= keys <= block_table.shape[1] * page_size
+        and (key_padding is None or (key_padding.shape[0] == batch and key_padding.shape[1] >= keys))
+    )
+    if top_k < 1 or any(wrong) or not shapes_fit:
+        raise ValueError(
+            "indexer_topk_decode takes contiguous bf16 q_index [B, HI % 8 == 0, DI even] and index_pages [N, P % 8 == "
+            "0, DI], fp32 scaled_weights [B, HI], an int64 block_table [B, n] covering num_keys, a bool key_padding "
+            f"[B, >= num_keys] and top_k >= 1; got shapes {[None if x is None else tuple(x.shape) for x in inputs]}, "
+            f"dtypes {[None if x is None else x.dtype for x in inputs]}, num_keys={keys}, top_k={top_k}"
+        )
     out = torch.empty(batch, width, dtype=torch.int64)
     _library(compiler())(
-        index_pages.data_ptr(), index_pages.shape[1], dim, block_table.data_ptr(), block_table.shape[1],
-        q_index.data_ptr(), scaled_weights.data_ptr(), heads, int(num_keys),
+        index_pages.data_ptr(), page_size, dim, block_table.data_ptr(), block_table.shape[1],
+        q_index.data_ptr(), scaled_weights.data_ptr(), heads, keys,
         None if key_padding is None else key_padding.data_ptr(), 0 if key_padding is None else key_padding.shape[1],
         batch, top_k, width, torch.get_num_threads(), MIN_KEYS_PER_THREAD, out.data_ptr(),
     )  # fmt: skip

@@ -144,10 +144,18 @@ def test_callers_keep_the_torch_path_where_the_kernel_does_not_apply(monkeypatch
 def test_a_failed_build_warns_once_and_leaves_the_torch_path(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     compiler = "/bin/false"
-    with pytest.warns(UserWarning, match="did not compile with '/bin/false'"):
+    with pytest.warns(UserWarning, match="could not be built with '/bin/false'"):
         assert cpu_indexer._library(compiler) is None
     assert cpu_indexer._library(compiler) is None  # cached: no second build, no second warning
     assert not any(tmp_path.rglob("*.so"))
+
+
+def test_an_unwritable_cache_directory_warns_instead_of_failing(tmp_path, monkeypatch):
+    """The first decode step builds the kernel; a cache directory that cannot be created must not break it."""
+    (tmp_path / "not-a-directory").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-directory"))
+    with pytest.warns(UserWarning, match="XDG_CACHE_HOME to a writable directory"):
+        assert cpu_indexer._library("a-compiler-for-this-test") is None
 
 
 @needs_kernel
@@ -162,6 +170,9 @@ def test_kernel_refuses_inputs_it_cannot_read():
         (3, table.int()),  # int32 block table
         (5, torch.ones(1, 64, dtype=torch.uint8)),  # a byte mask instead of bool
         (6, 0),  # top_k 0
+        (4, torch.tensor(65)),  # more keys than the block table maps
+        (1, weights[:, 0, :8].contiguous()),  # weights for 8 of the 16 heads
+        (5, torch.ones(1, 63, dtype=torch.bool)),  # a mask narrower than the keys
     ]:
         with pytest.raises(ValueError, match="indexer_topk_decode takes"):
             cpu_indexer.indexer_topk_decode(*good[:position], bad, *good[position + 1 :])
