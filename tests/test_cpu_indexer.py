@@ -141,6 +141,15 @@ def test_callers_keep_the_torch_path_where_the_kernel_does_not_apply(monkeypatch
     assert torch.equal(paged_indexer_topk_fused(q16, weights, pages16, table, 200, 32, 199), expected)
 
 
+@needs_kernel
+def test_a_fresh_cache_directory_gets_the_library_built(tmp_path, monkeypatch):
+    """What a new machine does on its first decode step: create the cache directory, build, load (`__wrapped__`
+    skips the per-process cache of `_library`)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh"))
+    assert cpu_indexer._library.__wrapped__(cpu_indexer.compiler()) is not None
+    assert len(list((tmp_path / "fresh" / "kdsa-kernels").glob("indexer_topk_decode_*.so"))) == 1
+
+
 def test_a_failed_build_warns_once_and_leaves_the_torch_path(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     compiler = "/bin/false"
