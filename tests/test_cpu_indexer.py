@@ -2,6 +2,8 @@
 selection against the torch reference, the block table, padding, threads, the callers that route to it, its fallback
 and its build failure."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -113,8 +115,8 @@ def test_static_cpu_indexer_uses_the_kernel_and_equals_the_torch_static_indexer(
 
 @needs_kernel
 def test_compiled_static_cpu_indexer_is_one_graph():
-    """Inside torch.compile(fullgraph=True) the kernel is one opaque op (a custom op with a fake implementation):
-    inductor compiles around it and the result is the eager one."""
+    """Inside torch.compile(fullgraph=True) the kernel is one opaque op (a `torch.library` op with a fake
+    implementation): inductor compiles around it and the result is the eager one."""
     q_index, weights, pages, _ = exact_case(batch=1, num_keys=128)
     q16, pages16 = q_index.bfloat16(), pages[:2].bfloat16()
     args = (torch.tensor(120), 16, torch.tensor(119), None)
@@ -155,7 +157,9 @@ def test_a_failed_build_warns_once_and_leaves_the_torch_path(tmp_path, monkeypat
     compiler = "/bin/false"
     with pytest.warns(UserWarning, match="could not be built with '/bin/false'"):
         assert cpu_indexer._library(compiler) is None
-    assert cpu_indexer._library(compiler) is None  # cached: no second build, no second warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu_indexer._library(compiler) is None  # cached: no second build, no second warning
     assert not any(tmp_path.rglob("*.so"))
 
 
