@@ -1,6 +1,6 @@
 """The hand-written CPU kernel of the indexer's decode step (modeling_kdsa/cpu_indexer.py, docs/dsa.md §11): its
-selection against the torch reference, the block table, padding, threads, the callers that route to it, its fallback
-and its build failure."""
+selection against the torch reference, the block table, padding, the callers that route to it, its fallbacks (other
+inputs, more threads, no kernel) and its build."""
 
 import warnings
 
@@ -16,6 +16,12 @@ from modeling_kdsa.dsa_paged_ops import (
 )
 
 needs_kernel = pytest.mark.skipif(not cpu_indexer.cpu_supports_kernel(), reason="the CPU has no AVX512-BF16")
+
+
+@pytest.fixture(autouse=True)
+def _kernel_at_this_thread_count(monkeypatch):
+    """The kernel applies up to MAX_THREADS intra-op threads; let it apply at whatever this machine runs tests with."""
+    monkeypatch.setattr(cpu_indexer, "MAX_THREADS", max(cpu_indexer.MAX_THREADS, torch.get_num_threads()))
 
 
 def exact_case(batch=2, heads=16, dim=64, page_size=64, num_keys=1000, seed=0):
@@ -60,21 +66,19 @@ def test_kernel_selects_exactly_the_references_keys(batch, heads, dim, num_keys,
     assert torch.equal(got, expected)
 
 
-@needs_kernel
-def test_kernel_split_across_threads_selects_the_same_keys(monkeypatch):
-    """With several threads each scores a part of the keys into its own top k; the merge must keep the tie rule
-    across parts (equal scores in two parts: the earlier part's key first)."""
-    q_index, weights, pages, table = exact_case(batch=2, num_keys=3000)
-    mask = padding_mask(2, 3000, pads=(0, 100))
-    expected = paged_indexer_topk_reference(q_index, weights, pages, table, 3000, 100, 2999, mask)
-    monkeypatch.setattr(cpu_indexer, "MIN_KEYS_PER_THREAD", 256)
+def test_more_threads_than_the_kernel_was_measured_with_keep_the_torch_path():
+    """The kernel runs on one thread: with more than MAX_THREADS intra-op threads the torch path, which uses them all,
+    is kept; up to MAX_THREADS the kernel applies."""
+    q_index, _, pages, _ = exact_case(batch=1, num_keys=64)
+    q16, pages16 = q_index.bfloat16(), pages.bfloat16()
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(3)
-        got = paged_indexer_topk_fused(q_index.bfloat16(), weights, pages.bfloat16(), table, 3000, 100, 2999, mask)
+        torch.set_num_threads(cpu_indexer.MAX_THREADS + 1)
+        assert not cpu_indexer.decode_kernel_applies(q16, pages16)
+        torch.set_num_threads(cpu_indexer.MAX_THREADS)
+        assert cpu_indexer.decode_kernel_applies(q16, pages16) == cpu_indexer.kernel_available()
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(got, expected)
 
 
 @needs_kernel

@@ -323,11 +323,13 @@ def test_bf16_decode_steps_reach_the_cpu_indexer_kernel(monkeypatch):
     same tokens."""
     model = tiny_model(index_n_heads=8).to(torch.bfloat16)
     ids, mask = prompt(length=30)
+    # The kernel applies up to MAX_THREADS intra-op threads; let it apply at this machine's test thread count.
+    monkeypatch.setattr(cpu_indexer, "MAX_THREADS", max(cpu_indexer.MAX_THREADS, torch.get_num_threads()))
     calls, kernel = [], dsa_paged_ops.indexer_topk_decode
     monkeypatch.setattr(dsa_paged_ops, "indexer_topk_decode", lambda *inputs: calls.append(1) or kernel(*inputs))
     expected = greedy(model, ids, mask, 8)
     assert len(calls) == 7 * 2  # 7 decode steps (the first token comes from the prefill) x 2 DSA layers
-    monkeypatch.undo()
+    monkeypatch.setattr(dsa_paged_ops, "indexer_topk_decode", kernel)  # the compiled step traces the op itself
     got = greedy(model, ids, mask, 8, cache_implementation="static", compile_config=compile_config())
     assert torch.equal(got, expected)
     kernel_nodes = [node for node in all_nodes(CAPTURED_GRAPHS) if "indexer_topk_decode" in str(node.target)]

@@ -27,9 +27,12 @@ from functools import cache
 
 import torch
 
-# Keys per thread below which a step is not split across threads (a thread start costs ~30 µs; 16k keys take
-# ~0.1 ms at the benchmark shape).
-MIN_KEYS_PER_THREAD = 16384
+# The kernel runs on one thread. Up to this many intra-op threads it matched or beat the torch path (measured with 1
+# and 2 on a 2-core machine: at 64k keys and 2 threads, compiled 1.03-1.05x and eager 1.26x for the layer step).
+# With more, the torch path is kept: its GEMM and passes use every thread while the kernel would use one (not
+# measured here). Splitting the kernel over threads of its own lost at 2 threads (0.87-0.93x): they compete with the
+# OpenMP workers of torch's pool, which spin after each parallel region.
+MAX_THREADS = 2
 
 _SOURCE = r"""
 #include <immintrin.h>
@@ -37,7 +40,6 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 #include <algorithm>
-#include <thread>
 #include <vector>
 
 namespace {
@@ -169,8 +171,7 @@ void score_range(const Sequence& s, int64_t begin, int64_t end, TopK& best) {
 extern "C" void kdsa_indexer_topk_decode(
     const uint16_t* pages, int64_t page_size, int64_t dim, const int64_t* table, int64_t table_stride,
     const uint16_t* q, const float* weights, int64_t heads, int64_t num_keys, const uint8_t* padding,
-    int64_t padding_stride, int64_t batch, int64_t top_k, int64_t width, int64_t threads,
-    int64_t min_keys_per_thread, int64_t* out) {
+    int64_t padding_stride, int64_t batch, int64_t top_k, int64_t width, int64_t* out) {
   const int64_t pairs = dim / 2;
   std::vector<uint16_t> packed(heads * dim);
   std::vector<float> query(heads * dim);
@@ -184,28 +185,18 @@ extern "C" void kdsa_indexer_topk_decode(
         }
     Sequence s{pages, table + b * table_stride, page_size, dim, heads, packed.data(), weights + b * heads,
                padding ? padding + b * padding_stride : nullptr, query.data()};
-    const int64_t per_thread = std::max<int64_t>(1, min_keys_per_thread);
-    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, num_keys / per_thread));
-    int64_t step = ((num_keys + parts - 1) / parts + 7) / 8 * 8;
-    std::vector<TopK> found(parts, TopK(top_k));
-    std::vector<std::thread> workers;
-    for (int64_t part = 1; part < parts; ++part)
-      workers.emplace_back([&, part] {
-        score_range(s, std::min(num_keys, part * step), std::min(num_keys, (part + 1) * step), found[part]);
-      });
-    score_range(s, 0, std::min(num_keys, step), found[0]);
-    for (auto& worker : workers) worker.join();
-    std::vector<Candidate> all;
-    for (auto& part : found) all.insert(all.end(), part.buffer.begin(), part.buffer.end());
-    int64_t kept = std::min<int64_t>(top_k, (int64_t)all.size());
-    if (kept < (int64_t)all.size()) std::nth_element(all.begin(), all.begin() + (kept - 1), all.end(), better);
-    std::sort(all.begin(), all.begin() + kept, better);
-    for (int64_t i = 0; i < width; ++i) out[b * width + i] = i < kept ? all[i].position : -1;
+    TopK best(top_k);
+    score_range(s, 0, num_keys, best);
+    std::vector<Candidate>& found = best.buffer;
+    int64_t kept = std::min<int64_t>(top_k, (int64_t)found.size());
+    if (kept < (int64_t)found.size()) std::nth_element(found.begin(), found.begin() + (kept - 1), found.end(), better);
+    std::sort(found.begin(), found.begin() + kept, better);
+    for (int64_t i = 0; i < width; ++i) out[b * width + i] = i < kept ? found[i].position : -1;
   }
 }
 """
 
-_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-mavx2", "-mfma", "-mavx512f", "-mavx512vl"]
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma", "-mavx512f", "-mavx512vl"]
 _FLAGS += ["-mavx512bf16"]
 
 
@@ -241,7 +232,7 @@ def _library(compiler: str):
     function.restype = None
     function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p, ctypes.c_int64]
     function.argtypes += [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p]
-    function.argtypes += [*[ctypes.c_int64] * 6, ctypes.c_void_p]
+    function.argtypes += [*[ctypes.c_int64] * 4, ctypes.c_void_p]
     return function
 
 
@@ -260,9 +251,16 @@ def kernel_available() -> bool:
     return cpu_supports_kernel() and _library(compiler()) is not None
 
 
+@torch.compiler.assume_constant_result  # decided when a step is compiled (dynamo cannot trace get_num_threads)
+def few_threads() -> bool:
+    """At most MAX_THREADS intra-op threads: where the one-thread kernel is the faster path."""
+    return torch.get_num_threads() <= MAX_THREADS
+
+
 def decode_kernel_applies(q_index: torch.Tensor, index_pages) -> bool:
     """The kernel handles this decode step: bf16 plain pages on a CPU that supports it, one query per sequence, a
-    head count that is a multiple of 8, an even head dim and pages of a multiple of 8 rows — and it compiled."""
+    head count that is a multiple of 8, an even head dim, pages of a multiple of 8 rows, at most MAX_THREADS threads —
+    and it compiled."""
     return (
         q_index.device.type == "cpu"
         and q_index.dtype == torch.bfloat16
@@ -273,6 +271,7 @@ def decode_kernel_applies(q_index: torch.Tensor, index_pages) -> bool:
         and index_pages.dtype == torch.bfloat16
         and index_pages.is_contiguous()
         and index_pages.shape[1] % 8 == 0
+        and few_threads()
         and kernel_available()
     )
 
@@ -323,7 +322,7 @@ def _indexer_topk_decode(q_index, scaled_weights, index_pages, block_table, num_
         index_pages.data_ptr(), page_size, dim, block_table.data_ptr(), block_table.shape[1],
         q_index.data_ptr(), scaled_weights.data_ptr(), heads, keys,
         None if key_padding is None else key_padding.data_ptr(), 0 if key_padding is None else key_padding.shape[1],
-        batch, top_k, width, torch.get_num_threads(), MIN_KEYS_PER_THREAD, out.data_ptr(),
+        batch, top_k, width, out.data_ptr(),
     )  # fmt: skip
     return out
 
