@@ -30,8 +30,8 @@ import torch
 # The kernel runs on one thread. Up to this many intra-op threads it matched or beat the torch path (measured with 1
 # and 2 on a 2-core machine: at 64k keys and 2 threads, compiled 1.03-1.05x and eager 1.26x for the layer step).
 # With more, the torch path is kept: its GEMM and passes use every thread while the kernel would use one (not
-# measured here). Splitting the kernel over threads of its own lost at 2 threads (0.87-0.93x): they compete with the
-# OpenMP workers of torch's pool, which spin after each parallel region.
+# measured here). Splitting the kernel over threads of its own lost at 2 threads (0.72-0.93x in three runs): they
+# compete with the OpenMP workers of torch's pool, which spin after each parallel region.
 MAX_THREADS = 2
 
 _SOURCE = r"""
