@@ -314,9 +314,7 @@ def test_graph_mode_bench_quick_run(tmp_path):
 def test_dsa_kernel_bench_case_times_every_kernel_of_every_backend():
     """`scripts/bench_dsa_kernels.py`'s per-case measurement at a small context: the indexer, sparse attention and
     dense MLA of the torch, cpu and compiled backends, each timed and compared with the torch reference."""
-    spec = importlib.util.spec_from_file_location("bench_dsa_kernels", SCRIPT.parent / "bench_dsa_kernels.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench().sibling_script("bench_dsa_kernels")
     with torch.inference_mode():
         rows = bench.bench_case(bench.KDSAConfig(), "decode-seq", 8192, 1, repeats=1)  # 3 dense key blocks
     assert [row["backend"] for row in rows] == ["torch", "cpu", "compiled"]

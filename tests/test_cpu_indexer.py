@@ -120,7 +120,8 @@ def test_static_cpu_indexer_uses_the_kernel_and_equals_the_torch_static_indexer(
 @needs_kernel
 def test_compiled_static_cpu_indexer_is_one_graph():
     """Inside torch.compile(fullgraph=True) the kernel is one opaque op (a `torch.library` op with a fake
-    implementation): inductor compiles around it and the result is the eager one."""
+    implementation): inductor compiles around it and the result is the eager one; `opcheck` checks the fake against
+    the real op."""
     q_index, weights, pages, _ = exact_case(batch=1, num_keys=128)
     q16, pages16 = q_index.bfloat16(), pages[:2].bfloat16()
     args = (torch.tensor(120), 16, torch.tensor(119), None)
@@ -128,6 +129,10 @@ def test_compiled_static_cpu_indexer_is_one_graph():
     torch._dynamo.reset()
     compiled = torch.compile(static_indexer_topk_cpu, fullgraph=True, dynamic=False)
     assert torch.equal(compiled(q16, weights, pages16, None, *args), expected)
+    # The op's registration as torch.library checks it: schema, fake implementation (the shape a graph plans
+    # with) against the real output, dispatch under AOT tracing.
+    op_args = (q16[:, 0].contiguous(), weights[:, 0], pages16, torch.arange(2)[None], torch.tensor(120), None, 16, 16)
+    torch.library.opcheck(torch.ops.kdsa.indexer_topk_decode.default, op_args)
 
 
 def test_callers_keep_the_torch_path_where_the_kernel_does_not_apply(monkeypatch):
@@ -136,7 +141,8 @@ def test_callers_keep_the_torch_path_where_the_kernel_does_not_apply(monkeypatch
     path's result comes back."""
     q_index, weights, pages, table = exact_case(batch=1, num_keys=200)
     q16, pages16 = q_index.bfloat16(), pages.bfloat16()
-    assert not cpu_indexer.decode_kernel_applies(q_index, pages)  # fp32
+    assert not cpu_indexer.decode_kernel_applies(q_index, pages16)  # fp32 queries
+    assert not cpu_indexer.decode_kernel_applies(q16, pages)  # fp32 pages
     assert not cpu_indexer.decode_kernel_applies(q16.expand(1, 2, 16, 64), pages16)  # two queries
     assert not cpu_indexer.decode_kernel_applies(q16[:, :, :12], pages16)  # 12 heads
     assert not cpu_indexer.decode_kernel_applies(q16, pages16.transpose(1, 2).contiguous().transpose(1, 2))
@@ -171,8 +177,8 @@ def test_an_unwritable_cache_directory_warns_instead_of_failing(tmp_path, monkey
     """The first decode step builds the kernel; a cache directory that cannot be created must not break it."""
     (tmp_path / "not-a-directory").write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-directory"))
-    with pytest.warns(UserWarning, match="XDG_CACHE_HOME to a writable directory"):
-        assert cpu_indexer._library("a-compiler-for-this-test") is None
+    with pytest.warns(UserWarning, match="not-a-directory/kdsa-kernels"):  # the real compiler: only the directory fails
+        assert cpu_indexer._library.__wrapped__(cpu_indexer.compiler()) is None
 
 
 @needs_kernel

@@ -42,6 +42,7 @@ from .dsa_ops import (
     kpool_expand,
     kpool_indexer_topk,
     kpool_origin,
+    scaled_index_weights,
     sparse_mla_attention,
 )
 from .numeric_formats import PLANAR_ROWS, stored_planes
@@ -381,7 +382,7 @@ def _blocked_indexer_topk(
     if num_selected == 0:
         return torch.empty(batch, num_queries, 0, dtype=torch.int64, device=q_index.device)
     q_index = q_index.contiguous()  # the same strides on every call (a compiled block step never recompiles)
-    scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
+    scaled_weights = scaled_index_weights(weights, head_dim)
     query_positions = torch.arange(query_start, query_start + num_queries, device=q_index.device)
     last_visible_key = query_positions.clamp(max=num_visible - 1)
     # Blocks are whole pages: the keys after the context's end in its last page are read but never visible.
@@ -446,10 +447,11 @@ def paged_indexer_topk_fused(
     _check_indexer_inputs(
         q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask
     )
-    num_selected = min(index_topk, num_keys, query_start + 1)
+    num_visible = min(num_keys, query_start + 1)  # with one query (the kernel's case): the keys up to it
+    num_selected = min(index_topk, num_visible)
     if num_selected > 0 and decode_kernel_applies(q_index, index_pages):
         # A decode step: the hand-written kernel reads the pages through the block table (docs/dsa.md §11).
-        visible = torch.tensor(min(num_keys, query_start + 1))
+        visible = torch.tensor(num_visible)
         return _decode_topk_cpu(q_index, weights, index_pages, block_table, visible, key_padding_mask, num_selected)
     return _blocked_indexer_topk(
         q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, _score_block
@@ -459,8 +461,7 @@ def paged_indexer_topk_fused(
 def _decode_topk_cpu(q_index, weights, index_pages, block_table, num_visible, key_padding_mask, num_selected):
     """`cpu_indexer.indexer_topk_decode` for q_index `[B, 1, HI, DI]`: int64 `[B, 1, num_selected]`, best first, -1
     where fewer keys are visible; the head weights scaled as `_blocked_indexer_topk` scales them."""
-    num_heads, head_dim = q_index.shape[2:]
-    scaled_weights = (weights[:, 0].float() * (num_heads**-0.5 * head_dim**-0.5)).contiguous()
+    scaled_weights = scaled_index_weights(weights[:, 0], q_index.shape[-1]).contiguous()
     padding = None if key_padding_mask is None else key_padding_mask.bool().contiguous()
     selected = indexer_topk_decode(
         q_index[:, 0].contiguous(), scaled_weights, index_pages, block_table.long().contiguous(), num_visible,
@@ -549,7 +550,7 @@ def _blocked_kpool_indexer_topk(
         empty = torch.empty(batch, num_queries, 0, dtype=torch.int64, device=q_index.device)
         return kpool_expand(empty, kpool, query_start, origin, select_tail)
     q_index = q_index.contiguous()
-    scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
+    scaled_weights = scaled_index_weights(weights, head_dim)
     query_positions = torch.arange(query_start, query_start + num_queries, device=q_index.device)
     last_visible_key = query_positions.clamp(max=num_visible - 1)
     first_pool_end = origin + kpool - 1
@@ -997,7 +998,7 @@ def static_indexer_topk(
     batch, num_queries, num_heads, head_dim = q_index.shape
     keys = sequence_rows(index_pages, block_table, batch, q_index.dtype)
     capacity = keys.shape[1]
-    scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
+    scaled_weights = scaled_index_weights(weights, head_dim)
     key_positions = torch.arange(capacity, device=q_index.device)
     limit = _visible_limit(query_start, num_queries, num_keys)
     padding = None if key_padding_mask is None else key_padding_mask.bool()
@@ -1069,7 +1070,7 @@ def static_kpool_indexer_topk(
     origin = static_kpool_origin(key_padding_mask, batch, q_index.device)
     first_pool_end = origin + kpool - 1
     pool_ends = kpool * torch.arange(num_slots, device=q_index.device)[None, :] + (first_pool_end % kpool)[:, None]
-    scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
+    scaled_weights = scaled_index_weights(weights, head_dim)
     limit = _visible_limit(query_start, num_queries, num_keys)
     packed = _score_pool_block(q_index.contiguous(), scaled_weights, keys, pool_ends, limit, first_pool_end)
     best = packed.topk(min(index_topk // kpool, num_slots), dim=-1).values

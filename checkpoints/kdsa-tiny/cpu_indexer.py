@@ -208,12 +208,13 @@ def _cache_dir() -> str:
 def _library(compiler: str):
     """The compiled kernel (a `ctypes` function), built on first use and cached on disk per source, flags and
     compiler; None, with one warning, when it cannot be built or loaded (no compiler, no writable cache directory)."""
+    directory = _cache_dir()
     digest = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS]).encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"indexer_topk_decode_{digest}.so")
+    path = os.path.join(directory, f"indexer_topk_decode_{digest}.so")
     try:
         if not os.path.exists(path):
-            os.makedirs(_cache_dir(), exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=_cache_dir()) as build:
+            os.makedirs(directory, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=directory) as build:
                 source, target = os.path.join(build, "kernel.cpp"), os.path.join(build, "kernel.so")
                 with open(source, "w") as f:
                     f.write(_SOURCE)
@@ -223,7 +224,7 @@ def _library(compiler: str):
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", None) or str(error)
         warnings.warn(
-            f"the CPU indexer kernel could not be built with {compiler!r} in {_cache_dir()} ({detail.strip()[-300:]});"
+            f"the CPU indexer kernel could not be built with {compiler!r} in {directory} ({detail.strip()[-300:]});"
             " the indexer's decode step keeps the torch path (set CXX to a C++17 compiler with AVX512-BF16, or "
             "XDG_CACHE_HOME to a writable directory)",
             stacklevel=3,

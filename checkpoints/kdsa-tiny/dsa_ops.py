@@ -58,6 +58,12 @@ class ScoredPairs:
             counter.pairs += scores.numel()
 
 
+def scaled_index_weights(weights: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The indexer's head weights `[..., HI]` (raw `weights_proj` output) in fp32, times `HI^-0.5 · DI^-0.5`: the
+    factor every indexer kernel applies before the weighted head sum."""
+    return weights.float() * (weights.shape[-1] ** -0.5 * head_dim**-0.5)
+
+
 def indexer_scores(
     q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Tensor, visible: torch.Tensor
 ) -> torch.Tensor:
@@ -69,7 +75,7 @@ def indexer_scores(
     """
     num_heads, head_dim = q_index.shape[-2:]
     keys_t = k_index.float().transpose(1, 2)  # [B, DI, S]
-    weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
+    weights = scaled_index_weights(weights, head_dim)
     scores = None
     for head in range(num_heads):
         head_logits = torch.relu(torch.bmm(q_index[:, :, head].float(), keys_t)) * weights[:, :, head, None]

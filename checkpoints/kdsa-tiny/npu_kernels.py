@@ -53,7 +53,7 @@ import functools
 
 import torch
 
-from .dsa_ops import kpool_expand, kpool_origin
+from .dsa_ops import kpool_expand, kpool_origin, scaled_index_weights
 from .dsa_paged_ops import (
     _check_dense_inputs,
     _check_indexer_inputs,
@@ -162,7 +162,7 @@ def paged_indexer_topk_npu(
         extra = int(padding.sum(dim=1).max())
     torch_npu = torch_npu_module()
     device = q_index.device
-    scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
+    scaled_weights = scaled_index_weights(weights, head_dim)
     indices, _ = torch_npu.npu_lightning_indexer(
         q_index.contiguous(),
         index_pages.unsqueeze(2),
@@ -402,7 +402,7 @@ def paged_kpool_indexer_topk_npu(
     positions = torch.arange(query_start, query_start + num_queries, device=device)
     visible_slots = (torch.div(positions[None, :] - phase[:, None], kpool, rounding_mode="floor") + 1).clamp(min=0)
     torch_npu = torch_npu_module()
-    scaled_weights = weights.float() * (num_heads**-0.5 * head_dim**-0.5)
+    scaled_weights = scaled_index_weights(weights, head_dim)
     rows = batch * num_queries
     slots, _ = torch_npu.npu_lightning_indexer(
         q_index.reshape(rows, 1, num_heads, head_dim).contiguous(),

@@ -18,6 +18,7 @@ sparse absorbed MLA that read `KDSACache` pages directly through the block table
 
 import torch
 
+from .dsa_ops import scaled_index_weights
 from .dsa_paged_ops import _check_indexer_inputs, _check_sparse_inputs, page_geometry
 from .numeric_formats import QuantizedRows
 
@@ -199,7 +200,7 @@ def paged_indexer_topk_triton(
     if num_selected == 0:
         return torch.empty(batch, num_queries, 0, dtype=torch.int64, device=q_index.device)
     scores = torch.empty(batch * num_queries, num_visible, dtype=torch.float32, device=q_index.device)
-    scaled_weights = (weights.float() * (num_heads**-0.5 * head_dim**-0.5)).contiguous()
+    scaled_weights = scaled_index_weights(weights, head_dim).contiguous()
     padding = scores if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
     grid = (batch * num_queries, triton.cdiv(num_visible, SCORE_BLOCK))
     _indexer_scores_kernel[grid](
