@@ -184,6 +184,7 @@ def test_an_unwritable_cache_directory_warns_instead_of_failing(tmp_path, monkey
 @needs_kernel
 def test_kernel_refuses_inputs_it_cannot_read():
     """The op reads raw pointers: a wrong dtype, a strided tensor or an empty selection is a ValueError, not a crash."""
+    assert cpu_indexer.kernel_available()  # loads the op's CPU kernel
     q_index, weights, pages, table = exact_case(batch=1, num_keys=64)
     good = [q_index[:, 0].bfloat16(), weights[:, 0], pages.bfloat16(), table, torch.tensor(64), None, 8, 8]
     assert cpu_indexer.indexer_topk_decode(*good).shape == (1, 8)
@@ -194,6 +195,7 @@ def test_kernel_refuses_inputs_it_cannot_read():
         (5, torch.ones(1, 64, dtype=torch.uint8)),  # a byte mask instead of bool
         (6, 0),  # top_k 0
         (4, torch.tensor(65)),  # more keys than the block table maps
+        (4, torch.tensor(64.0)),  # a float key count
         (1, weights[:, 0, :8].contiguous()),  # weights for 8 of the 16 heads
         (5, torch.ones(1, 63, dtype=torch.bool)),  # a mask narrower than the keys
     ]:

@@ -9,15 +9,15 @@ on it against ~0.29 ms for plain reading the keys. This kernel streams the keys 
 weights and the sum in registers, and a candidate buffer for the top k, so no score is written to memory.
 
 It is compiled from the C++ source below with the system C++ compiler (`$CXX`, default `g++`; the same compiler
-inductor needs) into a small shared library on first use, cached per source and compiler, and called through
-`ctypes` (the call releases the GIL). `kdsa::indexer_topk_decode` registers it as a `torch.library` op with a fake
-implementation, so a compiled step calls it as one opaque kernel. Where it cannot run — no AVX512-BF16, no compiler,
+inductor needs) against torch's headers (a few seconds) into a small shared library on first use, cached per source,
+compiler and torch version. Loading it registers the CPU kernel of the `torch.library` op `kdsa::indexer_topk_decode`
+(`TORCH_LIBRARY_IMPL`; schema and fake implementation below), so the dispatcher calls it without Python and a
+compiled step holds it as one opaque op. Where it cannot run — no AVX512-BF16, no compiler,
 another dtype or geometry — the callers keep the torch path; a failed compile warns once.
 
 Result: the reference's selection (`dsa_ops.select_topk`: score descending, ties to the earlier key) over scores
 computed in fp32 from the bf16 inputs (the torch bf16 path rounds each head's product to bf16 first)."""
 
-import ctypes
 import hashlib
 import os
 import subprocess
@@ -35,7 +35,10 @@ import torch
 MAX_THREADS = 2
 
 _SOURCE = r"""
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <immintrin.h>
+#include <torch/library.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -164,11 +167,9 @@ void score_range(const Sequence& s, int64_t begin, int64_t end, TopK& best) {
   }
 }
 
-}  // namespace
-
 // For each of `batch` sequences: the `top_k` best of its first `num_keys` keys under
 // score = sum_h weights[h] * relu(q[h] . key), best first, into out [batch, width] (-1 past the last found).
-extern "C" void kdsa_indexer_topk_decode(
+void topk_decode(
     const uint16_t* pages, int64_t page_size, int64_t dim, const int64_t* table, int64_t table_stride,
     const uint16_t* q, const float* weights, int64_t heads, int64_t num_keys, const uint8_t* padding,
     int64_t padding_stride, int64_t batch, int64_t top_k, int64_t width, int64_t* out) {
@@ -194,22 +195,88 @@ extern "C" void kdsa_indexer_topk_decode(
     for (int64_t i = 0; i < width; ++i) out[b * width + i] = i < kept ? found[i].position : -1;
   }
 }
+
+std::string describe(const at::Tensor& t) { return c10::str(t.sizes(), " ", t.scalar_type()); }
+
+// kdsa::indexer_topk_decode (schema in Python). Checks every dtype, layout and shape the pointer arithmetic above
+// relies on, so that bad input is a ValueError, not a read out of bounds; the block table's entries are trusted.
+at::Tensor indexer_topk_decode(const at::Tensor& q_index, const at::Tensor& scaled_weights,
+                               const at::Tensor& index_pages, const at::Tensor& block_table,
+                               const at::Tensor& num_keys, const std::optional<at::Tensor>& key_padding,
+                               int64_t top_k, int64_t width) {
+  auto fits = [](const at::Tensor& t, at::ScalarType dtype, int64_t dims) {
+    return t.scalar_type() == dtype && t.dim() == dims && t.is_contiguous();
+  };
+  bool ok = fits(q_index, at::kBFloat16, 3) && fits(scaled_weights, at::kFloat, 2) &&
+            fits(index_pages, at::kBFloat16, 3) && fits(block_table, at::kLong, 2) &&
+            num_keys.scalar_type() == at::kLong && num_keys.numel() == 1 &&
+            (!key_padding || fits(*key_padding, at::kBool, 2)) && top_k >= 1 && width >= 0;
+  const int64_t keys = ok ? num_keys.item<int64_t>() : 0;
+  if (ok) {
+    const int64_t batch = q_index.size(0), heads = q_index.size(1), dim = q_index.size(2);
+    const int64_t page_size = index_pages.size(1);
+    ok = heads % 8 == 0 && dim % 2 == 0 && page_size % 8 == 0 && index_pages.size(2) == dim &&
+         scaled_weights.size(0) == batch && scaled_weights.size(1) == heads && block_table.size(0) == batch &&
+         0 <= keys && keys <= block_table.size(1) * page_size &&
+         (!key_padding || (key_padding->size(0) == batch && key_padding->size(1) >= keys));
+  }
+  TORCH_CHECK_VALUE(ok,
+      "indexer_topk_decode takes contiguous bf16 q_index [B, HI % 8 == 0, DI even] and index_pages [N, P % 8 == 0, "
+      "DI], fp32 scaled_weights [B, HI], an int64 block_table [B, n] covering num_keys, a bool key_padding "
+      "[B, >= num_keys] and top_k >= 1; got q_index ", describe(q_index), ", scaled_weights ",
+      describe(scaled_weights), ", index_pages ", describe(index_pages), ", block_table ", describe(block_table),
+      ", key_padding ", key_padding ? describe(*key_padding) : std::string("None"), ", num_keys ",
+      describe(num_keys), ", top_k=", top_k);
+  const int64_t batch = q_index.size(0);
+  at::Tensor out = at::empty({batch, width}, q_index.options().dtype(at::kLong));
+  const uint8_t* padding = key_padding ? (const uint8_t*)key_padding->data_ptr() : nullptr;
+  topk_decode((const uint16_t*)index_pages.data_ptr(), index_pages.size(1), q_index.size(2),
+              block_table.data_ptr<int64_t>(), block_table.size(1), (const uint16_t*)q_index.data_ptr(),
+              scaled_weights.data_ptr<float>(), q_index.size(1), keys, padding,
+              key_padding ? key_padding->size(1) : 0, batch, top_k, width, out.data_ptr<int64_t>());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("indexer_topk_decode", TORCH_FN(indexer_topk_decode)); }
 """
 
-_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma", "-mavx512f", "-mavx512vl"]
-_FLAGS += ["-mavx512bf16"]
+_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bf16"]
+
+
+def _torch_flags() -> list[str]:
+    """Compile and link against the running torch: the headers and libraries its wheel ships (where
+    `torch.utils.cpp_extension` finds them), its C++ ABI; the libraries rpath'd."""
+    root = os.path.dirname(torch.__file__)
+    library = os.path.join(root, "lib")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [f"-I{os.path.join(root, 'include')}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-L{library}",
+            f"-Wl,-rpath,{library}", "-lc10", "-ltorch_cpu"]  # fmt: skip
 
 
 def _cache_dir() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kdsa-kernels")
 
 
+def _warn_unavailable(what: str, compiler: str, directory: str, detail: str):
+    warnings.warn(
+        f"the CPU indexer kernel could not be {what} with {compiler!r} in {directory} ({detail.strip()[-300:]});"
+        " the indexer's decode step keeps the torch path (set CXX to a C++20 compiler with AVX512-BF16, or "
+        "XDG_CACHE_HOME to a writable directory)",
+        stacklevel=4,
+    )
+
+
 @cache
-def _library(compiler: str):
-    """The compiled kernel (a `ctypes` function), built on first use and cached on disk per source, flags and
-    compiler; None, with one warning, when it cannot be built or loaded (no compiler, no writable cache directory)."""
+def _library(compiler: str) -> str | None:
+    """The path of the compiled kernel library, built on first use and cached on disk per source, flags, compiler and
+    torch version (it links against torch's C++ API); None, with one warning, when it cannot be built (no compiler, no
+    writable cache directory)."""
     directory = _cache_dir()
-    digest = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS]).encode()).hexdigest()[:16]
+    torch_flags = _torch_flags()
+    key = [_SOURCE, compiler, torch.__version__, *_FLAGS, *torch_flags]
+    digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
     path = os.path.join(directory, f"indexer_topk_decode_{digest}.so")
     try:
         if not os.path.exists(path):
@@ -218,23 +285,34 @@ def _library(compiler: str):
                 source, target = os.path.join(build, "kernel.cpp"), os.path.join(build, "kernel.so")
                 with open(source, "w") as f:
                     f.write(_SOURCE)
-                subprocess.run([compiler, *_FLAGS, source, "-o", target], check=True, capture_output=True, text=True)
+                command = [compiler, *_FLAGS, source, "-o", target, *torch_flags]
+                subprocess.run(command, check=True, capture_output=True, text=True)
                 os.replace(target, path)  # atomic: a concurrent process sees the whole library or none
-        function = ctypes.CDLL(path).kdsa_indexer_topk_decode
     except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", None) or str(error)
-        warnings.warn(
-            f"the CPU indexer kernel could not be built with {compiler!r} in {directory} ({detail.strip()[-300:]});"
-            " the indexer's decode step keeps the torch path (set CXX to a C++17 compiler with AVX512-BF16, or "
-            "XDG_CACHE_HOME to a writable directory)",
-            stacklevel=3,
-        )
+        _warn_unavailable("built", compiler, directory, getattr(error, "stderr", None) or str(error))
         return None
-    function.restype = None
-    function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p, ctypes.c_int64]
-    function.argtypes += [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p]
-    function.argtypes += [*[ctypes.c_int64] * 4, ctypes.c_void_p]
-    return function
+    return path
+
+
+def _has_cpu_kernel() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("kdsa::indexer_topk_decode", "CPU")
+
+
+@cache
+def _loaded(compiler: str) -> bool:
+    """The op's CPU kernel is registered: already (by another copy of this module: the package's and a checkpoint's
+    remote code may both be imported) or by loading the library now; False, with one warning, when that fails."""
+    if _has_cpu_kernel():
+        return True
+    path = _library(compiler)
+    if path is None:
+        return False
+    try:
+        torch.ops.load_library(path)
+    except OSError as error:
+        _warn_unavailable("loaded", compiler, os.path.dirname(path), str(error))
+        return False
+    return _has_cpu_kernel()
 
 
 def compiler() -> str:
@@ -249,7 +327,7 @@ def cpu_supports_kernel() -> bool:
 @torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
 def kernel_available() -> bool:
     """The CPU supports the kernel and it compiled."""
-    return cpu_supports_kernel() and _library(compiler()) is not None
+    return cpu_supports_kernel() and _loaded(compiler())
 
 
 @torch.compiler.assume_constant_result  # decided when a step is compiled (dynamo cannot trace get_num_threads)
@@ -283,62 +361,17 @@ _SCHEMA = (
 )
 
 
-def _indexer_topk_decode(q_index, scaled_weights, index_pages, block_table, num_keys, key_padding, top_k, width):
-    """Top `top_k` keys of one query per sequence, best first, as int64 `[B, width]` (-1 past the last visible key).
-
-    q_index: bf16 `[B, HI, DI]`; scaled_weights: fp32 `[B, HI]` (head weights times `HI^-0.5 · DI^-0.5`);
-    index_pages: bf16 `[N, P, DI]`; block_table: int64 `[B, n]`, sequence `b`'s keys at `block_table[b, i // P]`,
-    row `i % P`; num_keys: 0-d int64, the keys `0 … num_keys - 1` are visible (read on the host: a CPU kernel);
-    key_padding: bool `[B, >= num_keys]` (True = a real key) or None. Every tensor contiguous. The table's entries
-    are trusted (`paged_indexer_topk_fused` checks them; a static store's table is the identity).
-
-    Lean on purpose: the kernel's fixed cost is this function's Python (~40 µs when the step has evicted it from the
-    caches), so the caller converts the inputs and this only checks them: dtypes, layouts and the shapes the kernel's
-    pointer arithmetic relies on, so that bad input is a ValueError, not a read out of bounds."""
-    inputs = (q_index, scaled_weights, index_pages, block_table, key_padding)
-    dtypes = (torch.bfloat16, torch.float32, torch.bfloat16, torch.int64, torch.bool)
-    wrong = [x is not None and (x.dtype != d or not x.is_contiguous()) for x, d in zip(inputs, dtypes, strict=True)]
-    batch, heads, dim = q_index.shape
-    keys = int(num_keys)
-    page_size = index_pages.shape[1]
-    shapes_fit = (
-        heads % 8 == 0
-        and dim % 2 == 0
-        and page_size % 8 == 0
-        and index_pages.shape[2] == dim
-        and scaled_weights.shape == (batch, heads)
-        and block_table.shape[0] == batch
-        and 0 <= keys <= block_table.shape[1] * page_size
-        and (key_padding is None or (key_padding.shape[0] == batch and key_padding.shape[1] >= keys))
-    )
-    if top_k < 1 or any(wrong) or not shapes_fit:
-        raise ValueError(
-            "indexer_topk_decode takes contiguous bf16 q_index [B, HI % 8 == 0, DI even] and index_pages [N, P % 8 == "
-            "0, DI], fp32 scaled_weights [B, HI], an int64 block_table [B, n] covering num_keys, a bool key_padding "
-            f"[B, >= num_keys] and top_k >= 1; got shapes {[None if x is None else tuple(x.shape) for x in inputs]}, "
-            f"dtypes {[None if x is None else x.dtype for x in inputs]}, num_keys={keys}, top_k={top_k}"
-        )
-    out = torch.empty(batch, width, dtype=torch.int64)
-    _library(compiler())(
-        index_pages.data_ptr(), page_size, dim, block_table.data_ptr(), block_table.shape[1],
-        q_index.data_ptr(), scaled_weights.data_ptr(), heads, keys,
-        None if key_padding is None else key_padding.data_ptr(), 0 if key_padding is None else key_padding.shape[1],
-        batch, top_k, width, out.data_ptr(),
-    )  # fmt: skip
-    return out
-
-
 def _fake_indexer_topk_decode(q_index, scaled_weights, index_pages, block_table, num_keys, key_padding, top_k, width):
     return q_index.new_empty(q_index.shape[0], width, dtype=torch.int64)
 
 
-# `kdsa::indexer_topk_decode`: the dispatcher calls the Python function above directly for CPU tensors (a plain
-# `torch.library` kernel: about half the per-call cost of `torch.library.custom_op`'s wrappers), and a compiled graph
-# holds it as one op, its shape from the fake. The package and a checkpoint's copy of this file may both be imported
-# in one process: the first registration stands (the copies are identical).
+# `kdsa::indexer_topk_decode`: the schema and the fake (a compiled graph holds the op as one call, its shape from the
+# fake) are registered here; the CPU kernel by the C++ library when `kernel_available()` first loads it, so the
+# dispatcher calls C++ directly (a Python kernel cost ~80 µs more per call when a step had evicted it from the caches).
+# The package and a checkpoint's copy of this file may both be imported in one process: the first registration stands
+# (the copies are identical).
 _LIBRARY = torch.library.Library("kdsa", "FRAGMENT")
 if not hasattr(torch.ops.kdsa, "indexer_topk_decode"):
     _LIBRARY.define(_SCHEMA)
-    _LIBRARY.impl("indexer_topk_decode", _indexer_topk_decode, "CPU")
     torch.library.register_fake("kdsa::indexer_topk_decode", _fake_indexer_topk_decode, lib=_LIBRARY)
 indexer_topk_decode = torch.ops.kdsa.indexer_topk_decode
