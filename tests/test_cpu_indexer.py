@@ -1,13 +1,11 @@
 """The hand-written CPU kernel of the indexer's decode step (modeling_kdsa/cpu_indexer.py, docs/dsa.md §11): its
-selection against the torch reference, the block table, padding, the callers that route to it, its fallbacks (other
-inputs, more threads, no kernel) and its build."""
-
-import warnings
+selection against the torch reference, the block table, padding, the callers that route to it and its fallbacks (other
+inputs, more threads, no kernel); its build: test_cpu_extension.py."""
 
 import pytest
 import torch
 
-from modeling_kdsa import cpu_indexer, dsa_paged_ops
+from modeling_kdsa import cpu_extension, cpu_indexer, dsa_paged_ops
 from modeling_kdsa.dsa_paged_ops import (
     paged_indexer_topk_fused,
     paged_indexer_topk_reference,
@@ -15,13 +13,13 @@ from modeling_kdsa.dsa_paged_ops import (
     static_indexer_topk_cpu,
 )
 
-needs_kernel = pytest.mark.skipif(not cpu_indexer.cpu_supports_kernel(), reason="the CPU has no AVX512-BF16")
+needs_kernel = pytest.mark.skipif(not cpu_extension.cpu_supports_kernels(), reason="the CPU has no AVX512-BF16")
 
 
 @pytest.fixture(autouse=True)
 def _kernel_at_this_thread_count(monkeypatch):
     """The kernel applies up to MAX_THREADS intra-op threads; let it apply at whatever this machine runs tests with."""
-    monkeypatch.setattr(cpu_indexer, "MAX_THREADS", max(cpu_indexer.MAX_THREADS, torch.get_num_threads()))
+    monkeypatch.setattr(cpu_extension, "MAX_THREADS", max(cpu_extension.MAX_THREADS, torch.get_num_threads()))
 
 
 def exact_case(batch=2, heads=16, dim=64, page_size=64, num_keys=1000, seed=0):
@@ -73,9 +71,9 @@ def test_more_threads_than_the_kernel_was_measured_with_keep_the_torch_path():
     q16, pages16 = q_index.bfloat16(), pages.bfloat16()
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(cpu_indexer.MAX_THREADS + 1)
+        torch.set_num_threads(cpu_extension.MAX_THREADS + 1)
         assert not cpu_indexer.decode_kernel_applies(q16, pages16)
-        torch.set_num_threads(cpu_indexer.MAX_THREADS)
+        torch.set_num_threads(cpu_extension.MAX_THREADS)
         assert cpu_indexer.decode_kernel_applies(q16, pages16) == cpu_indexer.kernel_available()
     finally:
         torch.set_num_threads(threads)
@@ -151,34 +149,6 @@ def test_callers_keep_the_torch_path_where_the_kernel_does_not_apply(monkeypatch
     monkeypatch.setattr(dsa_paged_ops, "indexer_topk_decode", None)  # would raise if called
     expected = paged_indexer_topk_reference(q_index, weights, pages, table, 200, 32, 199)
     assert torch.equal(paged_indexer_topk_fused(q16, weights, pages16, table, 200, 32, 199), expected)
-
-
-@needs_kernel
-def test_a_fresh_cache_directory_gets_the_library_built(tmp_path, monkeypatch):
-    """What a new machine does on its first decode step: create the cache directory, build, load (`__wrapped__`
-    skips the per-process cache of `_library`)."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh"))
-    assert cpu_indexer._library.__wrapped__(cpu_indexer.compiler()) is not None
-    assert len(list((tmp_path / "fresh" / "kdsa-kernels").glob("indexer_topk_decode_*.so"))) == 1
-
-
-def test_a_failed_build_warns_once_and_leaves_the_torch_path(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    compiler = "/bin/false"
-    with pytest.warns(UserWarning, match="could not be built with '/bin/false'"):
-        assert cpu_indexer._library(compiler) is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert cpu_indexer._library(compiler) is None  # cached: no second build, no second warning
-    assert not any(tmp_path.rglob("*.so"))
-
-
-def test_an_unwritable_cache_directory_warns_instead_of_failing(tmp_path, monkeypatch):
-    """The first decode step builds the kernel; a cache directory that cannot be created must not break it."""
-    (tmp_path / "not-a-directory").write_text("")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-directory"))
-    with pytest.warns(UserWarning, match="not-a-directory/kdsa-kernels"):  # the real compiler: only the directory fails
-        assert cpu_indexer._library.__wrapped__(cpu_indexer.compiler()) is None
 
 
 @needs_kernel

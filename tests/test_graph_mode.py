@@ -12,7 +12,7 @@ import torch._dynamo.utils
 from conftest import tiny_model
 from transformers import CompileConfig
 
-from modeling_kdsa import KDSAQuantizationConfig, cpu_indexer, dsa_paged_ops, static_cache
+from modeling_kdsa import KDSAQuantizationConfig, cpu_extension, dsa_paged_ops, static_cache
 from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer
 from modeling_kdsa.linear import KDSALinear
 from modeling_kdsa.static_cache import KDSAStaticCache, StaticKPoolLayer
@@ -316,24 +316,28 @@ def test_compiled_static_decode_other_layer_kinds():
     assert page_gathers(CAPTURED_GRAPHS) == []  # dense MLA and the indexer read their pools in place
 
 
-@pytest.mark.skipif(not cpu_indexer.cpu_supports_kernel(), reason="the CPU has no AVX512-BF16")
-def test_bf16_decode_steps_reach_the_cpu_indexer_kernel(monkeypatch):
-    """A bf16 model whose indexer has 8 heads: each eager decode step's indexer calls the hand-written CPU kernel
-    (docs/dsa.md §11), and so does the compiled static step, where the kernel is one op of the graph; both decode the
-    same tokens."""
-    model = tiny_model(index_n_heads=8).to(torch.bfloat16)
+@pytest.mark.skipif(not cpu_extension.cpu_supports_kernels(), reason="the CPU has no AVX512-BF16")
+def test_bf16_decode_steps_reach_the_cpu_kernels(monkeypatch):
+    """A bf16 model with 8 attention and 8 indexer heads: each eager decode step's indexer and sparse attention call
+    the hand-written CPU kernels (docs/dsa.md §11, §12), and so does the compiled static step, where each kernel is
+    one op of the graph; both decode the same tokens."""
+    model = tiny_model(index_n_heads=8, num_attention_heads=8).to(torch.bfloat16)
     ids, mask = prompt(length=30)
-    # The kernel applies up to MAX_THREADS intra-op threads; let it apply at this machine's test thread count.
-    monkeypatch.setattr(cpu_indexer, "MAX_THREADS", max(cpu_indexer.MAX_THREADS, torch.get_num_threads()))
-    calls, kernel = [], dsa_paged_ops.indexer_topk_decode
-    monkeypatch.setattr(dsa_paged_ops, "indexer_topk_decode", lambda *inputs: calls.append(1) or kernel(*inputs))
+    # The kernels apply up to MAX_THREADS intra-op threads; let them apply at this machine's test thread count.
+    monkeypatch.setattr(cpu_extension, "MAX_THREADS", max(cpu_extension.MAX_THREADS, torch.get_num_threads()))
+    calls = {"indexer_topk_decode": [], "sparse_mla_decode_cpu": []}
+    kernels = {name: getattr(dsa_paged_ops, name) for name in calls}
+    for name, kernel in kernels.items():
+        monkeypatch.setattr(dsa_paged_ops, name, lambda *inputs, k=kernel, c=calls[name]: c.append(1) or k(*inputs))
     expected = greedy(model, ids, mask, 8)
-    assert len(calls) == 7 * 2  # 7 decode steps (the first token comes from the prefill) x 2 DSA layers
-    monkeypatch.setattr(dsa_paged_ops, "indexer_topk_decode", kernel)  # the compiled step traces the op itself
+    assert [len(c) for c in calls.values()] == [7 * 2] * 2  # 7 decode steps (the first token from the prefill) x 2
+    for name, kernel in kernels.items():
+        monkeypatch.setattr(dsa_paged_ops, name, kernel)  # the compiled step traces the ops themselves
     got = greedy(model, ids, mask, 8, cache_implementation="static", compile_config=compile_config())
     assert torch.equal(got, expected)
-    kernel_nodes = [node for node in all_nodes(CAPTURED_GRAPHS) if "indexer_topk_decode" in str(node.target)]
-    assert len(CAPTURED_GRAPHS) == 1 and len(kernel_nodes) == 1  # in the region body both DSA layers run (§8)
+    nodes = [str(node.target) for node in all_nodes(CAPTURED_GRAPHS)]
+    assert len(CAPTURED_GRAPHS) == 1  # in the region body both DSA layers run (§8): one call of each op
+    assert [sum(op in node for node in nodes) for op in ("indexer_topk_decode", "sparse_mla_decode")] == [1, 1]
 
 
 # GLM-5.3-Flash's shape: NoPE, the k-pool indexer (kp = 4, 2 pools + the tail of 3 per query), a shared-indexer layer

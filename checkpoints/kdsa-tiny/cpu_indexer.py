@@ -8,31 +8,17 @@ on it against ~0.29 ms for plain reading the keys. This kernel streams the keys 
 (`vdpbf16ps`) of 8 keys at a time against 8 heads at a time, software prefetch a few KiB ahead, ReLU, the head
 weights and the sum in registers, and a candidate buffer for the top k, so no score is written to memory.
 
-It is compiled from the C++ source below with the system C++ compiler (`$CXX`, default `g++`; the same compiler
-inductor needs) against torch's headers (a few seconds) into a small shared library on first use, cached per source,
-compiler and torch version. Loading it registers the CPU kernel of the `torch.library` op `kdsa::indexer_topk_decode`
-(`TORCH_LIBRARY_IMPL`; schema and fake implementation below), so the dispatcher calls it without Python and a
-compiled step holds it as one opaque op. Where it cannot run — no AVX512-BF16, no compiler,
-another dtype or geometry — the callers keep the torch path; a failed compile warns once.
+The C++ source below implements the CPU kernel of the `torch.library` op `kdsa::indexer_topk_decode` (schema and
+fake implementation registered here); `cpu_extension` builds and loads it on first use, so the dispatcher calls it
+without Python and a compiled step holds it as one opaque op. Where it cannot run — no AVX512-BF16, no compiler,
+another dtype or geometry — the callers keep the torch path; a failed build warns once.
 
 Result: the reference's selection (`dsa_ops.select_topk`: score descending, ties to the earlier key) over scores
 computed in fp32 from the bf16 inputs (the torch bf16 path rounds each head's product to bf16 first)."""
 
-import hashlib
-import os
-import subprocess
-import tempfile
-import warnings
-from functools import cache
-
 import torch
 
-# The kernel runs on one thread. Up to this many intra-op threads it matched or beat the torch path (measured with 1
-# and 2 on a 2-core machine: at 64k keys and 2 threads, compiled 1.03-1.05x and eager 1.26x for the layer step).
-# With more, the torch path is kept: its GEMM and passes use every thread while the kernel would use one (not
-# measured here). Splitting the kernel over threads of its own lost at 2 threads (0.72-0.93x in three runs): they
-# compete with the OpenMP workers of torch's pool, which spin after each parallel region.
-MAX_THREADS = 2
+from .cpu_extension import compiler, cpu_supports_kernels, few_threads, load
 
 _SOURCE = r"""
 #include <ATen/core/Tensor.h>
@@ -242,104 +228,17 @@ at::Tensor indexer_topk_decode(const at::Tensor& q_index, const at::Tensor& scal
 TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("indexer_topk_decode", TORCH_FN(indexer_topk_decode)); }
 """
 
-_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bf16"]
-
-
-def _torch_flags() -> list[str]:
-    """Compile and link against the running torch: the headers and libraries its wheel ships (where
-    `torch.utils.cpp_extension` finds them), its C++ ABI; the libraries rpath'd."""
-    root = os.path.dirname(torch.__file__)
-    library = os.path.join(root, "lib")
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [f"-I{os.path.join(root, 'include')}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-L{library}",
-            f"-Wl,-rpath,{library}", "-lc10", "-ltorch_cpu"]  # fmt: skip
-
-
-def _cache_dir() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kdsa-kernels")
-
-
-def _warn_unavailable(what: str, compiler: str, directory: str, detail: str):
-    warnings.warn(
-        f"the CPU indexer kernel could not be {what} with {compiler!r} in {directory} ({detail.strip()[-300:]});"
-        " the indexer's decode step keeps the torch path (set CXX to a C++20 compiler with AVX512-BF16, or "
-        "XDG_CACHE_HOME to a writable directory)",
-        stacklevel=4,
-    )
-
-
-@cache
-def _library(compiler: str) -> str | None:
-    """The path of the compiled kernel library, built on first use and cached on disk per source, flags, compiler and
-    torch version (it links against torch's C++ API); None, with one warning, when it cannot be built (no compiler, no
-    writable cache directory)."""
-    directory = _cache_dir()
-    torch_flags = _torch_flags()
-    key = [_SOURCE, compiler, torch.__version__, *_FLAGS, *torch_flags]
-    digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
-    path = os.path.join(directory, f"indexer_topk_decode_{digest}.so")
-    try:
-        if not os.path.exists(path):
-            os.makedirs(directory, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=directory) as build:
-                source, target = os.path.join(build, "kernel.cpp"), os.path.join(build, "kernel.so")
-                with open(source, "w") as f:
-                    f.write(_SOURCE)
-                command = [compiler, *_FLAGS, source, "-o", target, *torch_flags]
-                subprocess.run(command, check=True, capture_output=True, text=True)
-                os.replace(target, path)  # atomic: a concurrent process sees the whole library or none
-    except (OSError, subprocess.CalledProcessError) as error:
-        _warn_unavailable("built", compiler, directory, getattr(error, "stderr", None) or str(error))
-        return None
-    return path
-
-
-def _has_cpu_kernel() -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key("kdsa::indexer_topk_decode", "CPU")
-
-
-@cache
-def _loaded(compiler: str) -> bool:
-    """The op's CPU kernel is registered: already (by another copy of this module: the package's and a checkpoint's
-    remote code may both be imported) or by loading the library now; False, with one warning, when that fails."""
-    if _has_cpu_kernel():
-        return True
-    path = _library(compiler)
-    if path is None:
-        return False
-    try:
-        torch.ops.load_library(path)
-    except OSError as error:
-        _warn_unavailable("loaded", compiler, os.path.dirname(path), str(error))
-        return False
-    return _has_cpu_kernel()
-
-
-def compiler() -> str:
-    return os.environ.get("CXX", "g++")
-
-
-def cpu_supports_kernel() -> bool:
-    """The CPU has AVX512-BF16 (the kernel's `vdpbf16ps`)."""
-    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
-
 
 @torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
 def kernel_available() -> bool:
-    """The CPU supports the kernel and it compiled."""
-    return cpu_supports_kernel() and _loaded(compiler())
-
-
-@torch.compiler.assume_constant_result  # decided when a step is compiled (dynamo cannot trace get_num_threads)
-def few_threads() -> bool:
-    """At most MAX_THREADS intra-op threads: where the one-thread kernel is the faster path."""
-    return torch.get_num_threads() <= MAX_THREADS
+    """The CPU supports the kernel and it is built and loaded (`cpu_extension.load`)."""
+    return cpu_supports_kernels() and load("indexer_topk_decode", _SOURCE, "kdsa::indexer_topk_decode", compiler())
 
 
 def decode_kernel_applies(q_index: torch.Tensor, index_pages) -> bool:
     """The kernel handles this decode step: bf16 plain pages on a CPU that supports it, one query per sequence, a
-    head count that is a multiple of 8, an even head dim, pages of a multiple of 8 rows, at most MAX_THREADS threads —
-    and it compiled."""
+    head count that is a multiple of 8, an even head dim, pages of a multiple of 8 rows, at most
+    `cpu_extension.MAX_THREADS` threads — and it is built and loaded."""
     return (
         q_index.device.type == "cpu"
         and q_index.dtype == torch.bfloat16

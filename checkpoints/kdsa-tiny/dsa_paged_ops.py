@@ -35,6 +35,8 @@ import torch
 import torch.fx.experimental._config
 
 from .cpu_indexer import decode_kernel_applies, indexer_topk_decode
+from .cpu_sparse_mla import decode_kernel_applies as sparse_decode_kernel_applies
+from .cpu_sparse_mla import sparse_mla_decode_cpu
 from .dsa_ops import (
     ScoredPairs,
     dense_mla_attention,
@@ -687,9 +689,12 @@ def paged_sparse_mla_fused(
     q_latent: `[B, T, H, C]`; q_pe: `[B, T, H, R]`; kv_pages `[num_pages, P, C + R]`; block_table int `[B,
     max_pages]`; indices `[B, T, K]` logical positions, -1 = none. Returns `[B, T, H, C]` in q_latent's dtype.
     Queries are processed in chunks whose gathered rows stay within ATTENTION_ROWS_ELEMENTS (28 queries at K = 512,
-    C + R = 288): about 10 MB per chunk in bf16, whatever T and the context length.
+    C + R = 288): about 10 MB per chunk in bf16, whatever T and the context length. A bf16 decode step (one query per
+    sequence) goes through the C++ kernel where it applies (`cpu_sparse_mla`, docs/dsa.md §12).
     """
     _check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices)
+    if sparse_decode_kernel_applies(q_latent, q_pe, kv_pages):
+        return sparse_mla_decode_cpu(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale)
     return _chunked_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale, _attend)
 
 
@@ -1080,6 +1085,14 @@ def static_kpool_indexer_topk(
 def static_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale: float) -> torch.Tensor:
     """Sparse absorbed MLA over the selected slots: `_attend` (already fixed-shape for a fixed K)."""
     return _attend(q_latent.contiguous(), q_pe.contiguous(), kv_pages, block_table, indices, softmax_scale)
+
+
+def static_sparse_mla_cpu(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale: float) -> torch.Tensor:
+    """`static_sparse_mla` for the cpu backend: a decode step where `cpu_sparse_mla` applies goes through its kernel
+    (one opaque op in the compiled graph, docs/dsa.md §12), anything else through `static_sparse_mla`."""
+    if not sparse_decode_kernel_applies(q_latent, q_pe, kv_pages):
+        return static_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale)
+    return sparse_mla_decode_cpu(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale)
 
 
 def static_dense_mla(

@@ -1,0 +1,53 @@
+"""Building and loading the hand-written CPU kernels (modeling_kdsa/cpu_extension.py): a fresh machine's first build,
+a failed build, an unwritable cache directory, and a kernel another copy of the module already registered."""
+
+import warnings
+
+import pytest
+
+from modeling_kdsa import cpu_extension, cpu_indexer
+
+needs_kernel = pytest.mark.skipif(not cpu_extension.cpu_supports_kernels(), reason="the CPU has no AVX512-BF16")
+SOURCE = cpu_indexer._SOURCE  # a real kernel source
+
+
+@needs_kernel
+def test_a_fresh_cache_directory_gets_the_library_built(tmp_path, monkeypatch):
+    """What a new machine does on its first decode step: create the cache directory and build (`__wrapped__` skips
+    the per-process cache of `build`)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh"))
+    path = cpu_extension.build.__wrapped__("indexer_topk_decode", SOURCE, cpu_extension.compiler())
+    assert path is not None and path.startswith(str(tmp_path / "fresh" / "kdsa-kernels"))
+    assert len(list((tmp_path / "fresh" / "kdsa-kernels").glob("indexer_topk_decode_*.so"))) == 1
+    assert not [p for p in (tmp_path / "fresh" / "kdsa-kernels").iterdir() if p.is_dir()]  # the scratch folder is gone
+
+
+def test_a_failed_build_warns_once_and_leaves_the_torch_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    compiler = "/bin/false"
+    with pytest.warns(UserWarning, match="could not be built with '/bin/false'"):
+        assert cpu_extension.build("indexer_topk_decode", SOURCE, compiler) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu_extension.build("indexer_topk_decode", SOURCE, compiler) is None  # cached: no second warning
+    assert not any(tmp_path.rglob("*.so"))
+
+
+def test_an_unwritable_cache_directory_warns_instead_of_failing(tmp_path, monkeypatch):
+    """The first decode step builds the kernel; a cache directory that cannot be created must not break it."""
+    (tmp_path / "not-a-directory").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-directory"))
+    with pytest.warns(UserWarning, match="not-a-directory/kdsa-kernels"):  # the real compiler: only the directory fails
+        assert cpu_extension.build.__wrapped__("indexer_topk_decode", SOURCE, cpu_extension.compiler()) is None
+
+
+@needs_kernel
+def test_a_kernel_already_registered_is_not_built_again(tmp_path, monkeypatch):
+    """The package's and a checkpoint's copy of a kernel module may both be imported: the second finds the op's CPU
+    kernel registered and neither builds nor loads (here: a compiler that would fail, a fresh cache directory)."""
+    assert cpu_indexer.kernel_available()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu_extension.load.__wrapped__("indexer_topk_decode", SOURCE, "kdsa::indexer_topk_decode", "/bin/false")
+    assert not any(tmp_path.iterdir())
