@@ -587,10 +587,43 @@ def paged_kpool_indexer_topk_fused(
         q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
         key_padding_mask, ape,
     )  # fmt: skip
+    if decode_kernel_applies(q_index, pool_pages):
+        return _kpool_decode_topk_cpu(
+            q_index, weights, pool_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, ape,
+            select_tail, origin,
+        )  # fmt: skip
     return _blocked_kpool_indexer_topk(
         q_index, weights, pool_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, ape,
         select_tail, origin, _score_pool_block,
     )  # fmt: skip
+
+
+def _kpool_decode_topk_cpu(
+    q_index, weights, pool_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, ape, select_tail,
+    origin,
+) -> torch.Tensor:  # fmt: skip
+    """`paged_kpool_indexer_topk_fused` for one query per sequence through `cpu_indexer`'s kernel: the pooled keys are
+    its keys (slot `s` of the block table's pool pages ends at token `s·kp + phase`), the visibility rule becomes its
+    key mask (a slot is visible from the first pool's end up to the query), its selected slots become pool ends."""
+    batch, kpool = q_index.shape[0], ape.shape[0]
+    num_visible = min(num_keys, query_start + 1)
+    if origin is None:
+        origin = kpool_origin(key_padding_mask, batch, num_visible, q_index.device)
+    num_selected = min(index_topk // kpool, num_visible // kpool)
+    if num_selected == 0:
+        empty = torch.empty(batch, 1, 0, dtype=torch.int64, device=q_index.device)
+        return kpool_expand(empty, kpool, query_start, origin, select_tail)
+    first_slot = (origin + kpool - 1) // kpool  # the slot of each sequence's first pool
+    phase = (origin + kpool - 1) % kpool
+    last_slot = (num_visible - 1 - phase).div(kpool, rounding_mode="floor")  # the last pool ending by the query
+    num_slots = int(last_slot.max()) + 1
+    slots = torch.arange(max(num_slots, 0), device=q_index.device)
+    visible = (slots[None, :] >= first_slot[:, None]) & (slots[None, :] <= last_slot[:, None])
+    selected = _decode_topk_cpu(
+        q_index, weights, pool_pages, block_table, torch.tensor(max(num_slots, 0)), visible, num_selected
+    )  # [B, 1, num_selected] slots, -1 = none
+    pool_ends = torch.where(selected >= 0, selected * kpool + phase[:, None, None], -1)
+    return kpool_expand(pool_ends, kpool, query_start, origin, select_tail)
 
 
 def paged_kpool_indexer_topk_compiled(
@@ -1080,6 +1113,44 @@ def static_kpool_indexer_topk(
     packed = _score_pool_block(q_index.contiguous(), scaled_weights, keys, pool_ends, limit, first_pool_end)
     best = packed.topk(min(index_topk // kpool, num_slots), dim=-1).values
     return kpool_expand(_unpack_indices(best), kpool, query_start, origin, select_tail)
+
+
+def static_kpool_indexer_topk_cpu(
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    index_pages: torch.Tensor,
+    pool_pages: torch.Tensor,
+    block_table: torch.Tensor | None,
+    num_keys: torch.Tensor,
+    index_topk: int,
+    query_start: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    ape: torch.Tensor | None = None,
+    select_tail: bool = True,
+) -> torch.Tensor:
+    """`static_kpool_indexer_topk` for the cpu backend: a decode step where `cpu_indexer` applies goes through its
+    kernel over the pooled-key slots (the slot visibility of `static_kpool_indexer_topk` as its key mask; one opaque
+    op in the compiled graph), anything else through `static_kpool_indexer_topk`."""
+    if not decode_kernel_applies(q_index, pool_pages):
+        return static_kpool_indexer_topk(
+            q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
+            key_padding_mask, ape, select_tail,
+        )  # fmt: skip
+    batch, kpool = q_index.shape[0], ape.shape[0]
+    if block_table is None:  # the static store's mapping: sequence b owns pages b·n … b·n + n - 1
+        block_table = torch.arange(pool_pages.shape[0], device=q_index.device).view(batch, -1)
+    num_slots = block_table.shape[1] * pool_pages.shape[1]
+    origin = static_kpool_origin(key_padding_mask, batch, q_index.device)
+    first_pool_end = origin + kpool - 1
+    pool_ends = kpool * torch.arange(num_slots, device=q_index.device)[None, :] + (first_pool_end % kpool)[:, None]
+    limit = _visible_limit(query_start, 1, num_keys)
+    visible = (pool_ends <= limit) & (pool_ends >= first_pool_end[:, None])
+    width = min(index_topk // kpool, num_slots)
+    selected = _decode_topk_cpu(
+        q_index, weights, pool_pages, block_table, torch.tensor(num_slots), visible, width
+    )  # [B, 1, width] slots, -1 = none
+    ends = torch.where(selected >= 0, selected * kpool + (first_pool_end % kpool)[:, None, None], -1)
+    return kpool_expand(ends, kpool, query_start, origin, select_tail)
 
 
 def static_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale: float) -> torch.Tensor:

@@ -171,3 +171,81 @@ def test_kernel_refuses_inputs_it_cannot_read():
     ]:
         with pytest.raises(ValueError, match="indexer_topk_decode takes"):
             cpu_indexer.indexer_topk_decode(*good[:position], bad, *good[position + 1 :])
+
+
+def kpool_case(batch=3, heads=16, dim=64, kpool=4, page_tokens=64, num_keys=300, pads=(0, 3, 6), seed=0):
+    """A k-pool store (docs/dsa.md §9) with integer pooled keys (exact scores, many ties) in shuffled pool pages; left
+    padding of 0, 3 and 6 tokens puts the three sequences' pools at three phases. The token rows are not read."""
+    generator = torch.Generator().manual_seed(seed)
+    pages_per_sequence = -(-num_keys // page_tokens)
+    num_pages = batch * pages_per_sequence + 1
+    pool_pages = torch.randint(-2, 3, (num_pages, page_tokens // kpool, dim), generator=generator).float()
+    index_pages = torch.zeros(num_pages, page_tokens, 2 * dim)
+    table = torch.randperm(num_pages, generator=generator)[: batch * pages_per_sequence].view(batch, -1)
+    q_index = torch.randint(-2, 3, (batch, 1, heads, dim), generator=generator).float()
+    sign = torch.randint(0, 2, (batch, 1, heads), generator=generator).float() * 2 - 1
+    weights = sign * 2.0 ** torch.randint(-3, 3, (batch, 1, heads), generator=generator).float()
+    return (
+        q_index,
+        weights,
+        index_pages,
+        pool_pages,
+        table,
+        padding_mask(batch, num_keys, pads),
+        torch.zeros(kpool, dim),
+    )
+
+
+@needs_kernel
+@pytest.mark.parametrize("query_back", [0, 9])  # the query at the context's end, or 9 tokens before it
+def test_kpool_decode_step_selects_the_pools_the_torch_path_selects(monkeypatch, query_back):
+    """GLM-5.3-Flash's k-pool indexer: a bf16 decode step scores the stored pooled keys with the kernel (the slot
+    visibility as its key mask, its slots turned back into pool ends) and selects exactly what the torch path selects
+    on the upcast inputs, the query's own incomplete pool (the tail) included."""
+    q_index, weights, index_pages, pool_pages, table, mask, ape = kpool_case()
+    args = (table, 300, 32, 299 - query_back, mask, ape)
+    expected = dsa_paged_ops.paged_kpool_indexer_topk_fused(q_index, weights, index_pages, pool_pages, *args)
+    calls, kernel = [], dsa_paged_ops.indexer_topk_decode
+    monkeypatch.setattr(dsa_paged_ops, "indexer_topk_decode", lambda *inputs: calls.append(1) or kernel(*inputs))
+    got = dsa_paged_ops.paged_kpool_indexer_topk_fused(
+        q_index.bfloat16(), weights, index_pages.bfloat16(), pool_pages.bfloat16(), *args
+    )
+    assert len(calls) == 1 and torch.equal(got, expected)
+
+
+@needs_kernel
+def test_static_kpool_decode_step_uses_the_kernel_and_equals_the_torch_static_one(monkeypatch):
+    """The cpu backend's fixed-shape k-pool indexer (a compiled step's) reads the static store's pool pages in
+    sequence order (no block table) through the kernel and selects what the torch one selects: only pools ending at
+    or before the query and after each sequence's first pool; the mask padded to the capacity."""
+    q_index, weights, index_pages, pool_pages, _, mask, ape = kpool_case(num_keys=256)
+    pool_pages, index_pages = pool_pages[:12], index_pages[:12]  # 3 sequences x 4 pages in sequence order
+    args = (None, torch.tensor(200), 32, torch.tensor(150), mask, ape)
+    expected = dsa_paged_ops.static_kpool_indexer_topk(q_index, weights, index_pages, pool_pages, *args)
+    calls, kernel = [], dsa_paged_ops.indexer_topk_decode
+    monkeypatch.setattr(dsa_paged_ops, "indexer_topk_decode", lambda *inputs: calls.append(1) or kernel(*inputs))
+    got = dsa_paged_ops.static_kpool_indexer_topk_cpu(
+        q_index.bfloat16(), weights, index_pages.bfloat16(), pool_pages.bfloat16(), *args
+    )
+    assert len(calls) == 1 and torch.equal(got, expected)
+
+
+@needs_kernel
+def test_kpool_decode_step_never_reads_a_pool_that_ends_after_the_query():
+    """Scores that grow with the pool's position make the latest visible pools the best: at four consecutive query
+    positions (every residue mod kp, for each of the three phases) the selection stops exactly at the last pool that
+    ends by the query, as the torch path's does (a pool ending one token later holds a stale key)."""
+    q_index, weights, index_pages, pool_pages, table, mask, ape = kpool_case()
+    slots_per_page = pool_pages.shape[1]
+    for sequence in range(table.shape[0]):
+        for logical, page in enumerate(table[sequence].tolist()):
+            slots = torch.arange(logical * slots_per_page, (logical + 1) * slots_per_page, dtype=torch.float32)
+            pool_pages[page] = (slots / 64)[:, None]  # exact in bf16
+    q_index, weights = torch.ones_like(q_index), torch.ones_like(weights)
+    for query in range(290, 294):
+        args = (table, 300, 32, query, mask, ape)
+        expected = dsa_paged_ops.paged_kpool_indexer_topk_fused(q_index, weights, index_pages, pool_pages, *args)
+        got = dsa_paged_ops.paged_kpool_indexer_topk_fused(
+            q_index.bfloat16(), weights, index_pages.bfloat16(), pool_pages.bfloat16(), *args
+        )
+        assert torch.equal(got, expected) and int(got.max()) == query

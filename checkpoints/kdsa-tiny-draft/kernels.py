@@ -13,8 +13,8 @@ Kernels and their contracts:
   `kda_ops.chunk_kda` / `kda_ops.recurrent_kda`, docs/kda.md §3, §5).
 - `static_indexer_topk`, `static_kpool_indexer_topk`, `static_sparse_mla`, `static_dense_mla`: the fixed-shape reads
   of a compiled static-cache step (`dsa_paged_ops.static_*`, docs/graph-mode.md §3); the torch ones for every backend,
-  except that the cpu backend's `static_indexer_topk` and `static_sparse_mla` run a decode step through the C++
-  kernels (docs/dsa.md §11, §12).
+  except that the cpu backend's `static_indexer_topk`, `static_kpool_indexer_topk` and `static_sparse_mla` run a
+  decode step through the C++ kernels (docs/dsa.md §11, §12).
 - `kv_store`: the layout the paged store keeps kv rows in, the one its attention kernels read
   (`(formats, kv_rows, latent_width) -> stored rows`).
 - `dsa_decode_prolog`: the projections of a DSA decode step (`(layer, hidden_states, position_embeddings)`, the
@@ -43,6 +43,7 @@ from .dsa_paged_ops import (
     static_indexer_topk,
     static_indexer_topk_cpu,
     static_kpool_indexer_topk,
+    static_kpool_indexer_topk_cpu,
     static_sparse_mla,
     static_sparse_mla_cpu,
 )
@@ -102,6 +103,7 @@ CPU_KERNELS = KernelSet(
     kpool_indexer_topk=paged_kpool_indexer_topk_fused,
     dense_mla=paged_dense_mla_fused,
     static_indexer_topk=static_indexer_topk_cpu,
+    static_kpool_indexer_topk=static_kpool_indexer_topk_cpu,
     static_sparse_mla=static_sparse_mla_cpu,
 )
 COMPILED_KERNELS = KernelSet(
