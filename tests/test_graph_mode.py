@@ -13,6 +13,7 @@ from conftest import tiny_model
 from transformers import CompileConfig
 
 from modeling_kdsa import KDSAQuantizationConfig, cpu_extension, dsa_paged_ops, static_cache
+from modeling_kdsa import linear as linear_module
 from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer
 from modeling_kdsa.linear import KDSALinear
 from modeling_kdsa.static_cache import KDSAStaticCache, StaticKPoolLayer
@@ -317,13 +318,14 @@ def test_compiled_static_decode_other_layer_kinds():
 
 
 @pytest.mark.skipif(not cpu_extension.cpu_supports_kernels(), reason="the CPU has no AVX512-BF16")
-@pytest.mark.parametrize("shape", ["default", "kpool"])
-def test_bf16_decode_steps_reach_the_cpu_kernels(monkeypatch, shape):
+@pytest.mark.parametrize("shape, batch", [("default", 2), ("default", 1), ("kpool", 3)])
+def test_bf16_decode_steps_reach_the_cpu_kernels(monkeypatch, shape, batch):
     """A bf16 model with 8 attention and 8 indexer heads: each eager decode step's indexer and sparse attention call
     the hand-written CPU kernels (docs/dsa.md §11, §12), and so does the compiled static step, where each kernel is
     one op of the graph; both decode the same tokens. `kpool`: GLM-5.3-Flash's shape (below), whose k-pool indexer
-    scores its pooled keys with the same kernel and whose shared-indexer layer reuses the selection."""
-    overrides, (ids, mask) = (KPOOL_MODEL, kpool_prompt()) if shape == "kpool" else ({}, prompt(length=30))
+    scores its pooled keys with the same kernel and whose shared-indexer layer reuses the selection. At batch 1 the
+    linear products (one row each) go through the single-row kernel too (§10)."""
+    overrides, (ids, mask) = (KPOOL_MODEL, kpool_prompt()) if shape == "kpool" else ({}, prompt(batch, length=30))
     model = tiny_model(index_n_heads=8, num_attention_heads=8, **overrides).to(torch.bfloat16)
     # The kernels apply up to MAX_THREADS intra-op threads; let them apply at this machine's test thread count.
     monkeypatch.setattr(cpu_extension, "MAX_THREADS", max(cpu_extension.MAX_THREADS, torch.get_num_threads()))
@@ -331,11 +333,16 @@ def test_bf16_decode_steps_reach_the_cpu_kernels(monkeypatch, shape):
     kernels = {name: getattr(dsa_paged_ops, name) for name in calls}
     for name, kernel in kernels.items():
         monkeypatch.setattr(dsa_paged_ops, name, lambda *inputs, k=kernel, c=calls[name]: c.append(1) or k(*inputs))
+    row_calls, row_kernel = [], linear_module.row_linear
+    monkeypatch.setattr(linear_module, "row_linear", lambda *inputs: row_calls.append(1) or row_kernel(*inputs))
     expected = greedy(model, ids, mask, 8)
     # 7 decode steps (the first token comes from the prefill) x 2 DSA layers, of which the shared one has no indexer
     assert [len(c) for c in calls.values()] == ([7, 14] if shape == "kpool" else [14, 14])
+    # Every linear product of a batch-1 step has one row; with more sequences only an expert that one token chose.
+    assert len(row_calls) >= (7 * 10 if batch == 1 else 0)
     for name, kernel in kernels.items():
         monkeypatch.setattr(dsa_paged_ops, name, kernel)  # the compiled step traces the ops themselves
+    monkeypatch.setattr(linear_module, "row_linear", row_kernel)
     got = greedy(model, ids, mask, 8, cache_implementation="static", compile_config=compile_config())
     assert torch.equal(got, expected)
     nodes = [str(node.target) for node in all_nodes(CAPTURED_GRAPHS)]
@@ -345,6 +352,7 @@ def test_bf16_decode_steps_reach_the_cpu_kernels(monkeypatch, shape):
     # differ (the shared-indexer layer has no indexer) and each is inlined where it is called once, so its ops are
     # counted in the step's graph and in the bodies dynamo keeps: only their presence is checked there.
     assert counts == [1, 1] if shape == "default" else min(counts) >= 1
+    assert any("row_linear" in node for node in nodes) == (batch == 1)
 
 
 # GLM-5.3-Flash's shape: NoPE, the k-pool indexer (kp = 4, 2 pools + the tail of 3 per query), a shared-indexer layer

@@ -1,0 +1,130 @@
+"""The hand-written CPU kernel of a single-row bf16 linear product (modeling_kdsa/cpu_row_linear.py, docs/graph-mode.md
+§10): its result against `F.linear` and the fp32 product, the cases `linear` routes to it and those it keeps on
+`F.linear`, the compiled op and its input checks; its build: test_cpu_extension.py."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modeling_kdsa import cpu_extension, cpu_row_linear
+from modeling_kdsa import linear as linear_module
+from modeling_kdsa.linear import linear
+
+needs_kernel = pytest.mark.skipif(not cpu_extension.cpu_supports_kernels(), reason="the CPU has no AVX512-BF16")
+
+
+@pytest.fixture(autouse=True)
+def _kernel_at_this_thread_count(monkeypatch):
+    """The kernel applies up to MAX_THREADS intra-op threads; let it apply at whatever this machine runs tests with."""
+    monkeypatch.setattr(cpu_extension, "MAX_THREADS", max(cpu_extension.MAX_THREADS, torch.get_num_threads()))
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+def integer_case(rows_out=7, width=100, bias=True, shape=(1, 1), seed=0):
+    """Small integers: every product and sum is exact in fp32, so any summation order gives the same bf16 result."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (*shape, width), generator=generator).bfloat16()
+    weight = torch.randint(-3, 4, (rows_out, width), generator=generator).bfloat16()
+    b = torch.randint(-3, 4, (rows_out,), generator=generator).bfloat16() if bias else None
+    return x, weight, b
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "rows_out, width, bias, shape",
+    [
+        (7, 100, True, (1, 1)),  # 4 rows + a remainder of 3; 3 steps of 32 + a masked step of 4
+        (64, 1024, False, (1,)),  # whole groups and steps
+        (5, 31, True, ()),  # a single masked step; x [K]
+        (3, 32, False, (1, 1, 1)),  # only the remainder rows
+    ],
+)
+def test_kernel_equals_f_linear_on_exact_inputs(rows_out, width, bias, shape):
+    x, weight, b = integer_case(rows_out, width, bias, shape)
+    assert cpu_row_linear.row_linear_applies(x, weight, b)
+    got = linear(x, weight, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (*shape, rows_out)
+    assert torch.equal(got, F.linear(x, weight, b))
+
+
+@needs_kernel
+def test_random_bf16_rows_are_within_bf16_rounding_of_the_fp32_product():
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 1000, generator=generator).bfloat16()
+    weight = torch.randn(300, 1000, generator=generator).bfloat16()
+    bias = torch.randn(300, generator=generator).bfloat16()
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    got = cpu_row_linear.row_linear(x, weight, bias)
+    assert ((got.float() - expected).abs() <= 2**-8 * expected.abs() + 1e-6).all()  # one rounding of the fp32 sum
+
+
+@needs_kernel
+def test_linear_routes_only_single_bf16_rows_without_autograd_to_the_kernel(monkeypatch):
+    """`linear` sends one eager bf16 row to the kernel; several rows, fp32, autograd, autocast, a non-contiguous
+    weight, a weight subclass, more threads than MAX_THREADS and an unavailable kernel keep `F.linear`."""
+    calls, kernel = [], linear_module.row_linear
+    monkeypatch.setattr(linear_module, "row_linear", lambda *inputs: calls.append(1) or kernel(*inputs))
+    x, weight, b = integer_case(rows_out=8, width=64)
+    linear(x, weight, b)
+    assert len(calls) == 1
+
+    class Subclass(torch.Tensor):
+        pass
+
+    strided = torch.empty(64, 16).bfloat16().t()
+    cases = [(x.expand(2, 1, 64), weight, b), (x.float(), weight.float(), b.float()), (x, strided, None)]
+    cases.append((x, weight.as_subclass(Subclass), b))
+    for case in cases:
+        assert not cpu_row_linear.row_linear_applies(*case)
+        linear(*case)
+    with torch.enable_grad():
+        assert not cpu_row_linear.row_linear_applies(x, weight, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not cpu_row_linear.row_linear_applies(x, weight, b)
+    monkeypatch.setattr(cpu_extension, "MAX_THREADS", torch.get_num_threads() - 1)
+    assert not cpu_row_linear.row_linear_applies(x, weight, b)
+    monkeypatch.setattr(cpu_extension, "MAX_THREADS", torch.get_num_threads())
+    monkeypatch.setattr(cpu_row_linear, "kernel_available", lambda: False)
+    assert not cpu_row_linear.row_linear_applies(x, weight, b)
+    assert len(calls) == 1
+
+
+@needs_kernel
+def test_compiled_linear_holds_the_kernel_as_one_op():
+    """Compiled, a single bf16 row goes through the kernel as one opaque op (not inductor's fused multiply-and-sum)
+    with the eager result; `opcheck` checks the fake against the real op."""
+    x, weight, b = integer_case(rows_out=8, width=64)
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module
+
+    torch._dynamo.reset()
+    compiled = torch.compile(linear, fullgraph=True, dynamic=False, backend=backend)
+    assert torch.equal(compiled(x, weight, b), linear(x, weight, b))
+    assert any("row_linear" in str(node.target) for graph in graphs for node in graph.graph.nodes)
+    torch.library.opcheck(torch.ops.kdsa.row_linear.default, (x, weight, b))
+
+
+@needs_kernel
+def test_kernel_refuses_inputs_it_cannot_read():
+    """The op reads raw pointers: a wrong dtype, two rows, a width mismatch, a strided weight or a bias of the wrong
+    size is a ValueError, not a crash."""
+    assert cpu_row_linear.kernel_available()  # loads the op's CPU kernel
+    x, weight, b = integer_case(rows_out=8, width=64)
+    for bad in [
+        (x.float(), weight, b),
+        (x.expand(1, 2, 64).contiguous(), weight, b),
+        (x[..., :63].contiguous(), weight, b),
+        (x, weight.t().contiguous().t(), b),
+        (x, weight, b[:7].contiguous()),
+        (x, weight, b.float()),
+    ]:
+        with pytest.raises(ValueError, match="row_linear takes"):
+            cpu_row_linear.row_linear(*bad)
