@@ -18,16 +18,55 @@ from functools import cache
 
 import torch
 
-# The kernels run on one thread. Up to this many intra-op threads they matched or beat the torch path (measured with 1
-# and 2 on a 2-core machine: at 64k keys and 2 threads the indexer's compiled layer step 1.03-1.05x, eager 1.26x).
-# With more, the torch path is kept: its GEMMs and passes use every thread while a kernel would use one (not measured
-# here). Splitting the indexer kernel over threads of its own lost at 2 threads (0.72-0.93x in three runs): they
-# compete with the OpenMP workers of torch's pool, which spin after each parallel region.
+# The kernels run on one thread. Up to this many intra-op threads they matched or beat the torch path, measured with 1
+# and 2 on a 2-core machine (ad-hoc, caches evicted between calls): at 2 threads the indexer's compiled 64k layer step
+# 1.03-1.05x and eager 1.26x, the eager sparse attention of one query at 64k 2.9x (3.6x at 1), a single-row linear
+# 1.3-9.6x `F.linear` (2.3-8.3x at 1). With more threads the torch path is kept: its GEMMs and passes use every thread
+# while a kernel would use one (not measured here). Splitting the indexer kernel over threads of its own lost at 2
+# threads (0.72-0.93x in three runs): they compete with the OpenMP workers of torch's pool, which spin after each
+# parallel region.
 MAX_THREADS = 2
 
 # AVX512 with BF16 dot products; CPU_CAPABILITY selects ATen's AVX512 vector types (at::vec) in torch's headers.
 _FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw"]
 _FLAGS += ["-mavx512dq", "-mavx512bf16", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
+
+# The start of every kernel source: the headers the kernels use and small helpers they share.
+PRELUDE = r"""
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t widened = (uint32_t)bits << 16;
+  float value;
+  memcpy(&value, &widened, 4);
+  return value;
+}
+
+inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch's conversion; NaN stays NaN
+  uint32_t bits;
+  memcpy(&bits, &value, 4);
+  if ((bits & 0x7fffffff) > 0x7f800000) return 0x7fc0;
+  return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+// For the input checks' messages.
+std::string describe(const at::Tensor& t) { return c10::str(t.sizes(), " ", t.scalar_type()); }
+
+}  // namespace
+"""
 
 
 def compiler() -> str:
@@ -115,4 +154,13 @@ def load(name: str, source: str, op: str, compiler: str) -> bool:
     return has_cpu_kernel(op)
 
 
-__all__ = ["MAX_THREADS", "build", "compiler", "cpu_supports_kernels", "few_threads", "has_cpu_kernel", "load"]
+__all__ = [
+    "MAX_THREADS",
+    "PRELUDE",
+    "build",
+    "compiler",
+    "cpu_supports_kernels",
+    "few_threads",
+    "has_cpu_kernel",
+    "load",
+]

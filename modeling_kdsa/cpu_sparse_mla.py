@@ -20,30 +20,15 @@ compiler, another dtype, geometry or page format, several queries per sequence â
 
 import torch
 
-from .cpu_extension import compiler, cpu_supports_kernels, few_threads, load
+from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, few_threads, load
 
-_SOURCE = r"""
-#include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/vec.h>
-#include <ATen/ops/empty.h>
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#include <torch/library.h>
-
-#include <vector>
-
+_SOURCE = (
+    PRELUDE
+    + r"""
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
 
-inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch's conversion
-  uint32_t bits;
-  memcpy(&bits, &value, 4);
-  if ((bits & 0x7fffffff) > 0x7f800000) return 0x7fc0;
-  return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-}
 
 // One sequence: rows[j] for j < n are the selected rows (n padded up to a multiple of 8 with `zero_row`).
 void attend(const uint16_t* const* rows, int64_t n, int64_t padded, int64_t width, int64_t latent,
@@ -129,7 +114,6 @@ void attend(const uint16_t* const* rows, int64_t n, int64_t padded, int64_t widt
     }
 }
 
-std::string describe(const at::Tensor& t) { return c10::str(t.sizes(), " ", t.scalar_type()); }
 
 // kdsa::sparse_mla_decode (schema in Python). Checks every dtype, layout and shape the pointer arithmetic relies on
 // and every page it reads, so that bad input is a ValueError, not a read out of bounds.
@@ -195,6 +179,7 @@ at::Tensor sparse_mla_decode(const at::Tensor& q_latent, const at::Tensor& q_pe,
 
 TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("sparse_mla_decode", TORCH_FN(sparse_mla_decode)); }
 """
+)
 
 
 @torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build

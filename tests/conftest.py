@@ -3,7 +3,17 @@
 import pytest
 import torch
 
-from modeling_kdsa import KDSAConfig, KDSAForCausalLM
+from modeling_kdsa import KDSAConfig, KDSAForCausalLM, cpu_extension
+
+# The hand-written CPU kernels (modeling_kdsa/cpu_*.py) need AVX512-BF16.
+needs_cpu_kernels = pytest.mark.skipif(not cpu_extension.cpu_supports_kernels(), reason="the CPU has no AVX512-BF16")
+
+
+@pytest.fixture
+def kernels_at_this_thread_count(monkeypatch):
+    """The CPU kernels apply up to `cpu_extension.MAX_THREADS` intra-op threads; let them apply at whatever thread
+    count this machine runs the tests with."""
+    monkeypatch.setattr(cpu_extension, "MAX_THREADS", max(cpu_extension.MAX_THREADS, torch.get_num_threads()))
 
 
 def tiny_config(**overrides) -> KDSAConfig:

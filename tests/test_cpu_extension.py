@@ -4,14 +4,14 @@ a failed build, an unwritable cache directory, and a kernel another copy of the 
 import warnings
 
 import pytest
+from conftest import needs_cpu_kernels
 
 from modeling_kdsa import cpu_extension, cpu_indexer
 
-needs_kernel = pytest.mark.skipif(not cpu_extension.cpu_supports_kernels(), reason="the CPU has no AVX512-BF16")
 SOURCE = cpu_indexer._SOURCE  # a real kernel source
 
 
-@needs_kernel
+@needs_cpu_kernels
 def test_a_fresh_cache_directory_gets_the_library_built(tmp_path, monkeypatch):
     """What a new machine does on its first decode step: create the cache directory and build (`__wrapped__` skips
     the per-process cache of `build`)."""
@@ -41,7 +41,7 @@ def test_an_unwritable_cache_directory_warns_instead_of_failing(tmp_path, monkey
         assert cpu_extension.build.__wrapped__("indexer_topk_decode", SOURCE, cpu_extension.compiler()) is None
 
 
-@needs_kernel
+@needs_cpu_kernels
 def test_a_kernel_already_registered_is_not_built_again(tmp_path, monkeypatch):
     """The package's and a checkpoint's copy of a kernel module may both be imported: the second finds the op's CPU
     kernel registered and neither builds nor loads (here: a compiler that would fail, a fresh cache directory)."""

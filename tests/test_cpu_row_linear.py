@@ -5,18 +5,13 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import needs_cpu_kernels
 
 from modeling_kdsa import cpu_extension, cpu_row_linear
 from modeling_kdsa import linear as linear_module
 from modeling_kdsa.linear import linear
 
-needs_kernel = pytest.mark.skipif(not cpu_extension.cpu_supports_kernels(), reason="the CPU has no AVX512-BF16")
-
-
-@pytest.fixture(autouse=True)
-def _kernel_at_this_thread_count(monkeypatch):
-    """The kernel applies up to MAX_THREADS intra-op threads; let it apply at whatever this machine runs tests with."""
-    monkeypatch.setattr(cpu_extension, "MAX_THREADS", max(cpu_extension.MAX_THREADS, torch.get_num_threads()))
+pytestmark = pytest.mark.usefixtures("kernels_at_this_thread_count")
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +29,7 @@ def integer_case(rows_out=7, width=100, bias=True, shape=(1, 1), seed=0):
     return x, weight, b
 
 
-@needs_kernel
+@needs_cpu_kernels
 @pytest.mark.parametrize(
     "rows_out, width, bias, shape",
     [
@@ -52,7 +47,7 @@ def test_kernel_equals_f_linear_on_exact_inputs(rows_out, width, bias, shape):
     assert torch.equal(got, F.linear(x, weight, b))
 
 
-@needs_kernel
+@needs_cpu_kernels
 def test_random_bf16_rows_are_within_bf16_rounding_of_the_fp32_product():
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(1, 1000, generator=generator).bfloat16()
@@ -63,7 +58,7 @@ def test_random_bf16_rows_are_within_bf16_rounding_of_the_fp32_product():
     assert ((got.float() - expected).abs() <= 2**-8 * expected.abs() + 1e-6).all()  # one rounding of the fp32 sum
 
 
-@needs_kernel
+@needs_cpu_kernels
 def test_linear_routes_only_single_bf16_rows_without_autograd_to_the_kernel(monkeypatch):
     """`linear` sends one eager bf16 row to the kernel; several rows, fp32, autograd, autocast, a non-contiguous
     weight, a weight subclass, more threads than MAX_THREADS and an unavailable kernel keep `F.linear`."""
@@ -94,7 +89,7 @@ def test_linear_routes_only_single_bf16_rows_without_autograd_to_the_kernel(monk
     assert len(calls) == 1
 
 
-@needs_kernel
+@needs_cpu_kernels
 def test_compiled_linear_holds_the_kernel_as_one_op():
     """Compiled, a single bf16 row goes through the kernel as one opaque op (not inductor's fused multiply-and-sum)
     with the eager result; `opcheck` checks the fake against the real op."""
@@ -112,7 +107,7 @@ def test_compiled_linear_holds_the_kernel_as_one_op():
     torch.library.opcheck(torch.ops.kdsa.row_linear.default, (x, weight, b))
 
 
-@needs_kernel
+@needs_cpu_kernels
 def test_kernel_refuses_inputs_it_cannot_read():
     """The op reads raw pointers: a wrong dtype, two rows, a width mismatch, a strided weight or a bias of the wrong
     size is a ValueError, not a crash."""

@@ -4,6 +4,7 @@ and its input checks; its build: test_cpu_extension.py."""
 
 import pytest
 import torch
+from conftest import needs_cpu_kernels
 
 from modeling_kdsa import cpu_extension, cpu_sparse_mla, dsa_paged_ops
 from modeling_kdsa.dsa_paged_ops import (
@@ -14,13 +15,7 @@ from modeling_kdsa.dsa_paged_ops import (
 )
 from modeling_kdsa.numeric_formats import CacheFormats
 
-needs_kernel = pytest.mark.skipif(not cpu_extension.cpu_supports_kernels(), reason="the CPU has no AVX512-BF16")
-
-
-@pytest.fixture(autouse=True)
-def _kernel_at_this_thread_count(monkeypatch):
-    """The kernel applies up to MAX_THREADS intra-op threads; let it apply at whatever this machine runs tests with."""
-    monkeypatch.setattr(cpu_extension, "MAX_THREADS", max(cpu_extension.MAX_THREADS, torch.get_num_threads()))
+pytestmark = pytest.mark.usefixtures("kernels_at_this_thread_count")
 
 
 def sparse_case(batch=2, heads=16, latent=256, rope=32, page_size=64, num_keys=1000, selected=61, seed=0):
@@ -45,7 +40,7 @@ def fp32_reference(q_latent, q_pe, pages, table, indices, scale):
     return paged_sparse_mla_reference(q_latent.float(), q_pe.float(), pages.float(), table, indices, scale)
 
 
-@needs_kernel
+@needs_cpu_kernels
 @pytest.mark.parametrize(
     "batch, heads, latent, rope, selected",
     [
@@ -70,7 +65,7 @@ def test_kernel_is_as_close_to_the_fp32_reference_as_the_torch_path(batch, heads
     assert error <= torch_error * 1.01
 
 
-@needs_kernel
+@needs_cpu_kernels
 def test_a_sequence_without_keys_gets_zeros():
     """Every slot -1 (nothing selected): the output is 0, as the reference's (docs/dsa.md §6); the other sequence is
     unaffected."""
@@ -82,7 +77,7 @@ def test_a_sequence_without_keys_gets_zeros():
     assert (got[0].float() - expected[0]).abs().max() <= 2**-8 * expected[0].abs().max()
 
 
-@needs_kernel
+@needs_cpu_kernels
 def test_static_cpu_sparse_mla_uses_the_kernel(monkeypatch):
     """The cpu backend's fixed-shape sparse attention (a compiled step's) goes through the kernel and is as close to
     the fp32 reference as the torch one."""
@@ -102,7 +97,7 @@ def test_static_cpu_sparse_mla_uses_the_kernel(monkeypatch):
     assert (got.float() - expected).abs().max() <= min(torch_error * 1.01, 2**-8 * expected.abs().max())
 
 
-@needs_kernel
+@needs_cpu_kernels
 def test_compiled_static_cpu_sparse_mla_is_one_graph():
     """Inside torch.compile(fullgraph=True) the kernel is one opaque op: inductor compiles around it and the result
     is the eager one; `opcheck` checks the fake against the real op."""
@@ -144,7 +139,7 @@ def test_callers_keep_the_torch_path_where_the_kernel_does_not_apply(monkeypatch
     assert torch.equal(static_sparse_mla_cpu(q_latent, q_pe, pages, table, indices, scale), expected)
 
 
-@needs_kernel
+@needs_cpu_kernels
 def test_kernel_refuses_inputs_it_cannot_read():
     """The op reads raw pointers: a wrong dtype, a strided tensor, mismatched shapes or an index outside the block
     table's pages is a ValueError, not a crash."""

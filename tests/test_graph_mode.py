@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.utils
-from conftest import tiny_model
+from conftest import needs_cpu_kernels, tiny_model
 from transformers import CompileConfig
 
-from modeling_kdsa import KDSAQuantizationConfig, cpu_extension, dsa_paged_ops, static_cache
+from modeling_kdsa import KDSAQuantizationConfig, dsa_paged_ops, static_cache
 from modeling_kdsa import linear as linear_module
 from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer
 from modeling_kdsa.linear import KDSALinear
@@ -317,7 +317,8 @@ def test_compiled_static_decode_other_layer_kinds():
     assert page_gathers(CAPTURED_GRAPHS) == []  # dense MLA and the indexer read their pools in place
 
 
-@pytest.mark.skipif(not cpu_extension.cpu_supports_kernels(), reason="the CPU has no AVX512-BF16")
+@needs_cpu_kernels
+@pytest.mark.usefixtures("kernels_at_this_thread_count")
 @pytest.mark.parametrize("shape, batch", [("default", 2), ("default", 1), ("kpool", 3)])
 def test_bf16_decode_steps_reach_the_cpu_kernels(monkeypatch, shape, batch):
     """A bf16 model with 8 attention and 8 indexer heads: each eager decode step's indexer and sparse attention call
@@ -327,8 +328,6 @@ def test_bf16_decode_steps_reach_the_cpu_kernels(monkeypatch, shape, batch):
     linear products (one row each) go through the single-row kernel too (§10)."""
     overrides, (ids, mask) = (KPOOL_MODEL, kpool_prompt()) if shape == "kpool" else ({}, prompt(batch, length=30))
     model = tiny_model(index_n_heads=8, num_attention_heads=8, **overrides).to(torch.bfloat16)
-    # The kernels apply up to MAX_THREADS intra-op threads; let them apply at this machine's test thread count.
-    monkeypatch.setattr(cpu_extension, "MAX_THREADS", max(cpu_extension.MAX_THREADS, torch.get_num_threads()))
     calls = {"indexer_topk_decode": [], "sparse_mla_decode_cpu": []}
     kernels = {name: getattr(dsa_paged_ops, name) for name in calls}
     for name, kernel in kernels.items():

@@ -21,33 +21,14 @@ compiler, another dtype, several rows, more than `cpu_extension.MAX_THREADS` thr
 import torch
 from torch import nn
 
-from .cpu_extension import compiler, cpu_supports_kernels, few_threads, load
+from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, few_threads, load
 
-_SOURCE = r"""
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
-#include <torch/library.h>
-
-#include <vector>
-
+_SOURCE = (
+    PRELUDE
+    + r"""
 namespace {
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t widened = (uint32_t)bits << 16;
-  float value;
-  memcpy(&value, &widened, 4);
-  return value;
-}
 
-inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch's conversion
-  uint32_t bits;
-  memcpy(&bits, &value, 4);
-  if ((bits & 0x7fffffff) > 0x7f800000) return 0x7fc0;
-  return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-}
 
 // out[n] = bias[n] + sum_k w[n, k] x[k]: 4 rows of w at a time, 32 elements per step (vdpbf16ps: fp32 sums of exact
 // bf16 products of element pairs), a masked last step; the sum rounded to bf16 once.
@@ -88,7 +69,6 @@ void gemv(const uint16_t* x, const uint16_t* w, int64_t rows, int64_t k, const u
   }
 }
 
-std::string describe(const at::Tensor& t) { return c10::str(t.sizes(), " ", t.scalar_type()); }
 
 // kdsa::row_linear (schema in Python): x [..., K] holding one row, weight [N, K], bias [N] or none, all contiguous
 // bf16; returns [..., N]. Checks what the pointer arithmetic relies on: bad input is a ValueError.
@@ -111,6 +91,7 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& weight, const std::
 
 TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("row_linear", TORCH_FN(row_linear)); }
 """
+)
 
 
 @torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build

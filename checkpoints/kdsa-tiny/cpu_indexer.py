@@ -18,19 +18,11 @@ computed in fp32 from the bf16 inputs (the torch bf16 path rounds each head's pr
 
 import torch
 
-from .cpu_extension import compiler, cpu_supports_kernels, few_threads, load
+from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, few_threads, load
 
-_SOURCE = r"""
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <immintrin.h>
-#include <torch/library.h>
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#include <algorithm>
-#include <vector>
-
+_SOURCE = (
+    PRELUDE
+    + r"""
 namespace {
 
 struct Candidate {
@@ -70,12 +62,6 @@ inline __m256 lane_sums(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t widened = (uint32_t)bits << 16;
-  float value;
-  memcpy(&value, &widened, 4);
-  return value;
-}
 
 struct Sequence {
   const uint16_t* pages;      // the pool, [num_pages, page_size, dim]
@@ -182,7 +168,6 @@ void topk_decode(
   }
 }
 
-std::string describe(const at::Tensor& t) { return c10::str(t.sizes(), " ", t.scalar_type()); }
 
 // kdsa::indexer_topk_decode (schema in Python). Checks every dtype, layout and shape the pointer arithmetic above
 // relies on, so that bad input is a ValueError, not a read out of bounds; the block table's entries are trusted.
@@ -227,6 +212,7 @@ at::Tensor indexer_topk_decode(const at::Tensor& q_index, const at::Tensor& scal
 
 TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("indexer_topk_decode", TORCH_FN(indexer_topk_decode)); }
 """
+)
 
 
 @torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
