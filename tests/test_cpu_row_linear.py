@@ -123,3 +123,18 @@ def test_kernel_refuses_inputs_it_cannot_read():
     ]:
         with pytest.raises(ValueError, match="row_linear takes"):
             cpu_row_linear.row_linear(*bad)
+
+
+@needs_cpu_kernels
+def test_an_exported_program_keeps_f_linear():
+    """`torch.export` records `F.linear`, not the op: an exported program may run where the kernel is not registered."""
+    x, weight, b = integer_case(rows_out=8, width=64)
+
+    class Layer(torch.nn.Module):
+        def forward(self, x, weight, b):
+            return linear(x, weight, b)
+
+    for strict in (False, True):  # traced by dispatch on fake tensors, or by dynamo on the real ones
+        program = torch.export.export(Layer(), (x, weight, b), strict=strict)
+        targets = [str(node.target) for node in program.graph.nodes]
+        assert not any("row_linear" in target for target in targets) and any("linear" in t for t in targets)

@@ -101,11 +101,12 @@ def kernel_available() -> bool:
 
 
 def row_linear_applies(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """The kernel computes `F.linear(hidden_states, weight, bias)`: no autocast, no autograd, one bf16 row on a CPU
-    that supports it, a plain contiguous bf16 weight (no tensor subclass such as a quantized
+    """The kernel computes `F.linear(hidden_states, weight, bias)`: not under `torch.export`, no autocast, no autograd,
+    one bf16 row on a CPU that supports it, a plain contiguous bf16 weight (no tensor subclass such as a quantized
     weight) and bias, at most `cpu_extension.MAX_THREADS` threads — and it is built and loaded."""
     return (
-        hidden_states.device.type == "cpu"
+        not torch.compiler.is_exporting()  # an exported program may run where the op is not registered
+        and hidden_states.device.type == "cpu"
         and hidden_states.dtype == torch.bfloat16
         and hidden_states.numel() == hidden_states.shape[-1]
         and type(weight) in (torch.Tensor, nn.Parameter)
