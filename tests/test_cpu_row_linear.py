@@ -37,6 +37,8 @@ def integer_case(rows_out=7, width=100, bias=True, shape=(1, 1), seed=0):
         (64, 1024, False, (1,)),  # whole groups and steps
         (5, 31, True, ()),  # a single masked step; x [K]
         (3, 32, False, (1, 1, 1)),  # only the remainder rows
+        (7, 100, True, (2, 1)),  # two rows (a decode step of two sequences): 4 + 3 weight rows, a masked step
+        (8, 64, False, (2,)),  # two rows, whole groups and steps
     ],
 )
 def test_kernel_equals_f_linear_on_exact_inputs(rows_out, width, bias, shape):
@@ -59,8 +61,8 @@ def test_random_bf16_rows_are_within_bf16_rounding_of_the_fp32_product():
 
 
 @needs_cpu_kernels
-def test_linear_routes_only_single_bf16_rows_without_autograd_to_the_kernel(monkeypatch):
-    """`linear` sends one eager bf16 row to the kernel; several rows, fp32, autograd, autocast, a non-contiguous
+def test_linear_routes_only_one_or_two_bf16_rows_without_autograd_to_the_kernel(monkeypatch):
+    """`linear` sends one or two eager bf16 rows to the kernel; three rows, fp32, autograd, autocast, a non-contiguous
     weight, a weight subclass, more threads than MAX_THREADS and an unavailable kernel keep `F.linear`."""
     calls, kernel = [], linear_module.row_linear
     monkeypatch.setattr(linear_module, "row_linear", lambda *inputs: calls.append(1) or kernel(*inputs))
@@ -72,7 +74,7 @@ def test_linear_routes_only_single_bf16_rows_without_autograd_to_the_kernel(monk
         pass
 
     strided = torch.empty(64, 16).bfloat16().t()
-    cases = [(x.expand(2, 1, 64), weight, b), (x.float(), weight.float(), b.float()), (x, strided, None)]
+    cases = [(x.expand(3, 1, 64), weight, b), (x.float(), weight.float(), b.float()), (x, strided, None)]
     cases.append((x, weight.as_subclass(Subclass), b))
     for case in cases:
         assert not cpu_row_linear.row_linear_applies(*case)
@@ -109,13 +111,13 @@ def test_compiled_linear_holds_the_kernel_as_one_op():
 
 @needs_cpu_kernels
 def test_kernel_refuses_inputs_it_cannot_read():
-    """The op reads raw pointers: a wrong dtype, two rows, a width mismatch, a strided weight or a bias of the wrong
+    """The op reads raw pointers: a wrong dtype, three rows, a width mismatch, a strided weight or a bias of the wrong
     size is a ValueError, not a crash."""
     assert cpu_row_linear.kernel_available()  # loads the op's CPU kernel
     x, weight, b = integer_case(rows_out=8, width=64)
     for bad in [
         (x.float(), weight, b),
-        (x.expand(1, 2, 64).contiguous(), weight, b),
+        (x.expand(1, 3, 64).contiguous(), weight, b),
         (x[..., :63].contiguous(), weight, b),
         (x, weight.t().contiguous().t(), b),
         (x, weight, b[:7].contiguous()),
@@ -138,3 +140,15 @@ def test_an_exported_program_keeps_f_linear():
         program = torch.export.export(Layer(), (x, weight, b), strict=strict)
         targets = [str(node.target) for node in program.graph.nodes]
         assert not any("row_linear" in target for target in targets) and any("linear" in t for t in targets)
+
+
+@needs_cpu_kernels
+def test_a_strided_slice_of_two_sequences_goes_through_the_kernel(monkeypatch):
+    """The last position of each of 2 sequences (`hidden[:, -1:]`, what the lm_head sees in a decode step) is a
+    strided view: `linear` passes a contiguous copy of those rows to the kernel."""
+    calls, kernel = [], linear_module.row_linear
+    monkeypatch.setattr(linear_module, "row_linear", lambda *inputs: calls.append(1) or kernel(*inputs))
+    hidden, weight, b = integer_case(rows_out=8, width=64, shape=(2, 5))
+    last = hidden[:, -1:]
+    assert not last.is_contiguous()
+    assert torch.equal(linear(last, weight, b), F.linear(last, weight, b)) and len(calls) == 1

@@ -1,12 +1,13 @@
-"""The model's linear layers: `nn.Linear` whose single-row product on CPU streams the weight once instead of calling
-a GEMM: in bf16 through a C++ kernel, eagerly and compiled (`cpu_row_linear`, docs/graph-mode.md §10); otherwise, in a
-compiled graph, through one fused multiply-and-sum (docs/graph-mode.md §9).
+"""The model's linear layers: `nn.Linear` whose product with one row (or two) on CPU streams the weight once instead of
+calling a GEMM: in bf16 through a C++ kernel for one or two rows, eagerly and compiled (`cpu_row_linear`,
+docs/graph-mode.md §10); otherwise, for one row in a compiled graph, through one fused multiply-and-sum
+(docs/graph-mode.md §9).
 
 Batch-1 decode multiplies every weight matrix by one row. On CPU, oneDNN's bf16 GEMV for that shape reads a cold
 weight at about half the memory bandwidth a plain streaming pass reaches or less; written as `(w * x).sum(-1)`,
 inductor generates one vectorised reduction that reads each weight element once at close to streaming speed, and for
-gathered expert weights it fuses the gather into that read (no copy). Everywhere else (more than one row, fp32
-eagerly, GPUs, NPUs) the layer is exactly `nn.Linear`.
+gathered expert weights it fuses the gather into that read (no copy). Everywhere else (more rows, fp32 eagerly, GPUs,
+NPUs) the layer is exactly `nn.Linear`.
 """
 
 import torch
@@ -43,10 +44,10 @@ def row_times_weight(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 def linear(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`: one bf16 row through the C++ single-row kernel where it applies (`cpu_row_linear`, docs/graph-mode.md
-    §10), else in the fused single-row form when `streams_weight(hidden_states, weight)`."""
+    """`F.linear`: one or two bf16 rows through the C++ row kernel where it applies (`cpu_row_linear`,
+    docs/graph-mode.md §10), else in the fused single-row form when `streams_weight(hidden_states, weight)`."""
     if row_linear_applies(hidden_states, weight, bias):
-        return row_linear(hidden_states, weight, bias)
+        return row_linear(hidden_states.contiguous(), weight, bias)  # a batch's last-token slice is strided
     if streams_weight(hidden_states, weight):
         return row_times_weight(hidden_states, weight, bias)
     return F.linear(hidden_states, weight, bias)
