@@ -16,6 +16,14 @@ def kernels_at_this_thread_count(monkeypatch):
     monkeypatch.setattr(cpu_extension, "MAX_THREADS", max(cpu_extension.MAX_THREADS, torch.get_num_threads()))
 
 
+def count_calls(monkeypatch, module, name: str) -> list:
+    """Replace `module.name` with a wrapper that records each call and runs the original; returns the record (one entry
+    per call). For checking that a caller reaches a kernel."""
+    calls, original = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args: calls.append(args) or original(*args))
+    return calls
+
+
 def tiny_config(**overrides) -> KDSAConfig:
     """4 layers KDA, DSA, KDA, DSA; index_topk 8 so that prompts longer than 8 tokens are really sparse;
     AttnRes blocks of 2 sublayers so that block boundaries fall inside and between layers."""

@@ -4,7 +4,7 @@ inputs, more threads, no kernel); its build: test_cpu_extension.py."""
 
 import pytest
 import torch
-from conftest import needs_cpu_kernels
+from conftest import count_calls, needs_cpu_kernels
 
 from modeling_kdsa import cpu_extension, cpu_indexer, dsa_paged_ops
 from modeling_kdsa.dsa_paged_ops import (
@@ -98,14 +98,7 @@ def test_static_cpu_indexer_uses_the_kernel_and_equals_the_torch_static_indexer(
     mask = padding_mask(2, 256, pads=(0, 9))
     args = (torch.tensor(200), 64, torch.tensor(150), mask)  # the query at 150 sees keys 0 … 150 of 200
     expected = static_indexer_topk(q_index, weights, pages, None, *args)
-    calls = []
-    original = dsa_paged_ops.indexer_topk_decode
-
-    def spy(*inputs):
-        calls.append(inputs)
-        return original(*inputs)
-
-    monkeypatch.setattr(dsa_paged_ops, "indexer_topk_decode", spy)
+    calls = count_calls(monkeypatch, dsa_paged_ops, "indexer_topk_decode")
     got = static_indexer_topk_cpu(q_index.bfloat16(), weights, pages.bfloat16(), None, *args)
     assert len(calls) == 1 and torch.equal(got, expected)
 
@@ -200,8 +193,7 @@ def test_kpool_decode_step_selects_the_pools_the_torch_path_selects(monkeypatch,
     q_index, weights, index_pages, pool_pages, table, mask, ape = kpool_case()
     args = (table, 300, 32, 299 - query_back, mask, ape)
     expected = dsa_paged_ops.paged_kpool_indexer_topk_fused(q_index, weights, index_pages, pool_pages, *args)
-    calls, kernel = [], dsa_paged_ops.indexer_topk_decode
-    monkeypatch.setattr(dsa_paged_ops, "indexer_topk_decode", lambda *inputs: calls.append(1) or kernel(*inputs))
+    calls = count_calls(monkeypatch, dsa_paged_ops, "indexer_topk_decode")
     got = dsa_paged_ops.paged_kpool_indexer_topk_fused(
         q_index.bfloat16(), weights, index_pages.bfloat16(), pool_pages.bfloat16(), *args
     )
@@ -217,8 +209,7 @@ def test_static_kpool_decode_step_uses_the_kernel_and_equals_the_torch_static_on
     pool_pages, index_pages = pool_pages[:12], index_pages[:12]  # 3 sequences x 4 pages in sequence order
     args = (None, torch.tensor(200), 32, torch.tensor(150), mask, ape)
     expected = dsa_paged_ops.static_kpool_indexer_topk(q_index, weights, index_pages, pool_pages, *args)
-    calls, kernel = [], dsa_paged_ops.indexer_topk_decode
-    monkeypatch.setattr(dsa_paged_ops, "indexer_topk_decode", lambda *inputs: calls.append(1) or kernel(*inputs))
+    calls = count_calls(monkeypatch, dsa_paged_ops, "indexer_topk_decode")
     got = dsa_paged_ops.static_kpool_indexer_topk_cpu(
         q_index.bfloat16(), weights, index_pages.bfloat16(), pool_pages.bfloat16(), *args
     )

@@ -5,7 +5,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import needs_cpu_kernels
+from conftest import count_calls, needs_cpu_kernels
 
 from modeling_kdsa import cpu_extension, cpu_row_linear
 from modeling_kdsa import linear as linear_module
@@ -64,8 +64,7 @@ def test_random_bf16_rows_are_within_bf16_rounding_of_the_fp32_product():
 def test_linear_routes_only_one_or_two_bf16_rows_without_autograd_to_the_kernel(monkeypatch):
     """`linear` sends one or two eager bf16 rows to the kernel; three rows, fp32, autograd, autocast, a non-contiguous
     weight, a weight subclass, more threads than MAX_THREADS and an unavailable kernel keep `F.linear`."""
-    calls, kernel = [], linear_module.row_linear
-    monkeypatch.setattr(linear_module, "row_linear", lambda *inputs: calls.append(1) or kernel(*inputs))
+    calls = count_calls(monkeypatch, linear_module, "row_linear")
     x, weight, b = integer_case(rows_out=8, width=64)
     linear(x, weight, b)
     assert len(calls) == 1
@@ -146,8 +145,7 @@ def test_an_exported_program_keeps_f_linear():
 def test_a_strided_slice_of_two_sequences_goes_through_the_kernel(monkeypatch):
     """The last position of each of 2 sequences (`hidden[:, -1:]`, what the lm_head sees in a decode step) is a
     strided view: `linear` passes a contiguous copy of those rows to the kernel."""
-    calls, kernel = [], linear_module.row_linear
-    monkeypatch.setattr(linear_module, "row_linear", lambda *inputs: calls.append(1) or kernel(*inputs))
+    calls = count_calls(monkeypatch, linear_module, "row_linear")
     hidden, weight, b = integer_case(rows_out=8, width=64, shape=(2, 5))
     last = hidden[:, -1:]
     assert not last.is_contiguous()

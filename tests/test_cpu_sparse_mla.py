@@ -4,7 +4,7 @@ and its input checks; its build: test_cpu_extension.py."""
 
 import pytest
 import torch
-from conftest import needs_cpu_kernels
+from conftest import count_calls, needs_cpu_kernels
 
 from modeling_kdsa import cpu_extension, cpu_sparse_mla, dsa_paged_ops
 from modeling_kdsa.dsa_paged_ops import (
@@ -82,14 +82,7 @@ def test_static_cpu_sparse_mla_uses_the_kernel(monkeypatch):
     """The cpu backend's fixed-shape sparse attention (a compiled step's) goes through the kernel and is as close to
     the fp32 reference as the torch one."""
     q_latent, q_pe, pages, table, indices, scale = sparse_case()
-    calls = []
-    original = dsa_paged_ops.sparse_mla_decode_cpu
-
-    def spy(*inputs):
-        calls.append(inputs)
-        return original(*inputs)
-
-    monkeypatch.setattr(dsa_paged_ops, "sparse_mla_decode_cpu", spy)
+    calls = count_calls(monkeypatch, dsa_paged_ops, "sparse_mla_decode_cpu")
     got = static_sparse_mla_cpu(q_latent, q_pe, pages, table, indices, scale)
     assert len(calls) == 1
     expected = fp32_reference(q_latent, q_pe, pages, table, indices, scale)

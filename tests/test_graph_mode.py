@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.utils
-from conftest import needs_cpu_kernels, tiny_model
+from conftest import count_calls, needs_cpu_kernels, tiny_model
 from transformers import CompileConfig
 
 from modeling_kdsa import KDSAQuantizationConfig, cpu_row_linear, dsa_paged_ops, static_cache
@@ -330,21 +330,14 @@ def test_bf16_decode_steps_reach_the_cpu_kernels(monkeypatch, shape, batch):
     sequences the linear products go through the row kernel too (§10)."""
     overrides, (ids, mask) = (KPOOL_MODEL, kpool_prompt()) if shape == "kpool" else ({}, prompt(batch, length=30))
     model = tiny_model(index_n_heads=8, num_attention_heads=8, **overrides).to(torch.bfloat16)
-    calls = {"indexer_topk_decode": [], "sparse_mla_decode_cpu": []}
-    kernels = {name: getattr(dsa_paged_ops, name) for name in calls}
-    for name, kernel in kernels.items():
-        monkeypatch.setattr(dsa_paged_ops, name, lambda *inputs, k=kernel, c=calls[name]: c.append(1) or k(*inputs))
-    row_calls, row_kernel = [], linear_module.row_linear
-    monkeypatch.setattr(linear_module, "row_linear", lambda *inputs: row_calls.append(1) or row_kernel(*inputs))
-    expected = greedy(model, ids, mask, 8)
+    with monkeypatch.context() as spies:  # undone before the compiled step, which traces the ops themselves
+        calls = [count_calls(spies, dsa_paged_ops, name) for name in ("indexer_topk_decode", "sparse_mla_decode_cpu")]
+        row_calls = count_calls(spies, linear_module, "row_linear")
+        expected = greedy(model, ids, mask, 8)
     # 7 decode steps (the first token comes from the prefill) x 2 DSA layers, of which the shared one has no indexer
-    assert [len(c) for c in calls.values()] == ([7, 14] if shape == "kpool" else [14, 14])
-    # Every linear product of a step of one or two sequences has one or two rows; with three, only an expert that one
-    # or two tokens chose.
-    assert len(row_calls) >= (7 * 10 if batch <= 2 else 0)
-    for name, kernel in kernels.items():
-        monkeypatch.setattr(dsa_paged_ops, name, kernel)  # the compiled step traces the ops themselves
-    monkeypatch.setattr(linear_module, "row_linear", row_kernel)
+    assert [len(c) for c in calls] == ([7, 14] if shape == "kpool" else [14, 14])
+    if batch <= 2:  # every linear product of a step of one or two sequences has one or two rows
+        assert len(row_calls) >= 7 * 10
     got = greedy(model, ids, mask, 8, cache_implementation="static", compile_config=compile_config())
     assert torch.equal(got, expected)
     nodes = [str(node.target) for node in all_nodes(CAPTURED_GRAPHS)]

@@ -167,7 +167,7 @@ def row_linear_applies(hidden_states: torch.Tensor, weight: torch.Tensor, bias: 
         not torch.compiler.is_exporting()  # an exported program may run where the op is not registered
         and hidden_states.device.type == "cpu"
         and hidden_states.dtype == torch.bfloat16
-        and hidden_states.numel() in (hidden_states.shape[-1], MAX_ROWS * hidden_states.shape[-1])
+        and 0 < hidden_states.numel() <= MAX_ROWS * hidden_states.shape[-1]
         and type(weight) in (torch.Tensor, nn.Parameter)
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2

@@ -602,9 +602,8 @@ def _kpool_decode_topk_cpu(
     q_index, weights, pool_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, ape, select_tail,
     origin,
 ) -> torch.Tensor:  # fmt: skip
-    """`paged_kpool_indexer_topk_fused` for one query per sequence through `cpu_indexer`'s kernel: the pooled keys are
-    its keys (slot `s` of the block table's pool pages ends at token `s·kp + phase`), the visibility rule becomes its
-    key mask (a slot is visible from the first pool's end up to the query), its selected slots become pool ends."""
+    """`paged_kpool_indexer_topk_fused` for one query per sequence through `cpu_indexer`'s kernel
+    (`_kpool_slots_topk_cpu` over the `ceil(num_visible / kp)` slots that can hold a pool ending by the query)."""
     batch, kpool = q_index.shape[0], ape.shape[0]
     num_visible = min(num_keys, query_start + 1)
     if origin is None:
@@ -613,17 +612,27 @@ def _kpool_decode_topk_cpu(
     if num_selected == 0:
         empty = torch.empty(batch, 1, 0, dtype=torch.int64, device=q_index.device)
         return kpool_expand(empty, kpool, query_start, origin, select_tail)
-    first_slot = (origin + kpool - 1) // kpool  # the slot of each sequence's first pool
-    phase = (origin + kpool - 1) % kpool
-    last_slot = (num_visible - 1 - phase).div(kpool, rounding_mode="floor")  # the last pool ending by the query
-    num_slots = int(last_slot.max()) + 1
-    slots = torch.arange(max(num_slots, 0), device=q_index.device)
-    visible = (slots[None, :] >= first_slot[:, None]) & (slots[None, :] <= last_slot[:, None])
-    selected = _decode_topk_cpu(
-        q_index, weights, pool_pages, block_table, torch.tensor(max(num_slots, 0)), visible, num_selected
-    )  # [B, 1, num_selected] slots, -1 = none
-    pool_ends = torch.where(selected >= 0, selected * kpool + phase[:, None, None], -1)
-    return kpool_expand(pool_ends, kpool, query_start, origin, select_tail)
+    return _kpool_slots_topk_cpu(
+        q_index, weights, pool_pages, block_table, _ceil_div(num_visible, kpool), num_visible - 1, origin, kpool,
+        num_selected, query_start, select_tail,
+    )  # fmt: skip
+
+
+def _kpool_slots_topk_cpu(
+    q_index, weights, pool_pages, block_table, num_slots, last_visible_key, origin, kpool, width, query_start,
+    select_tail,
+) -> torch.Tensor:  # fmt: skip
+    """The k-pool selection of one query per sequence with `cpu_indexer`'s kernel: the first `num_slots` pooled-key
+    slots of the block table are its keys (slot `s` holds the pool ending at `s·kp + phase`), the visibility rule
+    (from each sequence's first pool end up to `last_visible_key`) is its key mask, and the `width` slots it selects
+    become pool ends, then token positions (`kpool_expand`)."""
+    first_pool_end = origin + kpool - 1
+    phase = first_pool_end % kpool
+    pool_ends = kpool * torch.arange(num_slots, device=q_index.device)[None, :] + phase[:, None]
+    visible = (pool_ends <= last_visible_key) & (pool_ends >= first_pool_end[:, None])
+    selected = _decode_topk_cpu(q_index, weights, pool_pages, block_table, torch.tensor(num_slots), visible, width)
+    ends = torch.where(selected >= 0, selected * kpool + phase[:, None, None], -1)  # [B, 1, width], -1 = none
+    return kpool_expand(ends, kpool, query_start, origin, select_tail)
 
 
 def paged_kpool_indexer_topk_compiled(
@@ -1061,12 +1070,17 @@ def static_indexer_topk_cpu(
             q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask
         )
     batch = q_index.shape[0]
-    if block_table is None:  # the static store's mapping: sequence b owns pages b·n … b·n + n - 1
-        block_table = torch.arange(index_pages.shape[0], device=q_index.device).view(batch, -1)
+    block_table = _sequence_order_table(index_pages, batch) if block_table is None else block_table
     capacity = block_table.shape[1] * index_pages.shape[1]
     num_visible = torch.minimum(query_start + 1, num_keys)
     width = min(index_topk, capacity)
     return _decode_topk_cpu(q_index, weights, index_pages, block_table, num_visible, key_padding_mask, width)
+
+
+def _sequence_order_table(pages: torch.Tensor, batch: int) -> torch.Tensor:
+    """The block table of a static store's pages (`sequence_rows` with no table): sequence `b` owns pages `b·n … b·n +
+    n - 1`. For the C++ kernels, which read through a table."""
+    return torch.arange(pages.shape[0], device=pages.device).view(batch, -1)
 
 
 def static_kpool_origin(key_padding_mask: torch.Tensor | None, batch: int, device) -> torch.Tensor:
@@ -1137,20 +1151,15 @@ def static_kpool_indexer_topk_cpu(
             key_padding_mask, ape, select_tail,
         )  # fmt: skip
     batch, kpool = q_index.shape[0], ape.shape[0]
-    if block_table is None:  # the static store's mapping: sequence b owns pages b·n … b·n + n - 1
-        block_table = torch.arange(pool_pages.shape[0], device=q_index.device).view(batch, -1)
+    block_table = _sequence_order_table(pool_pages, batch) if block_table is None else block_table
     num_slots = block_table.shape[1] * pool_pages.shape[1]
     origin = static_kpool_origin(key_padding_mask, batch, q_index.device)
-    first_pool_end = origin + kpool - 1
-    pool_ends = kpool * torch.arange(num_slots, device=q_index.device)[None, :] + (first_pool_end % kpool)[:, None]
-    limit = _visible_limit(query_start, 1, num_keys)
-    visible = (pool_ends <= limit) & (pool_ends >= first_pool_end[:, None])
+    last_visible_key = _visible_limit(query_start, 1, num_keys)
     width = min(index_topk // kpool, num_slots)
-    selected = _decode_topk_cpu(
-        q_index, weights, pool_pages, block_table, torch.tensor(num_slots), visible, width
-    )  # [B, 1, width] slots, -1 = none
-    ends = torch.where(selected >= 0, selected * kpool + (first_pool_end % kpool)[:, None, None], -1)
-    return kpool_expand(ends, kpool, query_start, origin, select_tail)
+    return _kpool_slots_topk_cpu(
+        q_index, weights, pool_pages, block_table, num_slots, last_visible_key, origin, kpool, width, query_start,
+        select_tail,
+    )  # fmt: skip
 
 
 def static_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale: float) -> torch.Tensor:
