@@ -33,12 +33,14 @@ def integer_case(rows_out=7, width=100, bias=True, shape=(1, 1), seed=0):
 @pytest.mark.parametrize(
     "rows_out, width, bias, shape",
     [
-        (7, 100, True, (1, 1)),  # 4 rows + a remainder of 3; 3 steps of 32 + a masked step of 4
-        (64, 1024, False, (1,)),  # whole groups and steps
+        (7, 100, True, (1, 1)),  # 3 steps of 32 + a masked step of 4
+        (64, 1024, False, (1,)),  # only unrolled steps of 128
+        (5, 300, True, (1, 1)),  # every loop: 2 unrolled steps, 1 step of 32, a masked step of 12
         (5, 31, True, ()),  # a single masked step; x [K]
-        (3, 32, False, (1, 1, 1)),  # only the remainder rows
-        (7, 100, True, (2, 1)),  # two rows (a decode step of two sequences): 4 + 3 weight rows, a masked step
-        (8, 64, False, (2,)),  # two rows, whole groups and steps
+        (3, 32, False, (1, 1, 1)),  # a single step of 32
+        (7, 100, True, (2, 1)),  # two rows (a decode step of two sequences), a masked step
+        (8, 64, False, (2,)),  # two rows, whole steps of 32
+        (5, 300, True, (2,)),  # two rows through every loop
     ],
 )
 def test_kernel_equals_f_linear_on_exact_inputs(rows_out, width, bias, shape):

@@ -4,10 +4,11 @@ hand-written kernel (docs/graph-mode.md §10).
 At batch 1 every linear layer of an eager decode step multiplies its weight by one row, so the step is bound by
 reading the weights. torch's bf16 `F.linear` for that shape (oneDNN) read cold weights at 11-16 GB/s on one thread of
 this project's machines, and at 15-28 GB/s on two, against ~38 GB/s for a plain streaming read: eager decode spent
-~17 ms of a ~22 ms step (4k context, the benchmark shape) in those products. This kernel streams the weight once, four
-rows at a time, with AVX512-BF16 dot products of element pairs (`vdpbf16ps`: fp32 sums of exact bf16 products, as a
-bf16 GEMM accumulates), adds the bias and rounds once: 2.3-6.5x `F.linear` on one thread and 1.3-3.9x on two for the
-benchmark's shapes, from 384 x 1024 to the 32000 x 1024 lm_head (ad-hoc microbenchmark, cold weights).
+~17 ms of a ~22 ms step (4k context, the benchmark shape) in those products. This kernel streams the weight once,
+row after row (one sequential stream), with AVX512-BF16 dot products of element pairs (`vdpbf16ps`: fp32 sums of exact
+bf16 products, as a bf16 GEMM accumulates), adds the bias and rounds once: 2.3-6.5x `F.linear` on one thread and
+1.3-3.9x on two for the benchmark's shapes, from 384 x 1024 to the 32000 x 1024 lm_head (ad-hoc microbenchmark, cold
+weights, an earlier version that read 4 rows side by side; reading row after row is 1.2x faster again).
 
 `modeling_kdsa.linear.linear` calls it for a bf16 product of one or two rows where it applies, eagerly and in a
 compiled step, where it is one opaque op: there it also beat inductor's fused multiply-and-sum (docs/graph-mode.md
@@ -30,100 +31,43 @@ namespace {
 
 
 
-// out[n] = bias[n] + sum_k w[n, k] x[k]: 4 rows of w at a time, 32 elements per step (vdpbf16ps: fp32 sums of exact
-// bf16 products of element pairs), a masked last step; the sum rounded to bf16 once.
+// Rows of w are read one after the other, so the whole weight is one sequential stream that the hardware
+// prefetchers follow from its first lines (reading 4 rows side by side, as an earlier version did, made 4 short
+// streams per 4 rows and read cold weights 1.2-1.3x slower: docs/graph-mode.md §10). Each row's dot product runs on 4
+// accumulators (128 elements per step, 32 per `vdpbf16ps`: fp32 sums of exact bf16 products of element pairs), then
+// steps of 32 and a masked last step; the sum rounded to bf16 once. `Rows` x vectors (one or two sequences) share
+// each weight vector read.
+template <int Rows>
 void gemv(const uint16_t* x, const uint16_t* w, int64_t rows, int64_t k, const uint16_t* bias, uint16_t* out) {
-  const int64_t full = k / 32 * 32;
+  const int64_t full = k / 32 * 32, unrolled = k / 128 * 128;
   const __mmask32 tail = (__mmask32)((1ull << (k - full)) - 1);
-  int64_t n = 0;
-  for (; n + 4 <= rows; n += 4) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  auto load = [](const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); };
+  for (int64_t n = 0; n < rows; ++n) {
     const uint16_t* row = w + n * k;
-    for (int64_t i = 0; i < full; i += 32) {
-      __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i);
-      for (int r = 0; r < 4; ++r)
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(row + r * k + i), xv);
-    }
-    if (tail) {
-      __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + full);
-      for (int r = 0; r < 4; ++r)
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_maskz_loadu_epi16(tail, row + r * k + full), xv);
-    }
-    for (int r = 0; r < 4; ++r) {
-      float sum = _mm512_reduce_add_ps(acc[r]);
-      if (bias) sum += bf16_to_float(bias[n + r]);
-      out[n + r] = float_to_bf16(sum);
-    }
-  }
-  for (; n < rows; ++n) {
-    __m512 acc = _mm512_setzero_ps();
-    const uint16_t* row = w + n * k;
-    for (int64_t i = 0; i < full; i += 32)
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(row + i), (__m512bh)_mm512_loadu_si512(x + i));
-    if (tail)
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(tail, row + full),
-                             (__m512bh)_mm512_maskz_loadu_epi16(tail, x + full));
-    float sum = _mm512_reduce_add_ps(acc);
-    if (bias) sum += bf16_to_float(bias[n]);
-    out[n] = float_to_bf16(sum);
-  }
-}
-
-
-// The same for two rows x0, x1 (a decode step of two sequences): each weight vector is read once for both.
-void gemv2(const uint16_t* x, const uint16_t* w, int64_t rows, int64_t k, const uint16_t* bias, uint16_t* out) {
-  const int64_t full = k / 32 * 32;
-  const __mmask32 tail = (__mmask32)((1ull << (k - full)) - 1);
-  const uint16_t* x1 = x + k;
-  auto store = [&](__m512 acc, int64_t m, int64_t n) {
-    float sum = _mm512_reduce_add_ps(acc);
-    if (bias) sum += bf16_to_float(bias[n]);
-    out[m * rows + n] = float_to_bf16(sum);
-  };
-  int64_t n = 0;
-  for (; n + 4 <= rows; n += 4) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    const uint16_t* row = w + n * k;
-    for (int64_t i = 0; i < full; i += 32) {
-      const __m512bh u = (__m512bh)_mm512_loadu_si512(x + i), v = (__m512bh)_mm512_loadu_si512(x1 + i);
-      __m512bh wv = (__m512bh)_mm512_loadu_si512(row + i);
-      a0 = _mm512_dpbf16_ps(a0, wv, u), b0 = _mm512_dpbf16_ps(b0, wv, v);
-      wv = (__m512bh)_mm512_loadu_si512(row + k + i);
-      a1 = _mm512_dpbf16_ps(a1, wv, u), b1 = _mm512_dpbf16_ps(b1, wv, v);
-      wv = (__m512bh)_mm512_loadu_si512(row + 2 * k + i);
-      a2 = _mm512_dpbf16_ps(a2, wv, u), b2 = _mm512_dpbf16_ps(b2, wv, v);
-      wv = (__m512bh)_mm512_loadu_si512(row + 3 * k + i);
-      a3 = _mm512_dpbf16_ps(a3, wv, u), b3 = _mm512_dpbf16_ps(b3, wv, v);
-    }
-    if (tail) {
-      const __m512bh u = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + full);
-      const __m512bh v = (__m512bh)_mm512_maskz_loadu_epi16(tail, x1 + full);
-      __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, row + full);
-      a0 = _mm512_dpbf16_ps(a0, wv, u), b0 = _mm512_dpbf16_ps(b0, wv, v);
-      wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, row + k + full);
-      a1 = _mm512_dpbf16_ps(a1, wv, u), b1 = _mm512_dpbf16_ps(b1, wv, v);
-      wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, row + 2 * k + full);
-      a2 = _mm512_dpbf16_ps(a2, wv, u), b2 = _mm512_dpbf16_ps(b2, wv, v);
-      wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, row + 3 * k + full);
-      a3 = _mm512_dpbf16_ps(a3, wv, u), b3 = _mm512_dpbf16_ps(b3, wv, v);
-    }
-    store(a0, 0, n), store(a1, 0, n + 1), store(a2, 0, n + 2), store(a3, 0, n + 3);
-    store(b0, 1, n), store(b1, 1, n + 1), store(b2, 1, n + 2), store(b3, 1, n + 3);
-  }
-  for (; n < rows; ++n) {  // the last rows of w, one at a time
-    __m512 a0 = _mm512_setzero_ps(), b0 = a0;
-    const uint16_t* row = w + n * k;
-    for (int64_t i = 0; i < full; i += 32) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(row + i);
-      a0 = _mm512_dpbf16_ps(a0, wv, (__m512bh)_mm512_loadu_si512(x + i));
-      b0 = _mm512_dpbf16_ps(b0, wv, (__m512bh)_mm512_loadu_si512(x1 + i));
+    __m512 acc[Rows][4];
+    for (int m = 0; m < Rows; ++m)
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i < unrolled; i += 128)
+      for (int j = 0; j < 4; ++j) {
+        const __m512bh wv = load(row + i + 32 * j);
+        for (int m = 0; m < Rows; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], wv, load(x + m * k + i + 32 * j));
+      }
+    for (; i < full; i += 32) {
+      const __m512bh wv = load(row + i);
+      for (int m = 0; m < Rows; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, load(x + m * k + i));
     }
     if (tail) {
       const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, row + full);
-      a0 = _mm512_dpbf16_ps(a0, wv, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + full));
-      b0 = _mm512_dpbf16_ps(b0, wv, (__m512bh)_mm512_maskz_loadu_epi16(tail, x1 + full));
+      for (int m = 0; m < Rows; ++m)
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], wv, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * k + full));
     }
-    store(a0, 0, n), store(b0, 1, n);
+    for (int m = 0; m < Rows; ++m) {
+      float sum = _mm512_reduce_add_ps(
+          _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
+      if (bias) sum += bf16_to_float(bias[n]);
+      out[m * rows + n] = float_to_bf16(sum);
+    }
   }
 }
 
@@ -140,7 +84,7 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& weight, const std::
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = weight.size(0);
   at::Tensor out = at::empty(shape, x.options());
-  const auto kernel = x.numel() == x.size(-1) ? gemv : gemv2;
+  const auto kernel = x.numel() == x.size(-1) ? gemv<1> : gemv<2>;
   kernel((const uint16_t*)x.data_ptr(), (const uint16_t*)weight.data_ptr(), weight.size(0), weight.size(1),
          bias ? (const uint16_t*)bias->data_ptr() : nullptr, (uint16_t*)out.data_ptr());
   return out;
@@ -185,8 +129,8 @@ _SCHEMA = "row_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
 # One or two rows (a decode step of one or two sequences; two read each weight once for both). oneDNN's bf16 product
 # of 2 or 4 rows read cold weights no faster than of one (~14 GB/s). The kernel for 2 rows: 2.1x / 1.6x `F.linear` for
 # a 4096 x 1024 weight / the 32000 x 1024 lm_head (one row: 3.0x / 2.3x in the same ad-hoc run, one thread, cold
-# weights). A version for up to 4 rows became compute-bound at 3 and 4 (one `vdpbf16ps` per row and 64 bytes of
-# weight: 0.95-1.56x) and, written as a template over the row count, slowed the one-row case 1.5x; not kept.
+# weights; the 4-rows-side-by-side version, row after row is faster). With 3 or 4 rows that version became
+# compute-bound (one `vdpbf16ps` per row and 64 bytes of weight: 0.95-1.56x), so it stops at 2.
 MAX_ROWS = 2
 
 
