@@ -41,6 +41,8 @@ def integer_case(rows_out=7, width=100, bias=True, shape=(1, 1), seed=0):
         (7, 100, True, (2, 1)),  # two rows (a decode step of two sequences), a masked step
         (8, 64, False, (2,)),  # two rows, whole steps of 32
         (5, 300, True, (2,)),  # two rows through every loop
+        (5, 300, False, (3, 1)),  # three rows
+        (6, 300, True, (1, 4)),  # four rows
     ],
 )
 def test_kernel_equals_f_linear_on_exact_inputs(rows_out, width, bias, shape):
@@ -49,6 +51,22 @@ def test_kernel_equals_f_linear_on_exact_inputs(rows_out, width, bias, shape):
     got = linear(x, weight, b)
     assert got.dtype == torch.bfloat16 and got.shape == (*shape, rows_out)
     assert torch.equal(got, F.linear(x, weight, b))
+
+
+@needs_cpu_kernels
+def test_two_threads_each_compute_a_block_of_weight_rows(monkeypatch):
+    """With two threads a weight over the kernel's grain (~512 KiB per thread) is split into two blocks of rows, one
+    per thread: every output is still the exact product, for one and for four rows of x."""
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(cpu_extension, "MAX_THREADS", 2)
+    torch.set_num_threads(2)
+    try:
+        for shape in [(1,), (4, 1)]:
+            x, weight, b = integer_case(rows_out=2 * 1024 + 3, width=256, shape=shape)  # grain: 1024 rows of 256
+            assert cpu_row_linear.row_linear_applies(x, weight, b)
+            assert torch.equal(linear(x, weight, b), F.linear(x, weight, b))
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_cpu_kernels
@@ -63,8 +81,8 @@ def test_random_bf16_rows_are_within_bf16_rounding_of_the_fp32_product():
 
 
 @needs_cpu_kernels
-def test_linear_routes_only_one_or_two_bf16_rows_without_autograd_to_the_kernel(monkeypatch):
-    """`linear` sends one or two eager bf16 rows to the kernel; three rows, fp32, autograd, autocast, a non-contiguous
+def test_linear_routes_only_up_to_four_bf16_rows_without_autograd_to_the_kernel(monkeypatch):
+    """`linear` sends 1 to 4 eager bf16 rows to the kernel; five rows, fp32, autograd, autocast, a non-contiguous
     weight, a weight subclass, more threads than MAX_THREADS and an unavailable kernel keep `F.linear`."""
     calls = count_calls(monkeypatch, linear_module, "row_linear")
     x, weight, b = integer_case(rows_out=8, width=64)
@@ -75,7 +93,7 @@ def test_linear_routes_only_one_or_two_bf16_rows_without_autograd_to_the_kernel(
         pass
 
     strided = torch.empty(64, 16).bfloat16().t()
-    cases = [(x.expand(3, 1, 64), weight, b), (x.float(), weight.float(), b.float()), (x, strided, None)]
+    cases = [(x.expand(5, 1, 64), weight, b), (x.float(), weight.float(), b.float()), (x, strided, None)]
     cases.append((x, weight.as_subclass(Subclass), b))
     for case in cases:
         assert not cpu_row_linear.row_linear_applies(*case)
@@ -112,13 +130,14 @@ def test_compiled_linear_holds_the_kernel_as_one_op():
 
 @needs_cpu_kernels
 def test_kernel_refuses_inputs_it_cannot_read():
-    """The op reads raw pointers: a wrong dtype, three rows, a width mismatch, a strided weight or a bias of the wrong
+    """The op reads raw pointers: a wrong dtype, five rows, a width mismatch, a strided weight or a bias of the wrong
     size is a ValueError, not a crash."""
     assert cpu_row_linear.kernel_available()  # loads the op's CPU kernel
     x, weight, b = integer_case(rows_out=8, width=64)
     for bad in [
         (x.float(), weight, b),
-        (x.expand(1, 3, 64).contiguous(), weight, b),
+        (x.expand(1, 5, 64).contiguous(), weight, b),
+        (x[..., :0].contiguous(), weight[:, :0].contiguous(), b),
         (x[..., :63].contiguous(), weight, b),
         (x, weight.t().contiguous().t(), b),
         (x, weight, b[:7].contiguous()),

@@ -326,8 +326,8 @@ def test_bf16_decode_steps_reach_the_cpu_kernels(monkeypatch, shape, batch):
     """A bf16 model with 8 attention and 8 indexer heads: each eager decode step's indexer and sparse attention call
     the hand-written CPU kernels (docs/dsa.md §11, §12), and so does the compiled static step, where each kernel is
     one op of the graph; both decode the same tokens. `kpool`: GLM-5.3-Flash's shape (below), whose k-pool indexer
-    scores its pooled keys with the same kernel and whose shared-indexer layer reuses the selection. With one or two
-    sequences the linear products go through the row kernel too (§10)."""
+    scores its pooled keys with the same kernel and whose shared-indexer layer reuses the selection. With a few
+    sequences (up to 4) the linear products go through the row kernel too (§10)."""
     overrides, (ids, mask) = (KPOOL_MODEL, kpool_prompt()) if shape == "kpool" else ({}, prompt(batch, length=30))
     model = tiny_model(index_n_heads=8, num_attention_heads=8, **overrides).to(torch.bfloat16)
     with monkeypatch.context() as spies:  # undone before the compiled step, which traces the ops themselves
@@ -336,7 +336,7 @@ def test_bf16_decode_steps_reach_the_cpu_kernels(monkeypatch, shape, batch):
         expected = greedy(model, ids, mask, 8)
     # 7 decode steps (the first token comes from the prefill) x 2 DSA layers, of which the shared one has no indexer
     assert [len(c) for c in calls] == ([7, 14] if shape == "kpool" else [14, 14])
-    if batch <= 2:  # every linear product of a step of one or two sequences has one or two rows
+    if batch <= cpu_row_linear.MAX_ROWS:  # every linear product of a step of a few sequences has that many rows
         assert len(row_calls) >= 7 * 10
     got = greedy(model, ids, mask, 8, cache_implementation="static", compile_config=compile_config())
     assert torch.equal(got, expected)
@@ -347,7 +347,7 @@ def test_bf16_decode_steps_reach_the_cpu_kernels(monkeypatch, shape, batch):
     # differ (the shared-indexer layer has no indexer) and each is inlined where it is called once, so its ops are
     # counted in the step's graph and in the bodies dynamo keeps: only their presence is checked there.
     assert counts == [1, 1] if shape == "default" else min(counts) >= 1
-    assert any("row_linear" in node for node in nodes) == (batch <= 2)
+    assert any("row_linear" in node for node in nodes) == (batch <= cpu_row_linear.MAX_ROWS)
 
 
 # GLM-5.3-Flash's shape: NoPE, the k-pool indexer (kp = 4, 2 pools + the tail of 3 per query), a shared-indexer layer

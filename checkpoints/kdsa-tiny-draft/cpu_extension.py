@@ -30,6 +30,9 @@ MAX_THREADS = 2
 # AVX512 with BF16 dot products; CPU_CAPABILITY selects ATen's AVX512 vector types (at::vec) in torch's headers.
 _FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw"]
 _FLAGS += ["-mavx512dq", "-mavx512bf16", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
+# ATen's `at::parallel_for` is OpenMP in torch's CPU builds and runs serially unless the caller is built with it (as
+# inductor's C++ kernels are); the library then uses the libgomp.so.1 that torch has already loaded.
+_FLAGS += ["-fopenmp"]
 
 # The start of every kernel source: the headers the kernels use and small helpers they share.
 PRELUDE = r"""

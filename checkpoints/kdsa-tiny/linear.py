@@ -1,5 +1,5 @@
-"""The model's linear layers: `nn.Linear` whose product with one row (or two) on CPU streams the weight once instead of
-calling a GEMM: in bf16 through a C++ kernel for one or two rows, eagerly and compiled (`cpu_row_linear`,
+"""The model's linear layers: `nn.Linear` whose product with a few rows on CPU streams the weight once instead of
+calling a GEMM: in bf16 through a C++ kernel for 1 to 4 rows, eagerly and compiled (`cpu_row_linear`,
 docs/graph-mode.md §10); otherwise, for one row in a compiled graph, through one fused multiply-and-sum
 (docs/graph-mode.md §9).
 
@@ -44,7 +44,7 @@ def row_times_weight(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 def linear(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`: one or two bf16 rows through the C++ row kernel where it applies (`cpu_row_linear`,
+    """`F.linear`: 1 to 4 bf16 rows through the C++ row kernel where it applies (`cpu_row_linear`,
     docs/graph-mode.md §10), else in the fused single-row form when `streams_weight(hidden_states, weight)`."""
     if row_linear_applies(hidden_states, weight, bias):
         return row_linear(hidden_states.contiguous(), weight, bias)  # a batch's last-token slice is strided
