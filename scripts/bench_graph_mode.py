@@ -1,6 +1,7 @@
 """Graph-mode benchmark: the whole KDSA decode step eager vs compiled (docs/graph-mode.md §6).
 
-At each context (default 4k; batch 1; bf16; the benchmark shape = KDSAConfig defaults, as bench_long_context.py):
+At each context (default 4k; batch 1, or `--batch` sequences; bf16; the benchmark shape = KDSAConfig defaults, as
+bench_long_context.py):
   1. eager step with the paged `KDSACache` (what generate() runs by default);
   2. eager step with `KDSAStaticCache` (no compile: the same paged kernels over the cached tokens);
   3. compiled step with `KDSAStaticCache`: the very callable generate() uses (`model.get_compiled_call(
@@ -14,8 +15,8 @@ cache contents, and the number of graphs compiled over all steps is reported (1 
 
 Caches are filled with random rows / states through their own write paths (no prefill), so long contexts are cheap.
 
-Usage:  .venv/bin/python scripts/bench_graph_mode.py [--quick] [--contexts 4096 65536] [--repeats 10] [--out PATH]
-        [--inductor-options NAME=VALUE ...]   (CompileConfig.options, e.g. freezing=true)
+Usage:  .venv/bin/python scripts/bench_graph_mode.py [--quick] [--contexts 4096 65536] [--repeats 10] [--batch 1]
+        [--out PATH] [--inductor-options NAME=VALUE ...]   (CompileConfig.options, e.g. freezing=true)
 Writes JSON (default runs/bench_graph_mode.json) and prints a table.
 """
 
@@ -45,7 +46,6 @@ from modeling_kdsa.configuration_kdsa import KDA_LAYER  # noqa: E402
 from modeling_kdsa.static_cache import KDSAStaticCache  # noqa: E402
 
 DTYPE = torch.bfloat16
-BATCH = 1
 
 
 def bench_config(quick: bool) -> KDSAConfig:
@@ -91,10 +91,10 @@ def compile_config(options: dict | None = None) -> CompileConfig:
     return config
 
 
-def fill(cache, config: KDSAConfig, context: int, seed: int = 0):
-    """`context` random tokens in every layer of `cache` (`KDSACache` or `KDSAStaticCache`) through the layers' own
-    writes: paged rows `[c | k_pe]` (and indexer keys) for DSA / dense MLA layers, conv window and fp32 state for
-    KDA."""
+def fill(cache, config: KDSAConfig, context: int, batch: int = 1, seed: int = 0):
+    """`context` random tokens of `batch` sequences in every layer of `cache` (`KDSACache` or `KDSAStaticCache`)
+    through the layers' own writes: paged rows `[c | k_pe]` (and indexer keys) for DSA / dense MLA layers, conv window
+    and fp32 state for KDA."""
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape, dtype=DTYPE, scale=1.0):
@@ -102,19 +102,19 @@ def fill(cache, config: KDSAConfig, context: int, seed: int = 0):
 
     for layer_type, layer in zip(config.layer_types, cache.layers, strict=True):
         if isinstance(layer, KDSAPagedMLALayer):
-            rows = [randn(BATCH, context, width) for width in layer.row_widths]
+            rows = [randn(batch, context, width) for width in layer.row_widths]
             layer._write(*rows)
         else:
             assert layer_type == KDA_LAYER
             heads, dim = config.linear_num_heads, config.linear_head_dim
-            layer.update_conv_state(randn(BATCH, 3 * heads * dim, config.linear_conv_kernel_dim))
-            layer.update_recurrent_state(randn(BATCH, heads, dim, dim, dtype=torch.float32, scale=0.1))
+            layer.update_conv_state(randn(batch, 3 * heads * dim, config.linear_conv_kernel_dim))
+            layer.update_recurrent_state(randn(batch, heads, dim, dim, dtype=torch.float32, scale=0.1))
     cache.begin_forward(context) if isinstance(cache, KDSAStaticCache) else setattr(cache, "num_tokens", context)
     return cache
 
 
-def step_inputs(cache) -> dict:
-    return dict(input_ids=torch.tensor([[7]]), cache=cache, use_cache=True, logits_to_keep=1)
+def step_inputs(cache, batch: int = 1) -> dict:
+    return dict(input_ids=torch.full((batch, 1), 7), cache=cache, use_cache=True, logits_to_keep=1)
 
 
 def timed(call) -> float:
@@ -123,30 +123,32 @@ def timed(call) -> float:
     return time.perf_counter() - start
 
 
-def measure_context(model, config: KDSAConfig, context: int, repeats: int, options: dict | None = None) -> dict:
+def measure_context(
+    model, config: KDSAConfig, context: int, repeats: int, options: dict | None = None, batch: int = 1
+) -> dict:
     capacity = context + 2 * repeats + 8
-    dynamic = fill(KDSACache(config), config, context)
-    eager_static = fill(KDSAStaticCache(config, capacity), config, context)
-    compiled_static = fill(KDSAStaticCache(config, capacity), config, context)
+    dynamic = fill(KDSACache(config), config, context, batch)
+    eager_static = fill(KDSAStaticCache(config, capacity), config, context, batch)
+    compiled_static = fill(KDSAStaticCache(config, capacity), config, context, batch)
     compiled = model.get_compiled_call(compile_config(options))
     torch._dynamo.utils.counters.clear()
 
     with torch.inference_mode():
-        eager_logits = model(**step_inputs(eager_static)).logits
-        first_call_s = timed(lambda: compiled(**step_inputs(compiled_static)))  # compiles (or loads from disk)
-        compiled_logits = compiled(**step_inputs(compiled_static)).logits
-        eager_logits = model(**step_inputs(eager_static)).logits  # same cache contents: the second step of each
+        eager_logits = model(**step_inputs(eager_static, batch)).logits
+        first_call_s = timed(lambda: compiled(**step_inputs(compiled_static, batch)))  # compiles (or loads from disk)
+        compiled_logits = compiled(**step_inputs(compiled_static, batch)).logits
+        eager_logits = model(**step_inputs(eager_static, batch)).logits  # same cache contents: the second step of each
         max_abs_diff = (compiled_logits.float() - eager_logits.float()).abs().max().item()
-        model(**step_inputs(dynamic))  # warm-up
+        model(**step_inputs(dynamic, batch))  # warm-up
         dynamic_s, eager_s, compiled_s = [], [], []
         for _ in tqdm(range(repeats), desc=f"context {context}", leave=False):
-            dynamic_s.append(timed(lambda: model(**step_inputs(dynamic))))
-            eager_s.append(timed(lambda: model(**step_inputs(eager_static))))
-            compiled_s.append(timed(lambda: compiled(**step_inputs(compiled_static))))
+            dynamic_s.append(timed(lambda: model(**step_inputs(dynamic, batch))))
+            eager_s.append(timed(lambda: model(**step_inputs(eager_static, batch))))
+            compiled_s.append(timed(lambda: compiled(**step_inputs(compiled_static, batch))))
         profiles = dict(
-            eager_paged=op_profile(lambda: model(**step_inputs(dynamic))),
-            eager_static=op_profile(lambda: model(**step_inputs(eager_static))),
-            compiled_static=op_profile(lambda: compiled(**step_inputs(compiled_static))),
+            eager_paged=op_profile(lambda: model(**step_inputs(dynamic, batch))),
+            eager_static=op_profile(lambda: model(**step_inputs(eager_static, batch))),
+            compiled_static=op_profile(lambda: compiled(**step_inputs(compiled_static, batch))),
         )
     ratios = [e / c for e, c in zip(eager_s, compiled_s, strict=True)]
     return dict(
@@ -240,7 +242,8 @@ def print_table(report: dict) -> None:
         for r in report["decode"]
     ]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
-    print("Whole decode step, batch 1, bf16 (KDSAStaticCache compiled by generate()'s own compile call)")
+    batch = report["environment"]["batch"]
+    print(f"Whole decode step, batch {batch}, bf16 (KDSAStaticCache compiled by generate()'s own compile call)")
     print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
     for row in rows:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
@@ -264,6 +267,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=None, help="cached tokens (default 4096)")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="small model, context 128, 3 repeats (smoke test)")
     parser.add_argument("--skip-compile-times", action="store_true", help="no cold/warm compile probes")
@@ -314,11 +318,11 @@ def main(argv=None) -> dict:
                 platform=platform.platform(),
                 threads=torch.get_num_threads(),
                 dtype=str(DTYPE),
-                batch=BATCH,
+                batch=args.batch,
             ),
             quick=args.quick,
             inductor_options=options,
-            decode=[measure_context(model, config, context, repeats, options) for context in contexts],
+            decode=[measure_context(model, config, context, repeats, options, args.batch) for context in contexts],
         )
         if not args.skip_compile_times:
             report["compile"] = compile_times(args.quick, contexts[0], torch.get_num_threads(), args.inductor_options)

@@ -289,15 +289,18 @@ def test_prefill_bench_runs_and_times_every_module_kind(tmp_path):
 
 @pytest.mark.slow
 def test_graph_mode_bench_quick_run(tmp_path):
-    """scripts/bench_graph_mode.py --quick (small model, context 128): eager and compiled whole decode steps, the
-    compiled logits close to eager's (bf16), one graph for all steps, cold and warm compile in fresh processes."""
+    """scripts/bench_graph_mode.py --quick (small model, context 128) with two sequences: eager and compiled whole
+    decode steps, the compiled logits close to eager's (bf16), one graph for all steps, cold and warm compile in fresh
+    processes."""
     out = tmp_path / "graph.json"
     script = SCRIPT.with_name("bench_graph_mode.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, str(script), "--quick", "--threads", "1", "--out", str(out)], env=env,
-                            capture_output=True, text=True, timeout=900)  # fmt: skip
+    result = subprocess.run([sys.executable, str(script), "--quick", "--threads", "1", "--batch", "2", "--out",
+                             str(out)], env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "Whole decode step, batch 2" in result.stdout
     report = json.loads(out.read_text())
+    assert report["environment"]["batch"] == 2
     (row,) = report["decode"]
     assert row["context"] == 128
     assert row["eager_paged_s"] > 0 and row["eager_static_s"] > 0 and row["compiled_static_s"] > 0
