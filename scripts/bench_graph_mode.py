@@ -280,7 +280,10 @@ def parse_args(argv=None):
         help="torch._inductor.config settings for the compiled step (CompileConfig.options), e.g. freezing=true",
     )
     parser.add_argument("--compile-probe", action="store_true", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.batch < 1:
+        parser.error(f"--batch takes a number of sequences >= 1, got {args.batch}")
+    return args
 
 
 def parse_options(pairs: list[str] | None) -> dict:

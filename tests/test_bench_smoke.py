@@ -287,6 +287,15 @@ def test_prefill_bench_runs_and_times_every_module_kind(tmp_path):
     assert expected <= set(report["module_wall_s"]) and all(t > 0 for t in report["module_wall_s"].values())
 
 
+def test_graph_mode_bench_refuses_a_batch_below_one(capsys):
+    """`--batch 0` is a usage error naming the option, not a failure deep inside the cache."""
+    bench = load_bench().sibling_script("bench_graph_mode")
+    assert bench.parse_args(["--batch", "3"]).batch == 3
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--batch", "0"])
+    assert "--batch takes a number of sequences >= 1, got 0" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_graph_mode_bench_quick_run(tmp_path):
     """scripts/bench_graph_mode.py --quick (small model, context 128) with two sequences: eager and compiled whole
