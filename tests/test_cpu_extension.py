@@ -51,3 +51,14 @@ def test_a_kernel_already_registered_is_not_built_again(tmp_path, monkeypatch):
         warnings.simplefilter("error")
         assert cpu_extension.load.__wrapped__("indexer_topk_decode", SOURCE, "kdsa::indexer_topk_decode", "/bin/false")
     assert not any(tmp_path.iterdir())
+
+
+@needs_cpu_kernels
+def test_kernels_are_compiled_with_openmp(tmp_path, monkeypatch):
+    """The row kernel splits a weight over two threads with ATen's `at::parallel_for`, which runs serially unless the
+    caller is compiled with OpenMP (`_OPENMP` defined): a source that refuses to compile without it builds."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    probe = '#ifndef _OPENMP\n#error "built without OpenMP: at::parallel_for would run serially"\n#endif\n'
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed build warns
+        assert cpu_extension.build.__wrapped__("openmp_probe", probe, cpu_extension.compiler()) is not None

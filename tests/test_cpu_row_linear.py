@@ -56,7 +56,8 @@ def test_kernel_equals_f_linear_on_exact_inputs(rows_out, width, bias, shape):
 @needs_cpu_kernels
 def test_two_threads_each_compute_a_block_of_weight_rows(monkeypatch):
     """With two threads a weight over the kernel's grain (~512 KiB per thread) is split into two blocks of rows, one
-    per thread: every output is still the exact product, for one and for four rows of x."""
+    per thread: every output is still the exact product, for one and for four rows of x. (That the split happens at
+    all needs the OpenMP build: test_cpu_extension.py.)"""
     threads = torch.get_num_threads()
     monkeypatch.setattr(cpu_extension, "MAX_THREADS", 2)
     torch.set_num_threads(2)

@@ -72,18 +72,22 @@ void gemv(const uint16_t* x, const uint16_t* w, int64_t rows, int64_t k, const u
 
 // kdsa::row_linear (schema in Python): x [..., K] holding 1 to 4 rows, weight [N, K], bias [N] or none, all
 // contiguous bf16; returns [..., N]. Checks what the pointer arithmetic relies on: bad input is a ValueError.
+constexpr int64_t kMaxRows = 4;  // `MAX_ROWS` in Python: the rows of x `gemv` is instantiated for
+
 at::Tensor row_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   auto fits = [](const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 && t.is_contiguous(); };
   bool ok = fits(x) && fits(weight) && x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1) &&
-            x.size(-1) > 0 && 1 <= x.numel() / x.size(-1) && x.numel() / x.size(-1) <= 4 &&
+            x.size(-1) > 0 && 1 <= x.numel() / x.size(-1) && x.numel() / x.size(-1) <= kMaxRows &&
             (!bias || (fits(*bias) && bias->dim() == 1 && bias->size(0) == weight.size(0)));
   TORCH_CHECK_VALUE(ok,
-      "row_linear takes contiguous bf16 x [..., K] holding 1 to 4 rows, weight [N, K] and bias [N] or None; got x ",
-      describe(x), ", weight ", describe(weight), ", bias ", bias ? describe(*bias) : std::string("None"));
+      "row_linear takes contiguous bf16 x [..., K] holding 1 to ", kMaxRows,
+      " rows, weight [N, K] and bias [N] or None; got x ", describe(x), ", weight ", describe(weight), ", bias ",
+      bias ? describe(*bias) : std::string("None"));
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = weight.size(0);
   at::Tensor out = at::empty(shape, x.options());
   const int64_t rows = weight.size(0), k = weight.size(1), x_rows = x.numel() / k;
+  static_assert(kMaxRows == 4, "one gemv instantiation per row count");
   const auto kernel = x_rows == 1 ? gemv<1> : x_rows == 2 ? gemv<2> : x_rows == 3 ? gemv<3> : gemv<4>;
   // With 2 threads each reads its own contiguous block of weight rows (still one stream each); a weight under
   // ~512 KiB per thread stays on one thread (a fork costs a few microseconds).
