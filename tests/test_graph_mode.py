@@ -12,7 +12,7 @@ import torch._dynamo.utils
 from conftest import count_calls, needs_cpu_kernels, tiny_model
 from transformers import CompileConfig
 
-from modeling_kdsa import KDSAQuantizationConfig, cpu_row_linear, dsa_paged_ops, static_cache
+from modeling_kdsa import KDSAQuantizationConfig, cpu_kda_recurrent, cpu_row_linear, dsa_paged_ops, static_cache
 from modeling_kdsa import linear as linear_module
 from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer
 from modeling_kdsa.linear import KDSALinear
@@ -327,17 +327,20 @@ def test_bf16_decode_steps_reach_the_cpu_kernels(monkeypatch, shape, batch):
     the hand-written CPU kernels (docs/dsa.md §11, §12), and so does the compiled static step, where each kernel is
     one op of the graph; both decode the same tokens. `kpool`: GLM-5.3-Flash's shape (below), whose k-pool indexer
     scores its pooled keys with the same kernel and whose shared-indexer layer reuses the selection. With a few
-    sequences (up to 4) the linear products go through the row kernel too (§10)."""
+    sequences (up to 4) the linear products go through the row kernel too (§10), and the KDA recurrence through its
+    kernel (docs/kda.md §9)."""
     overrides, (ids, mask) = (KPOOL_MODEL, kpool_prompt()) if shape == "kpool" else ({}, prompt(batch, length=30))
     model = tiny_model(index_n_heads=8, num_attention_heads=8, **overrides).to(torch.bfloat16)
     with monkeypatch.context() as spies:  # undone before the compiled step, which traces the ops themselves
         calls = [count_calls(spies, dsa_paged_ops, name) for name in ("indexer_topk_decode", "sparse_mla_decode_cpu")]
         row_calls = count_calls(spies, linear_module, "row_linear")
+        kda_calls = count_calls(spies, cpu_kda_recurrent, "kda_recurrent")
         expected = greedy(model, ids, mask, 8)
     # 7 decode steps (the first token comes from the prefill) x 2 DSA layers, of which the shared one has no indexer
     assert [len(c) for c in calls] == ([7, 14] if shape == "kpool" else [14, 14])
     assert batch <= cpu_row_linear.MAX_ROWS  # so every linear product of a step has few enough rows for the kernel
     assert len(row_calls) >= 7 * 10
+    assert len(kda_calls) == 7 * (1 if shape == "kpool" else 2)  # 7 decode steps x the KDA layers (prefill: chunked)
     got = greedy(model, ids, mask, 8, cache_implementation="static", compile_config=compile_config())
     assert torch.equal(got, expected)
     nodes = [str(node.target) for node in all_nodes(CAPTURED_GRAPHS)]
@@ -347,7 +350,7 @@ def test_bf16_decode_steps_reach_the_cpu_kernels(monkeypatch, shape, batch):
     # differ (the shared-indexer layer has no indexer) and each is inlined where it is called once, so its ops are
     # counted in the step's graph and in the bodies dynamo keeps: only their presence is checked there.
     assert counts == [1, 1] if shape == "default" else min(counts) >= 1
-    assert any("row_linear" in node for node in nodes)
+    assert any("row_linear" in node for node in nodes) and any("kda_recurrent" in node for node in nodes)
 
 
 # GLM-5.3-Flash's shape: NoPE, the k-pool indexer (kp = 4, 2 pools + the tail of 3 per query), a shared-indexer layer

@@ -13,7 +13,7 @@ import torch
 from conftest import tiny_config, tiny_model
 
 from modeling_kdsa.cache import ROLLBACK_TOKENS, KDAReplayLayer, KDAReplayRecord, KDSACache, KDSAPagedLayer
-from modeling_kdsa.kda_ops import recurrent_kda
+from modeling_kdsa.kernels import kernel_set
 
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 
@@ -79,9 +79,10 @@ def test_replay_equals_stepping_and_per_step_state_copies():
     conv0, state0 = kda.checkpoint
 
     copies = [state0]
+    decode_kernel = kernel_set(model.config.kernel_backend, x.device).kda_recurrent  # the one the layer decodes with
     for t in range(8):
         step = recorded.tokens(t, t + 1)
-        _, state = recurrent_kda(step.k, step.k, step.v, step.g, step.beta, initial_state=copies[-1],
+        _, state = decode_kernel(step.k, step.k, step.v, step.g, step.beta, initial_state=copies[-1],
                                  output_final_state=True)  # fmt: skip
         copies.append(state)
 

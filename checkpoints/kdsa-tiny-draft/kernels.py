@@ -14,7 +14,7 @@ Kernels and their contracts:
 - `static_indexer_topk`, `static_kpool_indexer_topk`, `static_sparse_mla`, `static_dense_mla`: the fixed-shape reads
   of a compiled static-cache step (`dsa_paged_ops.static_*`, docs/graph-mode.md §3); the torch ones for every backend,
   except that the cpu backend's `static_indexer_topk`, `static_kpool_indexer_topk` and `static_sparse_mla` run a
-  decode step through the C++ kernels (docs/dsa.md §11, §12).
+  decode step through the C++ kernels (docs/dsa.md §11, §12), as does its `kda_recurrent` (docs/kda.md §9).
 - `kv_store`: the layout the paged store keeps kv rows in, the one its attention kernels read
   (`(formats, kv_rows, latent_width) -> stored rows`).
 - `dsa_decode_prolog`: the projections of a DSA decode step (`(layer, hidden_states, position_embeddings)`, the
@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from .cpu_kda_recurrent import cpu_recurrent_kda
 from .dsa_paged_ops import (
     paged_dense_mla_compiled,
     paged_dense_mla_fused,
@@ -105,6 +106,7 @@ CPU_KERNELS = KernelSet(
     static_indexer_topk=static_indexer_topk_cpu,
     static_kpool_indexer_topk=static_kpool_indexer_topk_cpu,
     static_sparse_mla=static_sparse_mla_cpu,
+    kda_recurrent=cpu_recurrent_kda,
 )
 COMPILED_KERNELS = KernelSet(
     "compiled",

@@ -1,0 +1,147 @@
+"""The hand-written CPU kernel of the token-by-token KDA recurrence (modeling_kdsa/cpu_kda_recurrent.py, docs/kda.md
+§9): its output and final state against `kda_ops.recurrent_kda`, the cases it leaves to that reference, its two-thread
+split and its input checks; that a decode step reaches it eagerly and compiled: test_graph_mode.py."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import needs_cpu_kernels
+
+from modeling_kdsa import cpu_extension, cpu_kda_recurrent
+from modeling_kdsa.cpu_kda_recurrent import cpu_recurrent_kda, kernel_applies
+from modeling_kdsa.kda_ops import recurrent_kda
+
+pytestmark = pytest.mark.usefixtures("kernels_at_this_thread_count")
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+def kda_case(batch=2, tokens=1, heads=3, key_dim=64, value_dim=32, seed=0, v_dtype=torch.bfloat16):
+    """Inputs as the layer passes them: L2-normalised fp32 q and k, v in the model dtype, per-key log decays from -3
+    to 0, beta in (0, 1), an fp32 state."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=generator)
+
+    q = F.normalize(randn(batch, tokens, heads, key_dim), dim=-1)
+    k = F.normalize(randn(batch, tokens, heads, key_dim), dim=-1)
+    v = randn(batch, tokens, heads, value_dim).to(v_dtype)
+    g = -3 * torch.rand(batch, tokens, heads, key_dim, generator=generator)
+    beta = torch.rand(batch, tokens, heads, generator=generator)
+    state = randn(batch, heads, key_dim, value_dim)
+    return q, k, v, g, beta, state
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize(
+    "batch, tokens, heads, key_dim, value_dim",
+    [
+        (1, 1, 16, 64, 64),  # a decode step at the benchmark shape
+        (2, 1, 3, 64, 32),  # two sequences: per-sequence offsets
+        (2, 5, 3, 20, 48),  # several tokens (a rollback's replay); K not a multiple of the vector width (exp's tail)
+        (1, 3, 2, 128, 16),  # Kimi-Linear's head size of keys
+    ],
+)
+@pytest.mark.parametrize("with_state, scale", [(True, None), (False, 0.3)])
+def test_kernel_equals_the_reference(batch, tokens, heads, key_dim, value_dim, with_state, scale):
+    """Output (in v's dtype) and fp32 final state as `recurrent_kda` gives them, up to fp32 summation order; the
+    initial state is left as it was."""
+    q, k, v, g, beta, state = kda_case(batch, tokens, heads, key_dim, value_dim)
+    initial = state if with_state else None
+    before = state.clone()
+    assert kernel_applies(q, v)
+    got, got_state = cpu_recurrent_kda(q, k, v, g, beta, scale, initial, output_final_state=True)
+    expected, expected_state = recurrent_kda(q, k, v, g, beta, scale, initial, output_final_state=True)
+    assert torch.equal(state, before)
+    assert got.dtype == v.dtype and got_state.dtype == torch.float32
+    torch.testing.assert_close(got_state, expected_state, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=1e-2)  # bf16 output: one rounding
+    fp32_out, _ = cpu_recurrent_kda(q, k, v.float(), g, beta, scale, initial)
+    torch.testing.assert_close(
+        fp32_out, recurrent_kda(q, k, v.float(), g, beta, scale, initial)[0], rtol=1e-5, atol=1e-5
+    )
+    assert cpu_recurrent_kda(q, k, v, g, beta, scale, initial)[1] is None  # no final state unless asked
+
+
+@needs_cpu_kernels
+def test_each_token_starts_from_the_previous_tokens_state():
+    """Two tokens in one call equal two calls of one token, the second from the first's state (exactly: the same
+    kernel arithmetic)."""
+    q, k, v, g, beta, state = kda_case(tokens=2, heads=2, key_dim=32, value_dim=16, seed=1)
+    both, both_state = cpu_recurrent_kda(q, k, v, g, beta, None, state, True)
+    first, first_state = cpu_recurrent_kda(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], None, state, True)
+    second, second_state = cpu_recurrent_kda(
+        q[:, 1:], k[:, 1:], v[:, 1:], g[:, 1:], beta[:, 1:], None, first_state, True
+    )
+    assert identical((both, both_state), (torch.cat([first, second], dim=1), second_state))
+
+
+@needs_cpu_kernels
+def test_two_threads_give_the_one_thread_result():
+    """With two threads 8 heads of a 64 x 64 state (4 per 64 KiB grain) split into two blocks of heads: the result is
+    the one thread's, exactly (heads are independent). (That the split happens at all needs the OpenMP build:
+    test_cpu_extension.py.)"""
+    q, k, v, g, beta, state = kda_case(batch=2, heads=4, key_dim=64, value_dim=64, seed=2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_recurrent_kda(q, k, v, g, beta, None, state, True)
+        torch.set_num_threads(2)
+        two = cpu_recurrent_kda(q, k, v, g, beta, None, state, True)
+    finally:
+        torch.set_num_threads(threads)
+    assert identical(one, two)
+
+
+def identical(got, expected) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_reference_path_where_the_kernel_does_not_apply(monkeypatch):
+    """A value head size that is not a multiple of 16, autograd, more than `MAX_THREADS` threads, or no kernel: the
+    reference runs (bit-identical results)."""
+    q, k, v, g, beta, state = kda_case(value_dim=8)
+    assert not kernel_applies(q, v)
+    assert identical(
+        cpu_recurrent_kda(q, k, v, g, beta, None, state, True), recurrent_kda(q, k, v, g, beta, None, state, True)
+    )
+    q, k, v, g, beta, state = kda_case()
+    with torch.enable_grad():
+        assert not kernel_applies(q, v)
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_extension, "MAX_THREADS", 0)
+        assert not kernel_applies(q, v)
+    monkeypatch.setattr(cpu_kda_recurrent, "kernel_available", lambda: False)
+    assert not kernel_applies(q, v)
+    got = cpu_recurrent_kda(q, k, v, g, beta, None, state, True)
+    assert identical(got, recurrent_kda(q, k, v, g, beta, None, state, True))
+
+
+def test_bad_input_is_a_value_error():
+    """The wrapper checks shapes as the reference does; the op itself refuses what its pointer arithmetic cannot
+    take (another dtype, a non-contiguous or mis-shaped tensor, a value head size not a multiple of 16)."""
+    q, k, v, g, beta, state = kda_case()
+    with pytest.raises(ValueError, match="beta must be"):
+        cpu_recurrent_kda(q, k, v, g, beta[..., :1], None, state)
+    if not cpu_kda_recurrent.kernel_available():
+        pytest.skip("the kernel is not built on this CPU")
+    args = [x.float().contiguous() for x in (q, k, v, g, beta)]
+    op = cpu_kda_recurrent.kda_recurrent
+    for bad in (
+        lambda a: a.__setitem__(0, a[0].double()),  # fp64 q
+        lambda a: a.__setitem__(2, a[2].transpose(1, 2)),  # non-contiguous v (and mis-shaped)
+        lambda a: a.__setitem__(2, a[2][..., :8].contiguous()),  # V = 8
+        lambda a: a.__setitem__(4, a[4][..., :1].contiguous()),  # beta for one head
+        lambda a: a.__setitem__(1, a[1][..., :8].contiguous()),  # k narrower than q
+    ):
+        bad_args = list(args)
+        bad(bad_args)
+        with pytest.raises(ValueError, match="kda_recurrent takes contiguous fp32"):
+            op(*bad_args, None, 0.1)
+    with pytest.raises(ValueError, match="kda_recurrent takes contiguous fp32"):
+        op(*args, state[:, :2], 0.1)  # a state for 2 of 3 heads
