@@ -15,7 +15,10 @@ bf16, batch 2 with a left-padded sequence, pages in shuffled order:
   4. a decode-step timing table (indexer + sparse attention, batch 1, DeepSeek-V3.2-like dims: 16 heads, 64
      indexer heads, index_topk 2048) at contexts 4k and 64k, median of --repeats synchronised calls;
   5. the backend's KDA kernels that are not the torch reference (fla's Triton `chunk_kda` / `fused_recurrent_kda` for
-     `triton`, torch_npu's recurrent gated delta rule for `npu`) against kda_ops' torch kernels.
+     `triton`, torch_npu's recurrent gated delta rule for `npu`) against kda_ops' torch kernels;
+  6. once per run, graph mode: generate()'s compiled decode step on the static cache against eager greedy tokens
+     (fp32); on CUDA under CUDA graphs (`mode="reduce-overhead"`), which inductor must not have skipped
+     (`--skip-graph-mode` leaves it out).
 Prints a table, writes JSON (default runs/device_check.json) and exits 1 when a check misses its bound.
 """
 
@@ -247,6 +250,50 @@ def check_generate(backend: str, device: str, new_tokens: int) -> dict:
     }
 
 
+def check_graph_mode(device: str, new_tokens: int) -> dict:
+    """generate()'s own compiled decode step (`cache_implementation="static"` + a `CompileConfig`, docs/graph-mode.md
+    §2) against eager greedy decoding on the paged cache, the tiny model in fp32 (so that compiled and eager kernels
+    round alike enough to keep every greedy token). On CUDA the step runs under CUDA graphs
+    (`mode="reduce-overhead"`, transformers' default, docs/graph-mode.md §5): the check also requires that inductor
+    skipped none (`cudagraph_skips`). Elsewhere `mode="default"`."""
+    from transformers import CompileConfig
+
+    mode = "reduce-overhead" if device == "cuda" else "default"
+    config = CompileConfig(fullgraph=True, mode=mode)
+    config._compile_all_devices = True  # generate() compiles on CUDA only unless told
+    generator = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, 128, (2, 70), generator=generator)
+    mask = torch.ones_like(prompt)
+    prompt[1, :6], mask[1, :6] = 0, 0
+    model = tiny_model("auto", device).float()
+    run = dict(attention_mask=mask.to(device), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch.inference_mode():
+        eager = model.generate(prompt.to(device), pad_token_id=0, **run).cpu()
+        start = time.perf_counter()
+        compiled = model.generate(
+            prompt.to(device), pad_token_id=0, cache_implementation="static", compile_config=config, **run
+        ).cpu()
+        seconds = time.perf_counter() - start
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    equal = bool(torch.equal(eager, compiled))
+    return {
+        "mode": mode,
+        "new_tokens": new_tokens,
+        "equal_to_eager": equal,
+        "graphs_compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        "cudagraph_skips": skips,
+        "compile_and_generate_s": seconds,
+        "ok": graph_mode_passed(equal, mode, skips),
+    }
+
+
+def graph_mode_passed(equal_to_eager: bool, mode: str, cudagraph_skips: int) -> bool:
+    """Eager's tokens, and under CUDA graphs no step that inductor left out of them."""
+    return equal_to_eager and (mode != "reduce-overhead" or cudagraph_skips == 0)
+
+
 def time_decode(backend: str, device: str, contexts, repeats: int, heads: int, index_heads: int, topk: int):
     rows = []
     kernels = kernel_set(backend)
@@ -308,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU self-check: small contexts, device cpu")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per context (default 10, dry 2)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "device_check.json")
+    parser.add_argument("--skip-graph-mode", action="store_true", help="no compiled generate (item 6)")
     args = parser.parse_args(argv)
 
     device = "cpu" if args.dry_run and args.device == "auto" else args.device
@@ -328,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         report["kpool"] += check_kpool(backend, device)
         report["generate"].append(check_generate(backend, device, new_tokens=4 if args.dry_run else 8))
         report["decode_timing"] += time_decode(backend, device, contexts, repeats, **timing_dims)
+    report["graph_mode"] = [] if args.skip_graph_mode else [check_graph_mode(device, 8 if args.dry_run else 32)]
 
     print(f"device: {device}{' (dry run)' if args.dry_run else ''}")
     print(f"{'backend':8} {'case':22} {'recall':>7} {'sparse err':>11} {'dense err':>10}  ok")
@@ -352,7 +401,14 @@ def main(argv: list[str] | None = None) -> int:
     for row in report["kda"]:
         verdict = "yes" if row["ok"] else "NO"
         print(f"{row['backend']:8} {row['kernel']:18} rel error vs kda_ops {row['rel_error']:.2e}  {verdict}")
-    passed = all(row["ok"] for row in report["kernels"] + report["kpool"] + report["generate"] + report["kda"])
+    for row in report["graph_mode"]:
+        print(
+            f"graph mode ({row['mode']}): {row['new_tokens']} tokens == eager: {row['equal_to_eager']}, "
+            f"{row['graphs_compiled']} graph(s), CUDA graph skips {row['cudagraph_skips']}, "
+            f"{row['compile_and_generate_s']:.1f} s  {'yes' if row['ok'] else 'NO'}"
+        )
+    checks = report["kernels"] + report["kpool"] + report["generate"] + report["kda"] + report["graph_mode"]
+    passed = all(row["ok"] for row in checks)
     print("PASS" if passed else "FAIL")
     return 0 if passed else 1
 

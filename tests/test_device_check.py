@@ -1,6 +1,7 @@
 """Smoke test of scripts/device_check.py: its CPU-side self-check (`--dry-run`) runs end to end for the `torch`
-backend and for the `npu` backend over the fake torch_npu (tests/fake_torch_npu.py), passes its own bounds and writes
-every section. No device here; timings are never asserted."""
+backend (with the compiled generate of item 6) and for the `npu` backend over the fake torch_npu
+(tests/fake_torch_npu.py), passes its own bounds and writes every section. No device here; timings are never
+asserted."""
 
 import importlib.util
 import json
@@ -24,7 +25,8 @@ def test_dry_run_passes_and_writes_every_section(backend, tmp_path, monkeypatch)
     if backend == "npu":
         fake_torch_npu.install(monkeypatch, available=True)
     out = tmp_path / "device_check.json"
-    assert load_script().main(["--dry-run", "--backends", backend, "--out", str(out)]) == 0
+    graph_mode = [] if backend == "torch" else ["--skip-graph-mode"]  # backend-independent: checked once
+    assert load_script().main(["--dry-run", "--backends", backend, *graph_mode, "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["dry_run"]
     assert [row["backend"] for row in report["kernels"]] == [backend, backend]
@@ -34,3 +36,17 @@ def test_dry_run_passes_and_writes_every_section(backend, tmp_path, monkeypatch)
     assert [row["context"] for row in report["decode_timing"]] == [512, 2048]
     if backend == "npu":
         assert {"npu_lightning_indexer", "npu_sparse_flash_attention"} <= set(fake_torch_npu.calls)
+    if backend == "torch":
+        [graph_mode] = report["graph_mode"]
+        assert graph_mode["mode"] == "default" and graph_mode["equal_to_eager"] and graph_mode["new_tokens"] == 8
+        assert graph_mode["graphs_compiled"] >= 1 and graph_mode["ok"]
+    else:
+        assert report["graph_mode"] == []
+
+
+def test_graph_mode_verdict():
+    """Item 6 fails on tokens that differ from eager's, and under CUDA graphs on any graph inductor skipped."""
+    passed = load_script().graph_mode_passed
+    assert passed(True, "default", 0) and passed(True, "reduce-overhead", 0)
+    assert not passed(False, "default", 0) and not passed(False, "reduce-overhead", 0)
+    assert not passed(True, "reduce-overhead", 1)
