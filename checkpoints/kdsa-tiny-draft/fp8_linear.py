@@ -6,6 +6,8 @@ every forward dequantizes the weight to the activation dtype before the matmul (
 import torch
 from torch import nn
 
+from .cpu_fp8_dequantize import dequantize_fp8_tiles_cpu
+from .cpu_fp8_dequantize import kernel_applies as cpu_dequantize_applies
 from .linear import linear
 
 
@@ -24,7 +26,11 @@ def check_tile_grid(values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[
 def dequantize_tiles(values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype) -> torch.Tensor:
     """`values * scale_inv` tile by tile over the last two dims, in fp32, then cast to `dtype`; the held layers and
     the dequantize-at-load path both call this, so both give bit-identical weights. Partial edge tiles are cropped.
-    (numeric_formats.dequantize_blocks is the 1-D per-row-block counterpart used by the KV-cache formats.)"""
+    (numeric_formats.dequantize_blocks is the 1-D per-row-block counterpart used by the KV-cache formats.)
+    E4M3 values on an x86 CPU go through a vectorised C++ kernel with the same result (`cpu_fp8_dequantize`): torch
+    converts float8 element by element."""
+    if cpu_dequantize_applies(values, scale_inv, dtype):
+        return dequantize_fp8_tiles_cpu(values, scale_inv, block, dtype)
     rows, cols = values.shape[-2:]
     block_rows, block_cols = block
     scales = scale_inv.float().repeat_interleave(block_rows, -2)[..., :rows, :].repeat_interleave(block_cols, -1)
