@@ -9,7 +9,8 @@ This kernel computes the same values with AVX512, 16 at a time, bit for bit (NaN
 `cpu_extension` builds and loads the C++ source below, which implements the CPU kernel of the `torch.library` op
 `kdsa::dequantize_fp8_tiles` (schema and fake implementation registered here). `dequantize_tiles` calls it outside a
 compile (inside one, inductor fuses the conversion into the product's loop) for a bf16 or fp32 result on a CPU that
-supports it; elsewhere the torch path runs.
+supports it; elsewhere the torch path runs. Rows are split over torch's intra-op threads, at any thread count
+(measured at 1 and 2: `scripts/bench_cpu_kernels.py`).
 """
 
 import torch

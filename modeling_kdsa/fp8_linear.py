@@ -31,6 +31,11 @@ def dequantize_tiles(values: torch.Tensor, scale_inv: torch.Tensor, block: tuple
     converts float8 element by element."""
     if cpu_dequantize_applies(values, scale_inv, dtype):
         return dequantize_fp8_tiles_cpu(values, scale_inv, block, dtype)
+    return dequantize_tiles_torch(values, scale_inv, block, dtype)
+
+
+def dequantize_tiles_torch(values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype):
+    """`dequantize_tiles` in torch ops: each tile's scale broadcast over its elements (the reference of the kernel)."""
     rows, cols = values.shape[-2:]
     block_rows, block_cols = block
     scales = scale_inv.float().repeat_interleave(block_rows, -2)[..., :rows, :].repeat_interleave(block_cols, -1)
@@ -73,4 +78,4 @@ class KDSAFP8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block={self.block}"
 
 
-__all__ = ["KDSAFP8Linear", "check_tile_grid", "dequantize_tiles"]
+__all__ = ["KDSAFP8Linear", "check_tile_grid", "dequantize_tiles", "dequantize_tiles_torch"]

@@ -4,8 +4,8 @@ over all heads (docs/kda.md §9).
 `kda_ops.recurrent_kda` runs a token as a handful of batched torch ops over the fp32 state `[B, H, K, V]` (decay,
 prediction `kᵀS`, rank-1 update, output `qᵀS`), each a pass over the state (256 KiB a layer at the benchmark shape, not
 in cache at the next step: a decode step reads the weights in between). Here each head's state is read once and the
-new state written once, the four steps running on 16 columns at a time while they are in L1: 1.9-2.3x the reference
-per layer, eagerly.
+new state written once, the four steps running on 16 columns at a time while they are in L1: 1.7-2.0x the reference
+per layer with the state out of cache (`scripts/bench_cpu_kernels.py`).
 
 `cpu_extension` builds and loads the C++ source below, which implements the CPU kernel of the `torch.library` op
 `kdsa::kda_recurrent` (schema and fake implementation registered here). Where it cannot run (no AVX512-BF16, no

@@ -1,0 +1,211 @@
+"""Microbenchmark of the C++ CPU kernels against the torch paths they replace, side by side in one run.
+
+What it measures (bf16 activations, batch 1, `torch.inference_mode()`, `--threads` intra-op threads):
+  1. `kda`: one KDA recurrence step (16 heads of 64 x 64, the benchmark shape) of six layers' fp32 states in turn:
+     `kda_ops.recurrent_kda` against the cpu backend's kernel (docs/kda.md §9), with the states out of cache (a 64 MiB
+     buffer written before each round) and in cache (the same six states again right after);
+  2. `fp8`: the forward of one bf16 row through an FP8-held layer (`KDSAFP8Linear`, 128 x 128 blocks) for three
+     weight shapes: torch's dequantization (`fp8_linear.dequantize_tiles_torch`) against the kernel
+     (docs/checkpoint-conversion.md §9), and the same product with the bf16 weight for scale; each path timed on its
+     second call in a row;
+  3. `row`: one bf16 row times a weight out of cache (six copies of each shape in turn, the buffer written before
+     each path) through the row kernel (`linear`) against `F.linear` (docs/graph-mode.md §10).
+In each round the paths run one after the other, so that both see the same machine; the table gives the median and
+minimum of each path and the median, min and max of the per-round ratio (torch path / kernel).
+
+Usage:  .venv/bin/python scripts/bench_cpu_kernels.py [--quick] [--repeats N] [--threads N] [--out PATH]
+Writes JSON (default runs/bench_cpu_kernels.json) and prints a table. Kernels that cannot run here (no AVX512-BF16,
+no compiler) are reported as such.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from modeling_kdsa import cpu_fp8_dequantize, cpu_kda_recurrent, cpu_row_linear  # noqa: E402
+from modeling_kdsa.fp8_linear import KDSAFP8Linear, dequantize_tiles_torch  # noqa: E402
+from modeling_kdsa.kda_ops import recurrent_kda  # noqa: E402
+from modeling_kdsa.linear import linear  # noqa: E402
+
+DTYPE = torch.bfloat16
+EVICT_BYTES = 64 << 20  # written between rounds: more than this machine's caches
+FP8_SHAPES = [(1024, 1024), (4096, 1024), (1024, 2816)]
+ROW_SHAPES = [(1024, 1024), (2816, 1024), (1024, 2816), (32000, 1024)]
+QUICK_FP8_SHAPES = [(256, 256), (512, 384)]
+QUICK_ROW_SHAPES = [(256, 256), (1024, 256)]
+
+
+def timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def summary(name: str, reference_s: list[float], kernel_s: list[float], **fields) -> dict:
+    """Both paths' per-round times (seconds) as median / min in ms, and the per-round ratio reference / kernel."""
+    ratios = [r / k for r, k in zip(reference_s, kernel_s, strict=True)]
+    return dict(
+        name=name,
+        **fields,
+        reference_ms=statistics.median(reference_s) * 1e3,
+        reference_min_ms=min(reference_s) * 1e3,
+        kernel_ms=statistics.median(kernel_s) * 1e3,
+        kernel_min_ms=min(kernel_s) * 1e3,
+        ratio_median=statistics.median(ratios),
+        ratio_min=min(ratios),
+        ratio_max=max(ratios),
+    )
+
+
+def bench_kda(repeats: int, evict: torch.Tensor) -> list[dict]:
+    generator = torch.Generator().manual_seed(0)
+    heads, dim = 16, 64
+    q, k = (F.normalize(torch.randn(1, 1, heads, dim, generator=generator), dim=-1) for _ in range(2))
+    v = torch.randn(1, 1, heads, dim, generator=generator).to(DTYPE)
+    g = -torch.rand(1, 1, heads, dim, generator=generator)
+    beta = torch.rand(1, 1, heads, generator=generator)
+    states = [torch.randn(1, heads, dim, dim, generator=generator) * 0.1 for _ in range(6)]
+    paths = dict(reference=recurrent_kda, kernel=cpu_kda_recurrent.cpu_recurrent_kda)
+    times = {(path, temperature): [] for path in paths for temperature in ("cold", "warm")}
+    for _ in range(repeats + 1):  # the first round warms up
+        for path, function in paths.items():
+            evict.add_(1)
+
+            def step(function=function):
+                for state in states:
+                    function(q, k, v, g, beta, None, state, True)
+
+            times[path, "cold"].append(timed(step) / len(states))
+            times[path, "warm"].append(timed(step) / len(states))
+    return [
+        summary(
+            f"kda step, {temperature}",
+            times["reference", temperature][1:],
+            times["kernel", temperature][1:],
+            kernel="kda",
+        )
+        for temperature in ("cold", "warm")
+    ]
+
+
+def fp8_case(rows: int, cols: int, seed: int = 0):
+    """A layer's weight as DeepSeek stores it: E4M3 values, one fp32 scale per 128 x 128 tile (amax / 448)."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, cols, generator=generator) * 0.02
+    grid = (-(-rows // 128), -(-cols // 128))
+    padded = torch.zeros(grid[0] * 128, grid[1] * 128)
+    padded[:rows, :cols] = weight
+    tiles = padded.view(grid[0], 128, grid[1], 128)
+    scale_inv = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    values = (tiles / scale_inv[:, None, :, None]).view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
+    return values.contiguous(), scale_inv
+
+
+def bench_fp8(rows: int, cols: int, repeats: int) -> dict:
+    values, scale_inv = fp8_case(rows, cols)
+    layer = KDSAFP8Linear(values, scale_inv, (128, 128))
+    bf16_weight = layer.dequantized_weight(DTYPE)
+    x = torch.randn(1, 1, cols, generator=torch.Generator().manual_seed(1)).to(DTYPE)
+
+    def torch_path():
+        return linear(x, dequantize_tiles_torch(values, scale_inv, (128, 128), DTYPE))
+
+    reference_s, kernel_s, bf16_s = [], [], []
+    paths = (torch_path, lambda: layer(x), lambda: linear(x, bf16_weight))
+    for round_index in range(repeats + 1):
+        for record, path in zip((reference_s, kernel_s, bf16_s), paths, strict=True):
+            # An untimed call first: the torch path's large temporaries leave the allocator handing the next
+            # allocations fresh pages from the system, which a steady run of either path does not see.
+            path()
+            if round_index:  # the first round warms up
+                record.append(timed(path))
+    assert torch.equal(torch_path(), layer(x))  # the kernel's weights are the torch path's, bit for bit
+    return summary(f"fp8-held forward {rows}x{cols}", reference_s, kernel_s, kernel="fp8",
+                   bf16_product_ms=statistics.median(bf16_s) * 1e3)  # fmt: skip
+
+
+def bench_row(rows: int, cols: int, repeats: int, evict: torch.Tensor) -> dict:
+    generator = torch.Generator().manual_seed(2)
+    weights = [(torch.randn(rows, cols, generator=generator) * 0.02).to(DTYPE) for _ in range(6)]
+    x = torch.randn(1, 1, cols, generator=generator).to(DTYPE)
+    reference_s, kernel_s = [], []
+    for round_index in range(repeats + 1):
+        evict.add_(1)
+        reference = timed(lambda: [F.linear(x, w) for w in weights]) / len(weights)
+        evict.add_(1)
+        kernel = timed(lambda: [linear(x, w) for w in weights]) / len(weights)
+        if round_index:  # the first round warms up
+            reference_s.append(reference)
+            kernel_s.append(kernel)
+    weight_bytes = rows * cols * 2
+    return summary(f"row product {rows}x{cols}", reference_s, kernel_s, kernel="row",
+                   kernel_gbs=weight_bytes / statistics.median(kernel_s) / 1e9,
+                   reference_gbs=weight_bytes / statistics.median(reference_s) / 1e9)  # fmt: skip
+
+
+def print_table(report: dict) -> None:
+    header = f"{'case':34} {'torch ms':>9} {'kernel ms':>10} {'torch/kernel':>13} {'min..max':>12}"
+    print(f"CPU kernels vs the torch paths, {report['environment']['threads']} thread(s)")
+    print(header)
+    for row in report["results"]:
+        print(
+            f"{row['name']:34} {row['reference_ms']:9.3f} {row['kernel_ms']:10.3f} {row['ratio_median']:12.2f}x "
+            f"{row['ratio_min']:5.2f}..{row['ratio_max']:<5.2f}"
+        )
+    for name, available in report["kernels_available"].items():
+        if not available:
+            print(f"  {name}: the kernel cannot run here; both columns are the torch path")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small shapes, 3 rounds (smoke run)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 20, quick 3)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "bench_cpu_kernels.json")
+    args = parser.parse_args(argv)
+    if args.repeats is not None and args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    repeats = args.repeats or (3 if args.quick else 20)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        with torch.inference_mode():
+            evict = torch.empty(EVICT_BYTES, dtype=torch.uint8)
+            results = bench_kda(repeats, evict)
+            results += [bench_fp8(*shape, repeats) for shape in (QUICK_FP8_SHAPES if args.quick else FP8_SHAPES)]
+            results += [bench_row(*shape, repeats, evict) for shape in (QUICK_ROW_SHAPES if args.quick else ROW_SHAPES)]
+    finally:
+        torch.set_num_threads(threads)
+    report = dict(
+        environment=dict(
+            threads=args.threads, torch=torch.__version__, machine=platform.machine(), processor=platform.processor()
+        ),
+        kernels_available=dict(
+            kda=cpu_kda_recurrent.kernel_available(),
+            fp8=cpu_fp8_dequantize.kernel_available(),
+            row=cpu_row_linear.kernel_available(),
+        ),
+        repeats=repeats,
+        results=results,
+    )
+    print_table(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
