@@ -111,6 +111,7 @@ def test_reference_path_where_the_kernel_does_not_apply(monkeypatch):
         cpu_recurrent_kda(q, k, v, g, beta, None, state, True), recurrent_kda(q, k, v, g, beta, None, state, True)
     )
     q, k, v, g, beta, state = kda_case()
+    assert not kernel_applies(q[:, :0], v[:, :0])  # no token: the first token is what writes the new state
     with torch.enable_grad():
         assert not kernel_applies(q, v)
     with monkeypatch.context() as patch:
@@ -138,6 +139,7 @@ def test_bad_input_is_a_value_error():
         lambda a: a.__setitem__(2, a[2][..., :8].contiguous()),  # V = 8
         lambda a: a.__setitem__(4, a[4][..., :1].contiguous()),  # beta for one head
         lambda a: a.__setitem__(1, a[1][..., :8].contiguous()),  # k narrower than q
+        lambda a: a.__setitem__(slice(0, 5), [x[:, :0].contiguous() for x in a]),  # no token
     ):
         bad_args = list(args)
         bad(bad_args)

@@ -78,13 +78,13 @@ std::tuple<at::Tensor, at::Tensor> kda_recurrent(const at::Tensor& q, const at::
   };
   auto leading = [&](const at::Tensor& t) { return t.sizes().slice(0, 3) == q.sizes().slice(0, 3); };  // B, T, H
   bool ok = fits(q, 4) && fits(k, 4) && fits(g, 4) && fits(v, 4) && fits(beta, 3) && k.sizes() == q.sizes() &&
-            g.sizes() == q.sizes() && leading(v) && leading(beta) &&
+            g.sizes() == q.sizes() && leading(v) && leading(beta) && q.size(1) > 0 &&
             v.size(3) % at::vec::Vectorized<float>::size() == 0;
   if (ok && initial_state)
     ok = fits(*initial_state, 4) &&
          initial_state->sizes() == at::IntArrayRef({q.size(0), q.size(2), q.size(3), v.size(3)});
   TORCH_CHECK_VALUE(ok,
-      "kda_recurrent takes contiguous fp32 q, k, g [B, T, H, K], v [B, T, H, V] (V a multiple of ",
+      "kda_recurrent takes contiguous fp32 q, k, g [B, T, H, K], v [B, T, H, V] (T > 0, V a multiple of ",
       at::vec::Vectorized<float>::size(), "), beta [B, T, H] and initial_state [B, H, K, V] or None; got q ",
       describe(q), ", k ", describe(k), ", v ", describe(v), ", g ", describe(g), ", beta ", describe(beta),
       ", initial_state ", initial_state ? describe(*initial_state) : std::string("None"));
@@ -126,12 +126,14 @@ VALUE_DIM_MULTIPLE = 16
 
 
 def kernel_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """The kernel runs this recurrence: on a CPU that supports it, a value head size that is a multiple of
-    `VALUE_DIM_MULTIPLE`, not under `torch.export` (an exported program may run where the op is not registered),
-    without autograd (the op has no backward), at most `cpu_extension.MAX_THREADS` threads — and it is built and
-    loaded."""
+    """The kernel runs this recurrence: on a CPU that supports it, at least one token, a value head size that is a
+    multiple of `VALUE_DIM_MULTIPLE`, not under `torch.export` (an exported program may run where the op is not
+    registered), without autograd (the op has no backward), at most `cpu_extension.MAX_THREADS` threads — and it is
+    built and loaded."""
     return (
         q.device.type == "cpu"
+        and q.dim() == 4
+        and q.shape[1] > 0  # the state is written by the first token
         and v.shape[-1] % VALUE_DIM_MULTIPLE == 0
         and not torch.compiler.is_exporting()
         and not torch.is_grad_enabled()
