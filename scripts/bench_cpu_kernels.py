@@ -52,7 +52,8 @@ def timed(call) -> float:
 
 
 def summary(name: str, reference_s: list[float], kernel_s: list[float], **fields) -> dict:
-    """Both paths' per-round times (seconds) as median / min in ms, and the per-round ratio reference / kernel."""
+    """Both paths' per-round times (seconds) as median / min in ms, and the per-round ratios reference / kernel with
+    their median, min and max."""
     ratios = [r / k for r, k in zip(reference_s, kernel_s, strict=True)]
     return dict(
         name=name,
@@ -61,6 +62,7 @@ def summary(name: str, reference_s: list[float], kernel_s: list[float], **fields
         reference_min_ms=min(reference_s) * 1e3,
         kernel_ms=statistics.median(kernel_s) * 1e3,
         kernel_min_ms=min(kernel_s) * 1e3,
+        ratios=ratios,
         ratio_median=statistics.median(ratios),
         ratio_min=min(ratios),
         ratio_max=max(ratios),

@@ -211,11 +211,16 @@ def tiny_model(backend: str, device: str) -> KDSAForCausalLM:
     return KDSAForCausalLM(config).eval().to(device=device, dtype=DTYPE)
 
 
-def generate_tokens(backend: str, device: str, new_tokens: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1)
-    prompt = torch.randint(3, 128, (2, 70), generator=generator)
+def padded_prompts(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two random 70-token prompts, the second left-padded by 6, and their attention mask."""
+    prompt = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(seed))
     mask = torch.ones_like(prompt)
     prompt[1, :6], mask[1, :6] = 0, 0
+    return prompt, mask
+
+
+def generate_tokens(backend: str, device: str, new_tokens: int) -> torch.Tensor:
+    prompt, mask = padded_prompts(seed=1)
     model = tiny_model(backend, device)
     with torch.inference_mode():
         out = model.generate(
@@ -261,10 +266,7 @@ def check_graph_mode(device: str, new_tokens: int) -> dict:
     mode = "reduce-overhead" if device == "cuda" else "default"
     config = CompileConfig(fullgraph=True, mode=mode)
     config._compile_all_devices = True  # generate() compiles on CUDA only unless told
-    generator = torch.Generator().manual_seed(2)
-    prompt = torch.randint(3, 128, (2, 70), generator=generator)
-    mask = torch.ones_like(prompt)
-    prompt[1, :6], mask[1, :6] = 0, 0
+    prompt, mask = padded_prompts(seed=2)
     model = tiny_model("auto", device).float()
     run = dict(attention_mask=mask.to(device), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     torch._dynamo.reset()

@@ -7,16 +7,9 @@ import torch
 from conftest import needs_cpu_kernels
 
 from modeling_kdsa import cpu_fp8_dequantize
-from modeling_kdsa.fp8_linear import KDSAFP8Linear, dequantize_tiles
+from modeling_kdsa.fp8_linear import KDSAFP8Linear, dequantize_tiles, dequantize_tiles_torch
 
 ALL_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)  # NaN included (0x7f, 0xff)
-
-
-def torch_dequantize(values, scale_inv, block, dtype):
-    """The torch path of `dequantize_tiles`, written out: each tile's scale broadcast over its elements."""
-    rows, cols = values.shape[-2:]
-    scales = scale_inv.repeat_interleave(block[0], -2)[..., :rows, :].repeat_interleave(block[1], -1)[..., :cols]
-    return (values.float() * scales).to(dtype)
 
 
 def same_bits(got: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -55,7 +48,7 @@ def test_kernel_equals_the_torch_path(shape, block, dtype):
     assert cpu_fp8_dequantize.kernel_applies(values, scale_inv, dtype)
     got = dequantize_tiles(values, scale_inv, block, dtype)
     assert got.dtype == dtype and got.shape == values.shape
-    assert same_bits(got, torch_dequantize(values, scale_inv, block, dtype))
+    assert same_bits(got, dequantize_tiles_torch(values, scale_inv, block, dtype))
 
 
 @needs_cpu_kernels
@@ -67,7 +60,7 @@ def test_every_e4m3_value(dtype, scale):
     values = ALL_E4M3.view(16, 16)
     scale_inv = torch.full((1, 1), scale)
     got = dequantize_tiles(values, scale_inv, (16, 16), dtype)
-    assert same_bits(got, torch_dequantize(values, scale_inv, (16, 16), dtype))
+    assert same_bits(got, dequantize_tiles_torch(values, scale_inv, (16, 16), dtype))
 
 
 @needs_cpu_kernels
@@ -98,7 +91,7 @@ def test_torch_path_where_the_kernel_does_not_apply(monkeypatch):
     assert not cpu_fp8_dequantize.kernel_applies(values, scale_inv.requires_grad_(), torch.float32)
     scale_inv.requires_grad_(False)
     half = dequantize_tiles(values, scale_inv, (8, 8), torch.float16)
-    assert same_bits(half.float(), torch_dequantize(values, scale_inv, (8, 8), torch.float16).float())
+    assert same_bits(half.float(), dequantize_tiles_torch(values, scale_inv, (8, 8), torch.float16).float())
     monkeypatch.setattr(cpu_fp8_dequantize, "kernel_available", lambda: False)
     assert not cpu_fp8_dequantize.kernel_applies(values, scale_inv, torch.bfloat16)
 
