@@ -9,7 +9,11 @@ What it measures (bf16 activations, batch 1, `torch.inference_mode()`, `--thread
      (docs/checkpoint-conversion.md §9), and the same product with the bf16 weight for scale; each path timed on its
      second call in a row;
   3. `row`: one bf16 row times a weight out of cache (six copies of each shape in turn, the buffer written before
-     each path) through the row kernel (`linear`) against `F.linear` (docs/graph-mode.md §10).
+     each path) through the row kernel (`linear`) against `F.linear` (docs/graph-mode.md §10);
+  4. `mla`: an absorbed MLA layer's two per-head products of a decode step (the query into the latent space, the
+     latent output out of it) with `kv_b_proj.weight` out of cache (six layers' weights in turn, the buffer written
+     before each path): contiguous copies of its two slices and the einsums, the layer's path without the kernels,
+     against the head kernels reading the slices in place (docs/dsa.md §13).
 In each round the paths run one after the other, so that both see the same machine; the table gives the median and
 minimum of each path and the median, min and max of the per-round ratio (torch path / kernel).
 
@@ -32,7 +36,8 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from modeling_kdsa import cpu_fp8_dequantize, cpu_kda_recurrent, cpu_row_linear  # noqa: E402
+from modeling_kdsa import cpu_fp8_dequantize, cpu_head_products, cpu_kda_recurrent, cpu_row_linear  # noqa: E402
+from modeling_kdsa.dsa import per_head_linear, per_head_matmul  # noqa: E402
 from modeling_kdsa.fp8_linear import KDSAFP8Linear, dequantize_tiles_torch  # noqa: E402
 from modeling_kdsa.kda_ops import recurrent_kda  # noqa: E402
 from modeling_kdsa.linear import linear  # noqa: E402
@@ -43,6 +48,9 @@ FP8_SHAPES = [(1024, 1024), (4096, 1024), (1024, 2816)]
 ROW_SHAPES = [(1024, 1024), (2816, 1024), (1024, 2816), (32000, 1024)]
 QUICK_FP8_SHAPES = [(256, 256), (512, 384)]
 QUICK_ROW_SHAPES = [(256, 256), (1024, 256)]
+# (heads, Dn, Dv, C): the benchmark shape, and DeepSeek-V3.2's (128 heads, `kv_b_proj` 32 MiB a layer).
+MLA_SHAPES = [(16, 128, 128, 512), (128, 128, 128, 512)]
+QUICK_MLA_SHAPES = [(4, 32, 32, 64)]
 
 
 def timed(call) -> float:
@@ -155,6 +163,37 @@ def bench_row(rows: int, cols: int, repeats: int, evict: torch.Tensor) -> dict:
                    reference_gbs=weight_bytes / statistics.median(reference_s) / 1e9)  # fmt: skip
 
 
+def bench_mla(heads: int, nope: int, value: int, latent: int, repeats: int, evict: torch.Tensor) -> dict:
+    generator = torch.Generator().manual_seed(3)
+    weights = [
+        (torch.randn(heads * (nope + value), latent, generator=generator) * 0.02).to(DTYPE).view(heads, -1, latent)
+        for _ in range(6)
+    ]
+    q = torch.randn(1, 1, heads, nope, generator=generator).to(DTYPE)
+    out_latent = torch.randn(1, 1, heads, latent, generator=generator).to(DTYPE)
+
+    def reference(weight):
+        w_uk, w_uv = weight[:, :nope].contiguous(), weight[:, nope:].contiguous()
+        return torch.einsum("bthn,hnk->bthk", q, w_uk), torch.einsum("bthk,hnk->bthn", out_latent, w_uv)
+
+    def kernel(weight):
+        return per_head_matmul(q, weight[:, :nope]), per_head_linear(out_latent, weight[:, nope:])
+
+    reference_s, kernel_s = [], []
+    for round_index in range(repeats + 1):
+        evict.add_(1)
+        reference_time = timed(lambda: [reference(w) for w in weights]) / len(weights)
+        evict.add_(1)
+        kernel_time = timed(lambda: [kernel(w) for w in weights]) / len(weights)
+        if round_index:  # the first round warms up
+            reference_s.append(reference_time)
+            kernel_s.append(kernel_time)
+    weight_bytes = heads * (nope + value) * latent * 2
+    return summary(f"mla head products {heads}x{nope + value}x{latent}", reference_s, kernel_s, kernel="mla",
+                   kernel_gbs=weight_bytes / statistics.median(kernel_s) / 1e9,
+                   reference_gbs=weight_bytes / statistics.median(reference_s) / 1e9)  # fmt: skip
+
+
 def print_table(report: dict) -> None:
     header = f"{'case':34} {'torch ms':>9} {'kernel ms':>10} {'torch/kernel':>13} {'min..max':>12}"
     print(f"CPU kernels vs the torch paths, {report['environment']['threads']} thread(s)")
@@ -188,6 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
             results = bench_kda(repeats, evict)
             results += [bench_fp8(*shape, repeats) for shape in (QUICK_FP8_SHAPES if args.quick else FP8_SHAPES)]
             results += [bench_row(*shape, repeats, evict) for shape in (QUICK_ROW_SHAPES if args.quick else ROW_SHAPES)]
+            results += [bench_mla(*shape, repeats, evict) for shape in (QUICK_MLA_SHAPES if args.quick else MLA_SHAPES)]
     finally:
         torch.set_num_threads(threads)
     report = dict(
@@ -198,6 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
             kda=cpu_kda_recurrent.kernel_available(),
             fp8=cpu_fp8_dequantize.kernel_available(),
             row=cpu_row_linear.kernel_available(),
+            mla=cpu_head_products.kernel_available(),
         ),
         repeats=repeats,
         results=results,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KDSAPagedMLALayer, attention_store_class
+from .cpu_head_products import head_linear, head_matmul, kernels_apply
 from .dsa_ops import QUERY_BLOCK_SIZE
 from .kernels import kernel_set
 from .linear import KDSALinear, linear
@@ -37,6 +38,22 @@ def mla_softmax_scale(config) -> float:
         mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
         scale = scale * mscale * mscale
     return scale
+
+
+def per_head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x[..., h, :] @ weight[h]` for every head: x `[B, T, H, N]`, weight `[H, N, K]` → `[B, T, H, K]` (the
+    query's absorption, docs/dsa.md §3), through the CPU head kernel where it applies (docs/dsa.md §13)."""
+    if kernels_apply(x, weight):
+        return head_matmul(x.contiguous(), weight)
+    return torch.einsum("bthn,hnk->bthk", x, weight)
+
+
+def per_head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x[..., h, :] @ weight[h]ᵀ` for every head: x `[B, T, H, K]`, weight `[H, N, K]` → `[B, T, H, N]` (the latent
+    output's expansion, docs/dsa.md §3), through the CPU head kernel where it applies (docs/dsa.md §13)."""
+    if kernels_apply(x, weight):
+        return head_linear(x.contiguous(), weight)
+    return torch.einsum("bthk,hnk->bthn", x, weight)
 
 
 class KDSAIndexer(nn.Module):
@@ -227,11 +244,15 @@ class KDSAMultiLatentAttention(nn.Module):
             k_pe = apply_rotary_interleaved(k_pe, cos, sin)
         return latent, k_pe
 
-    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`W_UK` `[H, Dn, C]` and `W_UV` `[H, Dv, C]` from `kv_b_proj.weight` (docs/dsa.md §3).
-        Contiguous copies (one small copy per forward): the strided views make bf16 einsums ~100x slower on CPU."""
+    def absorbed_weights(self, q_nope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`W_UK` `[H, Dn, C]` and `W_UV` `[H, Dv, C]` from `kv_b_proj.weight` (docs/dsa.md §3), for the queries
+        `q_nope`: views where the CPU head kernels read them in place (a decode step, docs/dsa.md §13), else contiguous
+        copies (one per forward: the strided views make bf16 einsums ~100x slower on CPU)."""
         weight = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
-        return weight[:, : self.qk_nope_head_dim].contiguous(), weight[:, self.qk_nope_head_dim :].contiguous()
+        w_uk, w_uv = weight[:, : self.qk_nope_head_dim], weight[:, self.qk_nope_head_dim :]
+        if kernels_apply(q_nope, w_uk):
+            return w_uk, w_uv
+        return w_uk.contiguous(), w_uv.contiguous()
 
     def _store(self, cache) -> KDSAPagedMLALayer:
         """This layer's paged store: the cache's, or a private one for a forward without cache, so that prefill and
@@ -311,17 +332,17 @@ class KDSAMultiLatentAttention(nn.Module):
             (kv_rows,) = sequence_parallel.gather_sequence([kv_rows], "mla_latent")
         past_len = store.append(kv_rows)  # int, or a 0-d tensor in a static cache
 
-        w_uk, w_uv = self.absorbed_weights()
+        w_uk, w_uv = self.absorbed_weights(q_nope)
         outputs = []
         for block, position, padding in self._query_blocks(seq_len, past_len, sequence_parallel):
             if block is None:  # padding slots of a sequence-parallel share: no query
                 outputs.append(q_nope.new_zeros(batch, padding, self.num_heads, self.v_head_dim))
                 continue
-            q_latent = torch.einsum("bthd,hdc->bthc", q_nope[:, block], w_uk)
+            q_latent = per_head_matmul(q_nope[:, block], w_uk)
             out_latent = store.dense_attention(
                 q_latent, q_pe[:, block].contiguous(), position, self.softmax_scale, attention_mask
             )
-            outputs.append(torch.einsum("bthc,hvc->bthv", out_latent, w_uv))
+            outputs.append(per_head_linear(out_latent, w_uv))
         attn_output = torch.cat(outputs, dim=1).reshape(batch, seq_len, self.num_heads * self.v_head_dim)
         return self.output(attn_output, hidden_states)
 
@@ -439,7 +460,7 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
             else:
                 past_len = store.append(kv_rows, k_index)
 
-        w_uk, w_uv = self.absorbed_weights()
+        w_uk, w_uv = self.absorbed_weights(q_nope)
         outputs, selections = [], []
         for block, position, padding in self._query_blocks(seq_len, past_len, sequence_parallel):
             if block is None:  # padding slots of a sequence-parallel share: no query, no selection
@@ -458,9 +479,9 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
                 indices = self._select_topk(
                     store, attention_mask, ape, q_index[:, block], index_weights[:, block], position
                 )
-            q_latent = torch.einsum("bthd,hdc->bthc", q_nope[:, block], w_uk)
+            q_latent = per_head_matmul(q_nope[:, block], w_uk)
             out_latent = store.sparse_attention(q_latent, q_pe[:, block], indices, self.softmax_scale)
-            outputs.append(torch.einsum("bthc,hvc->bthv", out_latent, w_uv))
+            outputs.append(per_head_linear(out_latent, w_uv))
             if return_topk_indices:
                 selections.append(indices)
         attn_output = torch.cat(outputs, dim=1).reshape(batch, seq_len, self.num_heads * self.v_head_dim)

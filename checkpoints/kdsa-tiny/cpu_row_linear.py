@@ -22,11 +22,8 @@ from torch import nn
 
 from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, few_threads, load
 
-_SOURCE = (
-    PRELUDE
-    + r"""
-#include <ATen/Parallel.h>
-
+# The product of 1 to 4 rows with a block of weight rows, shared with `cpu_head_products` (after PRELUDE).
+GEMV_SOURCE = r"""
 namespace {
 
 // Rows of w are read one after the other, so the whole weight is one sequential stream that the hardware
@@ -34,10 +31,11 @@ namespace {
 // streams per 4 rows and read cold weights 1.2-1.3x slower: docs/graph-mode.md §10). Each row's dot product runs on 4
 // accumulators (128 elements per step, 32 per `vdpbf16ps`: fp32 sums of exact bf16 products of element pairs), then
 // steps of 32 and a masked last step; the sum rounded to bf16 once. The `Rows` x vectors (1 to 4 sequences) share
-// each weight vector read. Computes out[m, n] for weight rows n in [begin, end); out has `rows` columns.
+// each weight vector read. Computes out[m * out_stride + n] for weight rows n in [begin, end) (row n at w + n * k)
+// and x rows m at x + m * x_stride.
 template <int Rows>
-void gemv(const uint16_t* x, const uint16_t* w, int64_t rows, int64_t k, const uint16_t* bias, uint16_t* out,
-          int64_t begin, int64_t end) {
+void gemv(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t k, const uint16_t* bias, uint16_t* out,
+          int64_t out_stride, int64_t begin, int64_t end) {
   const int64_t full = k / 32 * 32, unrolled = k / 128 * 128;
   const __mmask32 tail = (__mmask32)((1ull << (k - full)) - 1);
   auto load = [](const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); };
@@ -50,25 +48,36 @@ void gemv(const uint16_t* x, const uint16_t* w, int64_t rows, int64_t k, const u
     for (; i < unrolled; i += 128)
       for (int j = 0; j < 4; ++j) {
         const __m512bh wv = load(row + i + 32 * j);
-        for (int m = 0; m < Rows; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], wv, load(x + m * k + i + 32 * j));
+        for (int m = 0; m < Rows; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], wv, load(x + m * x_stride + i + 32 * j));
       }
     for (; i < full; i += 32) {
       const __m512bh wv = load(row + i);
-      for (int m = 0; m < Rows; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, load(x + m * k + i));
+      for (int m = 0; m < Rows; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, load(x + m * x_stride + i));
     }
     if (tail) {
       const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, row + full);
       for (int m = 0; m < Rows; ++m)
-        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], wv, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * k + full));
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], wv, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * x_stride + full));
     }
     for (int m = 0; m < Rows; ++m) {
       float sum = _mm512_reduce_add_ps(
           _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
       if (bias) sum += bf16_to_float(bias[n]);
-      out[m * rows + n] = float_to_bf16(sum);
+      out[m * out_stride + n] = float_to_bf16(sum);
     }
   }
 }
+
+}  // namespace
+"""
+
+_SOURCE = (
+    PRELUDE
+    + GEMV_SOURCE
+    + r"""
+#include <ATen/Parallel.h>
+
+namespace {
 
 // kdsa::row_linear (schema in Python): x [..., K] holding 1 to 4 rows, weight [N, K], bias [N] or none, all
 // contiguous bf16; returns [..., N]. Checks what the pointer arithmetic relies on: bad input is a ValueError.
@@ -93,8 +102,8 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& weight, const std::
   // ~512 KiB per thread stays on one thread (a fork costs a few microseconds).
   const int64_t grain = std::max<int64_t>(1, (512 << 10) / (2 * k));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    kernel((const uint16_t*)x.data_ptr(), (const uint16_t*)weight.data_ptr(), rows, k,
-           bias ? (const uint16_t*)bias->data_ptr() : nullptr, (uint16_t*)out.data_ptr(), begin, end);
+    kernel((const uint16_t*)x.data_ptr(), k, (const uint16_t*)weight.data_ptr(), k,
+           bias ? (const uint16_t*)bias->data_ptr() : nullptr, (uint16_t*)out.data_ptr(), rows, begin, end);
   });
   return out;
 }

@@ -1,0 +1,207 @@
+"""MLA's per-head products with `kv_b_proj`'s weight for 1 to 4 query rows (a decode step of up to 4 sequences) in
+bf16 on x86 CPUs, as two hand-written kernels that read the weight in place (docs/dsa.md §13).
+
+An absorbed MLA layer (docs/dsa.md §3) multiplies each head's query by `W_UK[h]` `[Dn, C]` and each head's latent
+output by `W_UV[h]ᵀ` (`W_UV[h]`: `[Dv, C]`), both slices of `kv_b_proj.weight` viewed `[H, Dn + Dv, C]`. torch's bf16
+einsum is ~100x slower on those strided views, so the layer used to copy both slices every forward and then run two
+batched products of one row per head: at the benchmark shape (H = 16, Dn = Dv = 128, C = 512) ~0.5 ms per layer and
+decode step for 4 MiB of weight, ~8 GB/s. Here each product reads its slice once, head after head:
+
+- `kdsa::head_matmul(x [..., H, N], weight [H, N, K]) -> [..., H, K]`: `x[.., h] @ weight[h]` (the query's
+  absorption, `N = Dn`, `K = C`): weight row n scaled by `x[.., h, n]` and added to fp32 sums of the K outputs,
+  rounded to bf16 once;
+- `kdsa::head_linear(x [..., H, K], weight [H, N, K]) -> [..., H, N]`: `x[.., h] @ weight[h]ᵀ` (the latent output's
+  expansion, `N = Dv`): per head, the row kernel's dot products (`cpu_row_linear`).
+
+The weight may have any head stride (a slice of the heads' `[Dn + Dv, C]` blocks); its rows must be contiguous. Both
+sum exact bf16 products in fp32 and round once, as a bf16 GEMM does (the summation order differs: results may differ
+from torch's in the last bit). `cpu_extension` builds and loads the C++ source; where the kernels cannot run (no
+AVX512-BF16, no compiler, not bf16, more than `MAX_ROWS` rows, autograd, export, more than
+`cpu_extension.MAX_THREADS` threads) the layer's einsums run on contiguous copies.
+"""
+
+import torch
+
+from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, few_threads, load
+from .cpu_row_linear import GEMV_SOURCE, MAX_ROWS
+
+_SOURCE = (
+    PRELUDE
+    + GEMV_SOURCE
+    + r"""
+#include <ATen/Parallel.h>
+
+namespace {
+
+constexpr int64_t kMaxRows = 4;  // `MAX_ROWS` in Python
+
+// 16 bf16 values widened to fp32 (exact).
+inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+// 16 fp32 values rounded to bf16 to nearest even, as torch rounds them. A NaN stays a NaN without a special case:
+// the sums' NaNs come from bf16 inputs or from arithmetic, so their low 16 bits are 0 and the rounding cannot carry.
+inline void store_bf16(uint16_t* p, __m512 v, __mmask16 mask) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(rounded));
+}
+
+// out[m * out_stride + j] = sum_n x[m * x_stride + n] * w[n * k + j] for j < k: the weight's n rows read in order
+// (one sequential stream; adding 4 rows per pass over the sums, i.e. reading 4 rows side by side, was 1.4x slower),
+// each scaled and added to the fp32 sums `acc` (Rows x k, in L1), which are rounded to bf16 at the end. Whole vectors
+// unmasked: masked stores are slow on some CPUs (AMD Zen 4: 4.6 GB/s instead of 23 with them).
+template <int Rows>
+void row_times_matrix(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t n, int64_t k, uint16_t* out,
+                      int64_t out_stride, float* acc) {
+  std::fill(acc, acc + Rows * k, 0.0f);
+  for (int64_t r = 0; r < n; ++r) {
+    const uint16_t* row = w + r * k;
+    __m512 scale[Rows];
+    for (int m = 0; m < Rows; ++m) scale[m] = _mm512_set1_ps(bf16_to_float(x[m * x_stride + r]));
+    int64_t j = 0;
+    for (; j + 16 <= k; j += 16) {
+      const __m512 wv = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(row + j))), 16));
+      for (int m = 0; m < Rows; ++m) {
+        float* sums = acc + m * k + j;
+        _mm512_storeu_ps(sums, _mm512_fmadd_ps(wv, scale[m], _mm512_loadu_ps(sums)));
+      }
+    }
+    if (j < k) {
+      const __mmask16 mask = (__mmask16)((1u << (k - j)) - 1);
+      const __m512 wv = load_bf16(row + j, mask);
+      for (int m = 0; m < Rows; ++m) {
+        float* sums = acc + m * k + j;
+        _mm512_mask_storeu_ps(sums, mask, _mm512_fmadd_ps(wv, scale[m], _mm512_maskz_loadu_ps(mask, sums)));
+      }
+    }
+  }
+  for (int m = 0; m < Rows; ++m)
+    for (int64_t j = 0; j < k; j += 16) {
+      const __mmask16 mask = k - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - j)) - 1);
+      store_bf16(out + m * out_stride + j, _mm512_maskz_loadu_ps(mask, acc + m * k + j), mask);
+    }
+}
+
+// The checks both ops share: x [..., H, width] contiguous bf16 holding 1 to 4 rows, weight [H, N, K] bf16 with
+// contiguous rows (stride(2) = 1, stride(1) = K) and any head stride. Bad input is a ValueError.
+void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight, int64_t width_dim) {
+  bool ok = x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
+            x.dim() >= 2 && weight.dim() == 3 && weight.size(1) > 0 && weight.size(2) > 0 && weight.stride(2) == 1 &&
+            weight.stride(1) == weight.size(2) && weight.stride(0) >= weight.size(1) * weight.size(2) &&
+            x.size(-2) == weight.size(0) && x.size(-1) == weight.size(width_dim);
+  const int64_t rows = ok && x.size(-2) > 0 ? x.numel() / (x.size(-2) * x.size(-1)) : 0;
+  TORCH_CHECK_VALUE(ok && rows >= 1 && rows <= kMaxRows, op, " takes contiguous bf16 x [..., H, ",
+      width_dim == 1 ? "N" : "K", "] holding 1 to ", kMaxRows,
+      " rows and bf16 weight [H, N, K] whose rows are contiguous; got x ", describe(x), " strides ", x.strides(),
+      ", weight ", describe(weight), " strides ", weight.strides());
+}
+
+// Heads split over threads: ~512 KiB of weight per thread at least (a fork costs a few microseconds).
+int64_t head_grain(const at::Tensor& weight) {
+  return std::max<int64_t>(1, (512 << 10) / (2 * weight.size(1) * weight.size(2)));
+}
+
+at::Tensor head_matmul(const at::Tensor& x, const at::Tensor& weight) {
+  check_inputs("head_matmul", x, weight, 1);
+  const int64_t heads = weight.size(0), n = weight.size(1), k = weight.size(2);
+  const int64_t rows = x.numel() / (heads * n);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = k;
+  at::Tensor out = at::empty(shape, x.options());
+  const auto kernel = rows == 1   ? row_times_matrix<1>
+                      : rows == 2 ? row_times_matrix<2>
+                      : rows == 3 ? row_times_matrix<3>
+                                  : row_times_matrix<4>;
+  const uint16_t* xp = (const uint16_t*)x.data_ptr();
+  const uint16_t* wp = (const uint16_t*)weight.data_ptr();
+  uint16_t* op = (uint16_t*)out.data_ptr();
+  at::parallel_for(0, heads, head_grain(weight), [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(rows * k);
+    for (int64_t h = begin; h < end; ++h)
+      kernel(xp + h * n, heads * n, wp + h * weight.stride(0), n, k, op + h * k, heads * k, acc.data());
+  });
+  return out;
+}
+
+at::Tensor head_linear(const at::Tensor& x, const at::Tensor& weight) {
+  check_inputs("head_linear", x, weight, 2);
+  const int64_t heads = weight.size(0), n = weight.size(1), k = weight.size(2);
+  const int64_t rows = x.numel() / (heads * k);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, x.options());
+  const auto kernel = rows == 1 ? gemv<1> : rows == 2 ? gemv<2> : rows == 3 ? gemv<3> : gemv<4>;
+  const uint16_t* xp = (const uint16_t*)x.data_ptr();
+  const uint16_t* wp = (const uint16_t*)weight.data_ptr();
+  uint16_t* op = (uint16_t*)out.data_ptr();
+  at::parallel_for(0, heads, head_grain(weight), [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h)
+      kernel(xp + h * k, heads * k, wp + h * weight.stride(0), k, nullptr, op + h * n, heads * n, 0, n);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kdsa, CPU, m) {
+  m.impl("head_matmul", TORCH_FN(head_matmul));
+  m.impl("head_linear", TORCH_FN(head_linear));
+}
+"""
+)
+
+
+@torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
+def kernel_available() -> bool:
+    """The CPU supports the kernels and they are built and loaded (`cpu_extension.load`)."""
+    return cpu_supports_kernels() and load("head_products", _SOURCE, "kdsa::head_matmul", compiler())
+
+
+def kernels_apply(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The kernels compute the per-head products of `x` `[..., H, N or K]` with `weight` `[H, N, K]`: not under
+    `torch.export`, no autocast, no autograd, 1 to `MAX_ROWS` bf16 rows on a CPU that supports them, a plain bf16
+    weight (no tensor subclass) with contiguous rows, at most `cpu_extension.MAX_THREADS` threads — and they are built
+    and loaded."""
+    return (
+        not torch.compiler.is_exporting()  # an exported program may run where the ops are not registered
+        and x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and x.dim() >= 2
+        and 0 < x.numel() <= MAX_ROWS * x.shape[-2] * x.shape[-1]
+        and type(weight) in (torch.Tensor, torch.nn.Parameter)
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 3
+        and weight.stride(2) == 1
+        and weight.stride(1) == weight.shape[2]
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.is_grad_enabled()
+        and few_threads()
+        and kernel_available()
+    )
+
+
+def _fake_head_matmul(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[2])
+
+
+def _fake_head_linear(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[1])
+
+
+# Registered as `cpu_indexer` registers its op: the schemas and fakes here, the CPU kernels by the C++ library when
+# `kernel_available()` first loads it; the first registration in a process stands.
+_LIBRARY = torch.library.Library("kdsa", "FRAGMENT")
+if not hasattr(torch.ops.kdsa, "head_matmul"):
+    _LIBRARY.define("head_matmul(Tensor x, Tensor weight) -> Tensor")
+    _LIBRARY.define("head_linear(Tensor x, Tensor weight) -> Tensor")
+    torch.library.register_fake("kdsa::head_matmul", _fake_head_matmul, lib=_LIBRARY)
+    torch.library.register_fake("kdsa::head_linear", _fake_head_linear, lib=_LIBRARY)
+head_matmul = torch.ops.kdsa.head_matmul
+head_linear = torch.ops.kdsa.head_linear
+
+__all__ = ["head_linear", "head_matmul", "kernel_available", "kernels_apply"]
