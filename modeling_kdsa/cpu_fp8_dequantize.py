@@ -15,7 +15,8 @@ supports it; elsewhere the torch path runs. Rows are split over torch's intra-op
 
 import torch
 
-from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, load
+from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, few_threads, load
+from .cpu_row_linear import MAX_ROWS
 
 _SOURCE = (
     PRELUDE
@@ -84,7 +85,97 @@ void dequantize_row(const uint8_t* values, const float* scales, int64_t cols, in
   }
 }
 
+// 32 E4M3 values of a weight row times their tile's scale, rounded to bf16 as `dequantize_row` rounds them: the weight
+// vector the row kernel (`cpu_row_linear`) would load from the dequantized copy. `mask` selects the columns that exist
+// (a row's tail); the others are 0, as the row kernel's masked load gives them.
+inline __m512bh dequantize_32(const uint8_t* values, float scale, __mmask32 mask) {
+  const __m256i bytes = mask == (__mmask32)0xffffffff ? _mm256_loadu_si256((const __m256i*)values)
+                                                      : _mm256_maskz_loadu_epi8(mask, values);
+  const __m512 s = _mm512_set1_ps(scale);
+  const __m256i low = fp32_to_bf16(_mm512_mul_ps(e4m3_to_fp32(_mm256_castsi256_si128(bytes)), s));
+  const __m256i high = fp32_to_bf16(_mm512_mul_ps(e4m3_to_fp32(_mm256_extracti128_si256(bytes, 1)), s));
+  return (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+}
+
+// The row kernel's product (`cpu_row_linear`'s gemv: the same steps, accumulators and order of additions) with each
+// weight vector dequantized in registers instead of loaded from a bf16 copy, so the result is bit for bit
+// `row_linear(x, dequantize_fp8_tiles(w, ...), bias)` and no copy is written. A tile's columns are a multiple of 32,
+// so every vector of 32 columns has one scale. Computes out[m * out_rows + n] for weight rows n in [begin, end).
+template <int Rows>
+void fp8_gemv(const uint16_t* x, const uint8_t* w, const float* scale_inv, int64_t scale_cols, int64_t block_rows,
+              int64_t block_cols, int64_t k, const uint16_t* bias, uint16_t* out, int64_t out_rows, int64_t begin,
+              int64_t end) {
+  const int64_t full = k / 32 * 32, unrolled = k / 128 * 128;
+  const __mmask32 all = (__mmask32)0xffffffff, tail = (__mmask32)((1ull << (k - full)) - 1);
+  auto load = [](const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); };
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = w + n * k;
+    const float* scales = scale_inv + (n / block_rows) * scale_cols;
+    __m512 acc[Rows][4];
+    for (int m = 0; m < Rows; ++m)
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i < unrolled; i += 128)
+      for (int j = 0; j < 4; ++j) {
+        const int64_t c = i + 32 * j;
+        const __m512bh wv = dequantize_32(row + c, scales[c / block_cols], all);
+        for (int m = 0; m < Rows; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], wv, load(x + m * k + c));
+      }
+    for (; i < full; i += 32) {
+      const __m512bh wv = dequantize_32(row + i, scales[i / block_cols], all);
+      for (int m = 0; m < Rows; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, load(x + m * k + i));
+    }
+    if (tail) {
+      const __m512bh wv = dequantize_32(row + full, scales[full / block_cols], tail);
+      for (int m = 0; m < Rows; ++m)
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], wv, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * k + full));
+    }
+    for (int m = 0; m < Rows; ++m) {
+      float sum = _mm512_reduce_add_ps(
+          _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
+      if (bias) sum += bf16_to_float(bias[n]);
+      out[m * out_rows + n] = float_to_bf16(sum);
+    }
+  }
+}
+
 }  // namespace
+
+// kdsa::fp8_row_linear (schema in Python): x [..., K] contiguous bf16 holding 1 to 4 rows, values [N, K]
+// float8_e4m3fn and scale_inv [ceil(N / br), ceil(K / bc)] fp32, both contiguous, bc a multiple of 32, bias [N] bf16
+// or none; returns `x @ dequantize(values)ᵀ + bias` [..., N] in bf16, bit for bit the dequantized layer's row product.
+// Bad input is a ValueError.
+at::Tensor fp8_row_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scale_inv,
+                          int64_t block_rows, int64_t block_cols, const std::optional<at::Tensor>& bias) {
+  constexpr int64_t kMaxRows = 4;  // `cpu_row_linear.MAX_ROWS`
+  bool ok = x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() >= 1 &&
+            values.scalar_type() == at::kFloat8_e4m3fn && values.is_contiguous() && values.dim() == 2 &&
+            scale_inv.scalar_type() == at::kFloat && scale_inv.is_contiguous() && scale_inv.dim() == 2 &&
+            block_rows > 0 && block_cols > 0 && block_cols % 32 == 0 && x.size(-1) == values.size(1) &&
+            x.size(-1) > 0 && 1 <= x.numel() / x.size(-1) && x.numel() / x.size(-1) <= kMaxRows &&
+            scale_inv.size(0) == (values.size(0) + block_rows - 1) / block_rows &&
+            scale_inv.size(1) == (values.size(1) + block_cols - 1) / block_cols &&
+            (!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->dim() == 1 &&
+                       bias->size(0) == values.size(0)));
+  TORCH_CHECK_VALUE(ok,
+      "fp8_row_linear takes contiguous bf16 x [..., K] holding 1 to ", kMaxRows, " rows, float8_e4m3fn values [N, K], "
+      "fp32 scale_inv [ceil(N / ", block_rows, "), ceil(K / ", block_cols, ")] with tiles of a multiple of 32 "
+      "columns, and bias [N] bf16 or None; got x ", describe(x), ", values ", describe(values), ", scale_inv ",
+      describe(scale_inv), ", bias ", bias ? describe(*bias) : std::string("None"));
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = values.size(0);
+  at::Tensor out = at::empty(shape, x.options());
+  const int64_t rows = values.size(0), k = values.size(1), x_rows = x.numel() / k;
+  const auto kernel = x_rows == 1 ? fp8_gemv<1> : x_rows == 2 ? fp8_gemv<2> : x_rows == 3 ? fp8_gemv<3> : fp8_gemv<4>;
+  // With 2 threads each takes a block of weight rows, as the row kernel does (at least ~512 KiB of values each).
+  const int64_t grain = std::max<int64_t>(1, (512 << 10) / k);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    kernel((const uint16_t*)x.data_ptr(), (const uint8_t*)values.data_ptr(), scale_inv.data_ptr<float>(),
+           scale_inv.size(1), block_rows, block_cols, k, bias ? (const uint16_t*)bias->data_ptr() : nullptr,
+           (uint16_t*)out.data_ptr(), rows, begin, end);
+  });
+  return out;
+}
 
 // kdsa::dequantize_fp8_tiles (schema in Python): values [..., N, K] float8_e4m3fn, scale_inv [..., ceil(N / br),
 // ceil(K / bc)] fp32 (the same leading dims), both contiguous; returns values x the scale of each (br x bc) tile as
@@ -128,7 +219,10 @@ at::Tensor dequantize_fp8_tiles(const at::Tensor& values, const at::Tensor& scal
   return out;
 }
 
-TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("dequantize_fp8_tiles", TORCH_FN(dequantize_fp8_tiles)); }
+TORCH_LIBRARY_IMPL(kdsa, CPU, m) {
+  m.impl("dequantize_fp8_tiles", TORCH_FN(dequantize_fp8_tiles));
+  m.impl("fp8_row_linear", TORCH_FN(fp8_row_linear));
+}
 """
 )
 
@@ -153,6 +247,32 @@ def kernel_applies(values: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.d
     )
 
 
+def fp8_row_linear_applies(
+    hidden_states: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, block, bias
+) -> bool:
+    """The fused kernel computes a held layer's forward (`linear(x, dequantize_tiles(...), bias)`, which the row kernel
+    runs for these rows): the row kernel's conditions (1 to `MAX_ROWS` bf16 rows on a CPU that supports it, no
+    autograd, no autocast, not compiling or exporting — inside a compile inductor fuses the traced conversion into the
+    product —, at most `cpu_extension.MAX_THREADS` threads), contiguous E4M3 values and fp32 scales, tiles of a
+    multiple of 32 columns, a bf16 bias or none — and it is built and loaded."""
+    return (
+        hidden_states.device.type == "cpu"
+        and hidden_states.dtype == torch.bfloat16
+        and 0 < hidden_states.numel() <= MAX_ROWS * hidden_states.shape[-1]
+        and values.dtype == torch.float8_e4m3fn
+        and values.is_contiguous()
+        and scale_inv.dtype == torch.float32
+        and scale_inv.is_contiguous()
+        and block[1] % 32 == 0
+        and (bias is None or bias.dtype == torch.bfloat16)
+        and not torch.is_grad_enabled()
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+        and few_threads()
+        and kernel_available()
+    )
+
+
 def dequantize_fp8_tiles_cpu(values, scale_inv, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     return dequantize_fp8_tiles(values.contiguous(), scale_inv.contiguous(), block[0], block[1], dtype)
 
@@ -160,10 +280,17 @@ def dequantize_fp8_tiles_cpu(values, scale_inv, block: tuple[int, int], dtype: t
 _SCHEMA = (
     "dequantize_fp8_tiles(Tensor values, Tensor scale_inv, int block_rows, int block_cols, ScalarType dtype) -> Tensor"
 )
+_ROW_SCHEMA = (
+    "fp8_row_linear(Tensor x, Tensor values, Tensor scale_inv, int block_rows, int block_cols, Tensor? bias) -> Tensor"
+)
 
 
 def _fake_dequantize_fp8_tiles(values, scale_inv, block_rows, block_cols, dtype):
     return values.new_empty(values.shape, dtype=dtype)
+
+
+def _fake_fp8_row_linear(x, values, scale_inv, block_rows, block_cols, bias):
+    return x.new_empty(*x.shape[:-1], values.shape[0])
 
 
 # Registered as `cpu_indexer` registers its op: the schema and the fake here, the CPU kernel by the C++ library when
@@ -171,7 +298,17 @@ def _fake_dequantize_fp8_tiles(values, scale_inv, block_rows, block_cols, dtype)
 _LIBRARY = torch.library.Library("kdsa", "FRAGMENT")
 if not hasattr(torch.ops.kdsa, "dequantize_fp8_tiles"):
     _LIBRARY.define(_SCHEMA)
+    _LIBRARY.define(_ROW_SCHEMA)
     torch.library.register_fake("kdsa::dequantize_fp8_tiles", _fake_dequantize_fp8_tiles, lib=_LIBRARY)
+    torch.library.register_fake("kdsa::fp8_row_linear", _fake_fp8_row_linear, lib=_LIBRARY)
 dequantize_fp8_tiles = torch.ops.kdsa.dequantize_fp8_tiles
+fp8_row_linear = torch.ops.kdsa.fp8_row_linear
 
-__all__ = ["dequantize_fp8_tiles", "dequantize_fp8_tiles_cpu", "kernel_applies", "kernel_available"]
+__all__ = [
+    "dequantize_fp8_tiles",
+    "dequantize_fp8_tiles_cpu",
+    "fp8_row_linear",
+    "fp8_row_linear_applies",
+    "kernel_applies",
+    "kernel_available",
+]

@@ -6,7 +6,7 @@ every forward dequantizes the weight to the activation dtype before the matmul (
 import torch
 from torch import nn
 
-from .cpu_fp8_dequantize import dequantize_fp8_tiles_cpu
+from .cpu_fp8_dequantize import dequantize_fp8_tiles_cpu, fp8_row_linear, fp8_row_linear_applies
 from .cpu_fp8_dequantize import kernel_applies as cpu_dequantize_applies
 from .linear import linear
 
@@ -72,6 +72,12 @@ class KDSAFP8Linear(nn.Module):
         return dequantize_tiles(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`linear` with the dequantized weight; a few bf16 rows on an x86 CPU through the fused kernel, which
+        dequantizes inside the row product (bit-identical, no weight copy written: docs/checkpoint-conversion.md §9)."""
+        if fp8_row_linear_applies(hidden_states, self.weight, self.weight_scale_inv, self.block, self.bias):
+            return fp8_row_linear(
+                hidden_states.contiguous(), self.weight, self.weight_scale_inv, *self.block, self.bias
+            )
         return linear(hidden_states, self.dequantized_weight(hidden_states.dtype), self.bias)
 
     def extra_repr(self) -> str:

@@ -5,9 +5,9 @@ What it measures (bf16 activations, batch 1, `torch.inference_mode()`, `--thread
      `kda_ops.recurrent_kda` against the cpu backend's kernel (docs/kda.md §9), with the states out of cache (a 64 MiB
      buffer written before each round) and in cache (the same six states again right after);
   2. `fp8`: the forward of one bf16 row through an FP8-held layer (`KDSAFP8Linear`, 128 x 128 blocks) for three
-     weight shapes: torch's dequantization (`fp8_linear.dequantize_tiles_torch`) against the kernel
-     (docs/checkpoint-conversion.md §9), and the same product with the bf16 weight for scale; each path timed on its
-     second call in a row;
+     weight shapes: torch's dequantization (`fp8_linear.dequantize_tiles_torch`) and the row product against the
+     layer's forward (the fused kernel that dequantizes inside the row product, docs/checkpoint-conversion.md §9),
+     and the same product with the bf16 weight for scale; each path timed on its second call in a row;
   3. `row`: one bf16 row times a weight out of cache (six copies of each shape in turn, the buffer written before
      each path) through the row kernel (`linear`) against `F.linear` (docs/graph-mode.md §10);
   4. `mla`: an absorbed MLA layer's two per-head products of a decode step (the query into the latent space, the

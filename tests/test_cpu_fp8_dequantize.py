@@ -1,13 +1,17 @@
-"""The hand-written CPU kernel that dequantizes block-scaled E4M3 weights (modeling_kdsa/cpu_fp8_dequantize.py,
-docs/checkpoint-conversion.md §9): bit for bit torch's `values.float() * scales` (and its cast to bf16) over every
-E4M3 value, tile shapes and edges, the cases `dequantize_tiles` keeps on the torch path, and the op's input checks."""
+"""The hand-written CPU kernels of block-scaled E4M3 weights (modeling_kdsa/cpu_fp8_dequantize.py,
+docs/checkpoint-conversion.md §9): the dequantization, bit for bit torch's `values.float() * scales` (and its cast to
+bf16) over every E4M3 value, tile shapes and edges, the cases `dequantize_tiles` keeps on the torch path, and the op's
+input checks; the fused row product of a held layer, bit for bit the dequantized layer's, where it runs and where it
+does not, and its input checks."""
 
 import pytest
 import torch
-from conftest import needs_cpu_kernels
+from conftest import count_calls, needs_cpu_kernels
 
-from modeling_kdsa import cpu_fp8_dequantize
+from modeling_kdsa import cpu_extension, cpu_fp8_dequantize
+from modeling_kdsa import fp8_linear as fp8_linear_module
 from modeling_kdsa.fp8_linear import KDSAFP8Linear, dequantize_tiles, dequantize_tiles_torch
+from modeling_kdsa.linear import linear
 
 ALL_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)  # NaN included (0x7f, 0xff)
 
@@ -136,3 +140,159 @@ def test_compiled_forward_leaves_the_conversion_to_inductor():
     torch._dynamo.reset()
     targets = [str(node.target) for graph in graphs for node in graph.graph.nodes]
     assert graphs and not any("dequantize_fp8_tiles" in target for target in targets)
+
+
+def held_layer(rows: int, cols: int, block: tuple[int, int], bias: bool = False, seed: int = 1) -> KDSAFP8Linear:
+    """A held layer with E4M3 values from a Gaussian (no NaN code, whose products have no bits to compare) and
+    log-uniform tile scales; a bf16 bias."""
+    generator = torch.Generator().manual_seed(seed)
+    _, scale_inv = case((rows, cols), block, seed=seed, scale_range=(-10, -6))
+    values = (torch.randn(rows, cols, generator=generator) * 50).to(torch.float8_e4m3fn)
+    b = torch.randn(rows, generator=generator).bfloat16() if bias else None
+    return KDSAFP8Linear(values, scale_inv, block, b)
+
+
+def dequantized_forward(layer: KDSAFP8Linear, x: torch.Tensor) -> torch.Tensor:
+    """What the held layer computed before the fused kernel: the dequantized weight, then `linear` (the row kernel)."""
+    return linear(x, layer.dequantized_weight(x.dtype), layer.bias)
+
+
+@needs_cpu_kernels
+@pytest.mark.usefixtures("kernels_at_this_thread_count")
+@pytest.mark.parametrize(
+    "rows, cols, block, x_rows, bias",
+    [
+        (48, 40, (16, 32), (1, 1), False),  # one step of 32 and a masked tail of 8; partial edge tiles
+        (130, 300, (128, 128), (2, 1), True),  # every loop: 2 unrolled steps, a step of 32, a tail of 12; edge tiles
+        (64, 1024, (128, 128), (4,), False),  # unrolled steps only, four rows
+        (9, 96, (4, 32), (3,), True),  # each vector of 32 columns its own tile
+        (5, 20, (1, 64), (1,), False),  # narrower than one vector
+        (8, 256, (8, 64), (1,), False),  # two tiles within each unrolled step of 128 columns
+    ],
+)
+def test_fused_row_product_is_the_dequantized_layers_product(monkeypatch, rows, cols, block, x_rows, bias):
+    """A held layer's forward of 1 to 4 bf16 rows runs the fused kernel once and gives, bit for bit, the dequantized
+    weight's row product (the same vectors in the same order); strided rows (a slice of wider activations) too."""
+    calls = count_calls(monkeypatch, fp8_linear_module, "fp8_row_linear")
+    layer = held_layer(rows, cols, block, bias)
+    wide = torch.randn(*x_rows, cols + 8, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x = wide[..., :cols].contiguous()
+    with torch.no_grad():
+        assert cpu_fp8_dequantize.fp8_row_linear_applies(x, layer.weight, layer.weight_scale_inv, block, layer.bias)
+        got = layer(x)
+        assert got.shape == (*x_rows, rows) and torch.equal(got, dequantized_forward(layer, x))
+        assert torch.equal(layer(wide[..., :cols]), got)
+    assert len(calls) == 2
+
+
+@needs_cpu_kernels
+@pytest.mark.usefixtures("kernels_at_this_thread_count")
+def test_fused_row_product_adds_in_the_row_kernels_order():
+    """fp32 sums depend on their order. A row whose exact product is 3 (2^24, 1, 1, -2^24 in the columns the row
+    kernel's four accumulators take, then 1 in the masked last column) gives 3 only in the row kernel's order: the
+    last column added to the second accumulator, then (first + second) + (third + fourth). Adding the last column to
+    the first accumulator gives 1 (2^24 + 1 rounds to 2^24), pairing (first + third) + (second + fourth) gives 2."""
+    values = torch.zeros(1, 129)
+    values[0, [0, 32, 64, 96, 128]] = torch.tensor([256.0, 1.0, 1.0, -256.0, 1.0])
+    scale_inv = torch.tensor([[2.0**16, 1.0, 1.0, 2.0**16, 1.0]])  # one scale per 32 columns: 256 · 2^16 = 2^24
+    layer = KDSAFP8Linear(values.to(torch.float8_e4m3fn), scale_inv, (1, 32))
+    x = torch.zeros(1, 129).bfloat16()
+    x[0, [0, 32, 64, 96, 128]] = 1.0
+    with torch.no_grad():
+        assert cpu_fp8_dequantize.fp8_row_linear_applies(x, layer.weight, layer.weight_scale_inv, (1, 32), None)
+        assert layer(x).item() == dequantized_forward(layer, x).item() == 3.0
+
+
+@needs_cpu_kernels
+def test_fused_row_product_splits_weight_rows_over_two_threads(monkeypatch):
+    """Over the kernel's grain (~512 KiB of values per thread) the weight rows are split between two threads: the
+    result is still the dequantized layer's. (That the split happens at all needs the OpenMP build:
+    test_cpu_extension.py.)"""
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(cpu_extension, "MAX_THREADS", 2)
+    torch.set_num_threads(2)
+    try:
+        layer = held_layer(4100, 256, (128, 128), bias=True)  # grain: 2048 rows of 256
+        x = torch.randn(2, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+        with torch.no_grad():
+            assert torch.equal(layer(x), dequantized_forward(layer, x))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_cpu_kernels
+@pytest.mark.usefixtures("kernels_at_this_thread_count")
+def test_dequantized_product_where_the_fused_kernel_does_not_apply(monkeypatch):
+    """Five rows, fp32 activations, tiles of 48 columns, an fp32 bias, autograd, autocast, more threads than
+    MAX_THREADS, an unavailable kernel, and a compile: the layer dequantizes, then multiplies, as before."""
+    calls = count_calls(monkeypatch, fp8_linear_module, "fp8_row_linear")
+    layer = held_layer(32, 96, (16, 32))  # a 2 x 3 grid of scales
+    x = torch.randn(1, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
+    applies = cpu_fp8_dequantize.fp8_row_linear_applies
+    scale_inv = layer.weight_scale_inv
+    refused = [
+        (x.expand(5, 96), layer.weight, scale_inv, (16, 32), None),
+        (x.float(), layer.weight, scale_inv, (16, 32), None),
+        (x, layer.weight, scale_inv, (16, 48), None),
+        (x, layer.weight, scale_inv, (16, 32), torch.zeros(32)),
+        (x, layer.weight.float(), scale_inv, (16, 32), None),
+        (x, layer.weight.view(torch.uint8).t().contiguous().t().view(torch.float8_e4m3fn), scale_inv, (16, 32), None),
+        (x, layer.weight, scale_inv.double(), (16, 32), None),
+        (x, layer.weight, scale_inv.t().contiguous().t(), (16, 32), None),
+    ]
+    with torch.no_grad():
+        assert applies(x, layer.weight, scale_inv, (16, 32), None)
+        for args in refused:
+            assert not applies(*args)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not applies(x, layer.weight, scale_inv, (16, 32), None)
+        five_rows = x.expand(5, 96)
+        assert torch.equal(layer(five_rows), dequantized_forward(layer, five_rows))
+    assert not applies(x, layer.weight, scale_inv, (16, 32), None)  # autograd on
+    with torch.no_grad():
+        monkeypatch.setattr(cpu_extension, "MAX_THREADS", torch.get_num_threads() - 1)
+        assert not applies(x, layer.weight, scale_inv, (16, 32), None)
+        monkeypatch.setattr(cpu_extension, "MAX_THREADS", torch.get_num_threads())
+        graphs = []
+
+        def recording(graph_module, example_inputs):
+            graphs.append(graph_module)
+            return graph_module.forward
+
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(layer, backend=recording, fullgraph=True)(x), dequantized_forward(layer, x))
+        torch._dynamo.reset()
+        assert not any("fp8_row_linear" in str(node.target) for graph in graphs for node in graph.graph.nodes)
+        monkeypatch.setattr(cpu_fp8_dequantize, "kernel_available", lambda: False)
+        assert not applies(x, layer.weight, scale_inv, (16, 32), None)
+        assert torch.equal(layer(x), dequantized_forward(layer, x))
+    assert not calls
+
+
+@needs_cpu_kernels
+def test_fused_row_product_refuses_inputs_it_cannot_read():
+    """The op reads raw pointers: wrong dtypes, five rows, a width or grid mismatch, tiles of 48 columns, strided
+    values or a bias of the wrong size is a ValueError, not a crash; `opcheck` checks the fake against the op."""
+    assert cpu_fp8_dequantize.kernel_available()
+    layer = held_layer(16, 96, (16, 32), bias=True)
+    values, scale_inv, bias = layer.weight.detach(), layer.weight_scale_inv.detach(), layer.bias
+    x = torch.randn(1, 96).bfloat16()
+    op = cpu_fp8_dequantize.fp8_row_linear
+    for args in [
+        (x.float(), values, scale_inv, 16, 32, bias),
+        (x, values.float(), scale_inv, 16, 32, bias),
+        (x, values, scale_inv.double(), 16, 32, bias),
+        (x.expand(5, 96).contiguous(), values, scale_inv, 16, 32, bias),
+        (x[:, :64].contiguous(), values, scale_inv, 16, 32, bias),
+        (x, values, scale_inv[:, :2].contiguous(), 16, 32, bias),
+        (x, values, scale_inv[:, :2].contiguous(), 16, 48, bias),  # tiles of 48 columns, their grid
+        (x, values, scale_inv, 0, 32, bias),
+        (x, values.view(torch.uint8).t().contiguous().t().view(torch.float8_e4m3fn), scale_inv, 16, 32, bias),
+        (x, values, scale_inv, 16, 32, bias[:8].contiguous()),
+        (x, values, scale_inv, 16, 32, bias.float()),
+    ]:
+        with pytest.raises(ValueError, match="fp8_row_linear takes contiguous bf16 x"):
+            op(*args)
+    # The schema check multiplies the inputs, which torch cannot do for float8: the fake is checked alone.
+    args = (x, values, scale_inv, 16, 32, bias)
+    torch.library.opcheck(torch.ops.kdsa.fp8_row_linear.default, args, test_utils="test_faketensor")
