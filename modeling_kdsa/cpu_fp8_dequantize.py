@@ -227,8 +227,9 @@ TORCH_LIBRARY_IMPL(kdsa, CPU, m) {
 )
 
 
+@torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
 def kernel_available() -> bool:
-    """The CPU supports the kernels and this one is built and loaded (`cpu_extension.load`)."""
+    """The CPU supports the kernels and they are built and loaded (`cpu_extension.load`)."""
     return cpu_supports_kernels() and load("dequantize_fp8_tiles", _SOURCE, "kdsa::dequantize_fp8_tiles", compiler())
 
 
@@ -252,9 +253,10 @@ def fp8_row_linear_applies(
 ) -> bool:
     """The fused kernel computes a held layer's forward (`linear(x, dequantize_tiles(...), bias)`, which the row kernel
     runs for these rows): the row kernel's conditions (1 to `MAX_ROWS` bf16 rows on a CPU that supports it, no
-    autograd, no autocast, not compiling or exporting — inside a compile inductor fuses the traced conversion into the
-    product —, at most `cpu_extension.MAX_THREADS` threads), contiguous E4M3 values and fp32 scales, tiles of a
-    multiple of 32 columns, a bf16 bias or none — and it is built and loaded."""
+    autograd, no autocast, not under `torch.export`, at most `cpu_extension.MAX_THREADS` threads), contiguous E4M3
+    values and fp32 scales, tiles of a multiple of 32 columns, a bf16 bias or none — and it is built and loaded. Also
+    inside a compile, as one opaque op: inductor's own fusion of the traced conversion into the product took 9x longer
+    (docs/checkpoint-conversion.md §9)."""
     return (
         hidden_states.device.type == "cpu"
         and hidden_states.dtype == torch.bfloat16
@@ -267,7 +269,7 @@ def fp8_row_linear_applies(
         and (bias is None or bias.dtype == torch.bfloat16)
         and not torch.is_grad_enabled()
         and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
+        and not torch.compiler.is_exporting()  # an exported program may run where the op is not registered
         and few_threads()
         and kernel_available()
     )

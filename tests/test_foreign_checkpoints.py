@@ -19,12 +19,14 @@ import textwrap
 
 import pytest
 import torch
+from conftest import count_calls, needs_cpu_kernels
 from modeling_kdsa.parallel.mesh import ParallelMesh
 from modeling_kdsa.parallel.tensor_parallel import apply_tensor_parallel
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
+    CompileConfig,
     DeepseekV32Config,
     DeepseekV32ForCausalLM,
     Glm5NextConfig,
@@ -34,6 +36,7 @@ from transformers import (
 )
 
 from modeling_kdsa import KDSAConfig, KDSAForCausalLM, KDSAQuantizationConfig
+from modeling_kdsa import fp8_linear as fp8_linear_module
 from modeling_kdsa.conversion import plan_foreign_load
 from modeling_kdsa.fp8_linear import KDSAFP8Linear
 
@@ -765,6 +768,38 @@ def test_fp8_held_weights_take_half_the_bytes_of_bf16(deepseek, tmp_path):
     bf16_bytes = sum(weight_bytes(bf16.get_submodule(n)) for n in names)
     assert 0.5 < held_bytes / bf16_bytes < 0.53
     assert weight_bytes(held) < weight_bytes(bf16)
+
+
+@needs_cpu_kernels
+@pytest.mark.usefixtures("kernels_at_this_thread_count")
+def test_fp8_held_bf16_decode_runs_the_fused_kernel_eagerly_and_compiled(deepseek, tmp_path, monkeypatch):
+    """A bf16 model held in FP8 with 32-column tiles: each eager decode step's held layers run the fused FP8 row kernel
+    (docs/checkpoint-conversion.md §9), and generate()'s compiled static step holds it as ops of its one graph, with
+    the eager tokens."""
+    fp8_copy(deepseek.folder, tmp_path / "fp8", block=32)
+    held = KDSAForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16, fp8_weights="hold").eval()
+    held_layers = sum(isinstance(m, KDSAFP8Linear) for m in held.modules())
+    ids = deepseek.ids[:, :SHORT]
+    with monkeypatch.context() as spies, torch.no_grad():  # undone before the compile, which traces the op itself
+        calls = count_calls(spies, fp8_linear_module, "fp8_row_linear")
+        expected = greedy(held, ids, 6)
+    assert len(calls) == 5 * held_layers  # 5 decode steps (the prompt's rows are too many for the kernel)
+    graphs = []
+
+    def recording(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    config = CompileConfig(fullgraph=True, mode="default", backend=recording)
+    config._compile_all_devices = True  # generate()'s switch to compile on CPU
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            got = greedy(held, ids, 6, cache_implementation="static", compile_config=config)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, expected)
+    assert len(graphs) == 1 and any("fp8_row_linear" in str(node.target) for node in graphs[0].graph.nodes)
 
 
 @pytest.mark.parametrize("fp8_weights", ["hold", "dequantize"])
