@@ -22,40 +22,43 @@ from torch import nn
 
 from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, few_threads, load
 
-# The product of 1 to 4 rows with a block of weight rows, shared with `cpu_head_products` (after PRELUDE).
+# The product of 1 to 4 rows with a block of weight rows, shared with `cpu_head_products` and `cpu_fp8_dequantize`
+# (after PRELUDE).
 GEMV_SOURCE = r"""
 namespace {
 
-// Rows of w are read one after the other, so the whole weight is one sequential stream that the hardware
+// Rows of the weight are read one after the other, so the whole weight is one sequential stream that the hardware
 // prefetchers follow from its first lines (reading 4 rows side by side, as an earlier version did, made 4 short
 // streams per 4 rows and read cold weights 1.2-1.3x slower: docs/graph-mode.md §10). Each row's dot product runs on 4
 // accumulators (128 elements per step, 32 per `vdpbf16ps`: fp32 sums of exact bf16 products of element pairs), then
 // steps of 32 and a masked last step; the sum rounded to bf16 once. The `Rows` x vectors (1 to 4 sequences) share
-// each weight vector read. Computes out[m * out_stride + n] for weight rows n in [begin, end) (row n at w + n * k)
-// and x rows m at x + m * x_stride.
-template <int Rows>
-void gemv(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t k, const uint16_t* bias, uint16_t* out,
-          int64_t out_stride, int64_t begin, int64_t end) {
+// each weight vector read. `weights(n)` gives row n's reader, whose `(i, mask)` are the 32 bf16 weights from column i
+// (`mask`: the columns that exist, the others 0): loaded, or made in registers (`cpu_fp8_dequantize`'s FP8 rows), so
+// every caller adds in this one order. Computes out[m * out_stride + n] for weight rows n in [begin, end), x rows m at
+// x + m * x_stride.
+template <int Rows, typename Weights>
+void gemv_of(const uint16_t* x, int64_t x_stride, const Weights& weights, int64_t k, const uint16_t* bias,
+             uint16_t* out, int64_t out_stride, int64_t begin, int64_t end) {
   const int64_t full = k / 32 * 32, unrolled = k / 128 * 128;
-  const __mmask32 tail = (__mmask32)((1ull << (k - full)) - 1);
+  const __mmask32 all = (__mmask32)0xffffffff, tail = (__mmask32)((1ull << (k - full)) - 1);
   auto load = [](const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); };
   for (int64_t n = begin; n < end; ++n) {
-    const uint16_t* row = w + n * k;
+    const auto row = weights(n);
     __m512 acc[Rows][4];
     for (int m = 0; m < Rows; ++m)
       for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i < unrolled; i += 128)
       for (int j = 0; j < 4; ++j) {
-        const __m512bh wv = load(row + i + 32 * j);
+        const __m512bh wv = row(i + 32 * j, all);
         for (int m = 0; m < Rows; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], wv, load(x + m * x_stride + i + 32 * j));
       }
     for (; i < full; i += 32) {
-      const __m512bh wv = load(row + i);
+      const __m512bh wv = row(i, all);
       for (int m = 0; m < Rows; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, load(x + m * x_stride + i));
     }
     if (tail) {
-      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, row + full);
+      const __m512bh wv = row(full, tail);
       for (int m = 0; m < Rows; ++m)
         acc[m][1] = _mm512_dpbf16_ps(acc[m][1], wv, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * x_stride + full));
     }
@@ -66,6 +69,19 @@ void gemv(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t k, con
       out[m * out_stride + n] = float_to_bf16(sum);
     }
   }
+}
+
+// `gemv_of` over a bf16 weight whose row n starts at w + n * k.
+template <int Rows>
+void gemv(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t k, const uint16_t* bias, uint16_t* out,
+          int64_t out_stride, int64_t begin, int64_t end) {
+  auto weights = [w, k](int64_t n) {
+    return [row = w + n * k](int64_t i, __mmask32 mask) {
+      return mask == (__mmask32)0xffffffff ? (__m512bh)_mm512_loadu_si512(row + i)
+                                           : (__m512bh)_mm512_maskz_loadu_epi16(mask, row + i);
+    };
+  };
+  gemv_of<Rows>(x, x_stride, weights, k, bias, out, out_stride, begin, end);
 }
 
 }  // namespace

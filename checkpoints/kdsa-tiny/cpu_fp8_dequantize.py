@@ -16,10 +16,11 @@ supports it; elsewhere the torch path runs. Rows are split over torch's intra-op
 import torch
 
 from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, few_threads, load
-from .cpu_row_linear import MAX_ROWS
+from .cpu_row_linear import GEMV_SOURCE, MAX_ROWS
 
 _SOURCE = (
     PRELUDE
+    + GEMV_SOURCE
     + r"""
 #include <ATen/Parallel.h>
 
@@ -97,48 +98,6 @@ inline __m512bh dequantize_32(const uint8_t* values, float scale, __mmask32 mask
   return (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
 }
 
-// The row kernel's product (`cpu_row_linear`'s gemv: the same steps, accumulators and order of additions) with each
-// weight vector dequantized in registers instead of loaded from a bf16 copy, so the result is bit for bit
-// `row_linear(x, dequantize_fp8_tiles(w, ...), bias)` and no copy is written. A tile's columns are a multiple of 32,
-// so every vector of 32 columns has one scale. Computes out[m * out_rows + n] for weight rows n in [begin, end).
-template <int Rows>
-void fp8_gemv(const uint16_t* x, const uint8_t* w, const float* scale_inv, int64_t scale_cols, int64_t block_rows,
-              int64_t block_cols, int64_t k, const uint16_t* bias, uint16_t* out, int64_t out_rows, int64_t begin,
-              int64_t end) {
-  const int64_t full = k / 32 * 32, unrolled = k / 128 * 128;
-  const __mmask32 all = (__mmask32)0xffffffff, tail = (__mmask32)((1ull << (k - full)) - 1);
-  auto load = [](const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); };
-  for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* row = w + n * k;
-    const float* scales = scale_inv + (n / block_rows) * scale_cols;
-    __m512 acc[Rows][4];
-    for (int m = 0; m < Rows; ++m)
-      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i < unrolled; i += 128)
-      for (int j = 0; j < 4; ++j) {
-        const int64_t c = i + 32 * j;
-        const __m512bh wv = dequantize_32(row + c, scales[c / block_cols], all);
-        for (int m = 0; m < Rows; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], wv, load(x + m * k + c));
-      }
-    for (; i < full; i += 32) {
-      const __m512bh wv = dequantize_32(row + i, scales[i / block_cols], all);
-      for (int m = 0; m < Rows; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, load(x + m * k + i));
-    }
-    if (tail) {
-      const __m512bh wv = dequantize_32(row + full, scales[full / block_cols], tail);
-      for (int m = 0; m < Rows; ++m)
-        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], wv, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * k + full));
-    }
-    for (int m = 0; m < Rows; ++m) {
-      float sum = _mm512_reduce_add_ps(
-          _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
-      if (bias) sum += bf16_to_float(bias[n]);
-      out[m * out_rows + n] = float_to_bf16(sum);
-    }
-  }
-}
-
 }  // namespace
 
 // kdsa::fp8_row_linear (schema in Python): x [..., K] contiguous bf16 holding 1 to 4 rows, values [N, K]
@@ -166,13 +125,31 @@ at::Tensor fp8_row_linear(const at::Tensor& x, const at::Tensor& values, const a
   shape.back() = values.size(0);
   at::Tensor out = at::empty(shape, x.options());
   const int64_t rows = values.size(0), k = values.size(1), x_rows = x.numel() / k;
-  const auto kernel = x_rows == 1 ? fp8_gemv<1> : x_rows == 2 ? fp8_gemv<2> : x_rows == 3 ? fp8_gemv<3> : fp8_gemv<4>;
+  // The row kernel's loop (`gemv_of`: the same steps, accumulators and order of additions) with each weight vector of
+  // 32 columns dequantized in registers instead of loaded from a bf16 copy: bit for bit `row_linear(x,
+  // dequantize_fp8_tiles(values, ...), bias)`, and no copy is written. A tile's columns are a multiple of 32, so each
+  // vector has one scale.
+  const auto* w = (const uint8_t*)values.data_ptr();
+  const float* scales = scale_inv.data_ptr<float>();
+  const int64_t scale_cols = scale_inv.size(1);
+  auto weights = [=](int64_t n) {
+    return [row = w + n * k, row_scales = scales + (n / block_rows) * scale_cols, block_cols](int64_t i,
+                                                                                               __mmask32 mask) {
+      return dequantize_32(row + i, row_scales[i / block_cols], mask);
+    };
+  };
+  const auto* xp = (const uint16_t*)x.data_ptr();
+  const auto* bp = bias ? (const uint16_t*)bias->data_ptr() : nullptr;
+  auto* op = (uint16_t*)out.data_ptr();
   // With 2 threads each takes a block of weight rows, as the row kernel does (at least ~512 KiB of values each).
   const int64_t grain = std::max<int64_t>(1, (512 << 10) / k);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    kernel((const uint16_t*)x.data_ptr(), (const uint8_t*)values.data_ptr(), scale_inv.data_ptr<float>(),
-           scale_inv.size(1), block_rows, block_cols, k, bias ? (const uint16_t*)bias->data_ptr() : nullptr,
-           (uint16_t*)out.data_ptr(), rows, begin, end);
+    switch (x_rows) {
+      case 1: gemv_of<1>(xp, k, weights, k, bp, op, rows, begin, end); break;
+      case 2: gemv_of<2>(xp, k, weights, k, bp, op, rows, begin, end); break;
+      case 3: gemv_of<3>(xp, k, weights, k, bp, op, rows, begin, end); break;
+      default: gemv_of<4>(xp, k, weights, k, bp, op, rows, begin, end);
+    }
   });
   return out;
 }
