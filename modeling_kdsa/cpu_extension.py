@@ -66,6 +66,15 @@ inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch
   return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
+// 16 at a time, as `float_to_bf16` rounds them; no NaN case: a NaN from arithmetic or from a widened bf16 / E4M3 value
+// has its low 16 bits 0, so the rounding cannot carry out of the mantissa and it stays a NaN.
+inline __m256i float_to_bf16_x16(__m512 value) {
+  const __m512i bits = _mm512_castps_si512(value);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16));
+}
+
 // For the input checks' messages.
 std::string describe(const at::Tensor& t) { return c10::str(t.sizes(), " ", t.scalar_type()); }
 

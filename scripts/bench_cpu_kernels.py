@@ -144,23 +144,34 @@ def bench_fp8(rows: int, cols: int, repeats: int) -> dict:
                    bf16_product_ms=statistics.median(bf16_s) * 1e3)  # fmt: skip
 
 
+def cold_rounds(reference, kernel, weights: list, repeats: int, evict: torch.Tensor) -> tuple[list, list]:
+    """Per-round seconds of `reference(w)` and `kernel(w)` over every weight in turn, the buffer written before each
+    path so that the weights come from memory; the first round warms up and is dropped."""
+    reference_s, kernel_s = [], []
+    for round_index in range(repeats + 1):
+        evict.add_(1)
+        reference_time = timed(lambda: [reference(w) for w in weights]) / len(weights)
+        evict.add_(1)
+        kernel_time = timed(lambda: [kernel(w) for w in weights]) / len(weights)
+        if round_index:
+            reference_s.append(reference_time)
+            kernel_s.append(kernel_time)
+    return reference_s, kernel_s
+
+
+def streaming_summary(name: str, kernel_name: str, reference_s: list, kernel_s: list, weight_bytes: int) -> dict:
+    """`summary` with the rate at which each path read the weights (GB/s, median)."""
+    return summary(name, reference_s, kernel_s, kernel=kernel_name,
+                   kernel_gbs=weight_bytes / statistics.median(kernel_s) / 1e9,
+                   reference_gbs=weight_bytes / statistics.median(reference_s) / 1e9)  # fmt: skip
+
+
 def bench_row(rows: int, cols: int, repeats: int, evict: torch.Tensor) -> dict:
     generator = torch.Generator().manual_seed(2)
     weights = [(torch.randn(rows, cols, generator=generator) * 0.02).to(DTYPE) for _ in range(6)]
     x = torch.randn(1, 1, cols, generator=generator).to(DTYPE)
-    reference_s, kernel_s = [], []
-    for round_index in range(repeats + 1):
-        evict.add_(1)
-        reference = timed(lambda: [F.linear(x, w) for w in weights]) / len(weights)
-        evict.add_(1)
-        kernel = timed(lambda: [linear(x, w) for w in weights]) / len(weights)
-        if round_index:  # the first round warms up
-            reference_s.append(reference)
-            kernel_s.append(kernel)
-    weight_bytes = rows * cols * 2
-    return summary(f"row product {rows}x{cols}", reference_s, kernel_s, kernel="row",
-                   kernel_gbs=weight_bytes / statistics.median(kernel_s) / 1e9,
-                   reference_gbs=weight_bytes / statistics.median(reference_s) / 1e9)  # fmt: skip
+    times = cold_rounds(lambda w: F.linear(x, w), lambda w: linear(x, w), weights, repeats, evict)
+    return streaming_summary(f"row product {rows}x{cols}", "row", *times, weight_bytes=rows * cols * 2)
 
 
 def bench_mla(heads: int, nope: int, value: int, latent: int, repeats: int, evict: torch.Tensor) -> dict:
@@ -179,19 +190,9 @@ def bench_mla(heads: int, nope: int, value: int, latent: int, repeats: int, evic
     def kernel(weight):
         return per_head_matmul(q, weight[:, :nope]), per_head_linear(out_latent, weight[:, nope:])
 
-    reference_s, kernel_s = [], []
-    for round_index in range(repeats + 1):
-        evict.add_(1)
-        reference_time = timed(lambda: [reference(w) for w in weights]) / len(weights)
-        evict.add_(1)
-        kernel_time = timed(lambda: [kernel(w) for w in weights]) / len(weights)
-        if round_index:  # the first round warms up
-            reference_s.append(reference_time)
-            kernel_s.append(kernel_time)
-    weight_bytes = heads * (nope + value) * latent * 2
-    return summary(f"mla head products {heads}x{nope + value}x{latent}", reference_s, kernel_s, kernel="mla",
-                   kernel_gbs=weight_bytes / statistics.median(kernel_s) / 1e9,
-                   reference_gbs=weight_bytes / statistics.median(reference_s) / 1e9)  # fmt: skip
+    times = cold_rounds(reference, kernel, weights, repeats, evict)
+    name = f"mla head products {heads}x{nope + value}x{latent}"
+    return streaming_summary(name, "mla", *times, weight_bytes=heads * (nope + value) * latent * 2)
 
 
 def print_table(report: dict) -> None:

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers import CompileConfig
 
 from modeling_kdsa import KDSAConfig, KDSAForCausalLM, cpu_extension
 
@@ -14,6 +15,30 @@ def kernels_at_this_thread_count(monkeypatch):
     """The CPU kernels apply up to `cpu_extension.MAX_THREADS` intra-op threads; let them apply at whatever thread
     count this machine runs the tests with."""
     monkeypatch.setattr(cpu_extension, "MAX_THREADS", max(cpu_extension.MAX_THREADS, torch.get_num_threads()))
+
+
+def cpu_compile_config(backend="inductor", **overrides) -> CompileConfig:
+    """What generate() needs to compile its decode step on CPU: `_compile_all_devices` (a class attribute, not an init
+    argument)."""
+    config = CompileConfig(fullgraph=True, mode="default", backend=backend, **overrides)
+    config._compile_all_devices = True
+    return config
+
+
+def graph_recorder() -> tuple:
+    """A `torch.compile` backend that runs each graph dynamo captures as it is and keeps it: `(backend, graphs)`."""
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    return backend, graphs
+
+
+def graph_targets(graphs: list) -> list[str]:
+    """The targets of every node of the recorded graphs (ops, functions), as strings."""
+    return [str(node.target) for graph in graphs for node in graph.graph.nodes]
 
 
 def count_calls(monkeypatch, module, name: str) -> list:

@@ -6,7 +6,7 @@ does not, and its input checks."""
 
 import pytest
 import torch
-from conftest import count_calls, needs_cpu_kernels
+from conftest import count_calls, graph_recorder, graph_targets, needs_cpu_kernels
 
 from modeling_kdsa import cpu_extension, cpu_fp8_dequantize
 from modeling_kdsa import fp8_linear as fp8_linear_module
@@ -67,12 +67,20 @@ def test_every_e4m3_value(dtype, scale):
     assert same_bits(got, dequantize_tiles_torch(values, scale_inv, (16, 16), dtype))
 
 
+def held_layer(rows: int, cols: int, block: tuple[int, int], bias: bool = False, seed: int = 1) -> KDSAFP8Linear:
+    """A held layer with E4M3 values from a Gaussian (no NaN code, whose products have no bits to compare) and
+    log-uniform tile scales; a bf16 bias."""
+    generator = torch.Generator().manual_seed(seed)
+    _, scale_inv = case((rows, cols), block, seed=seed, scale_range=(-10, -6))
+    values = (torch.randn(rows, cols, generator=generator) * 50).to(torch.float8_e4m3fn)
+    b = torch.randn(rows, generator=generator).bfloat16() if bias else None
+    return KDSAFP8Linear(values, scale_inv, block, b)
+
+
 @needs_cpu_kernels
 def test_held_layer_reaches_the_kernel(monkeypatch):
     """A `KDSAFP8Linear` forward dequantizes through the kernel (once per forward) and gives the torch path's result."""
-    _, scale_inv = case((48, 40), (16, 16), scale_range=(-10, -6))
-    values = (torch.randn(48, 40, generator=torch.Generator().manual_seed(1)) * 50).to(torch.float8_e4m3fn)  # no NaN
-    layer = KDSAFP8Linear(values, scale_inv, (16, 16))
+    layer = held_layer(48, 40, (16, 16))
     x = torch.randn(2, 3, 40).bfloat16()
     calls = []
     kernel = cpu_fp8_dequantize.dequantize_fp8_tiles
@@ -123,33 +131,16 @@ def test_bad_input_is_a_value_error():
 def test_compiled_forward_leaves_the_conversion_to_inductor():
     """Inside a compile the torch path is traced (inductor fuses the conversion into the product's loop,
     docs/graph-mode.md §9): the captured graph holds no kernel call, and gives the eager forward's result."""
-    _, scale_inv = case((48, 40), (16, 16), scale_range=(-10, -6))
-    values = (torch.randn(48, 40, generator=torch.Generator().manual_seed(1)) * 50).to(torch.float8_e4m3fn)
-    layer = KDSAFP8Linear(values, scale_inv, (16, 16))
+    layer = held_layer(48, 40, (16, 16))
     x = torch.randn(1, 1, 40).bfloat16()
-    graphs = []
-
-    def recording(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
+    recording, graphs = graph_recorder()
 
     torch._dynamo.reset()
     with torch.no_grad():
         got = torch.compile(layer, backend=recording, fullgraph=True)(x)
         assert torch.equal(got, layer(x))
     torch._dynamo.reset()
-    targets = [str(node.target) for graph in graphs for node in graph.graph.nodes]
-    assert graphs and not any("dequantize_fp8_tiles" in target for target in targets)
-
-
-def held_layer(rows: int, cols: int, block: tuple[int, int], bias: bool = False, seed: int = 1) -> KDSAFP8Linear:
-    """A held layer with E4M3 values from a Gaussian (no NaN code, whose products have no bits to compare) and
-    log-uniform tile scales; a bf16 bias."""
-    generator = torch.Generator().manual_seed(seed)
-    _, scale_inv = case((rows, cols), block, seed=seed, scale_range=(-10, -6))
-    values = (torch.randn(rows, cols, generator=generator) * 50).to(torch.float8_e4m3fn)
-    b = torch.randn(rows, generator=generator).bfloat16() if bias else None
-    return KDSAFP8Linear(values, scale_inv, block, b)
+    assert graphs and not any("dequantize_fp8_tiles" in target for target in graph_targets(graphs))
 
 
 def dequantized_forward(layer: KDSAFP8Linear, x: torch.Tensor) -> torch.Tensor:
@@ -269,18 +260,14 @@ def test_compiled_held_layer_holds_the_fused_kernel_as_one_op():
     eager result: inductor's own fusion of the traced conversion into the product took 9x longer."""
     layer = held_layer(32, 96, (16, 32), bias=True)
     x = torch.randn(1, 1, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
-    graphs = []
-
-    def recording(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
+    recording, graphs = graph_recorder()
 
     torch._dynamo.reset()
     with torch.no_grad():
         assert torch.equal(torch.compile(layer, backend=recording, fullgraph=True)(x), dequantized_forward(layer, x))
         assert torch.equal(torch.compile(layer, fullgraph=True, dynamic=False)(x), dequantized_forward(layer, x))
     torch._dynamo.reset()
-    targets = [str(node.target) for graph in graphs for node in graph.graph.nodes]
+    targets = graph_targets(graphs)
     assert any("fp8_row_linear" in target for target in targets)
     assert not any("dequantize_fp8_tiles" in target for target in targets)
 

@@ -5,7 +5,7 @@ decode step reaching them."""
 
 import pytest
 import torch
-from conftest import count_calls, needs_cpu_kernels, tiny_config
+from conftest import count_calls, graph_recorder, graph_targets, needs_cpu_kernels, tiny_config
 
 from modeling_kdsa import KDSACache, KDSAForCausalLM, cpu_extension, cpu_head_products
 from modeling_kdsa import dsa as dsa_module
@@ -180,11 +180,7 @@ def test_compiled_products_hold_the_kernels_as_ops():
     """Compiled, both products are opaque op calls with the eager results; `opcheck` checks each fake against its
     real op."""
     w_uk, w_uv, q, out_latent = kv_b_case()
-    graphs = []
-
-    def backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module
+    backend, graphs = graph_recorder()
 
     def products(q, w_uk, out_latent, w_uv):
         return dsa_module.per_head_matmul(q, w_uk), dsa_module.per_head_linear(out_latent, w_uv)
@@ -193,7 +189,7 @@ def test_compiled_products_hold_the_kernels_as_ops():
     compiled = torch.compile(products, fullgraph=True, dynamic=False, backend=backend)
     for got, reference in zip(compiled(q, w_uk, out_latent, w_uv), expected(w_uk, w_uv, q, out_latent), strict=True):
         assert torch.equal(got, reference)
-    targets = [str(node.target) for graph in graphs for node in graph.graph.nodes]
+    targets = graph_targets(graphs)
     assert any("head_matmul" in t for t in targets) and any("head_linear" in t for t in targets)
     torch.library.opcheck(torch.ops.kdsa.head_matmul.default, (q, w_uk))
     torch.library.opcheck(torch.ops.kdsa.head_linear.default, (out_latent, w_uv))

@@ -5,7 +5,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import count_calls, needs_cpu_kernels
+from conftest import count_calls, graph_recorder, graph_targets, needs_cpu_kernels
 
 from modeling_kdsa import cpu_extension, cpu_row_linear
 from modeling_kdsa import linear as linear_module
@@ -116,16 +116,12 @@ def test_compiled_linear_holds_the_kernel_as_one_op():
     """Compiled, a single bf16 row goes through the kernel as one opaque op (not inductor's fused multiply-and-sum)
     with the eager result; `opcheck` checks the fake against the real op."""
     x, weight, b = integer_case(rows_out=8, width=64)
-    graphs = []
-
-    def backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module
+    backend, graphs = graph_recorder()
 
     torch._dynamo.reset()
     compiled = torch.compile(linear, fullgraph=True, dynamic=False, backend=backend)
     assert torch.equal(compiled(x, weight, b), linear(x, weight, b))
-    assert any("row_linear" in str(node.target) for graph in graphs for node in graph.graph.nodes)
+    assert any("row_linear" in target for target in graph_targets(graphs))
     torch.library.opcheck(torch.ops.kdsa.row_linear.default, (x, weight, b))
 
 

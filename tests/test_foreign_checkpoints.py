@@ -19,14 +19,13 @@ import textwrap
 
 import pytest
 import torch
-from conftest import count_calls, needs_cpu_kernels
+from conftest import count_calls, cpu_compile_config, graph_recorder, graph_targets, needs_cpu_kernels
 from modeling_kdsa.parallel.mesh import ParallelMesh
 from modeling_kdsa.parallel.tensor_parallel import apply_tensor_parallel
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
-    CompileConfig,
     DeepseekV32Config,
     DeepseekV32ForCausalLM,
     Glm5NextConfig,
@@ -784,14 +783,9 @@ def test_fp8_held_bf16_decode_runs_the_fused_kernel_eagerly_and_compiled(deepsee
         calls = count_calls(spies, fp8_linear_module, "fp8_row_linear")
         expected = greedy(held, ids, 6)
     assert len(calls) == 5 * held_layers  # 5 decode steps (the prompt's rows are too many for the kernel)
-    graphs = []
+    recording, graphs = graph_recorder()
 
-    def recording(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    config = CompileConfig(fullgraph=True, mode="default", backend=recording)
-    config._compile_all_devices = True  # generate()'s switch to compile on CPU
+    config = cpu_compile_config(recording)
     torch._dynamo.reset()
     try:
         with torch.no_grad():
@@ -799,7 +793,7 @@ def test_fp8_held_bf16_decode_runs_the_fused_kernel_eagerly_and_compiled(deepsee
     finally:
         torch._dynamo.reset()
     assert torch.equal(got, expected)
-    assert len(graphs) == 1 and any("fp8_row_linear" in str(node.target) for node in graphs[0].graph.nodes)
+    assert len(graphs) == 1 and any("fp8_row_linear" in target for target in graph_targets(graphs))
 
 
 @pytest.mark.parametrize("fp8_weights", ["hold", "dequantize"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.utils
-from conftest import count_calls, needs_cpu_kernels, tiny_model
+from conftest import count_calls, cpu_compile_config, needs_cpu_kernels, tiny_model
 from transformers import CompileConfig
 
 from modeling_kdsa import KDSAQuantizationConfig, cpu_kda_recurrent, cpu_row_linear, dsa_paged_ops, static_cache
@@ -59,10 +59,8 @@ def page_gathers(graphs) -> list[str]:
 
 
 def compile_config(backend=recording_backend, **overrides) -> CompileConfig:
-    """What generate() needs to compile on CPU: `_compile_all_devices` (a class attribute, not an init argument)."""
-    config = CompileConfig(fullgraph=True, mode="default", backend=backend, **overrides)
-    config._compile_all_devices = True
-    return config
+    """generate()'s CPU compile config (`cpu_compile_config`), recording the captured graphs by default."""
+    return cpu_compile_config(backend, **overrides)
 
 
 def prompt(batch: int = 2, length: int = 60, padded: int = 5):

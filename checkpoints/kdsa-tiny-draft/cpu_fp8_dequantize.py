@@ -1,22 +1,26 @@
-"""Block-scaled E4M3 weights dequantized on x86 CPUs by one hand-written, vectorised kernel
-(docs/checkpoint-conversion.md §9).
+"""Block-scaled E4M3 weights on x86 CPUs: two hand-written, vectorised kernels (docs/checkpoint-conversion.md §9).
 
-`fp8_linear.dequantize_tiles` (`values.float() * scales`, then a cast) runs on every forward of a layer held in FP8.
-torch's float8 -> float conversion on CPU is element by element, ~3 ns each: 3.3 ms for a 1024 x 1024 weight, ~140x
-the product of one row with the BF16 weight, so a held model decoded two orders of magnitude slower than a BF16 one.
-This kernel computes the same values with AVX512, 16 at a time, bit for bit (NaN aside: see the C++ comments).
+`fp8_linear.dequantize_tiles` (`values.float() * scales`, then a cast) runs on every forward of a layer held in FP8
+that the fused product below does not take. torch's float8 -> float conversion on CPU is element by element, ~3 ns
+each: 3.3 ms for a 1024 x 1024 weight, ~140x the product of one row with the BF16 weight.
 
-`cpu_extension` builds and loads the C++ source below, which implements the CPU kernel of the `torch.library` op
-`kdsa::dequantize_fp8_tiles` (schema and fake implementation registered here). `dequantize_tiles` calls it outside a
-compile (inside one, inductor fuses the conversion into the product's loop) for a bf16 or fp32 result on a CPU that
-supports it; elsewhere the torch path runs. Rows are split over torch's intra-op threads, at any thread count
-(measured at 1 and 2: `scripts/bench_cpu_kernels.py`).
+- `kdsa::dequantize_fp8_tiles` computes the same values with AVX512, 16 at a time, bit for bit (a NaN stays a NaN;
+  its bits may differ from torch's, whose own NaN bits depend on whether its vectorised or scalar path ran).
+  `dequantize_tiles` calls it outside a compile (inside one, inductor fuses the traced conversion into the product's
+  loop) for a bf16 or fp32 result; rows are split over torch's intra-op threads, at any thread count (measured at 1
+  and 2: `scripts/bench_cpu_kernels.py`).
+- `kdsa::fp8_row_linear` is a held layer's forward of 1 to 4 bf16 rows (a decode step), eagerly and compiled: the row
+  kernel's loop (`cpu_row_linear.GEMV_SOURCE`) with each weight vector dequantized in registers, bit for bit the
+  product with the dequantized weight, without writing that weight.
+
+`cpu_extension` builds and loads the C++ source below, which implements the CPU kernels of both `torch.library` ops
+(schemas and fake implementations registered here). Where they cannot run, the torch path runs.
 """
 
 import torch
 
-from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, few_threads, load
-from .cpu_row_linear import GEMV_SOURCE, MAX_ROWS
+from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, load
+from .cpu_row_linear import GEMV_SOURCE, few_bf16_rows
 
 _SOURCE = (
     PRELUDE
@@ -43,16 +47,6 @@ inline __m512 e4m3_to_fp32(__m128i bytes) {
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), sign));
 }
 
-// fp32 -> bf16, round to nearest even, as torch's conversion. The values are products, so a NaN is quiet (bit 22 set)
-// and the rounding keeps it a NaN (its bits may differ from torch's, whose own NaN bits depend on whether its
-// vectorised or scalar path converted the element).
-inline __m256i fp32_to_bf16(__m512 value) {
-  const __m512i bits = _mm512_castps_si512(value);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_cvtepi32_epi16(
-      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16));
-}
-
 // One row of `cols` values: value x the scale of its column block, written as fp32 or bf16.
 template <bool Bf16>
 void dequantize_row(const uint8_t* values, const float* scales, int64_t cols, int64_t block_cols, void* out) {
@@ -74,9 +68,9 @@ void dequantize_row(const uint8_t* values, const float* scales, int64_t cols, in
     const __m512 value = _mm512_mul_ps(e4m3_to_fp32(bytes), scale);
     if constexpr (Bf16) {
       if (whole)
-        _mm256_storeu_si256((__m256i*)((uint16_t*)out + c), fp32_to_bf16(value));
+        _mm256_storeu_si256((__m256i*)((uint16_t*)out + c), float_to_bf16_x16(value));
       else
-        _mm256_mask_storeu_epi16((uint16_t*)out + c, mask, fp32_to_bf16(value));
+        _mm256_mask_storeu_epi16((uint16_t*)out + c, mask, float_to_bf16_x16(value));
     } else {
       if (whole)
         _mm512_storeu_ps((float*)out + c, value);
@@ -93,8 +87,8 @@ inline __m512bh dequantize_32(const uint8_t* values, float scale, __mmask32 mask
   const __m256i bytes = mask == (__mmask32)0xffffffff ? _mm256_loadu_si256((const __m256i*)values)
                                                       : _mm256_maskz_loadu_epi8(mask, values);
   const __m512 s = _mm512_set1_ps(scale);
-  const __m256i low = fp32_to_bf16(_mm512_mul_ps(e4m3_to_fp32(_mm256_castsi256_si128(bytes)), s));
-  const __m256i high = fp32_to_bf16(_mm512_mul_ps(e4m3_to_fp32(_mm256_extracti128_si256(bytes, 1)), s));
+  const __m256i low = float_to_bf16_x16(_mm512_mul_ps(e4m3_to_fp32(_mm256_castsi256_si128(bytes)), s));
+  const __m256i high = float_to_bf16_x16(_mm512_mul_ps(e4m3_to_fp32(_mm256_extracti128_si256(bytes, 1)), s));
   return (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
 }
 
@@ -229,25 +223,18 @@ def fp8_row_linear_applies(
     hidden_states: torch.Tensor, values: torch.Tensor, scale_inv: torch.Tensor, block, bias
 ) -> bool:
     """The fused kernel computes a held layer's forward (`linear(x, dequantize_tiles(...), bias)`, which the row kernel
-    runs for these rows): the row kernel's conditions (1 to `MAX_ROWS` bf16 rows on a CPU that supports it, no
-    autograd, no autocast, not under `torch.export`, at most `cpu_extension.MAX_THREADS` threads), contiguous E4M3
-    values and fp32 scales, tiles of a multiple of 32 columns, a bf16 bias or none — and it is built and loaded. Also
-    inside a compile, as one opaque op: inductor's own fusion of the traced conversion into the product took 9x longer
+    runs for these rows): the row kernels' `few_bf16_rows`, contiguous E4M3 values and fp32 scales, tiles of a
+    multiple of 32 columns, a bf16 bias or none, on a CPU that supports it — and it is built and loaded. Also inside a
+    compile, as one opaque op: inductor's own fusion of the traced conversion into the product took 9x longer
     (docs/checkpoint-conversion.md §9)."""
     return (
-        hidden_states.device.type == "cpu"
-        and hidden_states.dtype == torch.bfloat16
-        and 0 < hidden_states.numel() <= MAX_ROWS * hidden_states.shape[-1]
+        few_bf16_rows(hidden_states, hidden_states.shape[-1])
         and values.dtype == torch.float8_e4m3fn
         and values.is_contiguous()
         and scale_inv.dtype == torch.float32
         and scale_inv.is_contiguous()
         and block[1] % 32 == 0
         and (bias is None or bias.dtype == torch.bfloat16)
-        and not torch.is_grad_enabled()
-        and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_exporting()  # an exported program may run where the op is not registered
-        and few_threads()
         and kernel_available()
     )
 

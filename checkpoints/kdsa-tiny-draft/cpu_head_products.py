@@ -22,8 +22,8 @@ AVX512-BF16, no compiler, not bf16, more than `MAX_ROWS` rows, autograd, export,
 
 import torch
 
-from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, few_threads, load
-from .cpu_row_linear import GEMV_SOURCE, MAX_ROWS
+from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, load
+from .cpu_row_linear import GEMV_SOURCE, few_bf16_rows
 
 _SOURCE = (
     PRELUDE
@@ -36,18 +36,8 @@ namespace {
 constexpr int64_t kMaxRows = 4;  // `MAX_ROWS` in Python
 
 // 16 bf16 values widened to fp32 (exact).
-inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
-}
-
-// 16 fp32 values rounded to bf16 to nearest even, as torch rounds them. A NaN stays a NaN without a special case:
-// the sums' NaNs come from bf16 inputs or from arithmetic, so their low 16 bits are 0 and the rounding cannot carry.
-inline void store_bf16(uint16_t* p, __m512 v, __mmask16 mask) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(rounded));
+inline __m512 widen_bf16(__m256i values) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(values), 16));
 }
 
 // out[m * out_stride + j] = sum_n x[m * x_stride + n] * w[n * k + j] for j < k: the weight's n rows read in order
@@ -64,8 +54,7 @@ void row_times_matrix(const uint16_t* x, int64_t x_stride, const uint16_t* w, in
     for (int m = 0; m < Rows; ++m) scale[m] = _mm512_set1_ps(bf16_to_float(x[m * x_stride + r]));
     int64_t j = 0;
     for (; j + 16 <= k; j += 16) {
-      const __m512 wv = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(row + j))), 16));
+      const __m512 wv = widen_bf16(_mm256_loadu_si256((const __m256i*)(row + j)));
       for (int m = 0; m < Rows; ++m) {
         float* sums = acc + m * k + j;
         _mm512_storeu_ps(sums, _mm512_fmadd_ps(wv, scale[m], _mm512_loadu_ps(sums)));
@@ -73,7 +62,7 @@ void row_times_matrix(const uint16_t* x, int64_t x_stride, const uint16_t* w, in
     }
     if (j < k) {
       const __mmask16 mask = (__mmask16)((1u << (k - j)) - 1);
-      const __m512 wv = load_bf16(row + j, mask);
+      const __m512 wv = widen_bf16(_mm256_maskz_loadu_epi16(mask, row + j));
       for (int m = 0; m < Rows; ++m) {
         float* sums = acc + m * k + j;
         _mm512_mask_storeu_ps(sums, mask, _mm512_fmadd_ps(wv, scale[m], _mm512_maskz_loadu_ps(mask, sums)));
@@ -83,7 +72,8 @@ void row_times_matrix(const uint16_t* x, int64_t x_stride, const uint16_t* w, in
   for (int m = 0; m < Rows; ++m)
     for (int64_t j = 0; j < k; j += 16) {
       const __mmask16 mask = k - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - j)) - 1);
-      store_bf16(out + m * out_stride + j, _mm512_maskz_loadu_ps(mask, acc + m * k + j), mask);
+      _mm256_mask_storeu_epi16(out + m * out_stride + j, mask,
+                               float_to_bf16_x16(_mm512_maskz_loadu_ps(mask, acc + m * k + j)));
     }
 }
 
@@ -163,24 +153,17 @@ def kernel_available() -> bool:
 
 
 def kernels_apply(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The kernels compute the per-head products of `x` `[..., H, N or K]` with `weight` `[H, N, K]`: not under
-    `torch.export`, no autocast, no autograd, 1 to `MAX_ROWS` bf16 rows on a CPU that supports them, a plain bf16
-    weight (no tensor subclass) with contiguous rows, at most `cpu_extension.MAX_THREADS` threads — and they are built
-    and loaded."""
+    """The kernels compute the per-head products of `x` `[..., H, N or K]` with `weight` `[H, N, K]`: the row
+    kernels' `few_bf16_rows` (a row being all heads' values of a token), a plain bf16 weight (no tensor subclass)
+    with contiguous rows, on a CPU that supports them — and they are built and loaded."""
     return (
-        not torch.compiler.is_exporting()  # an exported program may run where the ops are not registered
-        and x.device.type == "cpu"
-        and x.dtype == torch.bfloat16
-        and x.dim() >= 2
-        and 0 < x.numel() <= MAX_ROWS * x.shape[-2] * x.shape[-1]
+        x.dim() >= 2
+        and few_bf16_rows(x, x.shape[-2] * x.shape[-1])
         and type(weight) in (torch.Tensor, torch.nn.Parameter)
         and weight.dtype == torch.bfloat16
         and weight.dim() == 3
         and weight.stride(2) == 1
         and weight.stride(1) == weight.shape[2]
-        and not torch.is_autocast_enabled("cpu")
-        and not torch.is_grad_enabled()
-        and few_threads()
         and kernel_available()
     )
 

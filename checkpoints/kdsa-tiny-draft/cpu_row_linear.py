@@ -137,23 +137,33 @@ def kernel_available() -> bool:
     return cpu_supports_kernels() and load("row_linear", _SOURCE, "kdsa::row_linear", compiler())
 
 
-def row_linear_applies(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """The kernel computes `F.linear(hidden_states, weight, bias)`: not under `torch.export`, no autocast, no autograd,
-    1 to `MAX_ROWS` bf16 rows on a CPU that supports it, a plain contiguous bf16 weight (no tensor subclass such as a
-    quantized weight) and bias, at most `cpu_extension.MAX_THREADS` threads — and it is built and loaded."""
+def few_bf16_rows(x: torch.Tensor, row_width: int) -> bool:
+    """What every row kernel (this one, `cpu_head_products`, `cpu_fp8_dequantize`'s fused product) needs of its
+    activations `x`: 1 to `MAX_ROWS` bf16 rows of `row_width` values on CPU, not under `torch.export` (an exported
+    program may run where the ops are not registered), no autocast, no autograd, at most `cpu_extension.MAX_THREADS`
+    threads."""
     return (
-        not torch.compiler.is_exporting()  # an exported program may run where the op is not registered
-        and hidden_states.device.type == "cpu"
-        and hidden_states.dtype == torch.bfloat16
-        and 0 < hidden_states.numel() <= MAX_ROWS * hidden_states.shape[-1]
+        not torch.compiler.is_exporting()
+        and x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and 0 < x.numel() <= MAX_ROWS * row_width
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.is_grad_enabled()
+        and few_threads()
+    )
+
+
+def row_linear_applies(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """The kernel computes `F.linear(hidden_states, weight, bias)`: `few_bf16_rows`, a plain contiguous bf16 weight
+    (no tensor subclass such as a quantized weight) and bias, on a CPU that supports it — and it is built and
+    loaded."""
+    return (
+        few_bf16_rows(hidden_states, hidden_states.shape[-1])
         and type(weight) in (torch.Tensor, nn.Parameter)
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and weight.is_contiguous()
         and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
-        and not torch.is_autocast_enabled("cpu")
-        and not torch.is_grad_enabled()
-        and few_threads()
         and kernel_available()
     )
 
@@ -179,4 +189,4 @@ if not hasattr(torch.ops.kdsa, "row_linear"):
     torch.library.register_fake("kdsa::row_linear", _fake_row_linear, lib=_LIBRARY)
 row_linear = torch.ops.kdsa.row_linear
 
-__all__ = ["kernel_available", "row_linear", "row_linear_applies"]
+__all__ = ["few_bf16_rows", "kernel_available", "row_linear", "row_linear_applies"]
