@@ -13,7 +13,13 @@ What it measures (bf16 activations, batch 1, `torch.inference_mode()`, `--thread
   4. `mla`: an absorbed MLA layer's two per-head products of a decode step (the query into the latent space, the
      latent output out of it) with `kv_b_proj.weight` out of cache (six layers' weights in turn, the buffer written
      before each path): contiguous copies of its two slices and the einsums, the layer's path without the kernels,
-     against the head kernels reading the slices in place (docs/dsa.md §13).
+     against the head kernels reading the slices in place (docs/dsa.md §13);
+  5. `experts`: one token through a MoE layer's routed experts (`KDSAExperts`, six layers' experts in turn, the buffer
+     written before each path): eagerly, the loop over the token's experts (a host sync, then one row-kernel product
+     pair per expert) against the expert kernel's two calls for all slots; compiled (inductor, the fixed-shape decode
+     path), inductor's multiply-and-sum over the gathered weights against the kernel as one op (docs/graph-mode.md
+     §12). The expert shapes: the benchmark's (8 experts of 1024 x 512, 2 per token) and a wider one (16 experts of
+     2048 x 1024, 4 per token).
 In each round the paths run one after the other, so that both see the same machine; the table gives the median and
 minimum of each path and the median, min and max of the per-round ratio (torch path / kernel).
 
@@ -36,7 +42,15 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from modeling_kdsa import cpu_fp8_dequantize, cpu_head_products, cpu_kda_recurrent, cpu_row_linear  # noqa: E402
+from modeling_kdsa import (  # noqa: E402
+    cpu_expert_linear,
+    cpu_fp8_dequantize,
+    cpu_head_products,
+    cpu_kda_recurrent,
+    cpu_row_linear,
+)
+from modeling_kdsa import moe as moe_module  # noqa: E402
+from modeling_kdsa.configuration_kdsa import KDSAConfig  # noqa: E402
 from modeling_kdsa.dsa import per_head_linear, per_head_matmul  # noqa: E402
 from modeling_kdsa.fp8_linear import KDSAFP8Linear, dequantize_tiles_torch  # noqa: E402
 from modeling_kdsa.kda_ops import recurrent_kda  # noqa: E402
@@ -51,6 +65,9 @@ QUICK_ROW_SHAPES = [(256, 256), (1024, 256)]
 # (heads, Dn, Dv, C): the benchmark shape, and DeepSeek-V3.2's (128 heads, `kv_b_proj` 32 MiB a layer).
 MLA_SHAPES = [(16, 128, 128, 512), (128, 128, 128, 512)]
 QUICK_MLA_SHAPES = [(4, 32, 32, 64)]
+# (experts, width D, intermediate I, experts per token)
+EXPERT_SHAPES = [(8, 1024, 512, 2), (16, 2048, 1024, 4)]
+QUICK_EXPERT_SHAPES = [(4, 64, 32, 2)]
 
 
 def timed(call) -> float:
@@ -195,6 +212,63 @@ def bench_mla(heads: int, nope: int, value: int, latent: int, repeats: int, evic
     return streaming_summary(name, "mla", *times, weight_bytes=heads * (nope + value) * latent * 2)
 
 
+def bench_experts(num_experts: int, width: int, intermediate: int, top_k: int, repeats: int, evict: torch.Tensor):
+    """Eager and compiled rows for one token through six layers' routed experts in turn."""
+    config = KDSAConfig(hidden_size=width, moe_intermediate_size=intermediate, n_routed_experts=num_experts)
+    generator = torch.Generator().manual_seed(4)
+    layers = []
+    for _ in range(6):
+        experts = moe_module.KDSAExperts(config)
+        for parameter in experts.parameters():
+            parameter.data = (torch.randn(parameter.shape, generator=generator) * 0.02).to(DTYPE)
+        layers.append(experts)
+    hidden = torch.randn(1, width, generator=generator).to(DTYPE)
+    indices = torch.randperm(num_experts, generator=generator)[:top_k].reshape(1, top_k)
+    weights = torch.rand(1, top_k, generator=generator)
+    weight_bytes = top_k * 3 * width * intermediate * 2
+    name = f"experts {num_experts}x{width}x{intermediate} top{top_k}"
+
+    def never(*args):
+        return False
+
+    def without_kernel(function):
+        """`function` with `KDSAExperts` deciding that the expert kernel does not apply (compiled: traced so)."""
+
+        def call(*args):
+            applies, moe_module.expert_linear_applies = moe_module.expert_linear_applies, never
+            try:
+                return function(*args)
+            finally:
+                moe_module.expert_linear_applies = applies
+
+        return call
+
+    def eager(experts):
+        return experts(hidden, indices, weights)
+
+    times = cold_rounds(without_kernel(eager), eager, layers, repeats, evict)
+    results = [streaming_summary(f"{name}, eager", "experts", *times, weight_bytes=weight_bytes)]
+
+    # One compiled function over the six layers' weights, passed as inputs; the patched decision is a global the
+    # graph guards on, so each path keeps its own graph (checked below: two graphs, equal outputs).
+    template = moe_module.KDSAExperts(config)  # holds none of the weights passed in (dynamo guards on identity)
+
+    def routed(gate_up, down):
+        parameters = {"gate_up_proj": gate_up, "down_proj": down}
+        return torch.func.functional_call(template, parameters, (hidden, indices, weights))
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(routed, dynamic=False, fullgraph=True)
+    stacked = [(experts.gate_up_proj, experts.down_proj) for experts in layers]
+    times = cold_rounds(without_kernel(lambda w: compiled(*w)), lambda w: compiled(*w), stacked, repeats, evict)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    reference = without_kernel(compiled)(*stacked[0]).float()
+    torch.testing.assert_close(compiled(*stacked[0]).float(), reference, rtol=0, atol=0.02 * reference.abs().max())
+    results.append(streaming_summary(f"{name}, compiled", "experts", *times, weight_bytes=weight_bytes))
+    return results
+
+
 def print_table(report: dict) -> None:
     header = f"{'case':34} {'torch ms':>9} {'kernel ms':>10} {'torch/kernel':>13} {'min..max':>12}"
     print(f"CPU kernels vs the torch paths, {report['environment']['threads']} thread(s)")
@@ -229,6 +303,8 @@ def main(argv: list[str] | None = None) -> dict:
             results += [bench_fp8(*shape, repeats) for shape in (QUICK_FP8_SHAPES if args.quick else FP8_SHAPES)]
             results += [bench_row(*shape, repeats, evict) for shape in (QUICK_ROW_SHAPES if args.quick else ROW_SHAPES)]
             results += [bench_mla(*shape, repeats, evict) for shape in (QUICK_MLA_SHAPES if args.quick else MLA_SHAPES)]
+            for shape in QUICK_EXPERT_SHAPES if args.quick else EXPERT_SHAPES:
+                results += bench_experts(*shape, repeats, evict)
     finally:
         torch.set_num_threads(threads)
     report = dict(
@@ -240,6 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
             fp8=cpu_fp8_dequantize.kernel_available(),
             row=cpu_row_linear.kernel_available(),
             mla=cpu_head_products.kernel_available(),
+            experts=cpu_expert_linear.kernel_available(),
         ),
         repeats=repeats,
         results=results,

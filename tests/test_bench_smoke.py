@@ -341,17 +341,23 @@ def test_dsa_kernel_bench_case_times_every_kernel_of_every_backend():
 
 def test_cpu_kernel_bench_quick_run(tmp_path):
     """`scripts/bench_cpu_kernels.py --quick`: every case (KDA step cold and warm, FP8-held forwards, row products, MLA
-    head products) with both paths timed and a per-round ratio; a round count below one is a usage error."""
+    head products, routed experts eager and compiled) with both paths timed and a per-round ratio; a round count below
+    one is a usage error."""
     bench = load_bench().sibling_script("bench_cpu_kernels")
     out = tmp_path / "bench_cpu_kernels.json"
     report = bench.main(["--quick", "--repeats", "2", "--out", str(out)])
     assert json.loads(out.read_text()) == report and report["repeats"] == 2
     names = [row["name"] for row in report["results"]]
     assert names[:2] == ["kda step, cold", "kda step, warm"]
-    assert [row["kernel"] for row in report["results"]] == ["kda"] * 2 + ["fp8"] * 2 + ["row"] * 2 + ["mla"]
+    kernels = ["kda"] * 2 + ["fp8"] * 2 + ["row"] * 2 + ["mla"] + ["experts"] * 2
+    assert [row["kernel"] for row in report["results"]] == kernels
+    assert [row["name"] for row in report["results"]][-2:] == [
+        "experts 4x64x32 top2, eager",
+        "experts 4x64x32 top2, compiled",
+    ]
     for row in report["results"]:
         assert row["reference_ms"] > 0 and row["kernel_ms"] > 0 and len(row["ratios"]) == 2
         assert row["ratio_median"] == statistics.median(row["ratios"]) and row["ratio_min"] == min(row["ratios"])
-    assert set(report["kernels_available"]) == {"kda", "fp8", "row", "mla"}
+    assert set(report["kernels_available"]) == {"kda", "fp8", "row", "mla", "experts"}
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--repeats", "0", "--out", str(out)])

@@ -1,13 +1,13 @@
 """Builds and loads the hand-written C++ kernels of the decode step on x86 CPUs (docs/dsa.md §11).
 
-Each kernel module (`cpu_indexer`, `cpu_sparse_mla`, `cpu_row_linear`, `cpu_head_products`, `cpu_kda_recurrent`,
-`cpu_fp8_dequantize`) holds a C++ source that implements the CPU kernels of `torch.library` ops whose schemas and fake
-implementations the module registers in Python. On first use the source is compiled with the system C++ compiler
-(`$CXX`, default `g++`; the same compiler inductor needs) against the running torch's headers and libraries (a few
-seconds) into `$XDG_CACHE_HOME/kdsa-kernels/`, one library per source, flags, compiler and torch version, written
-atomically. Loading it registers the kernels (`TORCH_LIBRARY_IMPL`), so the dispatcher calls C++ without Python and a
-compiled step holds each op as one opaque call. Where a kernel cannot be built or loaded (no compiler, no writable
-cache directory) this warns once and the callers keep their torch path.
+Each kernel module (`cpu_indexer`, `cpu_sparse_mla`, `cpu_row_linear`, `cpu_head_products`, `cpu_expert_linear`,
+`cpu_kda_recurrent`, `cpu_fp8_dequantize`) holds a C++ source that implements the CPU kernels of `torch.library` ops
+whose schemas and fake implementations the module registers in Python. On first use the source is compiled with the
+system C++ compiler (`$CXX`, default `g++`; the same compiler inductor needs) against the running torch's headers and
+libraries (a few seconds) into `$XDG_CACHE_HOME/kdsa-kernels/`, one library per source, flags, compiler and torch
+version, written atomically. Loading it registers the kernels (`TORCH_LIBRARY_IMPL`), so the dispatcher calls C++
+without Python and a compiled step holds each op as one opaque call. Where a kernel cannot be built or loaded (no
+compiler, no writable cache directory) this warns once and the callers keep their torch path.
 """
 
 import hashlib

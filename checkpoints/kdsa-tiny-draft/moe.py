@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from .cpu_expert_linear import expert_linear, expert_linear_applies
 from .linear import KDSALinear, fuses_on_cpu, linear, row_times_weight
 from .norms import KDSARMSNorm
 from .numeric_formats import mxfp4_dequantize
@@ -184,6 +185,8 @@ class KDSAExperts(nn.Module):
                 return self._forward_gathered(hidden_states, topk_indices, topk_weights)
             return self._forward_dense(hidden_states, topk_indices, topk_weights)
         if hidden_states.shape[0] == 1:
+            if self._reads_in_place(hidden_states):
+                return self._forward_gathered(hidden_states, topk_indices, topk_weights)
             return self._forward_one_token(hidden_states, topk_indices, topk_weights)
         num_slots = topk_indices.shape[-1]
         flat_experts = topk_indices.reshape(-1)  # [N·k]
@@ -211,10 +214,10 @@ class KDSAExperts(nn.Module):
     def _forward_one_token(
         self, hidden_states: torch.Tensor, topk_indices: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        """One token (batch-1 decode): its k experts in turn, without the sort, counts and scatter of the grouped
-        path. Each expert's weights are read in place; eagerly, the gathered batched GEMV of `_forward_gathered` would
-        first copy them (about 2.5x slower on CPU at the benchmark shape; compiled, the gather fuses into the read).
-        Bit-identical to `forward`: the same GEMVs, summed in fp32 in the same (expert) order."""
+        """One token (batch-1 decode) where the expert kernel does not run (`_reads_in_place`): its k experts in turn,
+        without the sort, counts and scatter of the grouped path. Each expert's weights are read in place; eagerly,
+        the gathered batched GEMV of `_forward_gathered` would first copy them (about 2.5x slower on CPU at the
+        benchmark shape). Bit-identical to `forward`: the same GEMVs, summed in fp32 in the same (expert) order."""
         weights = topk_weights.reshape(-1, 1).float()  # [k, 1]
         output = None
         for slot, expert in sorted(enumerate(topk_indices.reshape(-1).tolist()), key=lambda pair: pair[1]):
@@ -228,8 +231,17 @@ class KDSAExperts(nn.Module):
         gate, up = linear(inputs, gate_up_weight).chunk(2, dim=-1)
         return linear(self.activation(gate, up), down_weight)
 
-    def _expert_mlp(self, inputs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """Each row of `inputs [n, D]` through its own expert's weights `gate_up [n, 2I, D]`, `down [n, D, I]`."""
+    def _reads_in_place(self, inputs: torch.Tensor) -> bool:
+        """Whether `kdsa::expert_linear` (`cpu_expert_linear`) runs each row through its expert's stacked weights."""
+        return not self.mxfp4 and expert_linear_applies(inputs, self.gate_up_proj)
+
+    def _expert_mlp(self, inputs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Each row of `inputs [n, D]` through its own expert `experts [n]`'s gated MLP → `[n, D]`."""
+        if self._reads_in_place(inputs):
+            # The C++ kernel reads each row's expert weights in place, as the row kernel reads a linear layer's.
+            gate, up = expert_linear(inputs, self.gate_up_proj, experts).chunk(2, dim=-1)
+            return expert_linear(self.activation(gate, up), self.down_proj, experts)
+        gate_up, down = self.expert_weights(experts, inputs.dtype)  # [n, 2I, D], [n, D, I]
         if fuses_on_cpu(inputs, gate_up):
             # Every row has its own weights, so none is reused: the fused multiply-and-sum reads each gathered weight
             # once, with the gather folded into that read instead of a copy first (docs/graph-mode.md §9).
@@ -241,13 +253,16 @@ class KDSAExperts(nn.Module):
     def _forward_gathered(
         self, hidden_states: torch.Tensor, topk_indices: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        """Fixed-shape decode path (docs/graph-mode.md §4): each (token, slot) pair multiplies by its expert's weights,
-        gathered by index, in one batched GEMV pair; only the selected experts' weights are read. Same result as
-        `forward` up to fp32 summation order."""
+        """Fixed-shape decode path (docs/graph-mode.md §4), also one token's eager path where the expert kernel runs:
+        each (token, slot) pair multiplies by its expert's weights, selected by index, in one batched GEMV pair; only
+        the selected experts' weights are read, and nothing syncs. Each token's slots are taken in expert order and
+        summed in fp32 in that order, as `forward`'s grouped loop adds them: with the kernel, whose products are the
+        row kernel's, the result is bit for bit the grouped path's."""
         num_tokens, num_slots = topk_indices.shape
-        flat_experts = topk_indices.reshape(-1)  # [N·k], token-major
+        topk_indices, order = topk_indices.sort(dim=-1)
+        topk_weights = topk_weights.gather(-1, order)
         inputs = hidden_states.repeat_interleave(num_slots, dim=0)  # [N·k, D]
-        outputs = self._expert_mlp(inputs, *self.expert_weights(flat_experts, hidden_states.dtype))
+        outputs = self._expert_mlp(inputs, topk_indices.reshape(-1))  # token-major pairs
         weighted = outputs.float() * topk_weights.reshape(-1, 1).float()
         return weighted.view(num_tokens, num_slots, -1).sum(dim=1).to(hidden_states.dtype)
 

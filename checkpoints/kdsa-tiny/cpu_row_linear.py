@@ -22,8 +22,8 @@ from torch import nn
 
 from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, few_threads, load
 
-# The product of 1 to 4 rows with a block of weight rows, shared with `cpu_head_products` and `cpu_fp8_dequantize`
-# (after PRELUDE).
+# The product of 1 to 4 rows with a block of weight rows, shared with `cpu_head_products`, `cpu_expert_linear` and
+# `cpu_fp8_dequantize` (after PRELUDE).
 GEMV_SOURCE = r"""
 namespace {
 

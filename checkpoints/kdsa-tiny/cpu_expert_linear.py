@@ -1,0 +1,109 @@
+"""The routed experts' products for a decode step in bf16 on x86 CPUs: each row through its own expert's weight, read
+in place from the stacked weights (docs/graph-mode.md §12).
+
+`kdsa::expert_linear(x [P, K], weight [E, N, K], experts [P]) -> [P, N]` computes `x[p] @ weight[experts[p]]ᵀ` for
+every (token, slot) pair p: the row kernel's dot products (`cpu_row_linear`), the same loop and order of additions,
+so each row's result is bit for bit what `cpu_row_linear.row_linear(x[p], weight[experts[p]])` gives. The pairs' rows
+of weight are read one pair after the other (one sequential stream per thread, split over threads by rows); the
+expert indices are read by the kernel, so neither eager nor a compiled step syncs on them or copies a weight.
+
+`KDSAExperts` calls it for one token eagerly (instead of a Python loop over the token's experts after a host sync) and
+for its fixed-shape decode path in a compiled step (instead of inductor's multiply-and-sum over the gathered weights,
+docs/graph-mode.md §4, §9). `cpu_extension` builds and loads the C++ source; where the kernel cannot run (no
+AVX512-BF16, no compiler, not bf16, autograd, export, more than `cpu_extension.MAX_THREADS` threads) those paths keep
+their torch form.
+"""
+
+import torch
+from torch import nn
+
+from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, few_threads, load
+from .cpu_row_linear import GEMV_SOURCE
+
+_SOURCE = (
+    PRELUDE
+    + GEMV_SOURCE
+    + r"""
+#include <ATen/Parallel.h>
+
+namespace {
+
+// kdsa::expert_linear (schema in Python): x [P, K] bf16 with contiguous rows (any row stride, 0 included: one token's
+// row for all its slots), weight [E, N, K] contiguous bf16, experts [P] int64 in [0, E). Bad input is a ValueError.
+at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& experts) {
+  bool ok = x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+            x.stride(1) == 1 && x.stride(0) >= 0 && weight.dim() == 3 && weight.is_contiguous() &&
+            x.size(1) == weight.size(2) && x.size(1) > 0 && experts.scalar_type() == at::kLong && experts.dim() == 1 &&
+            experts.is_contiguous() && experts.size(0) == x.size(0);
+  TORCH_CHECK_VALUE(ok,
+      "expert_linear takes bf16 x [P, K] with contiguous rows, contiguous bf16 weight [E, N, K] and int64 experts [P];"
+      " got x ", describe(x), " strides ", x.strides(), ", weight ", describe(weight), ", experts ", describe(experts));
+  const int64_t pairs = x.size(0), num_experts = weight.size(0), n = weight.size(1), k = weight.size(2);
+  const int64_t* expert = experts.data_ptr<int64_t>();
+  for (int64_t p = 0; p < pairs; ++p)
+    TORCH_CHECK_VALUE(0 <= expert[p] && expert[p] < num_experts, "expert_linear: expert index ", expert[p],
+                      " of pair ", p, " is outside [0, ", num_experts, ")");
+  at::Tensor out = at::empty({pairs, n}, x.options());
+  const uint16_t* xp = (const uint16_t*)x.data_ptr();
+  const uint16_t* wp = (const uint16_t*)weight.data_ptr();
+  uint16_t* op = (uint16_t*)out.data_ptr();
+  // The P x N output rows in order, split over threads in blocks of ~512 KiB of weight or more (as `row_linear`):
+  // each thread reads its pairs' weights one after the other.
+  const int64_t grain = std::max<int64_t>(1, (512 << 10) / (2 * k));
+  at::parallel_for(0, pairs * n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin / n; p * n < end; ++p) {
+      const int64_t first = std::max(begin, p * n) - p * n, last = std::min(end, (p + 1) * n) - p * n;
+      gemv<1>(xp + p * x.stride(0), k, wp + expert[p] * n * k, k, nullptr, op + p * n, n, first, last);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("expert_linear", TORCH_FN(expert_linear)); }
+"""
+)
+
+
+@torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
+def kernel_available() -> bool:
+    """The CPU supports the kernel and it is built and loaded (`cpu_extension.load`)."""
+    return cpu_supports_kernels() and load("expert_linear", _SOURCE, "kdsa::expert_linear", compiler())
+
+
+def expert_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The kernel computes each row of `x` `[P, K]` times its expert's matrix of `weight` `[E, N, K]`: bf16 rows on
+    CPU with contiguous values, a plain contiguous bf16 weight (no tensor subclass), not under `torch.export` (an
+    exported program may run where the op is not registered), no autocast, no autograd, at most
+    `cpu_extension.MAX_THREADS` threads, on a CPU that supports it — and it is built and loaded."""
+    return (
+        not torch.compiler.is_exporting()
+        and x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and x.dim() == 2
+        and x.stride(-1) == 1
+        and type(weight) in (torch.Tensor, nn.Parameter)
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 3
+        and weight.is_contiguous()
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.is_grad_enabled()
+        and few_threads()
+        and kernel_available()
+    )
+
+
+def _fake_expert_linear(x, weight, experts):
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+# Registered as `cpu_indexer` registers its op: the schema and the fake here, the CPU kernel by the C++ library when
+# `kernel_available()` first loads it; the first registration in a process stands.
+_LIBRARY = torch.library.Library("kdsa", "FRAGMENT")
+if not hasattr(torch.ops.kdsa, "expert_linear"):
+    _LIBRARY.define("expert_linear(Tensor x, Tensor weight, Tensor experts) -> Tensor")
+    torch.library.register_fake("kdsa::expert_linear", _fake_expert_linear, lib=_LIBRARY)
+expert_linear = torch.ops.kdsa.expert_linear
+
+__all__ = ["expert_linear", "expert_linear_applies", "kernel_available"]

@@ -1,0 +1,202 @@
+"""The hand-written CPU kernel of the routed experts' decode products (modeling_kdsa/cpu_expert_linear.py,
+docs/graph-mode.md §12): each pair's row against the row kernel on its expert's matrix, the two-thread split across
+pairs, the input checks, the compiled op, and the MoE paths that reach it (eager one token, compiled decode)."""
+
+import pytest
+import torch
+from conftest import count_calls, graph_recorder, graph_targets, needs_cpu_kernels
+
+from modeling_kdsa import cpu_expert_linear, cpu_extension
+from modeling_kdsa import moe as moe_module
+from modeling_kdsa.configuration_kdsa import KDSAConfig
+from modeling_kdsa.cpu_expert_linear import expert_linear, expert_linear_applies
+from modeling_kdsa.cpu_row_linear import kernel_available as row_kernel_available
+from modeling_kdsa.cpu_row_linear import row_linear
+from modeling_kdsa.moe import KDSAExperts
+
+pytestmark = pytest.mark.usefixtures("kernels_at_this_thread_count")
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+def case(experts=5, n=40, k=37, pairs=6, seed=0):
+    """bf16 stacked weights `[E, N, K]`, rows `[P, K]` and expert indices `[P]` (with repeats)."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(experts, n, k, generator=generator).bfloat16()
+    x = torch.randn(pairs, k, generator=generator).bfloat16()
+    index = torch.randint(0, experts, (pairs,), generator=generator)
+    return x, weight, index
+
+
+def row_kernel_products(x, weight, index):
+    """Each pair through `kdsa::row_linear` on its expert's matrix, one call per pair."""
+    assert row_kernel_available()  # loads the row kernel
+    return torch.cat([row_linear(x[p : p + 1].contiguous(), weight[e], None) for p, e in enumerate(index.tolist())])
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize(
+    "experts, n, k, pairs",
+    [
+        (5, 40, 37, 6),  # K = 32 + a masked tail of 5
+        (8, 1024, 128, 2),  # one unrolled step of 128, a decode step's gate_up rows (two slots)
+        (3, 7, 300, 9),  # every loop of the row kernel, more pairs than experts
+        (4, 16, 16, 1),  # a row shorter than one vector
+    ],
+)
+def test_each_pair_is_the_row_kernel_on_its_expert(experts, n, k, pairs):
+    """Bit for bit `row_linear` of the pair's row with `weight[experts[p]]` (the same loop, the same order of
+    additions), and within one bf16 rounding of the fp32 product."""
+    x, weight, index = case(experts, n, k, pairs)
+    assert expert_linear_applies(x, weight)
+    got = expert_linear(x, weight, index)
+    assert got.shape == (pairs, n) and got.dtype == torch.bfloat16
+    assert torch.equal(got, row_kernel_products(x, weight, index))
+    exact = torch.einsum("pk,pnk->pn", x.float(), weight[index].float())
+    assert ((got.float() - exact).abs() <= 2**-8 * exact.abs() + 1e-5).all()
+
+
+@needs_cpu_kernels
+def test_one_row_for_every_slot_needs_no_copy():
+    """A token's row expanded over its slots (row stride 0) is read in place, with the same results."""
+    x, weight, index = case(pairs=4)
+    shared = x[:1].expand(4, -1)
+    assert shared.stride(0) == 0
+    assert torch.equal(expert_linear(shared, weight, index), expert_linear(shared.contiguous(), weight, index))
+
+
+@needs_cpu_kernels
+def test_two_threads_split_the_pairs_rows(monkeypatch):
+    """Over the grain (~512 KiB of weight per thread) the pairs' rows are split between two threads, a block
+    boundary falling inside a pair's rows: the results stay the row kernel's. (That the split happens at all needs the
+    OpenMP build: test_cpu_extension.py.)"""
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(cpu_extension, "MAX_THREADS", 2)
+    torch.set_num_threads(2)
+    try:
+        x, weight, index = case(experts=4, n=1000, k=512, pairs=3)  # grain 512 rows: blocks end mid-pair
+        assert torch.equal(expert_linear(x, weight, index), row_kernel_products(x, weight, index))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_cpu_kernels
+def test_the_kernel_refuses_inputs_it_cannot_read():
+    """The op reads raw pointers: a wrong dtype, a width mismatch, strided values, an index of another length or type,
+    and an expert outside the weight are ValueErrors, not crashes or reads past the weight."""
+    assert cpu_expert_linear.kernel_available()
+    x, weight, index = case()
+    for args in [
+        (x.float(), weight, index),
+        (x, weight.float(), index),
+        (x[:, :5].contiguous(), weight, index),
+        (x.t().contiguous().t(), weight, index),
+        (x, weight.transpose(1, 2).contiguous().transpose(1, 2), index),
+        (x, weight[0], index),
+        (x, weight, index[:2]),
+        (x, weight, index.int()),
+    ]:
+        with pytest.raises(ValueError, match="expert_linear takes"):
+            expert_linear(*args)
+    for bad in (5, -1):
+        with pytest.raises(ValueError, match=f"expert index {bad} of pair 2 is outside"):
+            expert_linear(x, weight, torch.tensor([0, 1, bad, 0, 1, 2]))
+
+
+@needs_cpu_kernels
+def test_the_torch_paths_run_where_the_kernel_does_not_apply(monkeypatch):
+    """fp32, a weight subclass or non-contiguous weight, autograd, autocast, more threads than MAX_THREADS and an
+    unavailable kernel keep the torch paths."""
+    x, weight, index = case()
+
+    class Subclass(torch.Tensor):
+        pass
+
+    for args in [(x.float(), weight), (x, weight.float()), (x, weight.as_subclass(Subclass)), (x, weight[:, ::2])]:
+        assert not expert_linear_applies(*args)
+    with torch.enable_grad():
+        assert not expert_linear_applies(x, weight)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not expert_linear_applies(x, weight)
+    monkeypatch.setattr(cpu_extension, "MAX_THREADS", torch.get_num_threads() - 1)
+    assert not expert_linear_applies(x, weight)
+    monkeypatch.setattr(cpu_extension, "MAX_THREADS", torch.get_num_threads())
+    assert expert_linear_applies(x, weight)
+    monkeypatch.setattr(cpu_expert_linear, "kernel_available", lambda: False)
+    assert not expert_linear_applies(x, weight)
+
+
+def make_experts(num_experts=16, width=64, intermediate=48, seed=0) -> KDSAExperts:
+    config = KDSAConfig(hidden_size=width, moe_intermediate_size=intermediate, n_routed_experts=num_experts)
+    experts = KDSAExperts(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in experts.parameters():
+            parameter.copy_(0.3 * torch.randn(parameter.shape, generator=generator))
+    return experts.bfloat16()
+
+
+@needs_cpu_kernels
+def test_one_token_runs_its_experts_through_the_kernel_without_a_host_sync(monkeypatch):
+    """Eagerly, one bf16 token takes two kernel calls (gate_up, down) for all its slots, no Python loop over experts
+    and no `.tolist()`; its output is bit for bit the grouped path's (that of two tokens on disjoint experts), and the
+    per-expert loop gives the same bits where the kernel does not apply."""
+    experts = make_experts()
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        hidden = torch.randn(2, 64, generator=generator).bfloat16()
+        indices = torch.randperm(16, generator=generator)[:8].reshape(2, 4)  # disjoint, in no particular order
+        weights = torch.rand(2, 4, generator=generator)
+        grouped = experts(hidden, indices, weights)
+        with monkeypatch.context() as patch:
+            calls = count_calls(patch, moe_module, "expert_linear")
+            patch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("a host sync in the one-token path"))
+            alone = experts(hidden[:1], indices[:1], weights[:1])
+        assert len(calls) == 2 and calls[0][0].shape == (4, 64)  # gate_up and down, all four slots at once
+        assert torch.equal(alone[0], grouped[0])
+        with monkeypatch.context() as patch:
+            calls = count_calls(patch, moe_module, "expert_linear")
+            patch.setattr(moe_module, "expert_linear_applies", lambda *args: False)
+            assert torch.equal(experts(hidden[:1], indices[:1], weights[:1]), alone)
+        assert not calls
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("kernel", [True, False])
+def test_one_tokens_slots_are_summed_in_expert_order(monkeypatch, kernel):
+    """The grouped loop adds a token's weighted expert outputs in expert order; the one-token paths must too, whatever
+    order the router lists the slots in. Experts 2 and 9 made identical with weights -1e8 and +1e8 cancel exactly when
+    added first (slot order 9, 2, 5), and lose expert 5's low bits when 5 comes between them (expert order 2, 5, 9)."""
+    monkeypatch.setattr(moe_module, "expert_linear_applies", lambda *args: kernel and expert_linear_applies(*args))
+    experts = make_experts()
+    with torch.no_grad():
+        experts.gate_up_proj[9] = experts.gate_up_proj[2]
+        experts.down_proj[9] = experts.down_proj[2]
+    hidden = torch.randn(2, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    indices, weights = torch.tensor([[9, 2, 5], [0, 1, 3]]), torch.tensor([[1e8, -1e8, 1.0], [0.2, 0.3, 0.5]])
+    grouped = experts(hidden, indices, weights)
+    alone = experts(hidden[:1], indices[:1], weights[:1])
+    assert torch.equal(alone[0], grouped[0])
+    slot_order = experts._run_expert(hidden[:1], 5)  # what adding in slot order leaves: expert 5's output alone
+    assert not torch.equal(alone, slot_order)
+
+
+@needs_cpu_kernels
+def test_compiled_decode_holds_the_kernel_as_an_op():
+    """In a compiled step the fixed-shape decode path calls the op (no gathered weights), with the eager bits;
+    `opcheck` checks the fake against the real op."""
+    experts = make_experts()
+    hidden = torch.randn(1, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    indices, weights = torch.tensor([[9, 2, 14, 5]]), torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    backend, graphs = graph_recorder()
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, fullgraph=True, dynamic=False, backend=backend)
+    assert torch.equal(compiled(hidden, indices, weights), experts(hidden, indices, weights))
+    targets = graph_targets(graphs)
+    assert sum("expert_linear" in target for target in targets) == 2
+    x, weight, index = case()
+    torch.library.opcheck(torch.ops.kdsa.expert_linear.default, (x, weight, index))
