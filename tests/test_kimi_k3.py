@@ -428,7 +428,10 @@ def test_kimi_k3_block_attn_res_matches_the_engines_bank_and_prefix():
             h = layer.post_attention_layernorm(stream.input_for(2 * i + 1))
             stream.add_output(2 * i + 1, sublayer(2 * i + 1, h))
         ours = stream.final(model.model.output_attn_res)
-    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+    # Two fp32 computations in different orders, through 16 sublayers: measured 4.4e-6 of the output's scale at most
+    # on an Intel Xeon with AMX (oneDNN's fp32 products there round differently from AMD Zen 4's, where 1e-5 absolute
+    # held); a sublayer in the wrong block moves the output by O(0.1).
+    torch.testing.assert_close(ours, expected, rtol=0, atol=2e-5 * expected.abs().max().item())
 
 
 def reference_gated_mla(attn, x: torch.Tensor, eps: float) -> torch.Tensor:
