@@ -141,22 +141,24 @@ def make_experts(num_experts=16, width=64, intermediate=48, seed=0) -> KDSAExper
 
 
 @needs_cpu_kernels
-def test_one_token_runs_its_experts_through_the_kernel_without_a_host_sync(monkeypatch):
+@pytest.mark.parametrize("num_experts, top_k", [(16, 4), (32, 16)])
+def test_one_token_runs_its_experts_through_the_kernel_without_a_host_sync(monkeypatch, num_experts, top_k):
     """Eagerly, one bf16 token takes two kernel calls (gate_up, down) for all its slots, no Python loop over experts
     and no `.tolist()`; its output is bit for bit the grouped path's (that of two tokens on disjoint experts), and the
-    per-expert loop gives the same bits where the kernel does not apply."""
-    experts = make_experts()
+    per-expert loop gives the same bits where the kernel does not apply. Up to 16 slots: torch's sum over them then
+    adds in order (more are summed pairwise, docs/graph-mode.md §12)."""
+    experts = make_experts(num_experts)
     generator = torch.Generator().manual_seed(1)
     for _ in range(5):
         hidden = torch.randn(2, 64, generator=generator).bfloat16()
-        indices = torch.randperm(16, generator=generator)[:8].reshape(2, 4)  # disjoint, in no particular order
-        weights = torch.rand(2, 4, generator=generator)
+        indices = torch.randperm(num_experts, generator=generator)[: 2 * top_k].reshape(2, top_k)  # disjoint, unsorted
+        weights = torch.rand(2, top_k, generator=generator)
         grouped = experts(hidden, indices, weights)
         with monkeypatch.context() as patch:
             calls = count_calls(patch, moe_module, "expert_linear")
             patch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("a host sync in the one-token path"))
             alone = experts(hidden[:1], indices[:1], weights[:1])
-        assert len(calls) == 2 and calls[0][0].shape == (4, 64)  # gate_up and down, all four slots at once
+        assert len(calls) == 2 and calls[0][0].shape == (top_k, 64)  # gate_up and down, all slots at once
         assert torch.equal(alone[0], grouped[0])
         with monkeypatch.context() as patch:
             calls = count_calls(patch, moe_module, "expert_linear")

@@ -256,8 +256,9 @@ class KDSAExperts(nn.Module):
         """Fixed-shape decode path (docs/graph-mode.md §4), also one token's eager path where the expert kernel runs:
         each (token, slot) pair multiplies by its expert's weights, selected by index, in one batched GEMV pair; only
         the selected experts' weights are read, and nothing syncs. Each token's slots are taken in expert order and
-        summed in fp32 in that order, as `forward`'s grouped loop adds them: with the kernel, whose products are the
-        row kernel's, the result is bit for bit the grouped path's."""
+        summed in fp32 in that order (torch adds up to 16 rows in order), as `forward`'s grouped loop adds them: with
+        the kernel, whose products are the row kernel's, the result is bit for bit the grouped path's
+        (docs/graph-mode.md §12)."""
         num_tokens, num_slots = topk_indices.shape
         topk_indices, order = topk_indices.sort(dim=-1)
         topk_weights = topk_weights.gather(-1, order)
