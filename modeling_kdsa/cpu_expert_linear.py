@@ -3,12 +3,14 @@ in place from the stacked weights (docs/graph-mode.md §12).
 
 `kdsa::expert_linear(x [P, K], weight [E, N, K], experts [P]) -> [P, N]` computes `x[p] @ weight[experts[p]]ᵀ` for
 every (token, slot) pair p: the row kernel's dot products (`cpu_row_linear`), the same loop and order of additions,
-so each row's result is bit for bit what `cpu_row_linear.row_linear(x[p], weight[experts[p]])` gives. The pairs' rows
-of weight are read one pair after the other (one sequential stream per thread, split over threads by rows); the
-expert indices are read by the kernel, so neither eager nor a compiled step syncs on them or copies a weight.
+so each row's result is bit for bit what `cpu_row_linear.row_linear(x[p], weight[experts[p]])` gives. Pairs of the
+same expert (tokens of a batch that chose it) share each read of its weight, up to 4 at a time, as the row kernel
+shares a weight between up to 4 rows; the experts' weights are read one after the other (one sequential stream per
+thread, split over threads by rows). The expert indices are read by the kernel, so neither eager nor a compiled step
+syncs on them or copies a weight.
 
-`KDSAExperts` calls it for one token eagerly (instead of a Python loop over the token's experts after a host sync) and
-for its fixed-shape decode path in a compiled step (instead of inductor's multiply-and-sum over the gathered weights,
+`KDSAExperts` calls it for up to 4 tokens eagerly (instead of a Python loop over the experts after a host sync) and for
+its fixed-shape decode path in a compiled step (instead of inductor's multiply-and-sum over the gathered weights,
 docs/graph-mode.md §4, §9). `cpu_extension` builds and loads the C++ source; where the kernel cannot run (no
 AVX512-BF16, no compiler, not bf16, autograd, export, more than `cpu_extension.MAX_THREADS` threads) those paths keep
 their torch form.
@@ -28,6 +30,28 @@ _SOURCE = (
 
 namespace {
 
+// The pairs of one expert, up to 4 (the rows `gemv` shares each weight vector read between).
+struct Group {
+  int64_t expert;
+  int rows;
+  int64_t pair[4];
+};
+
+// Pairs in expert order (stable), in groups of up to 4 pairs of the same expert: a decode step of up to 4 sequences (or
+// a speculative step's tokens) whose tokens chose the same expert read its weight once.
+std::vector<Group> groups_by_expert(const int64_t* expert, int64_t pairs) {
+  std::vector<int64_t> order(pairs);
+  for (int64_t p = 0; p < pairs; ++p) order[p] = p;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return expert[a] < expert[b]; });
+  std::vector<Group> groups;
+  for (int64_t p : order) {
+    if (groups.empty() || groups.back().expert != expert[p] || groups.back().rows == 4)
+      groups.push_back(Group{expert[p], 0, {}});
+    groups.back().pair[groups.back().rows++] = p;
+  }
+  return groups;
+}
+
 // kdsa::expert_linear (schema in Python): x [P, K] bf16 with contiguous rows (any row stride, 0 included: one token's
 // row for all its slots), weight [E, N, K] contiguous bf16, experts [P] int64 in [0, E). Bad input is a ValueError.
 at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& experts) {
@@ -44,16 +68,29 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& weight, const at
     TORCH_CHECK_VALUE(0 <= expert[p] && expert[p] < num_experts, "expert_linear: expert index ", expert[p],
                       " of pair ", p, " is outside [0, ", num_experts, ")");
   at::Tensor out = at::empty({pairs, n}, x.options());
+  const std::vector<Group> groups = groups_by_expert(expert, pairs);
+  const int64_t num_groups = (int64_t)groups.size();
   const uint16_t* xp = (const uint16_t*)x.data_ptr();
   const uint16_t* wp = (const uint16_t*)weight.data_ptr();
   uint16_t* op = (uint16_t*)out.data_ptr();
-  // The P x N output rows in order, split over threads in blocks of ~512 KiB of weight or more (as `row_linear`):
-  // each thread reads its pairs' weights one after the other.
+  // The groups' N output rows each, in order, split over threads in blocks of ~512 KiB of weight or more (as
+  // `row_linear`): each thread reads its groups' weights one after the other. A group's x rows are copied side by side
+  // and its outputs computed side by side (`gemv`'s layout), then put in their pairs' rows.
   const int64_t grain = std::max<int64_t>(1, (512 << 10) / (2 * k));
-  at::parallel_for(0, pairs * n, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin / n; p * n < end; ++p) {
-      const int64_t first = std::max(begin, p * n) - p * n, last = std::min(end, (p + 1) * n) - p * n;
-      gemv<1>(xp + p * x.stride(0), k, wp + expert[p] * n * k, k, nullptr, op + p * n, n, first, last);
+  at::parallel_for(0, num_groups * n, grain, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> rows_in(4 * k), rows_out(4 * n);
+    for (int64_t g = begin / n; g * n < end; ++g) {
+      const Group& group = groups[g];
+      const int64_t first = std::max(begin, g * n) - g * n, last = std::min(end, (g + 1) * n) - g * n;
+      for (int m = 0; m < group.rows; ++m)
+        std::copy_n(xp + group.pair[m] * x.stride(0), k, rows_in.data() + m * k);
+      const auto kernel = group.rows == 1   ? gemv<1>
+                          : group.rows == 2 ? gemv<2>
+                          : group.rows == 3 ? gemv<3>
+                                            : gemv<4>;
+      kernel(rows_in.data(), k, wp + group.expert * n * k, k, nullptr, rows_out.data(), n, first, last);
+      for (int m = 0; m < group.rows; ++m)
+        std::copy_n(rows_out.data() + m * n + first, last - first, op + group.pair[m] * n + first);
     }
   });
   return out;

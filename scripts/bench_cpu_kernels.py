@@ -14,12 +14,12 @@ What it measures (bf16 activations, batch 1, `torch.inference_mode()`, `--thread
      latent output out of it) with `kv_b_proj.weight` out of cache (six layers' weights in turn, the buffer written
      before each path): contiguous copies of its two slices and the einsums, the layer's path without the kernels,
      against the head kernels reading the slices in place (docs/dsa.md §13);
-  5. `experts`: one token through a MoE layer's routed experts (`KDSAExperts`, six layers' experts in turn, the buffer
-     written before each path): eagerly, the loop over the token's experts (a host sync, then one row-kernel product
-     pair per expert) against the expert kernel's two calls for all slots; compiled (inductor, the fixed-shape decode
-     path), inductor's multiply-and-sum over the gathered weights against the kernel as one op (docs/graph-mode.md
-     §12). The expert shapes: the benchmark's (8 experts of 1024 x 512, 2 per token) and a wider one (16 experts of
-     2048 x 1024, 4 per token).
+  5. `experts`: a decode step's tokens through a MoE layer's routed experts (`KDSAExperts`, six layers' experts in
+     turn, the buffer written before each path): eagerly, the loop over the experts (a host sync, then one row-kernel
+     product pair per expert) against the expert kernel's two calls for all slots; compiled (inductor, the fixed-shape
+     decode path), inductor's multiply-and-sum over the gathered weights (one per slot) against the kernel as one op
+     (docs/graph-mode.md §12). One token at the benchmark's expert shape (8 experts of 1024 x 512, 2 per token) and at
+     a wider one (16 experts of 2048 x 1024, 4 per token); four tokens (a batch of 4 sequences) at the benchmark's.
 In each round the paths run one after the other, so that both see the same machine; the table gives the median and
 minimum of each path and the median, min and max of the per-round ratio (torch path / kernel).
 
@@ -65,9 +65,9 @@ QUICK_ROW_SHAPES = [(256, 256), (1024, 256)]
 # (heads, Dn, Dv, C): the benchmark shape, and DeepSeek-V3.2's (128 heads, `kv_b_proj` 32 MiB a layer).
 MLA_SHAPES = [(16, 128, 128, 512), (128, 128, 128, 512)]
 QUICK_MLA_SHAPES = [(4, 32, 32, 64)]
-# (experts, width D, intermediate I, experts per token)
-EXPERT_SHAPES = [(8, 1024, 512, 2), (16, 2048, 1024, 4)]
-QUICK_EXPERT_SHAPES = [(4, 64, 32, 2)]
+# (experts, width D, intermediate I, experts per token, tokens)
+EXPERT_SHAPES = [(8, 1024, 512, 2, 1), (16, 2048, 1024, 4, 1), (8, 1024, 512, 2, 4)]
+QUICK_EXPERT_SHAPES = [(4, 64, 32, 2, 1), (4, 64, 32, 2, 2)]
 
 
 def timed(call) -> float:
@@ -212,8 +212,9 @@ def bench_mla(heads: int, nope: int, value: int, latent: int, repeats: int, evic
     return streaming_summary(name, "mla", *times, weight_bytes=heads * (nope + value) * latent * 2)
 
 
-def bench_experts(num_experts: int, width: int, intermediate: int, top_k: int, repeats: int, evict: torch.Tensor):
-    """Eager and compiled rows for one token through six layers' routed experts in turn."""
+def bench_experts(num_experts: int, width: int, intermediate: int, top_k: int, tokens: int, repeats: int,
+                  evict: torch.Tensor) -> list[dict]:  # fmt: skip
+    """Eager and compiled rows for `tokens` tokens through six layers' routed experts in turn."""
     config = KDSAConfig(hidden_size=width, moe_intermediate_size=intermediate, n_routed_experts=num_experts)
     generator = torch.Generator().manual_seed(4)
     layers = []
@@ -222,11 +223,11 @@ def bench_experts(num_experts: int, width: int, intermediate: int, top_k: int, r
         for parameter in experts.parameters():
             parameter.data = (torch.randn(parameter.shape, generator=generator) * 0.02).to(DTYPE)
         layers.append(experts)
-    hidden = torch.randn(1, width, generator=generator).to(DTYPE)
-    indices = torch.randperm(num_experts, generator=generator)[:top_k].reshape(1, top_k)
-    weights = torch.rand(1, top_k, generator=generator)
-    weight_bytes = top_k * 3 * width * intermediate * 2
-    name = f"experts {num_experts}x{width}x{intermediate} top{top_k}"
+    hidden = torch.randn(tokens, width, generator=generator).to(DTYPE)
+    indices = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=generator)
+    weight_bytes = indices.unique().numel() * 3 * width * intermediate * 2  # each chosen expert's weights, once
+    name = f"experts {num_experts}x{width}x{intermediate} top{top_k}" + (f" x{tokens} tokens" if tokens > 1 else "")
 
     def never(*args):
         return False

@@ -349,12 +349,12 @@ def test_cpu_kernel_bench_quick_run(tmp_path):
     assert json.loads(out.read_text()) == report and report["repeats"] == 2
     names = [row["name"] for row in report["results"]]
     assert names[:2] == ["kda step, cold", "kda step, warm"]
-    kernels = ["kda"] * 2 + ["fp8"] * 2 + ["row"] * 2 + ["mla"] + ["experts"] * 2
+    kernels = ["kda"] * 2 + ["fp8"] * 2 + ["row"] * 2 + ["mla"] + ["experts"] * 4
     assert [row["kernel"] for row in report["results"]] == kernels
-    assert [row["name"] for row in report["results"]][-2:] == [
-        "experts 4x64x32 top2, eager",
-        "experts 4x64x32 top2, compiled",
+    experts = [
+        f"experts 4x64x32 top2{tokens}, {mode}" for tokens in ("", " x2 tokens") for mode in ("eager", "compiled")
     ]
+    assert [row["name"] for row in report["results"]][-4:] == experts
     for row in report["results"]:
         assert row["reference_ms"] > 0 and row["kernel_ms"] > 0 and len(row["ratios"]) == 2
         assert row["ratio_median"] == statistics.median(row["ratios"]) and row["ratio_min"] == min(row["ratios"])

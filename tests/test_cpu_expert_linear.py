@@ -61,6 +61,15 @@ def test_each_pair_is_the_row_kernel_on_its_expert(experts, n, k, pairs):
 
 
 @needs_cpu_kernels
+def test_pairs_of_one_expert_share_its_reads_in_groups_of_up_to_four():
+    """Seven pairs of expert 2 (groups of 4 and 3), one of expert 0 and two of expert 4, interleaved: every row is still
+    the row kernel's on its own expert."""
+    x, weight, _ = case(experts=5, n=40, k=300, pairs=10)
+    index = torch.tensor([2, 0, 2, 2, 4, 2, 2, 4, 2, 2])
+    assert torch.equal(expert_linear(x, weight, index), row_kernel_products(x, weight, index))
+
+
+@needs_cpu_kernels
 def test_one_row_for_every_slot_needs_no_copy():
     """A token's row expanded over its slots (row stride 0) is read in place, with the same results."""
     x, weight, index = case(pairs=4)
@@ -165,6 +174,37 @@ def test_one_token_runs_its_experts_through_the_kernel_without_a_host_sync(monke
             patch.setattr(moe_module, "expert_linear_applies", lambda *args: False)
             assert torch.equal(experts(hidden[:1], indices[:1], weights[:1]), alone)
         assert not calls
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("tokens", [2, 3, 4])
+def test_a_batch_of_up_to_four_tokens_takes_the_kernel_with_the_grouped_paths_bits(monkeypatch, tokens):
+    """A decode step of 2 to 4 sequences (tokens sharing some experts): two kernel calls, no host sync, and bit for bit
+    the grouped loop's output (whose products are the row kernel's for up to 4 rows per expert)."""
+    experts = make_experts(num_experts=6)
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(tokens, 64, generator=generator).bfloat16()
+    indices = torch.stack([torch.randperm(6, generator=generator)[:3] for _ in range(tokens)])  # experts shared
+    weights = torch.rand(tokens, 3, generator=generator)
+    with monkeypatch.context() as patch:
+        patch.setattr(moe_module, "expert_linear_applies", lambda *args: False)
+        grouped = experts(hidden, indices, weights)
+    with monkeypatch.context() as patch:
+        calls = count_calls(patch, moe_module, "expert_linear")
+        patch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("a host sync in the batch decode path"))
+        batched = experts(hidden, indices, weights)
+    assert len(calls) == 2 and calls[0][0].shape == (3 * tokens, 64)
+    assert torch.equal(batched, grouped)
+
+
+@needs_cpu_kernels
+def test_five_tokens_keep_the_grouped_loop(monkeypatch):
+    """More tokens than the row kernel's 4 rows (a prefill) keep the grouped GEMMs."""
+    experts = make_experts()
+    calls = count_calls(monkeypatch, moe_module, "expert_linear")
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    experts(hidden, torch.randint(0, 16, (5, 1)), torch.rand(5, 1))
+    assert not calls
 
 
 @needs_cpu_kernels

@@ -12,6 +12,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .cpu_expert_linear import expert_linear, expert_linear_applies
+from .cpu_row_linear import MAX_ROWS
 from .linear import KDSALinear, fuses_on_cpu, linear, row_times_weight
 from .norms import KDSARMSNorm
 from .numeric_formats import mxfp4_dequantize
@@ -184,9 +185,10 @@ class KDSAExperts(nn.Module):
             if topk_indices.numel() <= self.num_experts:
                 return self._forward_gathered(hidden_states, topk_indices, topk_weights)
             return self._forward_dense(hidden_states, topk_indices, topk_weights)
+        if hidden_states.shape[0] <= MAX_ROWS and self._reads_in_place(hidden_states):
+            # A decode step of up to 4 sequences: two expert-kernel calls, no host sync, each chosen expert read once.
+            return self._forward_gathered(hidden_states, topk_indices, topk_weights)
         if hidden_states.shape[0] == 1:
-            if self._reads_in_place(hidden_states):
-                return self._forward_gathered(hidden_states, topk_indices, topk_weights)
             return self._forward_one_token(hidden_states, topk_indices, topk_weights)
         num_slots = topk_indices.shape[-1]
         flat_experts = topk_indices.reshape(-1)  # [N·k]
@@ -253,11 +255,11 @@ class KDSAExperts(nn.Module):
     def _forward_gathered(
         self, hidden_states: torch.Tensor, topk_indices: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        """Fixed-shape decode path (docs/graph-mode.md §4), also one token's eager path where the expert kernel runs:
-        each (token, slot) pair multiplies by its expert's weights, selected by index, in one batched GEMV pair; only
-        the selected experts' weights are read, and nothing syncs. Each token's slots are taken in expert order and
-        summed in fp32 in that order (torch adds up to 16 rows in order), as `forward`'s grouped loop adds them: with
-        the kernel, whose products are the row kernel's, the result is bit for bit the grouped path's
+        """Fixed-shape decode path (docs/graph-mode.md §4), also the eager path of up to 4 tokens where the expert
+        kernel runs: each (token, slot) pair multiplies by its expert's weights, selected by index, in one batched GEMV
+        pair; only the selected experts' weights are read, and nothing syncs. Each token's slots are taken in expert
+        order and summed in fp32 in that order (torch adds up to 16 rows in order), as `forward`'s grouped loop adds
+        them: with the kernel, whose products are the row kernel's, the result is bit for bit the grouped path's
         (docs/graph-mode.md §12)."""
         num_tokens, num_slots = topk_indices.shape
         topk_indices, order = topk_indices.sort(dim=-1)
