@@ -271,12 +271,12 @@ def bench_experts(num_experts: int, width: int, intermediate: int, top_k: int, t
 
 
 def print_table(report: dict) -> None:
-    header = f"{'case':34} {'torch ms':>9} {'kernel ms':>10} {'torch/kernel':>13} {'min..max':>12}"
+    header = f"{'case':46} {'torch ms':>9} {'kernel ms':>10} {'torch/kernel':>13} {'min..max':>12}"
     print(f"CPU kernels vs the torch paths, {report['environment']['threads']} thread(s)")
     print(header)
     for row in report["results"]:
         print(
-            f"{row['name']:34} {row['reference_ms']:9.3f} {row['kernel_ms']:10.3f} {row['ratio_median']:12.2f}x "
+            f"{row['name']:46} {row['reference_ms']:9.3f} {row['kernel_ms']:10.3f} {row['ratio_median']:12.2f}x "
             f"{row['ratio_min']:5.2f}..{row['ratio_max']:<5.2f}"
         )
     for name, available in report["kernels_available"].items():
