@@ -198,12 +198,13 @@ def test_a_batch_of_up_to_four_tokens_takes_the_kernel_with_the_grouped_paths_bi
 
 
 @needs_cpu_kernels
-def test_five_tokens_keep_the_grouped_loop(monkeypatch):
-    """More tokens than the row kernel's 4 rows (a prefill) keep the grouped GEMMs."""
+@pytest.mark.parametrize("tokens", [5, 0])
+def test_five_tokens_or_none_keep_the_grouped_loop(monkeypatch, tokens):
+    """More tokens than the row kernel's 4 rows (a prefill) keep the grouped GEMMs; so does an empty batch."""
     experts = make_experts()
     calls = count_calls(monkeypatch, moe_module, "expert_linear")
-    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
-    experts(hidden, torch.randint(0, 16, (5, 1)), torch.rand(5, 1))
+    hidden = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    assert experts(hidden, torch.randint(0, 16, (tokens, 1)), torch.rand(tokens, 1)).shape == (tokens, 64)
     assert not calls
 
 

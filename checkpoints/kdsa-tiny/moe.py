@@ -185,7 +185,7 @@ class KDSAExperts(nn.Module):
             if topk_indices.numel() <= self.num_experts:
                 return self._forward_gathered(hidden_states, topk_indices, topk_weights)
             return self._forward_dense(hidden_states, topk_indices, topk_weights)
-        if hidden_states.shape[0] <= MAX_ROWS and self._reads_in_place(hidden_states):
+        if 0 < hidden_states.shape[0] <= MAX_ROWS and self._reads_in_place(hidden_states):
             # A decode step of up to 4 sequences: two expert-kernel calls, no host sync, each chosen expert read once.
             return self._forward_gathered(hidden_states, topk_indices, topk_weights)
         if hidden_states.shape[0] == 1:
