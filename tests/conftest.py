@@ -17,6 +17,23 @@ def kernels_at_this_thread_count(monkeypatch):
     monkeypatch.setattr(cpu_extension, "MAX_THREADS", max(cpu_extension.MAX_THREADS, torch.get_num_threads()))
 
 
+def assert_refused_like_every_cpu_kernel(monkeypatch, applies, args: tuple, kernel_module) -> None:
+    """What each CPU kernel's `applies(*args)` check must refuse besides its own shapes and dtypes: autograd,
+    autocast, more intra-op threads than `cpu_extension.MAX_THREADS`, and the kernel unavailable
+    (`kernel_module.kernel_available`, left patched to False). `args` is a case the kernel takes otherwise."""
+    assert applies(*args)
+    with torch.enable_grad():
+        assert not applies(*args)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not applies(*args)
+    monkeypatch.setattr(cpu_extension, "MAX_THREADS", torch.get_num_threads() - 1)
+    assert not applies(*args)
+    monkeypatch.setattr(cpu_extension, "MAX_THREADS", torch.get_num_threads())
+    assert applies(*args)
+    monkeypatch.setattr(kernel_module, "kernel_available", lambda: False)
+    assert not applies(*args)
+
+
 def cpu_compile_config(backend="inductor", **overrides) -> CompileConfig:
     """What generate() needs to compile its decode step on CPU: `_compile_all_devices` (a class attribute, not an init
     argument)."""

@@ -4,7 +4,13 @@ pairs, the input checks, the compiled op, and the MoE paths that reach it (eager
 
 import pytest
 import torch
-from conftest import count_calls, graph_recorder, graph_targets, needs_cpu_kernels
+from conftest import (
+    assert_refused_like_every_cpu_kernel,
+    count_calls,
+    graph_recorder,
+    graph_targets,
+    needs_cpu_kernels,
+)
 
 from modeling_kdsa import cpu_expert_linear, cpu_extension
 from modeling_kdsa import moe as moe_module
@@ -127,16 +133,7 @@ def test_the_torch_paths_run_where_the_kernel_does_not_apply(monkeypatch):
 
     for args in [(x.float(), weight), (x, weight.float()), (x, weight.as_subclass(Subclass)), (x, weight[:, ::2])]:
         assert not expert_linear_applies(*args)
-    with torch.enable_grad():
-        assert not expert_linear_applies(x, weight)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not expert_linear_applies(x, weight)
-    monkeypatch.setattr(cpu_extension, "MAX_THREADS", torch.get_num_threads() - 1)
-    assert not expert_linear_applies(x, weight)
-    monkeypatch.setattr(cpu_extension, "MAX_THREADS", torch.get_num_threads())
-    assert expert_linear_applies(x, weight)
-    monkeypatch.setattr(cpu_expert_linear, "kernel_available", lambda: False)
-    assert not expert_linear_applies(x, weight)
+    assert_refused_like_every_cpu_kernel(monkeypatch, expert_linear_applies, (x, weight), cpu_expert_linear)
 
 
 def make_experts(num_experts=16, width=64, intermediate=48, seed=0) -> KDSAExperts:

@@ -5,7 +5,14 @@ decode step reaching them."""
 
 import pytest
 import torch
-from conftest import count_calls, graph_recorder, graph_targets, needs_cpu_kernels, tiny_config
+from conftest import (
+    assert_refused_like_every_cpu_kernel,
+    count_calls,
+    graph_recorder,
+    graph_targets,
+    needs_cpu_kernels,
+    tiny_config,
+)
 
 from modeling_kdsa import KDSACache, KDSAForCausalLM, cpu_extension, cpu_head_products
 from modeling_kdsa import dsa as dsa_module
@@ -137,15 +144,7 @@ def test_the_einsums_run_where_the_kernels_do_not_apply(monkeypatch):
         reference = torch.einsum("bthn,hnk->bthk", x.float(), weight.float()).to(x.dtype)
         assert torch.equal(dsa_module.per_head_matmul(x, weight), reference)
     assert not kernels_apply(q.float(), w_uk) and not kernels_apply(q, w_uk.float())
-    with torch.enable_grad():
-        assert not kernels_apply(q, w_uk)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not kernels_apply(q, w_uk)
-    monkeypatch.setattr(cpu_extension, "MAX_THREADS", torch.get_num_threads() - 1)
-    assert not kernels_apply(q, w_uk)
-    monkeypatch.setattr(cpu_extension, "MAX_THREADS", torch.get_num_threads())
-    monkeypatch.setattr(cpu_head_products, "kernel_available", lambda: False)
-    assert not kernels_apply(out_latent, w_uv)
+    assert_refused_like_every_cpu_kernel(monkeypatch, kernels_apply, (out_latent, w_uv), cpu_head_products)
     assert torch.equal(dsa_module.per_head_linear(out_latent, w_uv), expected(w_uk, w_uv, q, out_latent)[1])
     assert not query_calls and not output_calls
 

@@ -5,7 +5,13 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import count_calls, graph_recorder, graph_targets, needs_cpu_kernels
+from conftest import (
+    assert_refused_like_every_cpu_kernel,
+    count_calls,
+    graph_recorder,
+    graph_targets,
+    needs_cpu_kernels,
+)
 
 from modeling_kdsa import cpu_extension, cpu_row_linear
 from modeling_kdsa import linear as linear_module
@@ -99,15 +105,7 @@ def test_linear_routes_only_up_to_four_bf16_rows_without_autograd_to_the_kernel(
     for case in cases:
         assert not cpu_row_linear.row_linear_applies(*case)
         linear(*case)
-    with torch.enable_grad():
-        assert not cpu_row_linear.row_linear_applies(x, weight, b)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not cpu_row_linear.row_linear_applies(x, weight, b)
-    monkeypatch.setattr(cpu_extension, "MAX_THREADS", torch.get_num_threads() - 1)
-    assert not cpu_row_linear.row_linear_applies(x, weight, b)
-    monkeypatch.setattr(cpu_extension, "MAX_THREADS", torch.get_num_threads())
-    monkeypatch.setattr(cpu_row_linear, "kernel_available", lambda: False)
-    assert not cpu_row_linear.row_linear_applies(x, weight, b)
+    assert_refused_like_every_cpu_kernel(monkeypatch, cpu_row_linear.row_linear_applies, (x, weight, b), cpu_row_linear)
     assert len(calls) == 1
 
 
