@@ -144,7 +144,8 @@ def test_sources_per_sublayer(two_phase):
 def test_two_phase_matches_direct_formula(block_size, shape):
     """Two-phase (docs/attn-res.md §3) and direct stream == §2 reference in fp32, for every sublayer input and the
     final aggregation; block size 20 exceeds the 8 sublayers (a single block after b_0). Measured worst error
-    9.4e-7 of the tensor's scale (two-phase; the direct stream is bit-exact)."""
+    9.4e-7 of the tensor's scale on AMD Zen 4 and 1.03e-6 on an Intel Xeon with AMX (two-phase; the direct stream is
+    bit-exact); the bound leaves room for other CPUs' fp32 products."""
     num_sublayers = 8
     attns = make_depth_attns(num_sublayers, seed=block_size)
     final_attn = make_depth_attns(1, seed=100 + block_size)[0]
@@ -155,8 +156,8 @@ def test_two_phase_matches_direct_formula(block_size, shape):
         for two_phase in (False, True):
             inputs, out = run_stream(embeddings, block_size, attns, sublayers, two_phase, final_attn)
             for s in range(num_sublayers):
-                assert_close_to_scale(inputs[s], ref_inputs[s], rel=2e-6)
-            assert_close_to_scale(out, ref_out, rel=2e-6)
+                assert_close_to_scale(inputs[s], ref_inputs[s], rel=4e-6)
+            assert_close_to_scale(out, ref_out, rel=4e-6)
 
 
 def test_two_phase_bf16_close_to_fp32():
