@@ -195,6 +195,22 @@ def test_a_batch_of_up_to_four_tokens_takes_the_kernel_with_the_grouped_paths_bi
 
 
 @needs_cpu_kernels
+def test_compiled_batch_of_four_takes_the_kernel_even_with_more_pairs_than_experts():
+    """Compiled, 4 tokens x 3 slots over 6 experts (12 pairs > 6 experts, where the fixed-shape path without the
+    kernel runs every expert on every token) take the kernel, with the eager grouped loop's bits."""
+    experts = make_experts(num_experts=6)
+    generator = torch.Generator().manual_seed(6)
+    hidden = torch.randn(4, 64, generator=generator).bfloat16()
+    indices = torch.stack([torch.randperm(6, generator=generator)[:3] for _ in range(4)])
+    weights = torch.rand(4, 3, generator=generator)
+    backend, graphs = graph_recorder()
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, fullgraph=True, dynamic=False, backend=backend)
+    assert torch.equal(compiled(hidden, indices, weights), experts(hidden, indices, weights))
+    assert sum("expert_linear" in target for target in graph_targets(graphs)) == 2
+
+
+@needs_cpu_kernels
 @pytest.mark.parametrize("tokens", [5, 0])
 def test_five_tokens_or_none_keep_the_grouped_loop(monkeypatch, tokens):
     """More tokens than the row kernel's 4 rows (a prefill) keep the grouped GEMMs; so does an empty batch."""

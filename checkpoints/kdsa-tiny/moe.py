@@ -180,13 +180,15 @@ class KDSAExperts(nn.Module):
         Grouped compute: the N·k (token, slot) pairs are sorted by expert once, so each expert that received
         tokens runs one matmul pair over a contiguous slice; results are weighted and summed back per token.
         """
+        # A decode step of up to 4 sequences through the expert kernel: two calls, no host sync, each chosen expert
+        # read once.
+        in_place = 0 < hidden_states.shape[0] <= MAX_ROWS and self._reads_in_place(hidden_states)
         if torch.compiler.is_compiling():
             # The grouped loop below needs per-expert counts on the host; a compiled graph takes a fixed-shape path.
-            if topk_indices.numel() <= self.num_experts:
+            if in_place or topk_indices.numel() <= self.num_experts:
                 return self._forward_gathered(hidden_states, topk_indices, topk_weights)
             return self._forward_dense(hidden_states, topk_indices, topk_weights)
-        if 0 < hidden_states.shape[0] <= MAX_ROWS and self._reads_in_place(hidden_states):
-            # A decode step of up to 4 sequences: two expert-kernel calls, no host sync, each chosen expert read once.
+        if in_place:
             return self._forward_gathered(hidden_states, topk_indices, topk_weights)
         if hidden_states.shape[0] == 1:
             return self._forward_one_token(hidden_states, topk_indices, topk_weights)
