@@ -1,6 +1,7 @@
 """The hand-written CPU kernel of the routed experts' decode products (modeling_kdsa/cpu_expert_linear.py,
-docs/graph-mode.md §12): each pair's row against the row kernel on its expert's matrix, the two-thread split across
-pairs, the input checks, the compiled op, and the MoE paths that reach it (eager one token, compiled decode)."""
+docs/graph-mode.md §12): each pair's row against the row kernel on its expert's matrix, pairs of one expert read
+together, the two-thread split, the input checks, the compiled op, and the MoE paths that reach it (eager 1 to 4
+tokens, bit for bit the grouped loop; compiled decode)."""
 
 import pytest
 import torch
