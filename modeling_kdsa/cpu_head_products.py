@@ -125,13 +125,12 @@ at::Tensor head_linear(const at::Tensor& x, const at::Tensor& weight) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   at::Tensor out = at::empty(shape, x.options());
-  const auto kernel = rows == 1 ? gemv<1> : rows == 2 ? gemv<2> : rows == 3 ? gemv<3> : gemv<4>;
   const uint16_t* xp = (const uint16_t*)x.data_ptr();
   const uint16_t* wp = (const uint16_t*)weight.data_ptr();
   uint16_t* op = (uint16_t*)out.data_ptr();
   at::parallel_for(0, heads, head_grain(weight), [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h)
-      kernel(xp + h * k, heads * k, wp + h * weight.stride(0), k, nullptr, op + h * n, heads * n, 0, n);
+      gemv(rows, xp + h * k, heads * k, wp + h * weight.stride(0), k, nullptr, op + h * n, heads * n, 0, n);
   });
   return out;
 }

@@ -34,6 +34,13 @@ def assert_refused_like_every_cpu_kernel(monkeypatch, applies, args: tuple, kern
     assert not applies(*args)
 
 
+@pytest.fixture
+def no_grad():
+    """The test body runs under `torch.no_grad()` (inference, where the CPU kernels apply)."""
+    with torch.no_grad():
+        yield
+
+
 def cpu_compile_config(backend="inductor", **overrides) -> CompileConfig:
     """What generate() needs to compile its decode step on CPU: `_compile_all_devices` (a class attribute, not an init
     argument)."""

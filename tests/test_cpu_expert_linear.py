@@ -21,13 +21,7 @@ from modeling_kdsa.cpu_row_linear import kernel_available as row_kernel_availabl
 from modeling_kdsa.cpu_row_linear import row_linear
 from modeling_kdsa.moe import KDSAExperts
 
-pytestmark = pytest.mark.usefixtures("kernels_at_this_thread_count")
-
-
-@pytest.fixture(autouse=True)
-def _no_grad():
-    with torch.no_grad():
-        yield
+pytestmark = pytest.mark.usefixtures("kernels_at_this_thread_count", "no_grad")
 
 
 def case(experts=5, n=40, k=37, pairs=6, seed=0):
@@ -77,8 +71,8 @@ def test_pairs_of_one_expert_share_its_reads_in_groups_of_up_to_four():
 
 
 @needs_cpu_kernels
-def test_one_row_for_every_slot_needs_no_copy():
-    """A token's row expanded over its slots (row stride 0) is read in place, with the same results."""
+def test_rows_are_read_through_their_stride():
+    """x may have any row stride: a token's row expanded over its slots (stride 0) gives the results of its copies."""
     x, weight, index = case(pairs=4)
     shared = x[:1].expand(4, -1)
     assert shared.stride(0) == 0

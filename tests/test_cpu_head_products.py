@@ -18,13 +18,7 @@ from modeling_kdsa import KDSACache, KDSAForCausalLM, cpu_extension, cpu_head_pr
 from modeling_kdsa import dsa as dsa_module
 from modeling_kdsa.cpu_head_products import head_linear, head_matmul, kernels_apply
 
-pytestmark = pytest.mark.usefixtures("kernels_at_this_thread_count")
-
-
-@pytest.fixture(autouse=True)
-def _no_grad():
-    with torch.no_grad():
-        yield
+pytestmark = pytest.mark.usefixtures("kernels_at_this_thread_count", "no_grad")
 
 
 def kv_b_case(heads=3, nope=5, value=7, latent=37, rows=(1, 1), integers=True, seed=0):

@@ -11,13 +11,7 @@ from modeling_kdsa import cpu_extension, cpu_kda_recurrent
 from modeling_kdsa.cpu_kda_recurrent import cpu_recurrent_kda, kernel_applies
 from modeling_kdsa.kda_ops import recurrent_kda
 
-pytestmark = pytest.mark.usefixtures("kernels_at_this_thread_count")
-
-
-@pytest.fixture(autouse=True)
-def _no_grad():
-    with torch.no_grad():
-        yield
+pytestmark = pytest.mark.usefixtures("kernels_at_this_thread_count", "no_grad")
 
 
 def kda_case(batch=2, tokens=1, heads=3, key_dim=64, value_dim=32, seed=0, v_dtype=torch.bfloat16):

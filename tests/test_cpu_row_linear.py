@@ -17,13 +17,7 @@ from modeling_kdsa import cpu_extension, cpu_row_linear
 from modeling_kdsa import linear as linear_module
 from modeling_kdsa.linear import linear
 
-pytestmark = pytest.mark.usefixtures("kernels_at_this_thread_count")
-
-
-@pytest.fixture(autouse=True)
-def _no_grad():
-    with torch.no_grad():
-        yield
+pytestmark = pytest.mark.usefixtures("kernels_at_this_thread_count", "no_grad")
 
 
 def integer_case(rows_out=7, width=100, bias=True, shape=(1, 1), seed=0):

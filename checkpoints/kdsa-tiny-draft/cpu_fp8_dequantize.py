@@ -138,12 +138,7 @@ at::Tensor fp8_row_linear(const at::Tensor& x, const at::Tensor& values, const a
   // With 2 threads each takes a block of weight rows, as the row kernel does (at least ~512 KiB of values each).
   const int64_t grain = std::max<int64_t>(1, (512 << 10) / k);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    switch (x_rows) {
-      case 1: gemv_of<1>(xp, k, weights, k, bp, op, rows, begin, end); break;
-      case 2: gemv_of<2>(xp, k, weights, k, bp, op, rows, begin, end); break;
-      case 3: gemv_of<3>(xp, k, weights, k, bp, op, rows, begin, end); break;
-      default: gemv_of<4>(xp, k, weights, k, bp, op, rows, begin, end);
-    }
+    gemv_rows(x_rows, xp, k, weights, k, bp, op, rows, begin, end);
   });
   return out;
 }

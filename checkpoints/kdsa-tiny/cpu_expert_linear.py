@@ -19,8 +19,8 @@ their torch form.
 import torch
 from torch import nn
 
-from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, few_threads, load
-from .cpu_row_linear import GEMV_SOURCE
+from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, load
+from .cpu_row_linear import GEMV_SOURCE, bf16_kernel_input
 
 _SOURCE = (
     PRELUDE
@@ -52,8 +52,8 @@ std::vector<Group> groups_by_expert(const int64_t* expert, int64_t pairs) {
   return groups;
 }
 
-// kdsa::expert_linear (schema in Python): x [P, K] bf16 with contiguous rows (any row stride, 0 included: one token's
-// row for all its slots), weight [E, N, K] contiguous bf16, experts [P] int64 in [0, E). Bad input is a ValueError.
+// kdsa::expert_linear (schema in Python): x [P, K] bf16 with contiguous rows (any row stride), weight [E, N, K]
+// contiguous bf16, experts [P] int64 in [0, E). Bad input is a ValueError.
 at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& experts) {
   bool ok = x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
             x.stride(1) == 1 && x.stride(0) >= 0 && weight.dim() == 3 && weight.is_contiguous() &&
@@ -84,11 +84,7 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& weight, const at
       const int64_t first = std::max(begin, g * n) - g * n, last = std::min(end, (g + 1) * n) - g * n;
       for (int m = 0; m < group.rows; ++m)
         std::copy_n(xp + group.pair[m] * x.stride(0), k, rows_in.data() + m * k);
-      const auto kernel = group.rows == 1   ? gemv<1>
-                          : group.rows == 2 ? gemv<2>
-                          : group.rows == 3 ? gemv<3>
-                                            : gemv<4>;
-      kernel(rows_in.data(), k, wp + group.expert * n * k, k, nullptr, rows_out.data(), n, first, last);
+      gemv(group.rows, rows_in.data(), k, wp + group.expert * n * k, k, nullptr, rows_out.data(), n, first, last);
       for (int m = 0; m < group.rows; ++m)
         std::copy_n(rows_out.data() + m * n + first, last - first, op + group.pair[m] * n + first);
     }
@@ -110,23 +106,17 @@ def kernel_available() -> bool:
 
 
 def expert_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The kernel computes each row of `x` `[P, K]` times its expert's matrix of `weight` `[E, N, K]`: bf16 rows on
-    CPU with contiguous values, a plain contiguous bf16 weight (no tensor subclass), not under `torch.export` (an
-    exported program may run where the op is not registered), no autocast, no autograd, at most
-    `cpu_extension.MAX_THREADS` threads, on a CPU that supports it — and it is built and loaded."""
+    """The kernel computes each row of `x` `[P, K]` times its expert's matrix of `weight` `[E, N, K]`: the bf16
+    kernels' `bf16_kernel_input` in rows of contiguous values, a plain contiguous bf16 weight (no tensor subclass),
+    on a CPU that supports it — and it is built and loaded."""
     return (
-        not torch.compiler.is_exporting()
-        and x.device.type == "cpu"
-        and x.dtype == torch.bfloat16
+        bf16_kernel_input(x)
         and x.dim() == 2
         and x.stride(-1) == 1
         and type(weight) in (torch.Tensor, nn.Parameter)
         and weight.dtype == torch.bfloat16
         and weight.dim() == 3
         and weight.is_contiguous()
-        and not torch.is_autocast_enabled("cpu")
-        and not torch.is_grad_enabled()
-        and few_threads()
         and kernel_available()
     )
 

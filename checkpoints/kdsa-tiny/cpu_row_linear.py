@@ -71,17 +71,28 @@ void gemv_of(const uint16_t* x, int64_t x_stride, const Weights& weights, int64_
   }
 }
 
-// `gemv_of` over a bf16 weight whose row n starts at w + n * k.
-template <int Rows>
-void gemv(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t k, const uint16_t* bias, uint16_t* out,
-          int64_t out_stride, int64_t begin, int64_t end) {
+// `gemv_of` for `rows` (1 to 4) x rows: the instantiation chosen at run time, once per call.
+template <typename Weights>
+void gemv_rows(int64_t rows, const uint16_t* x, int64_t x_stride, const Weights& weights, int64_t k,
+               const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t begin, int64_t end) {
+  switch (rows) {
+    case 1: gemv_of<1>(x, x_stride, weights, k, bias, out, out_stride, begin, end); break;
+    case 2: gemv_of<2>(x, x_stride, weights, k, bias, out, out_stride, begin, end); break;
+    case 3: gemv_of<3>(x, x_stride, weights, k, bias, out, out_stride, begin, end); break;
+    default: gemv_of<4>(x, x_stride, weights, k, bias, out, out_stride, begin, end);
+  }
+}
+
+// `gemv_rows` over a bf16 weight whose row n starts at w + n * k.
+inline void gemv(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t k,
+                 const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t begin, int64_t end) {
   auto weights = [w, k](int64_t n) {
     return [row = w + n * k](int64_t i, __mmask32 mask) {
       return mask == (__mmask32)0xffffffff ? (__m512bh)_mm512_loadu_si512(row + i)
                                            : (__m512bh)_mm512_maskz_loadu_epi16(mask, row + i);
     };
   };
-  gemv_of<Rows>(x, x_stride, weights, k, bias, out, out_stride, begin, end);
+  gemv_rows(rows, x, x_stride, weights, k, bias, out, out_stride, begin, end);
 }
 
 }  // namespace
@@ -112,14 +123,13 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& weight, const std::
   shape.back() = weight.size(0);
   at::Tensor out = at::empty(shape, x.options());
   const int64_t rows = weight.size(0), k = weight.size(1), x_rows = x.numel() / k;
-  static_assert(kMaxRows == 4, "one gemv instantiation per row count");
-  const auto kernel = x_rows == 1 ? gemv<1> : x_rows == 2 ? gemv<2> : x_rows == 3 ? gemv<3> : gemv<4>;
+  static_assert(kMaxRows == 4, "gemv_rows instantiates 1 to 4 rows");
   // With 2 threads each reads its own contiguous block of weight rows (still one stream each); a weight under
   // ~512 KiB per thread stays on one thread (a fork costs a few microseconds).
   const int64_t grain = std::max<int64_t>(1, (512 << 10) / (2 * k));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    kernel((const uint16_t*)x.data_ptr(), k, (const uint16_t*)weight.data_ptr(), k,
-           bias ? (const uint16_t*)bias->data_ptr() : nullptr, (uint16_t*)out.data_ptr(), rows, begin, end);
+    gemv(x_rows, (const uint16_t*)x.data_ptr(), k, (const uint16_t*)weight.data_ptr(), k,
+         bias ? (const uint16_t*)bias->data_ptr() : nullptr, (uint16_t*)out.data_ptr(), rows, begin, end);
   });
   return out;
 }
@@ -137,20 +147,25 @@ def kernel_available() -> bool:
     return cpu_supports_kernels() and load("row_linear", _SOURCE, "kdsa::row_linear", compiler())
 
 
-def few_bf16_rows(x: torch.Tensor, row_width: int) -> bool:
-    """What every row kernel (this one, `cpu_head_products`, `cpu_fp8_dequantize`'s fused product) needs of its
-    activations `x`: 1 to `MAX_ROWS` bf16 rows of `row_width` values on CPU, not under `torch.export` (an exported
-    program may run where the ops are not registered), no autocast, no autograd, at most `cpu_extension.MAX_THREADS`
-    threads."""
+def bf16_kernel_input(x: torch.Tensor) -> bool:
+    """What every bf16 CPU kernel of a decode step (this one, `cpu_head_products`, `cpu_expert_linear`,
+    `cpu_fp8_dequantize`'s fused product) needs of its activations `x`: bf16 on CPU, not under `torch.export` (an
+    exported program may run where the ops are not registered), no autocast, no autograd, at most
+    `cpu_extension.MAX_THREADS` threads."""
     return (
         not torch.compiler.is_exporting()
         and x.device.type == "cpu"
         and x.dtype == torch.bfloat16
-        and 0 < x.numel() <= MAX_ROWS * row_width
         and not torch.is_autocast_enabled("cpu")
         and not torch.is_grad_enabled()
         and few_threads()
     )
+
+
+def few_bf16_rows(x: torch.Tensor, row_width: int) -> bool:
+    """`bf16_kernel_input` holding 1 to `MAX_ROWS` rows of `row_width` values: what the row kernels (this one,
+    `cpu_head_products`, `cpu_fp8_dequantize`'s fused product) take."""
+    return bf16_kernel_input(x) and 0 < x.numel() <= MAX_ROWS * row_width
 
 
 def row_linear_applies(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -189,4 +204,4 @@ if not hasattr(torch.ops.kdsa, "row_linear"):
     torch.library.register_fake("kdsa::row_linear", _fake_row_linear, lib=_LIBRARY)
 row_linear = torch.ops.kdsa.row_linear
 
-__all__ = ["few_bf16_rows", "kernel_available", "row_linear", "row_linear_applies"]
+__all__ = ["bf16_kernel_input", "few_bf16_rows", "kernel_available", "row_linear", "row_linear_applies"]
