@@ -28,12 +28,14 @@ import torch
 # parallel region.
 MAX_THREADS = 2
 
-# AVX512 with BF16 dot products; CPU_CAPABILITY selects ATen's AVX512 vector types (at::vec) in torch's headers.
-_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw"]
-_FLAGS += ["-mavx512dq", "-mavx512bf16", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
 # ATen's `at::parallel_for` is OpenMP in torch's CPU builds and runs serially unless the caller is built with it (as
 # inductor's C++ kernels are); the library then uses the libgomp.so.1 that torch has already loaded.
-_FLAGS += ["-fopenmp"]
+_COMMON_FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp")
+# AVX512 with BF16 dot products; CPU_CAPABILITY selects ATen's vector types (at::vec) in torch's headers.
+AVX512_FLAGS = (*_COMMON_FLAGS, "-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq",
+                "-mavx512bf16", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512")  # fmt: skip
+# AVX2 with FMA: the builds for CPUs without AVX512-BF16 (`kernel_isa`), which widen bf16 to fp32 themselves.
+AVX2_FLAGS = (*_COMMON_FLAGS, "-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2")
 
 # The start of every kernel source: the headers the kernels use and small helpers they share.
 PRELUDE = r"""
@@ -66,6 +68,7 @@ inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch
   return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
+#ifdef __AVX512F__
 // 16 at a time, as `float_to_bf16` rounds them; no NaN case: a NaN from arithmetic or from a widened bf16 / E4M3 value
 // has its low 16 bits 0, so the rounding cannot carry out of the mantissa and it stays a NaN.
 inline __m256i float_to_bf16_x16(__m512 value) {
@@ -74,6 +77,7 @@ inline __m256i float_to_bf16_x16(__m512 value) {
   return _mm512_cvtepi32_epi16(
       _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16));
 }
+#endif
 
 // For the input checks' messages.
 std::string describe(const at::Tensor& t) { return c10::str(t.sizes(), " ", t.scalar_type()); }
@@ -86,9 +90,27 @@ def compiler() -> str:
     return os.environ.get("CXX", "g++")
 
 
+@cache
+def kernel_isa() -> str | None:
+    """The instruction set whose kernel builds this process uses: "avx512_bf16" where the CPU has AVX512-BF16 (the
+    kernels' `vdpbf16ps`; every such CPU also has AVX512 F/BW/DQ/VL), else "avx2" where ATen's own AVX2 kernels run
+    (AVX2 and FMA), else None. Only the row kernel (`cpu_row_linear`) has an AVX2 build; the others need AVX512-BF16.
+    $KDSA_CPU_KERNELS overrides the choice for the process: "avx2" takes the AVX2 builds also on an AVX512-BF16 CPU
+    (to test or compare them), "off" no kernel at all (the torch paths); "auto", the default, as above."""
+    choice = os.environ.get("KDSA_CPU_KERNELS", "auto")
+    if choice not in ("auto", "avx2", "off"):
+        raise ValueError(f"KDSA_CPU_KERNELS must be 'auto', 'avx2' or 'off', got {choice!r}")
+    avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    if choice == "off" or (choice == "avx2" and not avx2):
+        return None
+    if choice == "auto" and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
+        return "avx512_bf16"
+    return "avx2" if avx2 else None
+
+
 def cpu_supports_kernels() -> bool:
-    """The CPU has AVX512-BF16 (the kernels' `vdpbf16ps`; every such CPU also has AVX512 F/BW/DQ/VL)."""
-    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+    """The kernels' AVX512-BF16 builds run here (`kernel_isa`)."""
+    return kernel_isa() == "avx512_bf16"
 
 
 @torch.compiler.assume_constant_result  # decided when a step is compiled (dynamo cannot trace get_num_threads)
@@ -121,13 +143,13 @@ def _warn_unavailable(name: str, what: str, compiler: str, directory: str, detai
 
 
 @cache
-def build(name: str, source: str, compiler: str) -> str | None:
-    """The path of `source` compiled into a shared library, built on first use and cached on disk per source, flags,
-    compiler and torch version (it links against torch's C++ API); None, with one warning, when it cannot be built
-    (no compiler, no writable cache directory)."""
+def build(name: str, source: str, compiler: str, flags: tuple[str, ...] = AVX512_FLAGS) -> str | None:
+    """The path of `source` compiled with `flags` into a shared library, built on first use and cached on disk per
+    source, flags, compiler and torch version (it links against torch's C++ API); None, with one warning, when it
+    cannot be built (no compiler, no writable cache directory)."""
     directory = _cache_dir()
     torch_flags = _torch_flags()
-    key = [source, compiler, torch.__version__, *_FLAGS, *torch_flags]
+    key = [source, compiler, torch.__version__, *flags, *torch_flags]
     path = os.path.join(directory, f"{name}_{hashlib.sha256(chr(0).join(key).encode()).hexdigest()[:16]}.so")
     try:
         if not os.path.exists(path):
@@ -136,7 +158,7 @@ def build(name: str, source: str, compiler: str) -> str | None:
                 source_file, target = os.path.join(scratch, "kernel.cpp"), os.path.join(scratch, "kernel.so")
                 with open(source_file, "w") as f:
                     f.write(source)
-                command = [compiler, *_FLAGS, source_file, "-o", target, *torch_flags]
+                command = [compiler, *flags, source_file, "-o", target, *torch_flags]
                 subprocess.run(command, check=True, capture_output=True, text=True)
                 os.replace(target, path)  # atomic: a concurrent process sees the whole library or none
     except (OSError, subprocess.CalledProcessError) as error:
@@ -150,13 +172,13 @@ def has_cpu_kernel(op: str) -> bool:
 
 
 @cache
-def load(name: str, source: str, op: str, compiler: str) -> bool:
+def load(name: str, source: str, op: str, compiler: str, flags: tuple[str, ...] = AVX512_FLAGS) -> bool:
     """Whether the CPU kernel of `op` (e.g. "kdsa::indexer_topk_decode") is registered: already (by another copy of
-    the kernel module: the package's and a checkpoint's remote code may both be imported) or by building and loading
-    `source` now; False, with one warning, when that fails."""
+    the kernel module: the package's and a checkpoint's remote code may both be imported) or by building `source`
+    with `flags` and loading it now; False, with one warning, when that fails."""
     if has_cpu_kernel(op):
         return True
-    path = build(name, source, compiler)
+    path = build(name, source, compiler, flags)
     if path is None:
         return False
     try:
@@ -168,6 +190,8 @@ def load(name: str, source: str, op: str, compiler: str) -> bool:
 
 
 __all__ = [
+    "AVX2_FLAGS",
+    "AVX512_FLAGS",
     "MAX_THREADS",
     "PRELUDE",
     "build",
@@ -175,5 +199,6 @@ __all__ = [
     "cpu_supports_kernels",
     "few_threads",
     "has_cpu_kernel",
+    "kernel_isa",
     "load",
 ]

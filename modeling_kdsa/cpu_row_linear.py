@@ -20,7 +20,7 @@ compiler, another dtype, more than `MAX_ROWS` rows, more than `cpu_extension.MAX
 import torch
 from torch import nn
 
-from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, few_threads, load
+from .cpu_extension import AVX2_FLAGS, PRELUDE, compiler, few_threads, kernel_isa, load
 
 # The product of 1 to 4 rows with a block of weight rows, shared with `cpu_head_products`, `cpu_expert_linear` and
 # `cpu_fp8_dequantize` (after PRELUDE).
@@ -98,10 +98,80 @@ inline void gemv(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16
 }  // namespace
 """
 
-_SOURCE = (
-    PRELUDE
-    + GEMV_SOURCE
-    + r"""
+# `gemv` for CPUs with AVX2 and FMA but no AVX512-BF16 (`cpu_extension.kernel_isa`), same arguments and result up to the
+# order of the fp32 sums: there torch's bf16 `F.linear` has no native bf16 instructions to use and read one row's
+# weight at ~5 GB/s on one thread (AMD EPYC of the first Zen generation), its fp32 product at ~12-23 GB/s.
+GEMV_AVX2_SOURCE = r"""
+namespace {
+
+// 8 bf16 values widened to fp32 (a bf16 is the top half of an fp32).
+inline __m256 widen_bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+inline float sum_lanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// As GEMV_SOURCE's `gemv_of`: the weight's rows one after the other (one sequential stream), the `Rows` x rows (already
+// widened to fp32, row m at x + m * k) sharing each weight vector read; each dot product on `Chains` accumulators of 8
+// (FMAs of widened weights: exact products, fp32 sums; 4 chains hide the FMA latency, 2 per row from 3 rows so that
+// the accumulators fit the 16 registers), then steps of 8 and the last columns one by one; rounded to bf16 once.
+template <int Rows>
+void gemv_avx2_of(const float* x, const uint16_t* w, int64_t k, const uint16_t* bias, uint16_t* out,
+                  int64_t out_stride, int64_t begin, int64_t end) {
+  constexpr int Chains = Rows <= 2 ? 4 : 2;
+  const int64_t unrolled = k / (8 * Chains) * (8 * Chains), full = k / 8 * 8;
+  for (int64_t n = begin; n < end; ++n) {
+    const uint16_t* row = w + n * k;
+    __m256 acc[Rows][Chains];
+    for (int m = 0; m < Rows; ++m)
+      for (int j = 0; j < Chains; ++j) acc[m][j] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i < unrolled; i += 8 * Chains)
+#pragma GCC unroll 4  // whole: the accumulators then stay in registers (GCC keeps three of them on the stack otherwise)
+      for (int j = 0; j < Chains; ++j) {
+        const __m256 wv = widen_bf16x8(row + i + 8 * j);
+#pragma GCC unroll 4
+        for (int m = 0; m < Rows; ++m)
+          acc[m][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * k + i + 8 * j), acc[m][j]);
+      }
+    for (; i < full; i += 8) {
+      const __m256 wv = widen_bf16x8(row + i);
+      for (int m = 0; m < Rows; ++m) acc[m][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * k + i), acc[m][0]);
+    }
+    for (int m = 0; m < Rows; ++m) {
+      __m256 total = acc[m][0];
+      for (int j = 1; j < Chains; ++j) total = _mm256_add_ps(total, acc[m][j]);
+      float sum = sum_lanes(total);
+      for (int64_t t = full; t < k; ++t) sum += bf16_to_float(row[t]) * x[m * k + t];
+      if (bias) sum += bf16_to_float(bias[n]);
+      out[m * out_stride + n] = float_to_bf16(sum);
+    }
+  }
+}
+
+// GEMV_SOURCE's `gemv` (same arguments): the x rows widened once per call, then `gemv_avx2_of` for their count.
+inline void gemv(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t k,
+                 const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t begin, int64_t end) {
+  std::vector<float> wide(rows * k);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t i = 0; i < k; ++i) wide[m * k + i] = bf16_to_float(x[m * x_stride + i]);
+  switch (rows) {
+    case 1: gemv_avx2_of<1>(wide.data(), w, k, bias, out, out_stride, begin, end); break;
+    case 2: gemv_avx2_of<2>(wide.data(), w, k, bias, out, out_stride, begin, end); break;
+    case 3: gemv_avx2_of<3>(wide.data(), w, k, bias, out, out_stride, begin, end); break;
+    default: gemv_avx2_of<4>(wide.data(), w, k, bias, out, out_stride, begin, end);
+  }
+}
+
+}  // namespace
+"""
+
+# The op over either build's `gemv` (after PRELUDE and GEMV_SOURCE or GEMV_AVX2_SOURCE).
+_OP_SOURCE = r"""
 #include <ATen/Parallel.h>
 
 namespace {
@@ -138,13 +208,18 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& weight, const std::
 
 TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("row_linear", TORCH_FN(row_linear)); }
 """
-)
+_SOURCE = PRELUDE + GEMV_SOURCE + _OP_SOURCE
+_AVX2_SOURCE = PRELUDE + GEMV_AVX2_SOURCE + _OP_SOURCE
 
 
 @torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
 def kernel_available() -> bool:
-    """The CPU supports the kernel and it is built and loaded (`cpu_extension.load`)."""
-    return cpu_supports_kernels() and load("row_linear", _SOURCE, "kdsa::row_linear", compiler())
+    """The CPU supports the kernel and its build for this CPU (`cpu_extension.kernel_isa`) is built and loaded
+    (`cpu_extension.load`)."""
+    isa = kernel_isa()
+    if isa == "avx2":
+        return load("row_linear_avx2", _AVX2_SOURCE, "kdsa::row_linear", compiler(), AVX2_FLAGS)
+    return isa == "avx512_bf16" and load("row_linear", _SOURCE, "kdsa::row_linear", compiler())
 
 
 def bf16_kernel_input(x: torch.Tensor) -> bool:

@@ -6,8 +6,10 @@ from transformers import CompileConfig
 
 from modeling_kdsa import KDSAConfig, KDSAForCausalLM, cpu_extension
 
-# The hand-written CPU kernels (modeling_kdsa/cpu_*.py) need AVX512-BF16.
+# The hand-written CPU kernels (modeling_kdsa/cpu_*.py) need AVX512-BF16, except the row kernel, which also has an AVX2
+# build (cpu_extension.kernel_isa).
 needs_cpu_kernels = pytest.mark.skipif(not cpu_extension.cpu_supports_kernels(), reason="the CPU has no AVX512-BF16")
+needs_row_kernel = pytest.mark.skipif(cpu_extension.kernel_isa() is None, reason="no AVX512-BF16 and no AVX2")
 
 
 @pytest.fixture

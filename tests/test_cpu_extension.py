@@ -1,9 +1,11 @@
-"""Building and loading the hand-written CPU kernels (modeling_kdsa/cpu_extension.py): a fresh machine's first build,
-a failed build, an unwritable cache directory, and a kernel another copy of the module already registered."""
+"""Building and loading the hand-written CPU kernels (modeling_kdsa/cpu_extension.py): which build a CPU takes, a fresh
+machine's first build, a failed build, an unwritable cache directory, and a kernel another copy of the module already
+registered."""
 
 import warnings
 
 import pytest
+import torch
 from conftest import needs_cpu_kernels
 
 from modeling_kdsa import cpu_extension, cpu_indexer
@@ -53,12 +55,40 @@ def test_a_kernel_already_registered_is_not_built_again(tmp_path, monkeypatch):
     assert not any(tmp_path.iterdir())
 
 
-@needs_cpu_kernels
-def test_kernels_are_compiled_with_openmp(tmp_path, monkeypatch):
+@pytest.mark.parametrize("flags", [cpu_extension.AVX512_FLAGS, cpu_extension.AVX2_FLAGS], ids=["avx512", "avx2"])
+def test_kernels_are_compiled_with_openmp(tmp_path, monkeypatch, flags):
     """The row kernel splits a weight over two threads with ATen's `at::parallel_for`, which runs serially unless the
-    caller is compiled with OpenMP (`_OPENMP` defined): a source that refuses to compile without it builds."""
+    caller is compiled with OpenMP (`_OPENMP` defined): a source that refuses to compile without it builds, with
+    either build's flags. (Compiling needs no such CPU, only the compiler.)"""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     probe = '#ifndef _OPENMP\n#error "built without OpenMP: at::parallel_for would run serially"\n#endif\n'
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a failed build warns
-        assert cpu_extension.build.__wrapped__("openmp_probe", probe, cpu_extension.compiler()) is not None
+        assert cpu_extension.build.__wrapped__("openmp_probe", probe, cpu_extension.compiler(), flags) is not None
+
+
+@pytest.mark.parametrize(
+    "choice, capability, avx512_bf16, expected",
+    [
+        ("auto", "AVX512", True, "avx512_bf16"),
+        ("auto", "AVX512", False, "avx2"),  # AVX512 without BF16 (e.g. Skylake-SP): the AVX2 build
+        ("auto", "AVX2", False, "avx2"),
+        ("auto", "DEFAULT", False, None),
+        ("avx2", "AVX512", True, "avx2"),
+        ("avx2", "DEFAULT", False, None),
+        ("off", "AVX512", True, None),
+    ],
+)
+def test_the_build_follows_the_cpu_and_kdsa_cpu_kernels(monkeypatch, choice, capability, avx512_bf16, expected):
+    """`kernel_isa` (`__wrapped__`: without its per-process cache): AVX512-BF16 builds where the CPU has it, the AVX2
+    build where ATen runs AVX2 kernels, none elsewhere; $KDSA_CPU_KERNELS narrows that choice."""
+    monkeypatch.setenv("KDSA_CPU_KERNELS", choice)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert cpu_extension.kernel_isa.__wrapped__() == expected
+
+
+def test_an_unknown_kdsa_cpu_kernels_value_is_refused(monkeypatch):
+    monkeypatch.setenv("KDSA_CPU_KERNELS", "avx512")
+    with pytest.raises(ValueError, match="KDSA_CPU_KERNELS must be 'auto', 'avx2' or 'off', got 'avx512'"):
+        cpu_extension.kernel_isa.__wrapped__()
