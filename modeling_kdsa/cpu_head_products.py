@@ -15,25 +15,20 @@ decode step for 4 MiB of weight, ~8 GB/s. Here each product reads its slice once
 
 The weight may have any head stride (a slice of the heads' `[Dn + Dv, C]` blocks); its rows must be contiguous. Both
 sum exact bf16 products in fp32 and round once, as a bf16 GEMM does (the summation order differs: results may differ
-from torch's in the last bit). `cpu_extension` builds and loads the C++ source; where the kernels cannot run (no
-AVX512-BF16, no compiler, not bf16, more than `MAX_ROWS` rows, autograd, export, more than
-`cpu_extension.MAX_THREADS` threads) the layer's einsums run on contiguous copies.
+from torch's in the last bit). `cpu_extension` builds and loads the C++ source, for AVX512-BF16 or, on CPUs without
+it, for AVX2 (`cpu_extension.kernel_isa`, docs/graph-mode.md §13); where the kernels cannot run (no AVX2, no
+compiler, not bf16, more than `MAX_ROWS` rows, autograd, export, more than `cpu_extension.MAX_THREADS` threads) the
+layer's einsums run on contiguous copies.
 """
 
 import torch
 
-from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, load
-from .cpu_row_linear import GEMV_SOURCE, few_bf16_rows
+from .cpu_extension import AVX2_FLAGS, PRELUDE, compiler, kernel_isa, load
+from .cpu_row_linear import GEMV_AVX2_SOURCE, GEMV_SOURCE, few_bf16_rows
 
-_SOURCE = (
-    PRELUDE
-    + GEMV_SOURCE
-    + r"""
-#include <ATen/Parallel.h>
-
+# `row_times_matrix` of the AVX512-BF16 build (after GEMV_SOURCE).
+_MATRIX_SOURCE = r"""
 namespace {
-
-constexpr int64_t kMaxRows = 4;  // `MAX_ROWS` in Python
 
 // 16 bf16 values widened to fp32 (exact).
 inline __m512 widen_bf16(__m256i values) {
@@ -76,6 +71,50 @@ void row_times_matrix(const uint16_t* x, int64_t x_stride, const uint16_t* w, in
                                float_to_bf16_x16(_mm512_maskz_loadu_ps(mask, acc + m * k + j)));
     }
 }
+
+}  // namespace
+"""
+
+# `row_times_matrix` of the AVX2 build (after GEMV_AVX2_SOURCE, whose `widen_bf16x8` it uses): the same sums in the
+# same order, 8 columns at a time and the last ones one by one, so both builds give the same bits.
+_MATRIX_AVX2_SOURCE = r"""
+namespace {
+
+template <int Rows>
+void row_times_matrix(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t n, int64_t k, uint16_t* out,
+                      int64_t out_stride, float* acc) {
+  std::fill(acc, acc + Rows * k, 0.0f);
+  for (int64_t r = 0; r < n; ++r) {
+    const uint16_t* row = w + r * k;
+    float value[Rows];
+    __m256 scale[Rows];
+    for (int m = 0; m < Rows; ++m) scale[m] = _mm256_set1_ps(value[m] = bf16_to_float(x[m * x_stride + r]));
+    int64_t j = 0;
+    for (; j + 8 <= k; j += 8) {
+      const __m256 wv = widen_bf16x8(row + j);
+#pragma GCC unroll 4
+      for (int m = 0; m < Rows; ++m) {
+        float* sums = acc + m * k + j;
+        _mm256_storeu_ps(sums, _mm256_fmadd_ps(wv, scale[m], _mm256_loadu_ps(sums)));
+      }
+    }
+    for (; j < k; ++j)
+      for (int m = 0; m < Rows; ++m) acc[m * k + j] += bf16_to_float(row[j]) * value[m];  // exact product
+  }
+  for (int m = 0; m < Rows; ++m)
+    for (int64_t j = 0; j < k; ++j) out[m * out_stride + j] = float_to_bf16(acc[m * k + j]);
+}
+
+}  // namespace
+"""
+
+# The ops over either build's `gemv` and `row_times_matrix`.
+_OP_SOURCE = r"""
+#include <ATen/Parallel.h>
+
+namespace {
+
+constexpr int64_t kMaxRows = 4;  // `MAX_ROWS` in Python
 
 // The checks both ops share: x [..., H, width] contiguous bf16 holding 1 to 4 rows, weight [H, N, K] bf16 with
 // contiguous rows (stride(2) = 1, stride(1) = K) and any head stride. Bad input is a ValueError.
@@ -142,13 +181,18 @@ TORCH_LIBRARY_IMPL(kdsa, CPU, m) {
   m.impl("head_linear", TORCH_FN(head_linear));
 }
 """
-)
+_SOURCE = PRELUDE + GEMV_SOURCE + _MATRIX_SOURCE + _OP_SOURCE
+_AVX2_SOURCE = PRELUDE + GEMV_AVX2_SOURCE + _MATRIX_AVX2_SOURCE + _OP_SOURCE
 
 
 @torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
 def kernel_available() -> bool:
-    """The CPU supports the kernels and they are built and loaded (`cpu_extension.load`)."""
-    return cpu_supports_kernels() and load("head_products", _SOURCE, "kdsa::head_matmul", compiler())
+    """The CPU supports the kernels and their build for this CPU (`cpu_extension.kernel_isa`) is built and loaded
+    (`cpu_extension.load`)."""
+    isa = kernel_isa()
+    if isa == "avx2":
+        return load("head_products_avx2", _AVX2_SOURCE, "kdsa::head_matmul", compiler(), AVX2_FLAGS)
+    return isa == "avx512_bf16" and load("head_products", _SOURCE, "kdsa::head_matmul", compiler())
 
 
 def kernels_apply(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -1,15 +1,36 @@
 """Shared fixtures: a tiny mixed KDA/DSA configuration that exercises every code path in well under a second."""
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import CompileConfig
 
 from modeling_kdsa import KDSAConfig, KDSAForCausalLM, cpu_extension
 
-# The hand-written CPU kernels (modeling_kdsa/cpu_*.py) need AVX512-BF16, except the row kernel, which also has an AVX2
-# build (cpu_extension.kernel_isa).
+# The hand-written CPU kernels (modeling_kdsa/cpu_*.py) need AVX512-BF16, except the row kernel and the head products,
+# which also have an AVX2 build (cpu_extension.kernel_isa).
 needs_cpu_kernels = pytest.mark.skipif(not cpu_extension.cpu_supports_kernels(), reason="the CPU has no AVX512-BF16")
-needs_row_kernel = pytest.mark.skipif(cpu_extension.kernel_isa() is None, reason="no AVX512-BF16 and no AVX2")
+needs_kernel_build = pytest.mark.skipif(cpu_extension.kernel_isa() is None, reason="no AVX512-BF16 and no AVX2")
+# For the test that reruns a file for the AVX2 builds, where this process holds the AVX512-BF16 builds.
+runs_avx512_builds = pytest.mark.skipif(
+    cpu_extension.kernel_isa() != "avx512_bf16", reason="this process runs the AVX2 builds already"
+)
+
+
+def assert_avx2_builds_pass(test_file: str) -> None:
+    """`test_file`'s tests pass again in a process told to take the kernels' AVX2 builds (KDSA_CPU_KERNELS=avx2: what
+    CPUs without AVX512-BF16 run; a process holds one build of each op), none of them skipped. The rerunning test
+    itself is left out by name: `..._avx2_builds_...`."""
+    environment = {**os.environ, "KDSA_CPU_KERNELS": "avx2"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", "not avx2_builds"]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, cwd=os.path.dirname(test_file))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    summary = result.stdout.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and "skipped" not in summary, summary
 
 
 @pytest.fixture

@@ -6,11 +6,13 @@ decode step reaching them."""
 import pytest
 import torch
 from conftest import (
+    assert_avx2_builds_pass,
     assert_refused_like_every_cpu_kernel,
     count_calls,
     graph_recorder,
     graph_targets,
-    needs_cpu_kernels,
+    needs_kernel_build,
+    runs_avx512_builds,
     tiny_config,
 )
 
@@ -44,7 +46,7 @@ def expected(w_uk, w_uv, q, latent):
     return query, output
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 @pytest.mark.parametrize(
     "heads, nope, value, latent, rows",
     [
@@ -67,7 +69,7 @@ def test_kernels_equal_the_fp32_products_on_exact_inputs(heads, nope, value, lat
     assert not torch.equal(expected_query.float(), exact)  # some sums really were rounded to bf16
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_random_bf16_rows_are_within_one_rounding_of_the_fp32_products():
     w_uk, w_uv, q, out_latent = kv_b_case(8, 64, 32, 200, (2, 1), integers=False)
     results = head_matmul(q, w_uk), head_linear(out_latent, w_uv)
@@ -75,7 +77,7 @@ def test_random_bf16_rows_are_within_one_rounding_of_the_fp32_products():
         assert ((got.float() - reference.float()).abs() <= 2**-7 * reference.float().abs() + 1e-6).all()
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_a_nan_reaches_the_outputs_it_enters():
     """A NaN in a head's query or latent row makes that head's outputs NaN (not infinities or zeros), as torch's
     products do; the other heads stay finite."""
@@ -87,7 +89,7 @@ def test_a_nan_reaches_the_outputs_it_enters():
     assert query[0, 0, [0, 2]].isfinite().all() and output[0, 0, :2].isfinite().all()
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_two_threads_each_take_a_block_of_heads(monkeypatch):
     """Over the kernels' grain (~512 KiB of weight per thread) the heads are split between two threads: the results
     stay the exact products. (That the split happens at all needs the OpenMP build: test_cpu_extension.py.)"""
@@ -103,7 +105,7 @@ def test_two_threads_each_take_a_block_of_heads(monkeypatch):
         torch.set_num_threads(threads)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_strided_rows_reach_the_kernels_as_contiguous_copies(monkeypatch):
     """The layer's query block (`q_nope[:, block]`) and latent output may be strided views: the kernels get contiguous
     copies of them and give the exact products."""
@@ -118,7 +120,7 @@ def test_strided_rows_reach_the_kernels_as_contiguous_copies(monkeypatch):
     assert len(query_calls) == len(output_calls) == 1
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_the_einsums_run_where_the_kernels_do_not_apply(monkeypatch):
     """Five rows, fp32, a weight whose rows are not contiguous, a weight subclass, autograd, autocast, more threads
     than MAX_THREADS and an unavailable kernel keep the einsums, with the same results."""
@@ -143,7 +145,7 @@ def test_the_einsums_run_where_the_kernels_do_not_apply(monkeypatch):
     assert not query_calls and not output_calls
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_kernels_refuse_inputs_they_cannot_read():
     """The ops read raw pointers: a wrong dtype, five rows, a head or width mismatch, a strided x or a weight whose
     rows are not contiguous is a ValueError, not a crash."""
@@ -168,7 +170,7 @@ def test_kernels_refuse_inputs_they_cannot_read():
             op(x, weight)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_compiled_products_hold_the_kernels_as_ops():
     """Compiled, both products are opaque op calls with the eager results; `opcheck` checks each fake against its
     real op."""
@@ -188,7 +190,7 @@ def test_compiled_products_hold_the_kernels_as_ops():
     torch.library.opcheck(torch.ops.kdsa.head_linear.default, (out_latent, w_uv))
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_a_decode_step_reads_kv_b_proj_in_place_and_a_prefill_copies_it(monkeypatch):
     """A bf16 decode step of one sequence runs each DSA layer's two products through the kernels on views of
     `kv_b_proj.weight` (no copy); a prefill of 6 tokens takes contiguous copies and the einsums. The kernels' logits
@@ -216,3 +218,9 @@ def test_a_decode_step_reads_kv_b_proj_in_place_and_a_prefill_copies_it(monkeypa
         dsa_layers = sum(layer_type == "indexed_attention" for layer_type in model.config.layer_types)
         assert len(query_calls) == len(output_calls) == (dsa_layers if kernels else 0)
     torch.testing.assert_close(logits[True], logits[False], rtol=2e-2, atol=2e-2)
+
+
+@runs_avx512_builds
+def test_the_avx2_builds_pass_every_test_of_this_file():
+    """The AVX2 builds (what CPUs without AVX512-BF16 run) implement the same ops from another source."""
+    assert_avx2_builds_pass(__file__)

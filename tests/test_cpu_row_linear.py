@@ -4,19 +4,18 @@
 AVX2 build in a second process; its build: test_cpu_extension.py."""
 
 import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
+    assert_avx2_builds_pass,
     assert_refused_like_every_cpu_kernel,
     count_calls,
     graph_recorder,
     graph_targets,
-    needs_row_kernel,
+    needs_kernel_build,
+    runs_avx512_builds,
 )
 
 from modeling_kdsa import cpu_extension, cpu_row_linear
@@ -35,7 +34,7 @@ def integer_case(rows_out=7, width=100, bias=True, shape=(1, 1), seed=0):
     return x, weight, b
 
 
-@needs_row_kernel
+@needs_kernel_build
 @pytest.mark.parametrize(
     "rows_out, width, bias, shape",
     [
@@ -59,7 +58,7 @@ def test_kernel_equals_f_linear_on_exact_inputs(rows_out, width, bias, shape):
     assert torch.equal(got, F.linear(x, weight, b))
 
 
-@needs_row_kernel
+@needs_kernel_build
 def test_two_threads_each_compute_a_block_of_weight_rows(monkeypatch):
     """With two threads a weight over the kernel's grain (~512 KiB per thread) is split into two blocks of rows, one
     per thread: every output is still the exact product, for one and for four rows of x. (That the split happens at
@@ -76,7 +75,7 @@ def test_two_threads_each_compute_a_block_of_weight_rows(monkeypatch):
         torch.set_num_threads(threads)
 
 
-@needs_row_kernel
+@needs_kernel_build
 def test_random_bf16_rows_are_within_bf16_rounding_of_the_fp32_product():
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(1, 1000, generator=generator).bfloat16()
@@ -87,7 +86,7 @@ def test_random_bf16_rows_are_within_bf16_rounding_of_the_fp32_product():
     assert ((got.float() - expected).abs() <= 2**-8 * expected.abs() + 1e-6).all()  # one rounding of the fp32 sum
 
 
-@needs_row_kernel
+@needs_kernel_build
 def test_linear_routes_only_up_to_four_bf16_rows_without_autograd_to_the_kernel(monkeypatch):
     """`linear` sends 1 to 4 eager bf16 rows to the kernel; five rows, fp32, autograd, autocast, a non-contiguous
     weight, a weight subclass, more threads than MAX_THREADS and an unavailable kernel keep `F.linear`."""
@@ -109,7 +108,7 @@ def test_linear_routes_only_up_to_four_bf16_rows_without_autograd_to_the_kernel(
     assert len(calls) == 1
 
 
-@needs_row_kernel
+@needs_kernel_build
 def test_compiled_linear_holds_the_kernel_as_one_op():
     """Compiled, a single bf16 row goes through the kernel as one opaque op (not inductor's fused multiply-and-sum)
     with the eager result; `opcheck` checks the fake against the real op."""
@@ -123,7 +122,7 @@ def test_compiled_linear_holds_the_kernel_as_one_op():
     torch.library.opcheck(torch.ops.kdsa.row_linear.default, (x, weight, b))
 
 
-@needs_row_kernel
+@needs_kernel_build
 def test_kernel_refuses_inputs_it_cannot_read():
     """The op reads raw pointers: a wrong dtype, five rows, a width mismatch, a strided weight or a bias of the wrong
     size is a ValueError, not a crash."""
@@ -142,7 +141,7 @@ def test_kernel_refuses_inputs_it_cannot_read():
             cpu_row_linear.row_linear(*bad)
 
 
-@needs_row_kernel
+@needs_kernel_build
 def test_an_exported_program_keeps_f_linear():
     """`torch.export` records `F.linear`, not the op: an exported program may run where the kernel is not registered."""
     x, weight, b = integer_case(rows_out=8, width=64)
@@ -157,7 +156,7 @@ def test_an_exported_program_keeps_f_linear():
         assert not any("row_linear" in target for target in targets) and any("linear" in t for t in targets)
 
 
-@needs_row_kernel
+@needs_kernel_build
 def test_a_strided_slice_of_two_sequences_goes_through_the_kernel(monkeypatch):
     """The last position of each of 2 sequences (`hidden[:, -1:]`, what the lm_head sees in a decode step) is a
     strided view: `linear` passes a contiguous copy of those rows to the kernel."""
@@ -168,7 +167,7 @@ def test_a_strided_slice_of_two_sequences_goes_through_the_kernel(monkeypatch):
     assert torch.equal(linear(last, weight, b), F.linear(last, weight, b)) and len(calls) == 1
 
 
-@needs_row_kernel
+@needs_kernel_build
 def test_the_process_runs_the_build_kdsa_cpu_kernels_asks_for():
     """Under KDSA_CPU_KERNELS=avx2 (the second process of the next test) the op is the AVX2 build."""
     assert cpu_row_linear.kernel_available()
@@ -176,13 +175,7 @@ def test_the_process_runs_the_build_kdsa_cpu_kernels_asks_for():
         assert cpu_extension.kernel_isa() == "avx2" and not cpu_extension.cpu_supports_kernels()
 
 
-@pytest.mark.skipif(cpu_extension.kernel_isa() != "avx512_bf16", reason="this process runs the AVX2 build already")
-def test_the_avx2_build_passes_every_test_of_this_file():
-    """The AVX2 build (what CPUs without AVX512-BF16 run) implements the same op from another source; a process holds
-    one of the two, so this file's tests run again in a process told to take it. None may be skipped there."""
-    environment = {**os.environ, "KDSA_CPU_KERNELS": "avx2"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not avx2_build"]
-    result = subprocess.run(command, env=environment, capture_output=True, text=True, cwd=os.path.dirname(__file__))
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    summary = result.stdout.strip().splitlines()[-1]
-    assert re.search(r"\d+ passed", summary) and "skipped" not in summary, summary
+@runs_avx512_builds
+def test_the_avx2_builds_pass_every_test_of_this_file():
+    """The AVX2 build (what CPUs without AVX512-BF16 run) implements the same op from another source."""
+    assert_avx2_builds_pass(__file__)
