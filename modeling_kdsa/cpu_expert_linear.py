@@ -19,7 +19,7 @@ their torch form.
 import torch
 from torch import nn
 
-from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, load
+from .cpu_extension import PRELUDE, load_build
 from .cpu_row_linear import GEMV_SOURCE, bf16_kernel_input
 
 _SOURCE = (
@@ -102,7 +102,7 @@ TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("expert_linear", TORCH_FN(expert_linea
 @torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
 def kernel_available() -> bool:
     """The CPU supports the kernel and it is built and loaded (`cpu_extension.load`)."""
-    return cpu_supports_kernels() and load("expert_linear", _SOURCE, "kdsa::expert_linear", compiler())
+    return load_build("expert_linear", "kdsa::expert_linear", _SOURCE)
 
 
 def expert_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

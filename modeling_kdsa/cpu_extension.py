@@ -68,6 +68,21 @@ inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch
   return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
+// `vdpbf16ps` on 8 lanes: acc[i] + a[2i+1] * b[2i+1] + a[2i] * b[2i] for bf16 pairs a, b (fp32 sums of exact products).
+// The AVX512-BF16 instruction where the build has it; in the AVX2 build the same two sums as FMAs of the widened
+// halves, in the order of Intel's description of the instruction (odd element first; the instruction also flushes
+// subnormal values to 0, the FMAs do not).
+inline __m256 dot_bf16_pairs(__m256 acc, __m256i a, __m256i b) {
+#ifdef __AVX512BF16__
+  return _mm256_dpbf16_ps(acc, (__m256bh)a, (__m256bh)b);
+#else
+  const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+  auto odd = [&](__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, high)); };
+  auto even = [](__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); };
+  return _mm256_fmadd_ps(even(a), even(b), _mm256_fmadd_ps(odd(a), odd(b), acc));
+#endif
+}
+
 #ifdef __AVX512F__
 // 16 at a time, as `float_to_bf16` rounds them; no NaN case: a NaN from arithmetic or from a widened bf16 / E4M3 value
 // has its low 16 bits 0, so the rounding cannot carry out of the mantissa and it stays a NaN.
@@ -189,6 +204,16 @@ def load(name: str, source: str, op: str, compiler: str, flags: tuple[str, ...] 
     return has_cpu_kernel(op)
 
 
+def load_build(name: str, op: str, source: str, avx2_source: str | None = None) -> bool:
+    """Whether `op`'s CPU kernel is registered, `load`ing the build of kernel `name` for this CPU (`kernel_isa`):
+    `source` with AVX512_FLAGS, or `avx2_source` with AVX2_FLAGS (None: the kernel has no AVX2 build); False where
+    neither runs."""
+    isa = kernel_isa()
+    if isa == "avx512_bf16":
+        return load(name, source, op, compiler())
+    return isa == "avx2" and avx2_source is not None and load(f"{name}_avx2", avx2_source, op, compiler(), AVX2_FLAGS)
+
+
 __all__ = [
     "AVX2_FLAGS",
     "AVX512_FLAGS",
@@ -201,4 +226,5 @@ __all__ = [
     "has_cpu_kernel",
     "kernel_isa",
     "load",
+    "load_build",
 ]

@@ -20,7 +20,7 @@ compiler, another dtype, more than `MAX_ROWS` rows, more than `cpu_extension.MAX
 import torch
 from torch import nn
 
-from .cpu_extension import AVX2_FLAGS, PRELUDE, compiler, few_threads, kernel_isa, load
+from .cpu_extension import PRELUDE, few_threads, load_build
 
 # The product of 1 to 4 rows with a block of weight rows, shared with `cpu_head_products`, `cpu_expert_linear` and
 # `cpu_fp8_dequantize` (after PRELUDE).
@@ -216,10 +216,7 @@ _AVX2_SOURCE = PRELUDE + GEMV_AVX2_SOURCE + _OP_SOURCE
 def kernel_available() -> bool:
     """The CPU supports the kernel and its build for this CPU (`cpu_extension.kernel_isa`) is built and loaded
     (`cpu_extension.load`)."""
-    isa = kernel_isa()
-    if isa == "avx2":
-        return load("row_linear_avx2", _AVX2_SOURCE, "kdsa::row_linear", compiler(), AVX2_FLAGS)
-    return isa == "avx512_bf16" and load("row_linear", _SOURCE, "kdsa::row_linear", compiler())
+    return load_build("row_linear", "kdsa::row_linear", _SOURCE, _AVX2_SOURCE)
 
 
 def bf16_kernel_input(x: torch.Tensor) -> bool:

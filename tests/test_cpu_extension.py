@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import needs_cpu_kernels
+from conftest import needs_cpu_kernels, needs_kernel_build
 
 from modeling_kdsa import cpu_extension, cpu_indexer
 
@@ -43,7 +43,7 @@ def test_an_unwritable_cache_directory_warns_instead_of_failing(tmp_path, monkey
         assert cpu_extension.build.__wrapped__("indexer_topk_decode", SOURCE, cpu_extension.compiler()) is None
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_a_kernel_already_registered_is_not_built_again(tmp_path, monkeypatch):
     """The package's and a checkpoint's copy of a kernel module may both be imported: the second finds the op's CPU
     kernel registered and neither builds nor loads (here: a compiler that would fail, a fresh cache directory)."""

@@ -4,7 +4,7 @@ inputs, more threads, no kernel); its build: test_cpu_extension.py."""
 
 import pytest
 import torch
-from conftest import count_calls, needs_cpu_kernels
+from conftest import assert_avx2_builds_pass, count_calls, needs_kernel_build, runs_avx512_builds
 
 from modeling_kdsa import cpu_extension, cpu_indexer, dsa_paged_ops
 from modeling_kdsa.dsa_paged_ops import (
@@ -39,7 +39,7 @@ def padding_mask(batch, num_keys, pads=(0, 37)):
     return mask
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 @pytest.mark.parametrize(
     "batch, heads, dim, num_keys, top_k, padded",
     [
@@ -74,7 +74,7 @@ def test_more_threads_than_the_kernel_was_measured_with_keep_the_torch_path():
         torch.set_num_threads(threads)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_bf16_scores_are_the_fp32_products_of_the_bf16_inputs():
     """On random bf16 data the kernel's selection is the fp32 selection on the upcast inputs (the torch bf16 path
     rounds each head's product to bf16 and may differ at near ties; the kernel must not)."""
@@ -88,7 +88,7 @@ def test_bf16_scores_are_the_fp32_products_of_the_bf16_inputs():
     assert torch.equal(got, expected)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_static_cpu_indexer_uses_the_kernel_and_equals_the_torch_static_indexer(monkeypatch):
     """The cpu backend's fixed-shape indexer (a compiled step's) goes through the kernel, reading the static store's
     pages in sequence order (no block table), and selects what the torch one selects: only the keys up to the query's
@@ -103,7 +103,7 @@ def test_static_cpu_indexer_uses_the_kernel_and_equals_the_torch_static_indexer(
     assert len(calls) == 1 and torch.equal(got, expected)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_compiled_static_cpu_indexer_is_one_graph():
     """Inside torch.compile(fullgraph=True) the kernel is one opaque op (a `torch.library` op with a fake
     implementation): inductor compiles around it and the result is the eager one; `opcheck` checks the fake against
@@ -139,7 +139,7 @@ def test_callers_keep_the_torch_path_where_the_kernel_does_not_apply(monkeypatch
     assert torch.equal(paged_indexer_topk_fused(q16, weights, pages16, table, 200, 32, 199), expected)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_kernel_refuses_inputs_it_cannot_read():
     """The op reads raw pointers: a wrong dtype, a strided tensor or an empty selection is a ValueError, not a crash."""
     assert cpu_indexer.kernel_available()  # loads the op's CPU kernel
@@ -184,7 +184,7 @@ def kpool_case(batch=3, heads=16, dim=64, kpool=4, page_tokens=64, num_keys=300,
     )
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 @pytest.mark.parametrize("query_back", [0, 9])  # the query at the context's end, or 9 tokens before it
 def test_kpool_decode_step_selects_the_pools_the_torch_path_selects(monkeypatch, query_back):
     """GLM-5.3-Flash's k-pool indexer: a bf16 decode step scores the stored pooled keys with the kernel (the slot
@@ -200,7 +200,7 @@ def test_kpool_decode_step_selects_the_pools_the_torch_path_selects(monkeypatch,
     assert len(calls) == 1 and torch.equal(got, expected)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_static_kpool_decode_step_uses_the_kernel_and_equals_the_torch_static_one(monkeypatch):
     """The cpu backend's fixed-shape k-pool indexer (a compiled step's) reads the static store's pool pages in
     sequence order (no block table) through the kernel and selects what the torch one selects: only pools ending at
@@ -216,7 +216,7 @@ def test_static_kpool_decode_step_uses_the_kernel_and_equals_the_torch_static_on
     assert len(calls) == 1 and torch.equal(got, expected)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_kpool_decode_step_never_reads_a_pool_that_ends_after_the_query():
     """Scores that grow with the pool's position make the latest visible pools the best: at four consecutive query
     positions (every residue mod kp, for each of the three phases) the selection stops exactly at the last pool that
@@ -235,3 +235,10 @@ def test_kpool_decode_step_never_reads_a_pool_that_ends_after_the_query():
             q_index.bfloat16(), weights, index_pages.bfloat16(), pool_pages.bfloat16(), *args
         )
         assert torch.equal(got, expected) and int(got.max()) == query
+
+
+@runs_avx512_builds
+def test_the_avx2_builds_pass_every_test_of_this_file():
+    """The AVX2 build (what CPUs without AVX512-BF16 run) is the same source built without `vdpbf16ps`
+    (`cpu_extension.PRELUDE`'s `dot_bf16_pairs`)."""
+    assert_avx2_builds_pass(__file__)

@@ -20,7 +20,7 @@ compiler, another dtype, geometry or page format, several queries per sequence â
 
 import torch
 
-from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, few_threads, load
+from .cpu_extension import PRELUDE, few_threads, load_build
 
 _SOURCE = (
     PRELUDE
@@ -185,7 +185,7 @@ TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("sparse_mla_decode", TORCH_FN(sparse_m
 @torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
 def kernel_available() -> bool:
     """The CPU supports the kernel and it is built and loaded (`cpu_extension.load`)."""
-    return cpu_supports_kernels() and load("sparse_mla_decode", _SOURCE, "kdsa::sparse_mla_decode", compiler())
+    return load_build("sparse_mla_decode", "kdsa::sparse_mla_decode", _SOURCE)
 
 
 def decode_kernel_applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_pages) -> bool:

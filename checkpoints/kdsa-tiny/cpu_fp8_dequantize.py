@@ -19,7 +19,7 @@ each: 3.3 ms for a 1024 x 1024 weight, ~140x the product of one row with the BF1
 
 import torch
 
-from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, load
+from .cpu_extension import PRELUDE, load_build
 from .cpu_row_linear import GEMV_SOURCE, few_bf16_rows
 
 _SOURCE = (
@@ -196,7 +196,7 @@ TORCH_LIBRARY_IMPL(kdsa, CPU, m) {
 @torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
 def kernel_available() -> bool:
     """The CPU supports the kernels and they are built and loaded (`cpu_extension.load`)."""
-    return cpu_supports_kernels() and load("dequantize_fp8_tiles", _SOURCE, "kdsa::dequantize_fp8_tiles", compiler())
+    return load_build("dequantize_fp8_tiles", "kdsa::dequantize_fp8_tiles", _SOURCE)
 
 
 def kernel_applies(values: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> bool:

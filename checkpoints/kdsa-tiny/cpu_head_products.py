@@ -23,7 +23,7 @@ layer's einsums run on contiguous copies.
 
 import torch
 
-from .cpu_extension import AVX2_FLAGS, PRELUDE, compiler, kernel_isa, load
+from .cpu_extension import PRELUDE, load_build
 from .cpu_row_linear import GEMV_AVX2_SOURCE, GEMV_SOURCE, few_bf16_rows
 
 # `row_times_matrix` of the AVX512-BF16 build (after GEMV_SOURCE).
@@ -189,10 +189,7 @@ _AVX2_SOURCE = PRELUDE + GEMV_AVX2_SOURCE + _MATRIX_AVX2_SOURCE + _OP_SOURCE
 def kernel_available() -> bool:
     """The CPU supports the kernels and their build for this CPU (`cpu_extension.kernel_isa`) is built and loaded
     (`cpu_extension.load`)."""
-    isa = kernel_isa()
-    if isa == "avx2":
-        return load("head_products_avx2", _AVX2_SOURCE, "kdsa::head_matmul", compiler(), AVX2_FLAGS)
-    return isa == "avx512_bf16" and load("head_products", _SOURCE, "kdsa::head_matmul", compiler())
+    return load_build("head_products", "kdsa::head_matmul", _SOURCE, _AVX2_SOURCE)
 
 
 def kernels_apply(x: torch.Tensor, weight: torch.Tensor) -> bool:

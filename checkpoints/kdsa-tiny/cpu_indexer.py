@@ -18,7 +18,7 @@ computed in fp32 from the bf16 inputs (the torch bf16 path rounds each head's pr
 
 import torch
 
-from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, few_threads, load
+from .cpu_extension import PRELUDE, few_threads, load_build
 
 _SOURCE = (
     PRELUDE
@@ -106,11 +106,11 @@ void score_range(const Sequence& s, int64_t begin, int64_t end, TopK& best) {
       for (int r = 0; r < 8; ++r) dot[r] = zero;
       const uint16_t* q = s.packed_q + g * pairs * 16;
       for (int64_t p = 0; p < pairs; ++p) {
-        __m256bh q_pairs = (__m256bh)_mm256_loadu_si256((const __m256i*)(q + p * 16));
+        const __m256i q_pairs = _mm256_loadu_si256((const __m256i*)(q + p * 16));
         for (int r = 0; r < 8; ++r) {
           int32_t k_pair;
           memcpy(&k_pair, keys + r * s.dim + 2 * p, 4);
-          dot[r] = _mm256_dpbf16_ps(dot[r], (__m256bh)_mm256_set1_epi32(k_pair), q_pairs);
+          dot[r] = dot_bf16_pairs(dot[r], _mm256_set1_epi32(k_pair), q_pairs);
         }
       }
       __m256 w = _mm256_loadu_ps(s.weights + g * 8);
@@ -218,7 +218,8 @@ TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("indexer_topk_decode", TORCH_FN(indexe
 @torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
 def kernel_available() -> bool:
     """The CPU supports the kernel and it is built and loaded (`cpu_extension.load`)."""
-    return cpu_supports_kernels() and load("indexer_topk_decode", _SOURCE, "kdsa::indexer_topk_decode", compiler())
+    # One source for both builds: `dot_bf16_pairs` (cpu_extension.PRELUDE) is what differs.
+    return load_build("indexer_topk_decode", "kdsa::indexer_topk_decode", _SOURCE, _SOURCE)
 
 
 def decode_kernel_applies(q_index: torch.Tensor, index_pages) -> bool:

@@ -15,7 +15,7 @@ threads) `kda_ops.recurrent_kda` runs.
 
 import torch
 
-from .cpu_extension import PRELUDE, compiler, cpu_supports_kernels, few_threads, load
+from .cpu_extension import PRELUDE, few_threads, load_build
 from .kda_ops import _check_kda_inputs, recurrent_kda
 
 _SOURCE = (
@@ -118,7 +118,7 @@ TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("kda_recurrent", TORCH_FN(kda_recurren
 @torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
 def kernel_available() -> bool:
     """The CPU supports the kernels and this one is built and loaded (`cpu_extension.load`)."""
-    return cpu_supports_kernels() and load("kda_recurrent", _SOURCE, "kdsa::kda_recurrent", compiler())
+    return load_build("kda_recurrent", "kdsa::kda_recurrent", _SOURCE)
 
 
 # The kernel takes the state 16 columns (one AVX512 fp32 vector) at a time.
