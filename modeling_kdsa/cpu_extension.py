@@ -68,6 +68,11 @@ inline uint16_t float_to_bf16(float value) {  // round to nearest even, as torch
   return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
+// 8 bf16 values widened to fp32 (a bf16 is the top half of an fp32).
+inline __m256 widen_bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
 // `vdpbf16ps` on 8 lanes: acc[i] + a[2i+1] * b[2i+1] + a[2i] * b[2i] for bf16 pairs a, b (fp32 sums of exact products).
 // The AVX512-BF16 instruction where the build has it; in the AVX2 build the same two sums as FMAs of the widened
 // halves, in the order of Intel's description of the instruction (odd element first; the instruction also flushes

@@ -75,8 +75,8 @@ void row_times_matrix(const uint16_t* x, int64_t x_stride, const uint16_t* w, in
 }  // namespace
 """
 
-# `row_times_matrix` of the AVX2 build (after GEMV_AVX2_SOURCE, whose `widen_bf16x8` it uses): the same sums in the
-# same order, 8 columns at a time and the last ones one by one, so both builds give the same bits.
+# `row_times_matrix` of the AVX2 build: the same sums in the same order, 8 columns at a time and the last ones one by
+# one, so both builds give the same bits.
 _MATRIX_AVX2_SOURCE = r"""
 namespace {
 

@@ -4,7 +4,7 @@ and its input checks; its build: test_cpu_extension.py."""
 
 import pytest
 import torch
-from conftest import count_calls, needs_cpu_kernels
+from conftest import assert_avx2_builds_pass, count_calls, needs_kernel_build, runs_avx512_builds
 
 from modeling_kdsa import cpu_extension, cpu_sparse_mla, dsa_paged_ops
 from modeling_kdsa.dsa_paged_ops import (
@@ -40,7 +40,7 @@ def fp32_reference(q_latent, q_pe, pages, table, indices, scale):
     return paged_sparse_mla_reference(q_latent.float(), q_pe.float(), pages.float(), table, indices, scale)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 @pytest.mark.parametrize(
     "batch, heads, latent, rope, selected",
     [
@@ -65,7 +65,7 @@ def test_kernel_is_as_close_to_the_fp32_reference_as_the_torch_path(batch, heads
     assert error <= torch_error * 1.01
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_a_sequence_without_keys_gets_zeros():
     """Every slot -1 (nothing selected): the output is 0, as the reference's (docs/dsa.md §6); the other sequence is
     unaffected."""
@@ -77,7 +77,7 @@ def test_a_sequence_without_keys_gets_zeros():
     assert (got[0].float() - expected[0]).abs().max() <= 2**-8 * expected[0].abs().max()
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_static_cpu_sparse_mla_uses_the_kernel(monkeypatch):
     """The cpu backend's fixed-shape sparse attention (a compiled step's) goes through the kernel and is as close to
     the fp32 reference as the torch one."""
@@ -90,7 +90,7 @@ def test_static_cpu_sparse_mla_uses_the_kernel(monkeypatch):
     assert (got.float() - expected).abs().max() <= min(torch_error * 1.01, 2**-8 * expected.abs().max())
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_compiled_static_cpu_sparse_mla_is_one_graph():
     """Inside torch.compile(fullgraph=True) the kernel is one opaque op: inductor compiles around it and the result
     is the eager one; `opcheck` checks the fake against the real op."""
@@ -132,7 +132,7 @@ def test_callers_keep_the_torch_path_where_the_kernel_does_not_apply(monkeypatch
     assert torch.equal(static_sparse_mla_cpu(q_latent, q_pe, pages, table, indices, scale), expected)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_kernel_refuses_inputs_it_cannot_read():
     """The op reads raw pointers: a wrong dtype, a strided tensor, mismatched shapes or an index outside the block
     table's pages is a ValueError, not a crash."""
@@ -158,3 +158,10 @@ def test_kernel_refuses_inputs_it_cannot_read():
     narrow = (good[0][:, :, :48].contiguous(), good[1], pages[..., :80].contiguous(), *good[3:])
     with pytest.raises(ValueError, match="sparse_mla_decode"):  # a latent width that is not a multiple of 32
         cpu_sparse_mla.sparse_mla_decode(*narrow)
+
+
+@runs_avx512_builds
+def test_the_avx2_builds_pass_every_test_of_this_file():
+    """The AVX2 build (what CPUs without AVX512-BF16 run) is the same source built without `vdpbf16ps`: the scores
+    through `cpu_extension.PRELUDE`'s `dot_bf16_pairs`, the weighted sum with FMAs of widened rows."""
+    assert_avx2_builds_pass(__file__)

@@ -104,11 +104,6 @@ inline void gemv(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16
 GEMV_AVX2_SOURCE = r"""
 namespace {
 
-// 8 bf16 values widened to fp32 (a bf16 is the top half of an fp32).
-inline __m256 widen_bf16x8(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
 inline float sum_lanes(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -45,11 +45,11 @@ void attend(const uint16_t* const* rows, int64_t n, int64_t padded, int64_t widt
       for (int r = 0; r < 8; ++r) dot[r] = _mm256_setzero_ps();
       const uint16_t* q = packed_q + g * pairs * 16;
       for (int64_t p = 0; p < pairs; ++p) {
-        __m256bh q_pairs = (__m256bh)_mm256_loadu_si256((const __m256i*)(q + p * 16));
+        const __m256i q_pairs = _mm256_loadu_si256((const __m256i*)(q + p * 16));
         for (int r = 0; r < 8; ++r) {
           int32_t k_pair;
           memcpy(&k_pair, rows[j + r] + 2 * p, 4);
-          dot[r] = _mm256_dpbf16_ps(dot[r], (__m256bh)_mm256_set1_epi32(k_pair), q_pairs);
+          dot[r] = dot_bf16_pairs(dot[r], _mm256_set1_epi32(k_pair), q_pairs);
         }
       }
       for (int r = 0; r < 8; ++r) _mm256_storeu_ps(scores + (j + r) * heads + g * 8, dot[r]);
@@ -72,6 +72,7 @@ void attend(const uint16_t* const* rows, int64_t n, int64_t padded, int64_t widt
     for (; h < heads; ++h) scores[j * heads + h] = expf(scores[j * heads + h] - row_max[h]);
     for (h = 0; h < heads; ++h) total[h] += scores[j * heads + h];
   }
+#ifdef __AVX512BF16__
   // Probabilities of row pairs (j, j+1) per head as bf16 pairs, 0 past the real rows.
   for (int64_t j = 0; j < padded; j += 2)
     for (int64_t h = 0; h < heads; ++h) {
@@ -112,6 +113,28 @@ void attend(const uint16_t* const* rows, int64_t n, int64_t padded, int64_t widt
         }
       }
     }
+#else
+  // The AVX2 build: each real row widened 8 latent columns at a time and added with its 8 heads' probabilities, kept in
+  // fp32 (FMAs, rows in order; no bf16 rounding of the probabilities: closer still to the fp32 reference).
+  (void)prob_pairs;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t c = 0; c < latent; c += 8) {
+      __m256 acc[8];
+      for (int h = 0; h < 8; ++h) acc[h] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 row = widen_bf16x8(rows[j] + c);
+        const float* p = scores + j * heads + g * 8;
+#pragma GCC unroll 8
+        for (int h = 0; h < 8; ++h) acc[h] = _mm256_fmadd_ps(row, _mm256_set1_ps(p[h]), acc[h]);
+      }
+      for (int h = 0; h < 8; ++h) {
+        alignas(32) float values[8];
+        _mm256_store_ps(values, _mm256_mul_ps(acc[h], _mm256_set1_ps(1.f / total[g * 8 + h])));
+        uint16_t* o = out + (g * 8 + h) * latent + c;
+        for (int i = 0; i < 8; ++i) o[i] = float_to_bf16(values[i]);
+      }
+    }
+#endif
 }
 
 
@@ -185,7 +208,8 @@ TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("sparse_mla_decode", TORCH_FN(sparse_m
 @torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
 def kernel_available() -> bool:
     """The CPU supports the kernel and it is built and loaded (`cpu_extension.load`)."""
-    return load_build("sparse_mla_decode", "kdsa::sparse_mla_decode", _SOURCE)
+    # One source for both builds: the scores' `dot_bf16_pairs` (cpu_extension.PRELUDE) and the weighted sum differ.
+    return load_build("sparse_mla_decode", "kdsa::sparse_mla_decode", _SOURCE, _SOURCE)
 
 
 def decode_kernel_applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_pages) -> bool:
