@@ -5,7 +5,7 @@ split and its input checks; that a decode step reaches it eagerly and compiled: 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import needs_cpu_kernels
+from conftest import assert_avx2_builds_pass, needs_kernel_build, runs_avx512_builds
 
 from modeling_kdsa import cpu_extension, cpu_kda_recurrent
 from modeling_kdsa.cpu_kda_recurrent import cpu_recurrent_kda, kernel_applies
@@ -31,7 +31,7 @@ def kda_case(batch=2, tokens=1, heads=3, key_dim=64, value_dim=32, seed=0, v_dty
     return q, k, v, g, beta, state
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 @pytest.mark.parametrize(
     "batch, tokens, heads, key_dim, value_dim",
     [
@@ -62,7 +62,7 @@ def test_kernel_equals_the_reference(batch, tokens, heads, key_dim, value_dim, w
     assert cpu_recurrent_kda(q, k, v, g, beta, scale, initial)[1] is None  # no final state unless asked
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_each_token_starts_from_the_previous_tokens_state():
     """Two tokens in one call equal two calls of one token, the second from the first's state (exactly: the same
     kernel arithmetic)."""
@@ -75,7 +75,7 @@ def test_each_token_starts_from_the_previous_tokens_state():
     assert identical((both, both_state), (torch.cat([first, second], dim=1), second_state))
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_two_threads_give_the_one_thread_result():
     """With two threads 8 heads of a 64 x 64 state (4 per 64 KiB grain) split into two blocks of heads: the result is
     the one thread's, exactly (heads are independent). (That the split happens at all needs the OpenMP build:
@@ -141,3 +141,9 @@ def test_bad_input_is_a_value_error():
             op(*bad_args, None, 0.1)
     with pytest.raises(ValueError, match="kda_recurrent takes contiguous fp32"):
         op(*args, state[:, :2], 0.1)  # a state for 2 of 3 heads
+
+
+@runs_avx512_builds
+def test_the_avx2_builds_pass_every_test_of_this_file():
+    """The AVX2 build (what CPUs without AVX512-BF16 run) is the same source with ATen's AVX2 vectors."""
+    assert_avx2_builds_pass(__file__)

@@ -8,9 +8,9 @@ new state written once, the four steps running on 16 columns at a time while the
 per layer with the state out of cache (`scripts/bench_cpu_kernels.py`).
 
 `cpu_extension` builds and loads the C++ source below, which implements the CPU kernel of the `torch.library` op
-`kdsa::kda_recurrent` (schema and fake implementation registered here). Where it cannot run (no AVX512-BF16, no
-compiler, a value head size that is not a multiple of 16, autograd, export, more than `cpu_extension.MAX_THREADS`
-threads) `kda_ops.recurrent_kda` runs.
+`kdsa::kda_recurrent` (schema and fake implementation registered here), for AVX512 or AVX2
+(`cpu_extension.kernel_isa`). Where it cannot run (no AVX2, no compiler, a value head size that is not a multiple of 16,
+autograd, export, more than `cpu_extension.MAX_THREADS` threads) `kda_ops.recurrent_kda` runs.
 """
 
 import torch
@@ -65,6 +65,10 @@ void kda_head(const float* q, const float* k, const float* v, const float* g, co
   }
 }
 
+// `VALUE_DIM_MULTIPLE` in Python: a whole number of vectors in either build (16 fp32 lanes in AVX512, 8 in AVX2).
+constexpr int64_t kValueMultiple = 16;
+static_assert(kValueMultiple % at::vec::Vectorized<float>::size() == 0);
+
 }  // namespace
 
 // kdsa::kda_recurrent (schema in Python): q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], initial_state
@@ -79,13 +83,13 @@ std::tuple<at::Tensor, at::Tensor> kda_recurrent(const at::Tensor& q, const at::
   auto leading = [&](const at::Tensor& t) { return t.sizes().slice(0, 3) == q.sizes().slice(0, 3); };  // B, T, H
   bool ok = fits(q, 4) && fits(k, 4) && fits(g, 4) && fits(v, 4) && fits(beta, 3) && k.sizes() == q.sizes() &&
             g.sizes() == q.sizes() && leading(v) && leading(beta) && q.size(1) > 0 &&
-            v.size(3) % at::vec::Vectorized<float>::size() == 0;
+            v.size(3) % kValueMultiple == 0;
   if (ok && initial_state)
     ok = fits(*initial_state, 4) &&
          initial_state->sizes() == at::IntArrayRef({q.size(0), q.size(2), q.size(3), v.size(3)});
   TORCH_CHECK_VALUE(ok,
       "kda_recurrent takes contiguous fp32 q, k, g [B, T, H, K], v [B, T, H, V] (T > 0, V a multiple of ",
-      at::vec::Vectorized<float>::size(), "), beta [B, T, H] and initial_state [B, H, K, V] or None; got q ",
+      kValueMultiple, "), beta [B, T, H] and initial_state [B, H, K, V] or None; got q ",
       describe(q), ", k ", describe(k), ", v ", describe(v), ", g ", describe(g), ", beta ", describe(beta),
       ", initial_state ", initial_state ? describe(*initial_state) : std::string("None"));
   const int64_t batch = q.size(0), tokens = q.size(1), heads = q.size(2), key_dim = q.size(3), value_dim = v.size(3);
@@ -118,10 +122,11 @@ TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("kda_recurrent", TORCH_FN(kda_recurren
 @torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
 def kernel_available() -> bool:
     """The CPU supports the kernels and this one is built and loaded (`cpu_extension.load`)."""
-    return load_build("kda_recurrent", "kdsa::kda_recurrent", _SOURCE)
+    # One source for both builds: ATen's `at::vec` is AVX512 or AVX2 code by the build's CPU_CAPABILITY.
+    return load_build("kda_recurrent", "kdsa::kda_recurrent", _SOURCE, _SOURCE)
 
 
-# The kernel takes the state 16 columns (one AVX512 fp32 vector) at a time.
+# The kernel takes the state 16 columns (one AVX512 fp32 vector, two AVX2 ones) at a time.
 VALUE_DIM_MULTIPLE = 16
 
 
