@@ -11,21 +11,19 @@ syncs on them or copies a weight.
 
 `KDSAExperts` calls it for up to 4 tokens eagerly (instead of a Python loop over the experts after a host sync) and for
 its fixed-shape decode path in a compiled step (instead of inductor's multiply-and-sum over the gathered weights,
-docs/graph-mode.md §4, §9). `cpu_extension` builds and loads the C++ source; where the kernel cannot run (no
-AVX512-BF16, no compiler, not bf16, autograd, export, more than `cpu_extension.MAX_THREADS` threads) those paths keep
-their torch form.
+docs/graph-mode.md §4, §9). `cpu_extension` builds and loads the C++ source, over the row kernel's AVX512-BF16 or AVX2
+`gemv` (`cpu_extension.kernel_isa`); where the kernel cannot run (no AVX2, no compiler, not bf16, autograd, export, more
+than `cpu_extension.MAX_THREADS` threads) those paths keep their torch form.
 """
 
 import torch
 from torch import nn
 
 from .cpu_extension import PRELUDE, load_build
-from .cpu_row_linear import GEMV_SOURCE, bf16_kernel_input
+from .cpu_row_linear import GEMV_AVX2_SOURCE, GEMV_SOURCE, bf16_kernel_input
 
-_SOURCE = (
-    PRELUDE
-    + GEMV_SOURCE
-    + r"""
+# The op over either build's `gemv` (cpu_row_linear: GEMV_SOURCE or GEMV_AVX2_SOURCE).
+_OP_SOURCE = r"""
 #include <ATen/Parallel.h>
 
 namespace {
@@ -96,13 +94,14 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& weight, const at
 
 TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("expert_linear", TORCH_FN(expert_linear)); }
 """
-)
+_SOURCE = PRELUDE + GEMV_SOURCE + _OP_SOURCE
+_AVX2_SOURCE = PRELUDE + GEMV_AVX2_SOURCE + _OP_SOURCE
 
 
 @torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
 def kernel_available() -> bool:
     """The CPU supports the kernel and it is built and loaded (`cpu_extension.load`)."""
-    return load_build("expert_linear", "kdsa::expert_linear", _SOURCE)
+    return load_build("expert_linear", "kdsa::expert_linear", _SOURCE, _AVX2_SOURCE)
 
 
 def expert_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -6,11 +6,13 @@ tokens, bit for bit the grouped loop; compiled decode)."""
 import pytest
 import torch
 from conftest import (
+    assert_avx2_builds_pass,
     assert_refused_like_every_cpu_kernel,
     count_calls,
     graph_recorder,
     graph_targets,
-    needs_cpu_kernels,
+    needs_kernel_build,
+    runs_avx512_builds,
 )
 
 from modeling_kdsa import cpu_expert_linear, cpu_extension
@@ -39,7 +41,7 @@ def row_kernel_products(x, weight, index):
     return torch.cat([row_linear(x[p : p + 1].contiguous(), weight[e], None) for p, e in enumerate(index.tolist())])
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 @pytest.mark.parametrize(
     "experts, n, k, pairs",
     [
@@ -61,7 +63,7 @@ def test_each_pair_is_the_row_kernel_on_its_expert(experts, n, k, pairs):
     assert ((got.float() - exact).abs() <= 2**-8 * exact.abs() + 1e-5).all()
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_pairs_of_one_expert_share_its_reads_in_groups_of_up_to_four():
     """Seven pairs of expert 2 (groups of 4 and 3), one of expert 0 and two of expert 4, interleaved: every row is still
     the row kernel's on its own expert."""
@@ -70,7 +72,7 @@ def test_pairs_of_one_expert_share_its_reads_in_groups_of_up_to_four():
     assert torch.equal(expert_linear(x, weight, index), row_kernel_products(x, weight, index))
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_rows_are_read_through_their_stride():
     """x may have any row stride: a token's row expanded over its slots (stride 0) gives the results of its copies."""
     x, weight, index = case(pairs=4)
@@ -79,7 +81,7 @@ def test_rows_are_read_through_their_stride():
     assert torch.equal(expert_linear(shared, weight, index), expert_linear(shared.contiguous(), weight, index))
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_two_threads_split_the_pairs_rows(monkeypatch):
     """Over the grain (~512 KiB of weight per thread) the pairs' rows are split between two threads, a block
     boundary falling inside a pair's rows: the results stay the row kernel's. (That the split happens at all needs the
@@ -94,7 +96,7 @@ def test_two_threads_split_the_pairs_rows(monkeypatch):
         torch.set_num_threads(threads)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_the_kernel_refuses_inputs_it_cannot_read():
     """The op reads raw pointers: a wrong dtype, a width mismatch, strided values, an index of another length or type,
     and an expert outside the weight are ValueErrors, not crashes or reads past the weight."""
@@ -117,7 +119,7 @@ def test_the_kernel_refuses_inputs_it_cannot_read():
             expert_linear(x, weight, torch.tensor([0, 1, bad, 0, 1, 2]))
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_the_torch_paths_run_where_the_kernel_does_not_apply(monkeypatch):
     """fp32, a weight subclass or non-contiguous weight, autograd, autocast, more threads than MAX_THREADS and an
     unavailable kernel keep the torch paths."""
@@ -141,7 +143,7 @@ def make_experts(num_experts=16, width=64, intermediate=48, seed=0) -> KDSAExper
     return experts.bfloat16()
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 @pytest.mark.parametrize("num_experts, top_k", [(16, 4), (32, 16)])
 def test_one_token_runs_its_experts_through_the_kernel_without_a_host_sync(monkeypatch, num_experts, top_k):
     """Eagerly, one bf16 token takes two kernel calls (gate_up, down) for all its slots, no Python loop over experts
@@ -168,7 +170,7 @@ def test_one_token_runs_its_experts_through_the_kernel_without_a_host_sync(monke
         assert not calls
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 @pytest.mark.parametrize("tokens", [2, 3, 4])
 def test_a_batch_of_up_to_four_tokens_takes_the_kernel_with_the_grouped_paths_bits(monkeypatch, tokens):
     """A decode step of 2 to 4 sequences (tokens sharing some experts): two kernel calls, no host sync, and bit for bit
@@ -189,7 +191,7 @@ def test_a_batch_of_up_to_four_tokens_takes_the_kernel_with_the_grouped_paths_bi
     assert torch.equal(batched, grouped)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_compiled_batch_of_four_takes_the_kernel_even_with_more_pairs_than_experts():
     """Compiled, 4 tokens x 3 slots over 6 experts (12 pairs > 6 experts, where the fixed-shape path without the
     kernel runs every expert on every token) take the kernel, with the eager grouped loop's bits."""
@@ -205,7 +207,7 @@ def test_compiled_batch_of_four_takes_the_kernel_even_with_more_pairs_than_exper
     assert sum("expert_linear" in target for target in graph_targets(graphs)) == 2
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 @pytest.mark.parametrize("tokens", [5, 0])
 def test_five_tokens_or_none_keep_the_grouped_loop(monkeypatch, tokens):
     """More tokens than the row kernel's 4 rows (a prefill) keep the grouped GEMMs; so does an empty batch."""
@@ -216,7 +218,7 @@ def test_five_tokens_or_none_keep_the_grouped_loop(monkeypatch, tokens):
     assert not calls
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 @pytest.mark.parametrize("kernel", [True, False])
 def test_one_tokens_slots_are_summed_in_expert_order(monkeypatch, kernel):
     """The grouped loop adds a token's weighted expert outputs in expert order; the one-token paths must too, whatever
@@ -236,7 +238,7 @@ def test_one_tokens_slots_are_summed_in_expert_order(monkeypatch, kernel):
     assert not torch.equal(alone, slot_order)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_compiled_decode_holds_the_kernel_as_an_op():
     """In a compiled step the fixed-shape decode path calls the op (no gathered weights), with the eager bits;
     `opcheck` checks the fake against the real op."""
@@ -251,3 +253,9 @@ def test_compiled_decode_holds_the_kernel_as_an_op():
     assert sum("expert_linear" in target for target in targets) == 2
     x, weight, index = case()
     torch.library.opcheck(torch.ops.kdsa.expert_linear.default, (x, weight, index))
+
+
+@runs_avx512_builds
+def test_the_avx2_builds_pass_every_test_of_this_file():
+    """The AVX2 build (what CPUs without AVX512-BF16 run) is the same op over the row kernel's AVX2 `gemv`."""
+    assert_avx2_builds_pass(__file__)

@@ -13,12 +13,12 @@ decode step for 4 MiB of weight, ~8 GB/s. Here each product reads its slice once
 - `kdsa::head_linear(x [..., H, K], weight [H, N, K]) -> [..., H, N]`: `x[.., h] @ weight[h]ᵀ` (the latent output's
   expansion, `N = Dv`): per head, the row kernel's dot products (`cpu_row_linear`).
 
-The weight may have any head stride (a slice of the heads' `[Dn + Dv, C]` blocks); its rows must be contiguous. Both
-sum exact bf16 products in fp32 and round once, as a bf16 GEMM does (the summation order differs: results may differ
-from torch's in the last bit). `cpu_extension` builds and loads the C++ source, for AVX512-BF16 or, on CPUs without
-it, for AVX2 (`cpu_extension.kernel_isa`, docs/graph-mode.md §13); where the kernels cannot run (no AVX2, no
-compiler, not bf16, more than `MAX_ROWS` rows, autograd, export, more than `cpu_extension.MAX_THREADS` threads) the
-layer's einsums run on contiguous copies.
+The weight may have any head stride (a slice of the heads' `[Dn + Dv, C]` blocks); its rows must be contiguous. Both sum
+exact bf16 products in fp32 and round once, as a bf16 GEMM does (the summation order differs: results may differ from
+torch's in the last bit). `cpu_extension` builds and loads the C++ source, for AVX512-BF16 or, on CPUs without it, for
+AVX2 (`cpu_extension.kernel_isa`, docs/graph-mode.md §13); where the kernels cannot run (no AVX2, no compiler, not bf16,
+more than `MAX_ROWS` rows, autograd, export, more than `cpu_extension.MAX_THREADS` threads) the layer's einsums run on
+contiguous copies.
 """
 
 import torch

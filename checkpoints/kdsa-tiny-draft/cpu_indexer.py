@@ -8,10 +8,11 @@ on it against ~0.29 ms for plain reading the keys. This kernel streams the keys 
 (`vdpbf16ps`) of 8 keys at a time against 8 heads at a time, software prefetch a few KiB ahead, ReLU, the head
 weights and the sum in registers, and a candidate buffer for the top k, so no score is written to memory.
 
-The C++ source below implements the CPU kernel of the `torch.library` op `kdsa::indexer_topk_decode` (schema and
-fake implementation registered here); `cpu_extension` builds and loads it on first use, so the dispatcher calls it
-without Python and a compiled step holds it as one opaque op. Where it cannot run — no AVX512-BF16, no compiler,
-another dtype or geometry — the callers keep the torch path; a failed build warns once.
+The C++ source below implements the CPU kernel of the `torch.library` op `kdsa::indexer_topk_decode` (schema and fake
+implementation registered here); `cpu_extension` builds and loads it on first use, so the dispatcher calls it without
+Python and a compiled step holds it as one opaque op; on a CPU without AVX512-BF16 the same source is built for AVX2,
+`vdpbf16ps` replaced by two FMAs (`cpu_extension.kernel_isa`, docs/graph-mode.md §13). Where it cannot run — no AVX2, no
+compiler, another dtype or geometry — the callers keep the torch path; a failed build warns once.
 
 Result: the reference's selection (`dsa_ops.select_topk`: score descending, ties to the earlier key) over scores
 computed in fp32 from the bf16 inputs (the torch bf16 path rounds each head's product to bf16 first)."""

@@ -14,8 +14,10 @@ weighted sum, fp32 softmax statistics), except that the scores and the weighted 
 the softmax and the division: the output is as close or closer to the fp32 reference.
 
 `cpu_extension` builds and loads the C++ source below, which implements the CPU kernel of the `torch.library` op
-`kdsa::sparse_mla_decode` (schema and fake implementation registered here). Where it cannot run — no AVX512-BF16, no
-compiler, another dtype, geometry or page format, several queries per sequence — the callers keep the torch path.
+`kdsa::sparse_mla_decode` (schema and fake implementation registered here); on a CPU without AVX512-BF16 the same source
+is built for AVX2 (docs/graph-mode.md §13: the scores' `vdpbf16ps` as two FMAs, the weighted sum as FMAs of widened rows
+with the probabilities kept in fp32). Where it cannot run — no AVX2, no compiler, another dtype, geometry or page
+format, several queries per sequence — the callers keep the torch path.
 """
 
 import torch

@@ -13,8 +13,9 @@ compiled step, where it is one opaque op: there it also beat inductor's fused mu
 §9), by 1.13x / 1.16x for the whole compiled step at 4k / 64k, although inductor fuses that sum with the ops around it.
 
 `cpu_extension` builds and loads the C++ source below, which implements the CPU kernel of the `torch.library` op
-`kdsa::row_linear` (schema and fake implementation registered here). Where it cannot run (no AVX512-BF16, no
-compiler, another dtype, more than `MAX_ROWS` rows, more than `cpu_extension.MAX_THREADS` threads) `F.linear` runs.
+`kdsa::row_linear` (schema and fake implementation registered here), or on a CPU without AVX512-BF16 its AVX2 build
+(`GEMV_AVX2_SOURCE`, docs/graph-mode.md §13). Where it cannot run (no AVX2, no compiler, another dtype, more than
+`MAX_ROWS` rows, more than `cpu_extension.MAX_THREADS` threads) `F.linear` runs.
 """
 
 import torch
