@@ -6,8 +6,9 @@ whose schemas and fake implementations the module registers in Python. On first 
 system C++ compiler (`$CXX`, default `g++`; the same compiler inductor needs) against the running torch's headers and
 libraries (a few seconds) into `$XDG_CACHE_HOME/kdsa-kernels/`, one library per source, flags, compiler and torch
 version, written atomically. Loading it registers the kernels (`TORCH_LIBRARY_IMPL`), so the dispatcher calls C++
-without Python and a compiled step holds each op as one opaque call. Where a kernel cannot be built or loaded (no
-compiler, no writable cache directory) this warns once and the callers keep their torch path.
+without Python and a compiled step holds each op as one opaque call. A source is built for AVX512-BF16 or, on CPUs
+without it, for AVX2 and FMA (`kernel_isa`, `load_build`; docs/graph-mode.md §13). Where a kernel cannot be built or
+loaded (no compiler, no writable cache directory) this warns once and the callers keep their torch path.
 """
 
 import hashlib
