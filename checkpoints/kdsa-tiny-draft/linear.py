@@ -10,11 +10,13 @@ gathered expert weights it fuses the gather into that read (no copy). Everywhere
 NPUs) the layer is exactly `nn.Linear`.
 """
 
+from functools import cache
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_row_linear import row_linear, row_linear_applies
+from .cpu_row_linear import MAX_ROWS, row_linear, row_linear_applies
 
 
 def fuses_on_cpu(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -43,13 +45,42 @@ def row_times_weight(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return (out if bias is None else out + bias.float()).to(rows.dtype)
 
 
+@cache
+def cpu_has_bf16_products() -> bool:
+    """The CPU multiplies bf16 natively (AVX512-BF16; every CPU with AMX has it too), so torch's bf16 GEMMs use it."""
+    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+
+
+def widens_to_fp32(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a bf16 product runs as an fp32 GEMM of the widened operands: more than `MAX_ROWS` rows, eagerly,
+    without autograd or autocast, on a CPU without native bf16 products, a plain weight. There torch's bf16 GEMM ran
+    at a flat ~2.5 G multiply-adds/s (AMD Zen 1, one thread), 7x slower than its fp32 GEMM for 128 rows, where widening
+    the weight costs one pass over it (docs/graph-mode.md §13); a few rows read the weight once in bf16 instead (the
+    row kernel). Same arithmetic: fp32 sums of exact products, rounded to bf16 once."""
+    return (
+        hidden_states.numel() > MAX_ROWS * hidden_states.shape[-1]
+        and not torch.compiler.is_compiling()
+        and hidden_states.device.type == "cpu"
+        and hidden_states.dtype == torch.bfloat16
+        and type(weight) in (torch.Tensor, nn.Parameter)
+        and weight.dtype == torch.bfloat16
+        and not torch.is_grad_enabled()
+        and not torch.is_autocast_enabled("cpu")
+        and not cpu_has_bf16_products()
+    )
+
+
 def linear(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`: 1 to 4 bf16 rows through the C++ row kernel where it applies (`cpu_row_linear`,
-    docs/graph-mode.md §10), else in the fused single-row form when `streams_weight(hidden_states, weight)`."""
+    docs/graph-mode.md §10), else in the fused single-row form when `streams_weight(hidden_states, weight)`; more bf16
+    rows on a CPU without native bf16 products as an fp32 GEMM (`widens_to_fp32`)."""
     if row_linear_applies(hidden_states, weight, bias):
         return row_linear(hidden_states.contiguous(), weight, bias)  # a batch's last-token slice is strided
     if streams_weight(hidden_states, weight):
         return row_times_weight(hidden_states, weight, bias)
+    if widens_to_fp32(hidden_states, weight):
+        wide_bias = None if bias is None else bias.float()
+        return F.linear(hidden_states.float(), weight.float(), wide_bias).to(torch.bfloat16)
     return F.linear(hidden_states, weight, bias)
 
 
@@ -60,4 +91,12 @@ class KDSALinear(nn.Linear):
         return linear(hidden_states, self.weight, self.bias)
 
 
-__all__ = ["KDSALinear", "fuses_on_cpu", "linear", "row_times_weight", "streams_weight"]
+__all__ = [
+    "KDSALinear",
+    "cpu_has_bf16_products",
+    "fuses_on_cpu",
+    "linear",
+    "row_times_weight",
+    "streams_weight",
+    "widens_to_fp32",
+]

@@ -1,0 +1,84 @@
+"""bf16 products of more than 4 rows on a CPU without native bf16 products run as fp32 GEMMs of the widened operands
+(modeling_kdsa/linear.py `widens_to_fp32`, docs/graph-mode.md §13): the result is that arithmetic rounded once, it
+reaches `F.linear` in fp32, and every case it must not take keeps the bf16 `F.linear`. The CPU's answer is patched, so
+these run on any machine."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import count_calls
+
+from modeling_kdsa import linear as linear_module
+from modeling_kdsa.linear import linear
+
+pytestmark = pytest.mark.usefixtures("no_grad")
+
+
+@pytest.fixture
+def without_bf16_products(monkeypatch):
+    monkeypatch.setattr(linear_module, "cpu_has_bf16_products", lambda: False)
+
+
+def case(rows=8, width=100, out=12, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, rows // 2, width, generator=generator).bfloat16()
+    weight = torch.randn(out, width, generator=generator).bfloat16()
+    bias = torch.randn(out, generator=generator).bfloat16()
+    return x, weight, bias
+
+
+def test_more_than_four_rows_are_an_fp32_product_rounded_once(monkeypatch, without_bf16_products):
+    x, weight, bias = case()
+    calls = count_calls(monkeypatch, linear_module.F, "linear")
+    got = linear(x, weight, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 4, 12)
+    assert [args[0].dtype for args in calls] == [torch.float32]  # one product, in fp32
+    assert torch.equal(got, F.linear(x.float(), weight.float(), bias.float()).bfloat16())
+    assert torch.equal(linear(x, weight), F.linear(x.float(), weight.float()).bfloat16())  # no bias
+
+
+def test_exact_inputs_give_the_bf16_product(without_bf16_products):
+    """Small integers: every product and sum is exact, so the widened product equals torch's bf16 one bit for bit."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randint(-3, 4, (16, 300), generator=generator).bfloat16()
+    weight = torch.randint(-3, 4, (24, 300), generator=generator).bfloat16()
+    assert torch.equal(linear(x, weight), F.linear(x, weight))
+
+
+def test_the_bf16_product_stays_where_widening_does_not_apply(monkeypatch, without_bf16_products):
+    """Autograd, autocast, a compile, fp32 activations, a weight subclass, 4 rows or fewer (the row kernel's, and
+    `F.linear`'s where that does not apply), and a CPU with native bf16 products keep torch's product as given."""
+    x, weight, bias = case()
+
+    class Subclass(torch.Tensor):
+        pass
+
+    assert linear_module.widens_to_fp32(x, weight)
+    with torch.enable_grad():
+        assert not linear_module.widens_to_fp32(x, weight)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not linear_module.widens_to_fp32(x, weight)
+    assert not linear_module.widens_to_fp32(x.float(), weight.float())
+    assert not linear_module.widens_to_fp32(x, weight.as_subclass(Subclass))
+    assert not linear_module.widens_to_fp32(x[:, :2], weight)  # 4 rows
+    assert linear_module.widens_to_fp32(x[:, :3], weight)  # 6 rows
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not linear_module.widens_to_fp32(x, weight)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    monkeypatch.setattr(linear_module, "cpu_has_bf16_products", lambda: True)
+    assert not linear_module.widens_to_fp32(x, weight)
+    calls = count_calls(monkeypatch, linear_module.F, "linear")
+    linear(x, weight, bias)
+    assert [args[0].dtype for args in calls] == [torch.bfloat16]
+
+
+def test_four_rows_without_the_row_kernel_keep_the_bf16_f_linear(monkeypatch, without_bf16_products):
+    """Where the row kernel does not run (no AVX2), 4 rows keep torch's bf16 product: widening the weight would cost
+    more than one slow read of it; 5 rows are widened."""
+    monkeypatch.setattr(linear_module, "row_linear_applies", lambda *args: False)
+    calls = count_calls(monkeypatch, linear_module.F, "linear")
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(12, 100, generator=generator).bfloat16()
+    linear(torch.randn(4, 100, generator=generator).bfloat16(), weight)
+    linear(torch.randn(5, 100, generator=generator).bfloat16(), weight)
+    assert [args[0].dtype for args in calls] == [torch.bfloat16, torch.float32]
