@@ -47,6 +47,7 @@ from .dsa_ops import (
     scaled_index_weights,
     sparse_mla_attention,
 )
+from .linear import product
 from .numeric_formats import PLANAR_ROWS, stored_planes
 
 # Bound on what the indexer holds per key block and sequence, the gathered keys `[n, DI]` (none when the block's
@@ -323,10 +324,11 @@ def _weighted_head_scores(q_index: torch.Tensor, scaled_weights: torch.Tensor, k
     # ReLU and the weighted head sum as one batched fp32 product `[1, HI] @ [HI, n]` per query: 4 ops whatever HI,
     # half the time of a loop over heads (the head sum's order is the GEMM's; bf16 is not bit-exact anyway).
     if num_queries == 1:
-        products = torch.bmm(keys, q_index.flatten(1, 2).transpose(1, 2)).float().relu_()  # [B, n, HI]
+        products = product(torch.bmm, keys, q_index.flatten(1, 2).transpose(1, 2)).float().relu_()  # [B, n, HI]
         products = products.transpose(1, 2).unsqueeze(1)  # [B, 1, HI, n]
     else:
-        products = torch.bmm(q_index.flatten(1, 2), keys_t).float().relu_().view(batch, num_queries, num_heads, -1)
+        products = product(torch.bmm, q_index.flatten(1, 2), keys_t).float().relu_()
+        products = products.view(batch, num_queries, num_heads, -1)
     return torch.matmul(scaled_weights[:, :, None, :], products).squeeze(2)
 
 
@@ -680,9 +682,9 @@ def _attend(
     query = torch.cat([q_latent, q_pe], dim=-1).flatten(0, 1)  # [B·T, H, C + R]
     rows = rows.flatten(0, 1)  # [B·T, K, C + R]
     if num_queries == 1:
-        scores = torch.bmm(rows, query.transpose(1, 2)).transpose(1, 2)  # [B, H, K]
+        scores = product(torch.bmm, rows, query.transpose(1, 2)).transpose(1, 2)  # [B, H, K]
     else:
-        scores = torch.bmm(query, rows.transpose(1, 2))  # [B·T, H, K]
+        scores = product(torch.bmm, query, rows.transpose(1, 2))  # [B·T, H, K]
     scores = scores.reshape(batch, num_queries, -1, num_selected)  # [B, T, H, K]
     scores = scores.float() * softmax_scale
     scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
@@ -692,7 +694,7 @@ def _attend(
     denominator = probs.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
     # Multiply by the whole `[c | k_pe]` rows and drop the k_pe columns afterwards: a GEMM on the strided `c`
     # columns alone makes torch copy them first, which costs 5x the 12% of extra products.
-    out = torch.bmm(probs.to(rows.dtype).flatten(0, 1), rows).view(batch, num_queries, -1, width)
+    out = product(torch.bmm, probs.to(rows.dtype).flatten(0, 1), rows).view(batch, num_queries, -1, width)
     return (out[..., : q_latent.shape[-1]].float() / denominator).to(q_latent.dtype)  # [B, T, H, C]
 
 
@@ -812,7 +814,7 @@ def _dense_block(
     batch, num_queries, num_heads, width = query.shape
     latent_width = accumulator.shape[-1]
     # One GEMM for all queries and heads, in the input dtype; softmax statistics in fp32.
-    scores = torch.bmm(query.view(batch, num_queries * num_heads, width), rows.transpose(1, 2))
+    scores = product(torch.bmm, query.view(batch, num_queries * num_heads, width), rows.transpose(1, 2))
     scores = scores.view(batch, num_queries, num_heads, -1).float() * softmax_scale
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
     new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
@@ -820,7 +822,7 @@ def _dense_block(
     correction = torch.exp(running_max - new_max)
     running_sum = running_sum * correction + probs.sum(dim=-1, keepdim=True)
     # Whole `[c | k_pe]` rows, then drop the k_pe columns (see `_attend`).
-    values = torch.bmm(probs.to(rows.dtype).view(batch, num_queries * num_heads, -1), rows)[..., :latent_width]
+    values = product(torch.bmm, probs.to(rows.dtype).view(batch, num_queries * num_heads, -1), rows)[..., :latent_width]
     accumulator = accumulator * correction + values.view_as(accumulator).float()
     return new_max, running_sum, accumulator
 

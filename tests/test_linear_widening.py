@@ -82,3 +82,40 @@ def test_four_rows_without_the_row_kernel_keep_the_bf16_f_linear(monkeypatch, wi
     linear(torch.randn(4, 100, generator=generator).bfloat16(), weight)
     linear(torch.randn(5, 100, generator=generator).bfloat16(), weight)
     assert [args[0].dtype for args in calls] == [torch.bfloat16, torch.float32]
+
+
+def test_a_product_of_bf16_operands_runs_in_fp32(monkeypatch, without_bf16_products):
+    generator = torch.Generator().manual_seed(3)
+    a = torch.randn(3, 5, 40, generator=generator).bfloat16()
+    b = torch.randn(3, 40, 6, generator=generator).bfloat16()
+    seen = []
+
+    def bmm(x, y):
+        seen.append((x.dtype, y.dtype))
+        return torch.bmm(x, y)
+
+    got = linear_module.product(bmm, a, b)
+    assert seen == [(torch.float32, torch.float32)] and got.dtype == torch.bfloat16
+    assert torch.equal(got, torch.bmm(a.float(), b.float()).bfloat16())
+    monkeypatch.setattr(linear_module, "cpu_has_bf16_products", lambda: True)
+    assert linear_module.product(bmm, a, b).dtype == torch.bfloat16 and seen[-1] == (torch.bfloat16, torch.bfloat16)
+
+
+def test_a_bf16_prefill_widens_its_attention_and_convolution_products(monkeypatch):
+    """A bf16 prefill of the tiny model (KDA and DSA layers, `cpu` kernels) on a CPU without native bf16 products: the
+    KDA short convolution, the indexer's and the sparse attention's batched products and the per-head absorptions go
+    through `product` (and run in fp32), and the logits stay within bf16 rounding of the unwidened forward's."""
+    from conftest import tiny_config
+
+    from modeling_kdsa import KDSAForCausalLM, dsa, dsa_paged_ops, kda_ops
+
+    torch.manual_seed(0)
+    model = KDSAForCausalLM(tiny_config()).bfloat16().eval()
+    ids = torch.randint(3, 128, (1, 24))
+    monkeypatch.setattr(linear_module, "cpu_has_bf16_products", lambda: True)
+    expected = model(input_ids=ids).logits.float()
+    monkeypatch.setattr(linear_module, "cpu_has_bf16_products", lambda: False)
+    calls = {module: count_calls(monkeypatch, module, "product") for module in (dsa, dsa_paged_ops, kda_ops)}
+    got = model(input_ids=ids).logits.float()
+    assert all(calls.values()), {module.__name__: len(c) for module, c in calls.items()}
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.05 * expected.abs().max().item())

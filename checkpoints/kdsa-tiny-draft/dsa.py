@@ -21,7 +21,7 @@ from .cache import KDSAPagedMLALayer, attention_store_class
 from .cpu_head_products import head_linear, head_matmul, kernels_apply
 from .dsa_ops import QUERY_BLOCK_SIZE
 from .kernels import kernel_set
-from .linear import KDSALinear, linear
+from .linear import KDSALinear, linear, product
 from .norms import KDSARMSNorm
 from .rotary import apply_rotary_half, apply_rotary_interleaved
 from .sequence_parallel import SequenceParallelContext
@@ -45,7 +45,7 @@ def per_head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     query's absorption, docs/dsa.md §3), through the CPU head kernel where it applies (docs/dsa.md §13)."""
     if kernels_apply(x, weight):
         return head_matmul(x.contiguous(), weight)
-    return torch.einsum("bthn,hnk->bthk", x, weight)
+    return product(partial(torch.einsum, "bthn,hnk->bthk"), x, weight)
 
 
 def per_head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -53,7 +53,7 @@ def per_head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     output's expansion, docs/dsa.md §3), through the CPU head kernel where it applies (docs/dsa.md §13)."""
     if kernels_apply(x, weight):
         return head_linear(x.contiguous(), weight)
-    return torch.einsum("bthk,hnk->bthn", x, weight)
+    return product(partial(torch.einsum, "bthk,hnk->bthn"), x, weight)
 
 
 class KDSAIndexer(nn.Module):

@@ -6,8 +6,12 @@ channels, because the decay acts per key channel). `g` is the natural-log decay 
 fp32, return `o` in `v.dtype` and the state in fp32, and agree with each other to fp32 rounding.
 """
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
+
+from .linear import product
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -63,7 +67,8 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, left_context: torch
         context = F.pad(context, (0, 0, width - 1 - context.shape[1], 0))
     tokens = torch.cat([context, x.transpose(1, 2)], dim=1).to(weight.dtype)  # [B, W-1+T, C]
     # In the weight's dtype (fp32 weights give an fp32 conv, as GLM-5.3-Flash runs it), returned in x's dtype.
-    out = F.conv2d(tokens.unsqueeze(1).permute(0, 3, 1, 2), weight.unsqueeze(2), groups=channels)  # [B, C, 1, T]
+    conv = partial(F.conv2d, groups=channels)  # in fp32 on CPUs without native bf16 products (`product`)
+    out = product(conv, tokens.unsqueeze(1).permute(0, 3, 1, 2), weight.unsqueeze(2))  # [B, C, 1, T]
     return F.silu(out.squeeze(2)).to(x.dtype)
 
 

@@ -51,23 +51,39 @@ def cpu_has_bf16_products() -> bool:
     return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
 
 
-def widens_to_fp32(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a bf16 product runs as an fp32 GEMM of the widened operands: more than `MAX_ROWS` rows, eagerly,
-    without autograd or autocast, on a CPU without native bf16 products, a plain weight. There torch's bf16 GEMM ran
-    at a flat ~2.5 G multiply-adds/s (AMD Zen 1, one thread), 7x slower than its fp32 GEMM for 128 rows, where widening
-    the weight costs one pass over it (docs/graph-mode.md §13); a few rows read the weight once in bf16 instead (the
-    row kernel). Same arithmetic: fp32 sums of exact products, rounded to bf16 once."""
+def slow_bf16_products(x: torch.Tensor) -> bool:
+    """Whether a product with the bf16 operand `x` runs faster as an fp32 product of the widened operands, rounded to
+    bf16 once: eagerly, without autograd or autocast, on a CPU without native bf16 products. There torch's bf16 GEMMs
+    ran at a flat ~2.5 G multiply-adds/s (AMD Zen 1, one thread), 7x slower than its fp32 GEMM for 128 rows, where
+    widening the operands costs one pass over them (docs/graph-mode.md §13). Same arithmetic: fp32 sums of exact
+    products, rounded once."""
     return (
-        hidden_states.numel() > MAX_ROWS * hidden_states.shape[-1]
-        and not torch.compiler.is_compiling()
-        and hidden_states.device.type == "cpu"
-        and hidden_states.dtype == torch.bfloat16
-        and type(weight) in (torch.Tensor, nn.Parameter)
-        and weight.dtype == torch.bfloat16
+        not torch.compiler.is_compiling()
+        and x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
         and not torch.is_grad_enabled()
         and not torch.is_autocast_enabled("cpu")
         and not cpu_has_bf16_products()
     )
+
+
+def widens_to_fp32(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` runs its product as an fp32 GEMM (`slow_bf16_products`): more than `MAX_ROWS` rows (fewer
+    read the weight once in bf16 instead, the row kernel) and a plain bf16 weight."""
+    return (
+        hidden_states.numel() > MAX_ROWS * hidden_states.shape[-1]
+        and type(weight) in (torch.Tensor, nn.Parameter)
+        and weight.dtype == torch.bfloat16
+        and slow_bf16_products(hidden_states)
+    )
+
+
+def product(function, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`function(a, b)`, a product of two bf16 operands such as `torch.bmm`; in fp32 on the widened operands, rounded
+    to bf16 once, where `slow_bf16_products(a)`."""
+    if slow_bf16_products(a):
+        return function(a.float(), b.float()).to(torch.bfloat16)
+    return function(a, b)
 
 
 def linear(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,6 +113,8 @@ __all__ = [
     "fuses_on_cpu",
     "linear",
     "row_times_weight",
+    "product",
+    "slow_bf16_products",
     "streams_weight",
     "widens_to_fp32",
 ]
