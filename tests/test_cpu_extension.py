@@ -84,7 +84,7 @@ def test_the_build_follows_the_cpu_and_kdsa_cpu_kernels(monkeypatch, choice, cap
     build where ATen runs AVX2 kernels, none elsewhere; $KDSA_CPU_KERNELS narrows that choice."""
     monkeypatch.setenv("KDSA_CPU_KERNELS", choice)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(cpu_extension, "cpu_has_bf16_products", lambda: avx512_bf16)
     assert cpu_extension.kernel_isa.__wrapped__() == expected
 
 

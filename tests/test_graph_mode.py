@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.utils
-from conftest import count_calls, cpu_compile_config, needs_cpu_kernels, tiny_model
+from conftest import count_calls, cpu_compile_config, needs_kernel_build, tiny_model
 from transformers import CompileConfig
 
 from modeling_kdsa import KDSAQuantizationConfig, cpu_kda_recurrent, cpu_row_linear, dsa_paged_ops, static_cache
@@ -317,7 +317,7 @@ def test_compiled_static_decode_other_layer_kinds():
     assert page_gathers(CAPTURED_GRAPHS) == []  # dense MLA and the indexer read their pools in place
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 @pytest.mark.usefixtures("kernels_at_this_thread_count")
 @pytest.mark.parametrize("shape, batch", [("default", 2), ("default", 1), ("kpool", 3)])
 def test_bf16_decode_steps_reach_the_cpu_kernels(monkeypatch, shape, batch):

@@ -112,19 +112,26 @@ def compiler() -> str:
 
 
 @cache
+def cpu_has_bf16_products() -> bool:
+    """The CPU has AVX512-BF16 (`vdpbf16ps`; every such CPU also has AVX512 F/BW/DQ/VL, and every CPU with AMX has
+    it), so the kernels' AVX512 builds run and torch's bf16 GEMMs have native products to use."""
+    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+
+
+@cache
 def kernel_isa() -> str | None:
-    """The instruction set whose kernel builds this process uses: "avx512_bf16" where the CPU has AVX512-BF16 (the
-    kernels' `vdpbf16ps`; every such CPU also has AVX512 F/BW/DQ/VL), else "avx2" where ATen's own AVX2 kernels run
-    (AVX2 and FMA), else None. Only the row kernel (`cpu_row_linear`) has an AVX2 build; the others need AVX512-BF16.
-    $KDSA_CPU_KERNELS overrides the choice for the process: "avx2" takes the AVX2 builds also on an AVX512-BF16 CPU
-    (to test or compare them), "off" no kernel at all (the torch paths); "auto", the default, as above."""
+    """The instruction set whose kernel builds this process uses: "avx512_bf16" where `cpu_has_bf16_products`, else
+    "avx2" where ATen's own AVX2 kernels run (AVX2 and FMA), else None. Every kernel but the FP8 ones
+    (`cpu_fp8_dequantize`) has an AVX2 build. $KDSA_CPU_KERNELS overrides the choice for the process: "avx2" takes
+    the AVX2 builds also on an AVX512-BF16 CPU (to test or compare them), "off" no kernel at all (the torch paths);
+    "auto", the default, as above."""
     choice = os.environ.get("KDSA_CPU_KERNELS", "auto")
     if choice not in ("auto", "avx2", "off"):
         raise ValueError(f"KDSA_CPU_KERNELS must be 'auto', 'avx2' or 'off', got {choice!r}")
     avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     if choice == "off" or (choice == "avx2" and not avx2):
         return None
-    if choice == "auto" and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
+    if choice == "auto" and cpu_has_bf16_products():
         return "avx512_bf16"
     return "avx2" if avx2 else None
 
@@ -227,6 +234,7 @@ __all__ = [
     "PRELUDE",
     "build",
     "compiler",
+    "cpu_has_bf16_products",
     "cpu_supports_kernels",
     "few_threads",
     "has_cpu_kernel",

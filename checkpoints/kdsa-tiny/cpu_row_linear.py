@@ -101,7 +101,7 @@ inline void gemv(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16
 
 # `gemv` for CPUs with AVX2 and FMA but no AVX512-BF16 (`cpu_extension.kernel_isa`), same arguments and result up to the
 # order of the fp32 sums: there torch's bf16 `F.linear` has no native bf16 instructions to use and read one row's
-# weight at ~5 GB/s on one thread (AMD EPYC of the first Zen generation), its fp32 product at ~12-23 GB/s.
+# weight at ~5 GB/s on one thread (AMD EPYC of the first Zen generation), its fp32 product at ~10-23 GB/s.
 GEMV_AVX2_SOURCE = r"""
 namespace {
 

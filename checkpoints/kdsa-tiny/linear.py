@@ -10,12 +10,11 @@ gathered expert weights it fuses the gather into that read (no copy). Everywhere
 NPUs) the layer is exactly `nn.Linear`.
 """
 
-from functools import cache
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_extension import cpu_has_bf16_products
 from .cpu_row_linear import MAX_ROWS, row_linear, row_linear_applies
 
 
@@ -43,12 +42,6 @@ def row_times_weight(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     in `rows`' dtype. rows `[..., in]` broadcasts against weight `[..., out, in]`: `[..., out]`."""
     out = (weight.float() * rows.float().unsqueeze(-2)).sum(-1)
     return (out if bias is None else out + bias.float()).to(rows.dtype)
-
-
-@cache
-def cpu_has_bf16_products() -> bool:
-    """The CPU multiplies bf16 natively (AVX512-BF16; every CPU with AMX has it too), so torch's bf16 GEMMs use it."""
-    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
 
 
 def slow_bf16_products(x: torch.Tensor) -> bool:
@@ -109,11 +102,10 @@ class KDSALinear(nn.Linear):
 
 __all__ = [
     "KDSALinear",
-    "cpu_has_bf16_products",
     "fuses_on_cpu",
     "linear",
-    "row_times_weight",
     "product",
+    "row_times_weight",
     "slow_bf16_products",
     "streams_weight",
     "widens_to_fp32",
