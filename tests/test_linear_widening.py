@@ -1,7 +1,8 @@
-"""bf16 products of more than 4 rows on a CPU without native bf16 products run as fp32 GEMMs of the widened operands
-(modeling_kdsa/linear.py `widens_to_fp32`, docs/graph-mode.md §13): the result is that arithmetic rounded once, it
-reaches `F.linear` in fp32, and every case it must not take keeps the bf16 `F.linear`. The CPU's answer is patched, so
-these run on any machine."""
+"""On a CPU without native bf16 products, bf16 products run as fp32 products of the widened operands, rounded once
+(modeling_kdsa/linear.py, docs/graph-mode.md §13): `linear` for more than 4 rows (`widens_to_fp32`: the result, the
+fp32 call, and every case that must keep the bf16 `F.linear`), `product` for the batched products and the convolution
+of a prefill (its fp32 call, and each call site reached in a tiny model's bf16 prefill). The CPU's answer is patched,
+so these run on any machine."""
 
 import pytest
 import torch
