@@ -24,7 +24,7 @@ In each round the paths run one after the other, so that both see the same machi
 minimum of each path and the median, min and max of the per-round ratio (torch path / kernel).
 
 Usage:  .venv/bin/python scripts/bench_cpu_kernels.py [--quick] [--repeats N] [--threads N] [--out PATH]
-Writes JSON (default runs/bench_cpu_kernels.json) and prints a table. Kernels that cannot run here (no AVX512-BF16,
+Writes JSON (default runs/bench_cpu_kernels.json) and prints a table. Kernels that cannot run here (no AVX2,
 no compiler) are reported as such.
 """
 

@@ -4,9 +4,18 @@ bf16) over every E4M3 value, tile shapes and edges, the cases `dequantize_tiles`
 input checks; the fused row product of a held layer, bit for bit the dequantized layer's, where it runs and where it
 does not, and its input checks."""
 
+import os
+
 import pytest
 import torch
-from conftest import count_calls, graph_recorder, graph_targets, needs_cpu_kernels
+from conftest import (
+    assert_avx2_builds_pass,
+    count_calls,
+    graph_recorder,
+    graph_targets,
+    needs_kernel_build,
+    runs_avx512_builds,
+)
 
 from modeling_kdsa import cpu_extension, cpu_fp8_dequantize
 from modeling_kdsa import fp8_linear as fp8_linear_module
@@ -35,7 +44,7 @@ def case(shape, block, seed=0, scale_range=(-12, 2)):
     return values, scale_inv
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "shape, block",
@@ -55,7 +64,7 @@ def test_kernel_equals_the_torch_path(shape, block, dtype):
     assert same_bits(got, dequantize_tiles_torch(values, scale_inv, block, dtype))
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("scale", [1.0, 3.0e-3, 2.0**-140, 1.0e30])
 def test_every_e4m3_value(dtype, scale):
@@ -77,7 +86,7 @@ def held_layer(rows: int, cols: int, block: tuple[int, int], bias: bool = False,
     return KDSAFP8Linear(values, scale_inv, block, b)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_held_layer_reaches_the_kernel(monkeypatch):
     """A `KDSAFP8Linear` forward dequantizes through the kernel (once per forward) and gives the torch path's result."""
     layer = held_layer(48, 40, (16, 16))
@@ -127,7 +136,7 @@ def test_bad_input_is_a_value_error():
             op(*args)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_compiled_forward_leaves_the_conversion_to_inductor():
     """Inside a compile the torch path is traced (inductor fuses the conversion into the product's loop,
     docs/graph-mode.md §9): the captured graph holds no kernel call, and gives the eager forward's result."""
@@ -148,7 +157,7 @@ def dequantized_forward(layer: KDSAFP8Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, layer.dequantized_weight(x.dtype), layer.bias)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 @pytest.mark.usefixtures("kernels_at_this_thread_count")
 @pytest.mark.parametrize(
     "rows, cols, block, x_rows, bias",
@@ -176,25 +185,29 @@ def test_fused_row_product_is_the_dequantized_layers_product(monkeypatch, rows, 
     assert len(calls) == 2
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 @pytest.mark.usefixtures("kernels_at_this_thread_count")
 def test_fused_row_product_adds_in_the_row_kernels_order():
-    """fp32 sums depend on their order. A row whose exact product is 3 (2^24, 1, 1, -2^24 in the columns the row
-    kernel's four accumulators take, then 1 in the masked last column) gives 3 only in the row kernel's order: the
-    last column added to the second accumulator, then (first + second) + (third + fourth). Adding the last column to
-    the first accumulator gives 1 (2^24 + 1 rounds to 2^24), pairing (first + third) + (second + fourth) gives 2."""
-    values = torch.zeros(1, 129)
-    values[0, [0, 32, 64, 96, 128]] = torch.tensor([256.0, 1.0, 1.0, -256.0, 1.0])
-    scale_inv = torch.tensor([[2.0**16, 1.0, 1.0, 2.0**16, 1.0]])  # one scale per 32 columns: 256 · 2^16 = 2^24
+    """fp32 sums depend on their order. Products 2^24, 1, 1, -2^24 in four columns, then 1 in a last column the loop
+    takes apart, add to 3, 2 or 1 depending on the order; each build's fused product must give its row kernel's sum.
+    AVX512-BF16 (columns 0, 32, 64, 96 in its four accumulators, column 128 in the masked last step, added to the
+    second): 3; adding the last column to the first accumulator gives 1 (2^24 + 1 rounds to 2^24), pairing (first +
+    third) + (second + fourth) gives 2. AVX2 (columns 0, 8, 16, 24 in its four chains, summed in chain order, column 32
+    added last on its own): 1; summing the chains pairwise gives 2."""
+    avx2 = cpu_extension.kernel_isa() == "avx2"
+    columns, k, expected = ([0, 8, 16, 24, 32], 33, 1.0) if avx2 else ([0, 32, 64, 96, 128], 129, 3.0)
+    values = torch.zeros(1, k)
+    values[0, columns] = torch.tensor([256.0, 1.0, 1.0, -256.0, 1.0])
+    scale_inv = torch.ones(1, -(-k // 32))
     layer = KDSAFP8Linear(values.to(torch.float8_e4m3fn), scale_inv, (1, 32))
-    x = torch.zeros(1, 129).bfloat16()
-    x[0, [0, 32, 64, 96, 128]] = 1.0
+    x = torch.zeros(1, k).bfloat16()
+    x[0, columns] = torch.tensor([2.0**16, 1.0, 1.0, 2.0**16, 1.0]).bfloat16()  # 256 · 2^16 = 2^24
     with torch.no_grad():
         assert cpu_fp8_dequantize.fp8_row_linear_applies(x, layer.weight, layer.weight_scale_inv, (1, 32), None)
-        assert layer(x).item() == dequantized_forward(layer, x).item() == 3.0
+        assert layer(x).item() == dequantized_forward(layer, x).item() == expected
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_fused_row_product_splits_weight_rows_over_two_threads(monkeypatch):
     """Over the kernel's grain (~512 KiB of values per thread) the weight rows are split between two threads: the
     result is still the dequantized layer's. (That the split happens at all needs the OpenMP build:
@@ -211,7 +224,7 @@ def test_fused_row_product_splits_weight_rows_over_two_threads(monkeypatch):
         torch.set_num_threads(threads)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 @pytest.mark.usefixtures("kernels_at_this_thread_count")
 def test_dequantized_product_where_the_fused_kernel_does_not_apply(monkeypatch):
     """Five rows, fp32 activations, tiles of 48 columns, an fp32 bias, strided values or scales, autograd, autocast,
@@ -253,7 +266,7 @@ def test_dequantized_product_where_the_fused_kernel_does_not_apply(monkeypatch):
     assert not calls
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 @pytest.mark.usefixtures("kernels_at_this_thread_count")
 def test_compiled_held_layer_holds_the_fused_kernel_as_one_op():
     """Compiled (a decode step with held layers), a bf16 row goes through the fused kernel as one opaque op, with the
@@ -272,7 +285,7 @@ def test_compiled_held_layer_holds_the_fused_kernel_as_one_op():
     assert not any("dequantize_fp8_tiles" in target for target in targets)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_fused_row_product_refuses_inputs_it_cannot_read():
     """The op reads raw pointers: wrong dtypes, five rows, a width or grid mismatch, tiles of 48 columns, strided
     values or a bias of the wrong size is a ValueError, not a crash; `opcheck` checks the fake against the op."""
@@ -299,3 +312,17 @@ def test_fused_row_product_refuses_inputs_it_cannot_read():
     # The schema check multiplies the inputs, which torch cannot do for float8: the fake is checked alone.
     args = (x, values, scale_inv, 16, 32, bias)
     torch.library.opcheck(torch.ops.kdsa.fp8_row_linear.default, args, test_utils="test_faketensor")
+
+
+@needs_kernel_build
+def test_the_process_runs_the_build_kdsa_cpu_kernels_asks_for():
+    """Under KDSA_CPU_KERNELS=avx2 (the second process of the next test) the ops are the AVX2 build."""
+    assert cpu_fp8_dequantize.kernel_available()
+    if os.environ.get("KDSA_CPU_KERNELS") == "avx2":
+        assert cpu_extension.kernel_isa() == "avx2" and not cpu_extension.cpu_supports_kernels()
+
+
+@runs_avx512_builds
+def test_the_avx2_builds_pass_every_test_of_this_file():
+    """The AVX2 build (what CPUs without AVX512-BF16 run) implements the same ops from another source."""
+    assert_avx2_builds_pass(__file__)

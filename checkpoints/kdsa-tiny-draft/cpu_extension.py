@@ -121,10 +121,9 @@ def cpu_has_bf16_products() -> bool:
 @cache
 def kernel_isa() -> str | None:
     """The instruction set whose kernel builds this process uses: "avx512_bf16" where `cpu_has_bf16_products`, else
-    "avx2" where ATen's own AVX2 kernels run (AVX2 and FMA), else None. Every kernel but the FP8 ones
-    (`cpu_fp8_dequantize`) has an AVX2 build. $KDSA_CPU_KERNELS overrides the choice for the process: "avx2" takes
-    the AVX2 builds also on an AVX512-BF16 CPU (to test or compare them), "off" no kernel at all (the torch paths);
-    "auto", the default, as above."""
+    "avx2" where ATen's own AVX2 kernels run (AVX2 and FMA), else None; every kernel has an AVX2 build.
+    $KDSA_CPU_KERNELS overrides the choice for the process: "avx2" takes the AVX2 builds also on an AVX512-BF16 CPU
+    (to test or compare them), "off" no kernel at all (the torch paths); "auto", the default, as above."""
     choice = os.environ.get("KDSA_CPU_KERNELS", "auto")
     if choice not in ("auto", "avx2", "off"):
         raise ValueError(f"KDSA_CPU_KERNELS must be 'auto', 'avx2' or 'off', got {choice!r}")
@@ -219,7 +218,7 @@ def load(name: str, source: str, op: str, compiler: str, flags: tuple[str, ...] 
 
 def load_build(name: str, op: str, source: str, avx2_source: str | None = None) -> bool:
     """Whether `op`'s CPU kernel is registered, `load`ing the build of kernel `name` for this CPU (`kernel_isa`):
-    `source` with AVX512_FLAGS, or `avx2_source` with AVX2_FLAGS (None: the kernel has no AVX2 build); False where
+    `source` with AVX512_FLAGS, or `avx2_source` with AVX2_FLAGS (None: no AVX2 build); False where
     neither runs."""
     isa = kernel_isa()
     if isa == "avx512_bf16":

@@ -4,30 +4,28 @@
 that the fused product below does not take. torch's float8 -> float conversion on CPU is element by element, ~3 ns
 each: 3.3 ms for a 1024 x 1024 weight, ~140x the product of one row with the BF16 weight.
 
-- `kdsa::dequantize_fp8_tiles` computes the same values with AVX512, 16 at a time, bit for bit (a NaN stays a NaN;
+- `kdsa::dequantize_fp8_tiles` computes the same values with AVX512, 16 at a time (or AVX2, 8 at a time, on CPUs
+  without AVX512-BF16: `cpu_extension.kernel_isa`), bit for bit (a NaN stays a NaN;
   its bits may differ from torch's, whose own NaN bits depend on whether its vectorised or scalar path ran).
   `dequantize_tiles` calls it outside a compile (inside one, inductor fuses the traced conversion into the product's
   loop) for a bf16 or fp32 result; rows are split over torch's intra-op threads, at any thread count (measured at 1
   and 2: `scripts/bench_cpu_kernels.py`).
 - `kdsa::fp8_row_linear` is a held layer's forward of 1 to 4 bf16 rows (a decode step), eagerly and compiled: the row
-  kernel's loop (`cpu_row_linear.GEMV_SOURCE`) with each weight vector dequantized in registers, bit for bit the
-  product with the dequantized weight, without writing that weight.
+  kernel's loop (`cpu_row_linear.GEMV_SOURCE`, or `GEMV_AVX2_SOURCE` in the AVX2 build) with each weight vector
+  dequantized in registers, bit for bit the product with the dequantized weight, without writing that weight.
 
-`cpu_extension` builds and loads the C++ source below, which implements the CPU kernels of both `torch.library` ops
-(schemas and fake implementations registered here). Where they cannot run, the torch path runs.
+`cpu_extension` builds and loads the C++ source below for this CPU's instruction set, which implements the CPU kernels
+of both `torch.library` ops (schemas and fake implementations registered here). Where they cannot run, the torch path
+runs.
 """
 
 import torch
 
 from .cpu_extension import PRELUDE, load_build
-from .cpu_row_linear import GEMV_SOURCE, few_bf16_rows
+from .cpu_row_linear import GEMV_AVX2_SOURCE, GEMV_SOURCE, few_bf16_rows
 
-_SOURCE = (
-    PRELUDE
-    + GEMV_SOURCE
-    + r"""
-#include <ATen/Parallel.h>
-
+# The AVX512-BF16 build's conversion, dequantization and fused-product reader (after PRELUDE and GEMV_SOURCE).
+_AVX512_SOURCE = r"""
 namespace {
 
 // 16 E4M3 (float8_e4m3fn) bytes as fp32, exactly. A normal value's 4 exponent and 3 mantissa bits, shifted into
@@ -92,7 +90,129 @@ inline __m512bh dequantize_32(const uint8_t* values, float scale, __mmask32 mask
   return (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
 }
 
+// The rows of E4M3 values [N, K] with fp32 scales [ceil(N / block_rows), scale_cols] as `gemv_rows` reads a weight:
+// row n's reader gives the 32 dequantized bf16 weights from column i (a tile's columns are a multiple of 32, so each
+// vector has one scale).
+struct Fp8Weights {
+  const uint8_t* w;
+  const float* scales;
+  int64_t k, block_rows, block_cols, scale_cols;
+  auto operator()(int64_t n) const {
+    return [row = w + n * k, row_scales = scales + (n / block_rows) * scale_cols, block_cols = block_cols](
+               int64_t i, __mmask32 mask) { return dequantize_32(row + i, row_scales[i / block_cols], mask); };
+  }
+};
+
 }  // namespace
+"""
+
+# The AVX2 build's (CPUs without AVX512-BF16, `cpu_extension.kernel_isa`): the same values, 8 at a time (after PRELUDE
+# and GEMV_AVX2_SOURCE).
+_AVX2_SOURCE = r"""
+namespace {
+
+// `e4m3_to_fp32` of the AVX512 build on 8 bytes, and on one.
+inline __m256 e4m3_to_fp32_x8(const uint8_t* values) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)values));
+  const __m256i magnitude = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
+  const __m256 normal =
+      _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(magnitude, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(1.0f / 512.0f));
+  const __m256i is_subnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), magnitude);
+  __m256 value = _mm256_blendv_ps(normal, subnormal, _mm256_castsi256_ps(is_subnormal));
+  const __m256i is_nan = _mm256_cmpeq_epi32(magnitude, _mm256_set1_epi32(0x7f));
+  value = _mm256_blendv_ps(value, _mm256_set1_ps(NAN), _mm256_castsi256_ps(is_nan));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(value), sign));
+}
+
+inline float e4m3_to_float(uint8_t byte) {
+  const uint32_t magnitude = byte & 0x7f;
+  uint32_t bits = (magnitude << 20) + (120u << 23);
+  float value;
+  memcpy(&value, &bits, 4);
+  if (magnitude < 8) value = (float)magnitude * (1.0f / 512.0f);
+  if (magnitude == 0x7f) value = NAN;
+  return byte & 0x80 ? -value : value;
+}
+
+// 8 fp32 values rounded to bf16 as `float_to_bf16` rounds them (no NaN case: see `float_to_bf16_x16`), as the bits of
+// fp32 values whose low 16 bits are 0.
+inline __m256i round_to_bf16_x8(__m256 value) {
+  const __m256i bits = _mm256_castps_si256(value);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+  return _mm256_and_si256(rounded, _mm256_set1_epi32((int)0xffff0000u));
+}
+
+// One row of `cols` values: value x the scale of its column block, written as fp32 or bf16. Block by block, so that
+// each vector of 8 has one scale; a block's last columns (fewer than 8) one by one.
+template <bool Bf16>
+void dequantize_row(const uint8_t* values, const float* scales, int64_t cols, int64_t block_cols, void* out) {
+  for (int64_t start = 0; start < cols; start += block_cols) {
+    const int64_t stop = std::min(start + block_cols, cols);
+    const float scale = scales[start / block_cols];
+    int64_t c = start;
+    for (; c + 8 <= stop; c += 8) {
+      const __m256 value = _mm256_mul_ps(e4m3_to_fp32_x8(values + c), _mm256_set1_ps(scale));
+      if constexpr (Bf16) {  // the top halves packed to 8 uint16 (lane order restored by the permute)
+        const __m256i halves = _mm256_srli_epi32(round_to_bf16_x8(value), 16);
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(halves, halves), 0x08);
+        _mm_storeu_si128((__m128i*)((uint16_t*)out + c), _mm256_castsi256_si128(packed));
+      } else {
+        _mm256_storeu_ps((float*)out + c, value);
+      }
+    }
+    for (; c < stop; ++c) {
+      const float value = e4m3_to_float(values[c]) * scale;
+      if constexpr (Bf16)
+        ((uint16_t*)out)[c] = float_to_bf16(value);
+      else
+        ((float*)out)[c] = value;
+    }
+  }
+}
+
+// A row of E4M3 values for `gemv_avx2_of`: each weight times its tile's scale, rounded to bf16 (the value the
+// dequantized copy holds), as fp32. `tile_of[g]`: the column tile of columns 8g .. 8g + 7 (a tile's columns are a
+// multiple of 32), looked up rather than divided for every vector.
+struct Fp8Row {
+  const uint8_t* values;
+  const float* scales;
+  const int32_t* tile_of;
+  int64_t block_cols;
+  __m256 vec(int64_t i) const {
+    const __m256 value = _mm256_mul_ps(e4m3_to_fp32_x8(values + i), _mm256_set1_ps(scales[tile_of[i / 8]]));
+    return _mm256_castsi256_ps(round_to_bf16_x8(value));
+  }
+  float at(int64_t t) const { return bf16_to_float(float_to_bf16(e4m3_to_float(values[t]) * scales[t / block_cols])); }
+};
+
+// The rows of E4M3 values [N, K] with fp32 scales [ceil(N / block_rows), scale_cols] as `gemv_rows` reads a weight.
+struct Fp8Weights {
+  const uint8_t* w;
+  const float* scales;
+  int64_t k, block_rows, block_cols, scale_cols;
+  std::vector<int32_t> tile_of;
+  Fp8Weights(const uint8_t* w, const float* scales, int64_t k, int64_t block_rows, int64_t block_cols,
+             int64_t scale_cols)
+      : w(w), scales(scales), k(k), block_rows(block_rows), block_cols(block_cols), scale_cols(scale_cols),
+        tile_of(k / 8) {
+    for (int64_t g = 0; g < k / 8; ++g) tile_of[g] = (int32_t)(8 * g / block_cols);
+  }
+  Fp8Row operator()(int64_t n) const {
+    return Fp8Row{w + n * k, scales + (n / block_rows) * scale_cols, tile_of.data(), block_cols};
+  }
+};
+
+}  // namespace
+"""
+
+# The ops over either build's `dequantize_row` and `Fp8Weights`.
+_OP_SOURCE = r"""
+#include <ATen/Parallel.h>
+
+namespace {
 
 // kdsa::fp8_row_linear (schema in Python): x [..., K] contiguous bf16 holding 1 to 4 rows, values [N, K]
 // float8_e4m3fn and scale_inv [ceil(N / br), ceil(K / bc)] fp32, both contiguous, bc a multiple of 32, bias [N] bf16
@@ -119,19 +239,11 @@ at::Tensor fp8_row_linear(const at::Tensor& x, const at::Tensor& values, const a
   shape.back() = values.size(0);
   at::Tensor out = at::empty(shape, x.options());
   const int64_t rows = values.size(0), k = values.size(1), x_rows = x.numel() / k;
-  // The row kernel's loop (`gemv_of`: the same steps, accumulators and order of additions) with each weight vector of
-  // 32 columns dequantized in registers instead of loaded from a bf16 copy: bit for bit `row_linear(x,
-  // dequantize_fp8_tiles(values, ...), bias)`, and no copy is written. A tile's columns are a multiple of 32, so each
-  // vector has one scale.
-  const auto* w = (const uint8_t*)values.data_ptr();
-  const float* scales = scale_inv.data_ptr<float>();
-  const int64_t scale_cols = scale_inv.size(1);
-  auto weights = [=](int64_t n) {
-    return [row = w + n * k, row_scales = scales + (n / block_rows) * scale_cols, block_cols](int64_t i,
-                                                                                               __mmask32 mask) {
-      return dequantize_32(row + i, row_scales[i / block_cols], mask);
-    };
-  };
+  // The row kernel's loop (`gemv_rows`: the same steps, accumulators and order of additions) with each weight vector
+  // dequantized in registers instead of loaded from a bf16 copy: bit for bit `row_linear(x, dequantize_fp8_tiles(
+  // values, ...), bias)`, and no copy is written.
+  const Fp8Weights weights{(const uint8_t*)values.data_ptr(), scale_inv.data_ptr<float>(), k, block_rows, block_cols,
+                           scale_inv.size(1)};
   const auto* xp = (const uint16_t*)x.data_ptr();
   const auto* bp = bias ? (const uint16_t*)bias->data_ptr() : nullptr;
   auto* op = (uint16_t*)out.data_ptr();
@@ -185,18 +297,22 @@ at::Tensor dequantize_fp8_tiles(const at::Tensor& values, const at::Tensor& scal
   return out;
 }
 
+}  // namespace
+
 TORCH_LIBRARY_IMPL(kdsa, CPU, m) {
   m.impl("dequantize_fp8_tiles", TORCH_FN(dequantize_fp8_tiles));
   m.impl("fp8_row_linear", TORCH_FN(fp8_row_linear));
 }
 """
-)
+_SOURCE = PRELUDE + GEMV_SOURCE + _AVX512_SOURCE + _OP_SOURCE
+_AVX2_SOURCE = PRELUDE + GEMV_AVX2_SOURCE + _AVX2_SOURCE + _OP_SOURCE
 
 
 @torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
 def kernel_available() -> bool:
-    """The CPU supports the kernels and they are built and loaded (`cpu_extension.load`)."""
-    return load_build("dequantize_fp8_tiles", "kdsa::dequantize_fp8_tiles", _SOURCE)
+    """The CPU supports the kernels and their build for this CPU (`cpu_extension.kernel_isa`) is built and loaded
+    (`cpu_extension.load`)."""
+    return load_build("dequantize_fp8_tiles", "kdsa::dequantize_fp8_tiles", _SOURCE, _AVX2_SOURCE)
 
 
 def kernel_applies(values: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -115,13 +115,15 @@ inline float sum_lanes(__m256 v) {
 // widened to fp32, row m at x + m * k) sharing each weight vector read; each dot product on `Chains` accumulators of 8
 // (FMAs of widened weights: exact products, fp32 sums; 4 chains hide the FMA latency, 2 per row from 3 rows so that
 // the accumulators fit the 16 registers), then steps of 8 and the last columns one by one; rounded to bf16 once.
-template <int Rows>
-void gemv_avx2_of(const float* x, const uint16_t* w, int64_t k, const uint16_t* bias, uint16_t* out,
+// `weights(n)` gives row n's reader: `vec(i)`, the 8 weights from column i as fp32, `at(t)` column t's (loaded and
+// widened, `Bf16Row`, or made in registers, `cpu_fp8_dequantize`'s FP8 rows), so every caller adds in this one order.
+template <int Rows, typename Weights>
+void gemv_avx2_of(const float* x, const Weights& weights, int64_t k, const uint16_t* bias, uint16_t* out,
                   int64_t out_stride, int64_t begin, int64_t end) {
   constexpr int Chains = Rows <= 2 ? 4 : 2;
   const int64_t unrolled = k / (8 * Chains) * (8 * Chains), full = k / 8 * 8;
   for (int64_t n = begin; n < end; ++n) {
-    const uint16_t* row = w + n * k;
+    const auto row = weights(n);
     __m256 acc[Rows][Chains];
     for (int m = 0; m < Rows; ++m)
       for (int j = 0; j < Chains; ++j) acc[m][j] = _mm256_setzero_ps();
@@ -129,38 +131,53 @@ void gemv_avx2_of(const float* x, const uint16_t* w, int64_t k, const uint16_t* 
     for (; i < unrolled; i += 8 * Chains)
 #pragma GCC unroll 4  // whole: the accumulators then stay in registers (GCC keeps three of them on the stack otherwise)
       for (int j = 0; j < Chains; ++j) {
-        const __m256 wv = widen_bf16x8(row + i + 8 * j);
+        const __m256 wv = row.vec(i + 8 * j);
 #pragma GCC unroll 4
         for (int m = 0; m < Rows; ++m)
           acc[m][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * k + i + 8 * j), acc[m][j]);
       }
     for (; i < full; i += 8) {
-      const __m256 wv = widen_bf16x8(row + i);
+      const __m256 wv = row.vec(i);
       for (int m = 0; m < Rows; ++m) acc[m][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * k + i), acc[m][0]);
     }
     for (int m = 0; m < Rows; ++m) {
       __m256 total = acc[m][0];
       for (int j = 1; j < Chains; ++j) total = _mm256_add_ps(total, acc[m][j]);
       float sum = sum_lanes(total);
-      for (int64_t t = full; t < k; ++t) sum += bf16_to_float(row[t]) * x[m * k + t];
+      for (int64_t t = full; t < k; ++t) sum += row.at(t) * x[m * k + t];
       if (bias) sum += bf16_to_float(bias[n]);
       out[m * out_stride + n] = float_to_bf16(sum);
     }
   }
 }
 
-// GEMV_SOURCE's `gemv` (same arguments): the x rows widened once per call, then `gemv_avx2_of` for their count.
-inline void gemv(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t k,
-                 const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t begin, int64_t end) {
+// GEMV_SOURCE's `gemv_rows` (same arguments, the AVX2 readers above): the x rows widened once per call, then
+// `gemv_avx2_of` for their count.
+template <typename Weights>
+void gemv_rows(int64_t rows, const uint16_t* x, int64_t x_stride, const Weights& weights, int64_t k,
+               const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t begin, int64_t end) {
   std::vector<float> wide(rows * k);
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t i = 0; i < k; ++i) wide[m * k + i] = bf16_to_float(x[m * x_stride + i]);
   switch (rows) {
-    case 1: gemv_avx2_of<1>(wide.data(), w, k, bias, out, out_stride, begin, end); break;
-    case 2: gemv_avx2_of<2>(wide.data(), w, k, bias, out, out_stride, begin, end); break;
-    case 3: gemv_avx2_of<3>(wide.data(), w, k, bias, out, out_stride, begin, end); break;
-    default: gemv_avx2_of<4>(wide.data(), w, k, bias, out, out_stride, begin, end);
+    case 1: gemv_avx2_of<1>(wide.data(), weights, k, bias, out, out_stride, begin, end); break;
+    case 2: gemv_avx2_of<2>(wide.data(), weights, k, bias, out, out_stride, begin, end); break;
+    case 3: gemv_avx2_of<3>(wide.data(), weights, k, bias, out, out_stride, begin, end); break;
+    default: gemv_avx2_of<4>(wide.data(), weights, k, bias, out, out_stride, begin, end);
   }
+}
+
+// A bf16 weight row's reader for `gemv_avx2_of`.
+struct Bf16Row {
+  const uint16_t* p;
+  __m256 vec(int64_t i) const { return widen_bf16x8(p + i); }
+  float at(int64_t t) const { return bf16_to_float(p[t]); }
+};
+
+// GEMV_SOURCE's `gemv` (same arguments): `gemv_rows` over a bf16 weight whose row n starts at w + n * k.
+inline void gemv(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t k,
+                 const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t begin, int64_t end) {
+  gemv_rows(rows, x, x_stride, [w, k](int64_t n) { return Bf16Row{w + n * k}; }, k, bias, out, out_stride, begin, end);
 }
 
 }  // namespace
