@@ -6,14 +6,14 @@ import warnings
 
 import pytest
 import torch
-from conftest import needs_cpu_kernels, needs_kernel_build
+from conftest import needs_kernel_build
 
 from modeling_kdsa import cpu_extension, cpu_indexer
 
 SOURCE = cpu_indexer._SOURCE  # a real kernel source
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 def test_a_fresh_cache_directory_gets_the_library_built(tmp_path, monkeypatch):
     """What a new machine does on its first decode step: create the cache directory and build (`__wrapped__` skips
     the per-process cache of `build`)."""

@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import count_calls, cpu_compile_config, graph_recorder, graph_targets, needs_cpu_kernels
+from conftest import count_calls, cpu_compile_config, graph_recorder, graph_targets, needs_kernel_build
 from modeling_kdsa.parallel.mesh import ParallelMesh
 from modeling_kdsa.parallel.tensor_parallel import apply_tensor_parallel
 from safetensors.torch import load_file, save_file
@@ -769,7 +769,7 @@ def test_fp8_held_weights_take_half_the_bytes_of_bf16(deepseek, tmp_path):
     assert weight_bytes(held) < weight_bytes(bf16)
 
 
-@needs_cpu_kernels
+@needs_kernel_build
 @pytest.mark.usefixtures("kernels_at_this_thread_count")
 def test_fp8_held_bf16_decode_runs_the_fused_kernel_eagerly_and_compiled(deepseek, tmp_path, monkeypatch):
     """A bf16 model held in FP8 with 32-column tiles: each eager decode step's held layers run the fused FP8 row kernel

@@ -135,11 +135,6 @@ def kernel_isa() -> str | None:
     return "avx2" if avx2 else None
 
 
-def cpu_supports_kernels() -> bool:
-    """The kernels' AVX512-BF16 builds run here (`kernel_isa`)."""
-    return kernel_isa() == "avx512_bf16"
-
-
 @torch.compiler.assume_constant_result  # decided when a step is compiled (dynamo cannot trace get_num_threads)
 def few_threads() -> bool:
     """At most MAX_THREADS intra-op threads: where the one-thread kernels are the faster path."""
@@ -234,7 +229,6 @@ __all__ = [
     "build",
     "compiler",
     "cpu_has_bf16_products",
-    "cpu_supports_kernels",
     "few_threads",
     "has_cpu_kernel",
     "kernel_isa",
