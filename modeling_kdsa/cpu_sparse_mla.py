@@ -118,7 +118,7 @@ void attend(const uint16_t* const* rows, int64_t n, int64_t padded, int64_t widt
 #else
   // The AVX2 build: each real row widened 8 latent columns at a time and added with its 8 heads' probabilities, kept in
   // fp32 (FMAs, rows in order; no bf16 rounding of the probabilities: closer still to the fp32 reference).
-  (void)prob_pairs;
+  (void)prob_pairs;  // empty in this build
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t c = 0; c < latent; c += 8) {
       __m256 acc[8];
@@ -168,7 +168,11 @@ at::Tensor sparse_mla_decode(const at::Tensor& q_latent, const at::Tensor& q_pe,
   std::vector<const uint16_t*> rows(std::max<int64_t>(padded_max, 8));
   std::vector<uint16_t> zero_row(width, 0), packed((heads / 8) * (width / 2) * 16);
   std::vector<float> scores(rows.size() * heads);
+#ifdef __AVX512BF16__
   std::vector<int32_t> prob_pairs(rows.size() / 2 * heads);
+#else
+  std::vector<int32_t> prob_pairs;  // the AVX2 weighted sum keeps its probabilities in fp32
+#endif
   for (int64_t b = 0; b < batch; ++b) {
     int64_t n = 0;
     for (int64_t j = 0; j < selected; ++j) {
