@@ -10,8 +10,10 @@ Eager-static and compiled steps alternate, one pair per repeat, so both see the 
 per pair (min and median reported). The compiled step's logits are compared with the eager-static step's on the same
 cache contents, and the number of graphs compiled over all steps is reported (1 = no recompile as the context grows).
   4. an operator profile (torch.profiler) of the three steps: the top operators and the aten calls per step;
-  5. compile time of that step, cold and warm: two fresh processes sharing one new inductor cache directory (the first
-     fills it, the second reuses it, as a second run of a user's program would).
+  5. compile time of that step, cold and warm: this process compiles it first in a new, empty inductor cache directory
+     (cold: its first compiled call at the first context), then a fresh process with the same batch and context
+     reuses that directory (warm, as a second run of a user's program would); each with its FX-graph cache hits and
+     misses (cold: misses only; warm: hits only).
 
 Caches are filled with random rows / states through their own write paths (no prefill), so long contexts are cheap.
 
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -136,6 +139,7 @@ def measure_context(
     with torch.inference_mode():
         eager_logits = model(**step_inputs(eager_static, batch)).logits
         first_call_s = timed(lambda: compiled(**step_inputs(compiled_static, batch)))  # compiles (or loads from disk)
+        first_call_cache = fx_graph_cache()
         compiled_logits = compiled(**step_inputs(compiled_static, batch)).logits
         eager_logits = model(**step_inputs(eager_static, batch)).logits  # same cache contents: the second step of each
         max_abs_diff = (compiled_logits.float() - eager_logits.float()).abs().max().item()
@@ -163,6 +167,7 @@ def measure_context(
         speedup_max=max(ratios),
         speedup_vs_paged=statistics.median(dynamic_s) / statistics.median(compiled_s),
         first_compiled_call_s=first_call_s,
+        first_compiled_call_fx_graph_cache=first_call_cache,
         graphs_compiled=torch._dynamo.utils.counters["stats"]["unique_graphs"],
         max_abs_logit_diff=max_abs_diff,
         times_s=dict(eager_paged=dynamic_s, eager_static=eager_s, compiled_static=compiled_s),
@@ -189,38 +194,35 @@ def op_profile(call, steps: int = 3, top: int = 8) -> dict:
     )
 
 
-def compile_probe(quick: bool, context: int, options: dict | None = None) -> float:
-    """Seconds to the end of the first compiled step in this process (model built and cache filled before)."""
+def fx_graph_cache() -> dict:
+    """This process's FX-graph cache hits and misses since dynamo's counters were last cleared."""
+    counters = torch._dynamo.utils.counters["inductor"]
+    return dict(fx_graph_cache_hits=counters["fxgraph_cache_hit"], fx_graph_cache_misses=counters["fxgraph_cache_miss"])
+
+
+def compile_probe(quick: bool, context: int, batch: int, options: dict | None = None) -> dict:
+    """Seconds to the end of the first compiled step in this process (model built and cache filled before), with the
+    FX-graph cache's hits and misses."""
     config = bench_config(quick)
     model = build_model(config)
-    cache = fill(KDSAStaticCache(config, context + 8), config, context)
+    cache = fill(KDSAStaticCache(config, context + 8), config, context, batch)
     compiled = model.get_compiled_call(compile_config(options))
+    torch._dynamo.utils.counters.clear()
     with torch.inference_mode():
-        return timed(lambda: compiled(**step_inputs(cache)))
+        return dict(compile_s=timed(lambda: compiled(**step_inputs(cache, batch))), **fx_graph_cache())
 
 
-def compile_times(quick: bool, context: int, threads: int, options: list[str] | None = None) -> dict:
-    """Cold and warm compile of the step in two fresh processes sharing a new inductor cache directory."""
-    with tempfile.TemporaryDirectory(prefix="kdsa-inductor-") as cache_dir:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
-        results = {}
-        for name in ("cold", "warm"):
-            command = [
-                sys.executable,
-                __file__,
-                "--compile-probe",
-                "--contexts",
-                str(context),
-                "--threads",
-                str(threads),
-            ]
-            if quick:
-                command.append("--quick")
-            if options:
-                command += ["--inductor-options", *options]
-            output = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
-            results[f"{name}_s"] = json.loads(output.strip().splitlines()[-1])["compile_s"]
-    return results
+def warm_compile(cache_dir: str, args) -> dict:
+    """`compile_probe` in a fresh process over the inductor cache directory `cache_dir`."""
+    command = [sys.executable, __file__, "--compile-probe", "--contexts", str(args.contexts[0]), "--batch",
+               str(args.batch), "--threads", str(torch.get_num_threads())]  # fmt: skip
+    if args.quick:
+        command.append("--quick")
+    if args.inductor_options:
+        command += ["--inductor-options", *args.inductor_options]
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    output = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(output.strip().splitlines()[-1])
 
 
 def print_table(report: dict) -> None:
@@ -257,9 +259,11 @@ def print_table(report: dict) -> None:
                 f"{prof['aten_calls_per_step']:.0f} aten calls/step; top: {top}"
             )
     if "compile" in report:
-        c = report["compile"]
+        cold, warm = report["compile"]["cold"], report["compile"]["warm"]
         print(
-            f"Compile of the step: cold {c['cold_s']:.1f} s, warm {c['warm_s']:.1f} s (fresh processes, shared cache)"
+            f"Compile of the step: cold {cold['compile_s']:.1f} s (this process, empty inductor cache; FX-graph cache "
+            f"hits/misses {cold['fx_graph_cache_hits']}/{cold['fx_graph_cache_misses']}), warm {warm['compile_s']:.1f} "
+            f"s (a fresh process, the same cache; {warm['fx_graph_cache_hits']}/{warm['fx_graph_cache_misses']})"
         )
 
 
@@ -270,7 +274,9 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="small model, context 128, 3 repeats (smoke test)")
-    parser.add_argument("--skip-compile-times", action="store_true", help="no cold/warm compile probes")
+    parser.add_argument(
+        "--skip-compile-times", action="store_true", help="no cold/warm compile times (the inductor cache is reused)"
+    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "bench_graph_mode.json")
     parser.add_argument(
         "--inductor-options",
@@ -305,11 +311,17 @@ def main(argv=None) -> dict:
     previous_threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
-    contexts = args.contexts or ([128] if args.quick else [4096])
+    args.contexts = args.contexts or ([128] if args.quick else [4096])
     options = parse_options(args.inductor_options)
+    # Compile times: this process's first compile is the cold one, in an empty inductor cache directory, which the warm
+    # process then reuses.
+    cache_dir = None if args.compile_probe or args.skip_compile_times else tempfile.mkdtemp(prefix="kdsa-inductor-")
+    previous_cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     try:
         if args.compile_probe:
-            print(json.dumps(dict(compile_s=compile_probe(args.quick, contexts[0], options))))
+            print(json.dumps(compile_probe(args.quick, args.contexts[0], args.batch, options)))
             return {}
         repeats = 3 if args.quick and args.repeats == 10 else args.repeats
         config = bench_config(args.quick)
@@ -325,12 +337,20 @@ def main(argv=None) -> dict:
             ),
             quick=args.quick,
             inductor_options=options,
-            decode=[measure_context(model, config, context, repeats, options, args.batch) for context in contexts],
+            decode=[measure_context(model, config, c, repeats, options, args.batch) for c in args.contexts],
         )
-        if not args.skip_compile_times:
-            report["compile"] = compile_times(args.quick, contexts[0], torch.get_num_threads(), args.inductor_options)
+        if cache_dir:
+            first = report["decode"][0]
+            cold = dict(compile_s=first["first_compiled_call_s"], **first["first_compiled_call_fx_graph_cache"])
+            report["compile"] = dict(cold=cold, warm=warm_compile(cache_dir, args))
     finally:
         torch.set_num_threads(previous_threads)
+        if cache_dir:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+            if previous_cache_dir is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous_cache_dir
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print_table(report)
