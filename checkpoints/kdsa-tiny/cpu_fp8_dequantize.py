@@ -25,7 +25,7 @@ from .cpu_extension import PRELUDE, load_build
 from .cpu_row_linear import GEMV_AVX2_SOURCE, GEMV_SOURCE, few_bf16_rows
 
 # The AVX512-BF16 build's conversion, dequantization and fused-product reader (after PRELUDE and GEMV_SOURCE).
-_AVX512_SOURCE = r"""
+_AVX512_CONVERSION = r"""
 namespace {
 
 // 16 E4M3 (float8_e4m3fn) bytes as fp32, exactly. A normal value's 4 exponent and 3 mantissa bits, shifted into
@@ -108,7 +108,7 @@ struct Fp8Weights {
 
 # The AVX2 build's (CPUs without AVX512-BF16, `cpu_extension.kernel_isa`): the same values, 8 at a time (after PRELUDE
 # and GEMV_AVX2_SOURCE).
-_AVX2_SOURCE = r"""
+_AVX2_CONVERSION = r"""
 namespace {
 
 // `e4m3_to_fp32` of the AVX512 build on 8 bytes, and on one.
@@ -304,8 +304,8 @@ TORCH_LIBRARY_IMPL(kdsa, CPU, m) {
   m.impl("fp8_row_linear", TORCH_FN(fp8_row_linear));
 }
 """
-_SOURCE = PRELUDE + GEMV_SOURCE + _AVX512_SOURCE + _OP_SOURCE
-_AVX2_SOURCE = PRELUDE + GEMV_AVX2_SOURCE + _AVX2_SOURCE + _OP_SOURCE
+_SOURCE = PRELUDE + GEMV_SOURCE + _AVX512_CONVERSION + _OP_SOURCE
+_AVX2_SOURCE = PRELUDE + GEMV_AVX2_SOURCE + _AVX2_CONVERSION + _OP_SOURCE
 
 
 @torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
