@@ -9,8 +9,12 @@ bench_long_context.py):
 Eager-static and compiled steps alternate, one pair per repeat, so both see the same machine state; the ratio is taken
 per pair (min and median reported). The compiled step's logits are compared with the eager-static step's on the same
 cache contents, and the number of graphs compiled over all steps is reported (1 = no recompile as the context grows).
-  4. an operator profile (torch.profiler) of the three steps: the top operators and the aten calls per step;
-  5. compile time of that step, cold and warm: this process compiles it first in a new, empty inductor cache directory
+  4. the same compiled step with dynamo's guard evaluation skipped (`torch.compiler.set_stance(
+     skip_guard_eval_unsafe=True)`, once the step is compiled; docs/graph-mode.md §6, §11): the host time its guards
+     cost, interleaved with the others, and its logits compared with the guarded step's (measured only: the product
+     keeps the guards);
+  5. an operator profile (torch.profiler) of the four steps: the top operators and the aten calls per step;
+  6. compile time of that step, cold and warm: this process compiles it first in a new, empty inductor cache directory
      (cold: its first compiled call at the first context), then a fresh process with the same batch and context
      reuses that directory (warm, as a second run of a user's program would); each with its FX-graph cache hits and
      misses (cold: misses only; warm: hits only).
@@ -127,13 +131,29 @@ def timed(call) -> float:
 
 
 def measure_context(
-    model, config: KDSAConfig, context: int, repeats: int, options: dict | None = None, batch: int = 1
+    model,
+    config: KDSAConfig,
+    context: int,
+    repeats: int,
+    options: dict | None = None,
+    batch: int = 1,
+    capacity: int | None = None,
 ) -> dict:
-    capacity = context + 2 * repeats + 8
+    """Eager and compiled whole steps at `context` cached tokens. The static caches hold `capacity` tokens (default:
+    the context and this run's steps); steps on caches of another capacity recompile the step once (dynamo's automatic
+    dynamic shapes), so callers timing several contexts cheaply may pass one capacity for all."""
+    capacity = capacity or context + 2 * repeats + 8
     dynamic = fill(KDSACache(config), config, context, batch)
     eager_static = fill(KDSAStaticCache(config, capacity), config, context, batch)
     compiled_static = fill(KDSAStaticCache(config, capacity), config, context, batch)
+    unguarded_static = fill(KDSAStaticCache(config, capacity), config, context, batch)
     compiled = model.get_compiled_call(compile_config(options))
+
+    def unguarded(**inputs):
+        """The compiled step without guard evaluation: safe here because every step has the shapes of the one graph."""
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return compiled(**inputs)
+
     torch._dynamo.utils.counters.clear()
 
     with torch.inference_mode():
@@ -143,18 +163,24 @@ def measure_context(
         compiled_logits = compiled(**step_inputs(compiled_static, batch)).logits
         eager_logits = model(**step_inputs(eager_static, batch)).logits  # same cache contents: the second step of each
         max_abs_diff = (compiled_logits.float() - eager_logits.float()).abs().max().item()
+        unguarded(**step_inputs(unguarded_static, batch))
+        unguarded_logits = unguarded(**step_inputs(unguarded_static, batch)).logits  # the compiled one's second step
+        unguarded_diff = (unguarded_logits.float() - compiled_logits.float()).abs().max().item()
         model(**step_inputs(dynamic, batch))  # warm-up
-        dynamic_s, eager_s, compiled_s = [], [], []
+        dynamic_s, eager_s, compiled_s, unguarded_s = [], [], [], []
         for _ in tqdm(range(repeats), desc=f"context {context}", leave=False):
             dynamic_s.append(timed(lambda: model(**step_inputs(dynamic, batch))))
             eager_s.append(timed(lambda: model(**step_inputs(eager_static, batch))))
             compiled_s.append(timed(lambda: compiled(**step_inputs(compiled_static, batch))))
+            unguarded_s.append(timed(lambda: unguarded(**step_inputs(unguarded_static, batch))))
         profiles = dict(
             eager_paged=op_profile(lambda: model(**step_inputs(dynamic, batch))),
             eager_static=op_profile(lambda: model(**step_inputs(eager_static, batch))),
             compiled_static=op_profile(lambda: compiled(**step_inputs(compiled_static, batch))),
+            compiled_unguarded=op_profile(lambda: unguarded(**step_inputs(unguarded_static, batch))),
         )
     ratios = [e / c for e, c in zip(eager_s, compiled_s, strict=True)]
+    unguarded_ratios = [e / c for e, c in zip(eager_s, unguarded_s, strict=True)]
     return dict(
         context=context,
         eager_paged_s=statistics.median(dynamic_s),
@@ -166,11 +192,19 @@ def measure_context(
         speedup_min=min(ratios),
         speedup_max=max(ratios),
         speedup_vs_paged=statistics.median(dynamic_s) / statistics.median(compiled_s),
+        compiled_unguarded_s=statistics.median(unguarded_s),
+        unguarded_speedup_median=statistics.median(unguarded_ratios),
+        unguarded_speedup_min=min(unguarded_ratios),
+        unguarded_speedup_max=max(unguarded_ratios),
+        guard_saving_median=statistics.median([c / u for c, u in zip(compiled_s, unguarded_s, strict=True)]),
+        unguarded_max_abs_logit_diff=unguarded_diff,
         first_compiled_call_s=first_call_s,
         first_compiled_call_fx_graph_cache=first_call_cache,
         graphs_compiled=torch._dynamo.utils.counters["stats"]["unique_graphs"],
         max_abs_logit_diff=max_abs_diff,
-        times_s=dict(eager_paged=dynamic_s, eager_static=eager_s, compiled_static=compiled_s),
+        times_s=dict(
+            eager_paged=dynamic_s, eager_static=eager_s, compiled_static=compiled_s, compiled_unguarded=unguarded_s
+        ),
         op_profile=profiles,
     )
 
@@ -228,7 +262,7 @@ def warm_compile(cache_dir: str, args) -> dict:
 def print_table(report: dict) -> None:
     headers = [
         "context", "eager paged ms", "eager static ms", "compiled ms", "speedup (median)", "min..max", "graphs",
-        "max |Δlogit|",
+        "max |Δlogit|", "no guard eval ms", "speedup", "vs guarded",
     ]  # fmt: skip
     rows = [
         [
@@ -240,6 +274,9 @@ def print_table(report: dict) -> None:
             f"{r['speedup_min']:.2f}..{r['speedup_max']:.2f}",
             str(r["graphs_compiled"]),
             f"{r['max_abs_logit_diff']:.2e}",
+            f"{r['compiled_unguarded_s'] * 1e3:.2f}",
+            f"{r['unguarded_speedup_median']:.2f}x",
+            f"{r['guard_saving_median']:.3f}x",
         ]
         for r in report["decode"]
     ]

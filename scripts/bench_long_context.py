@@ -747,11 +747,11 @@ def time_graph_mode(model, config: KDSAConfig, contexts: list[int], warmup: int,
     return dict(decode=rows, compile=sibling_script("bench_dsa_kernels").compile_times(quick))
 
 
-def whole_step_figures(model, config: KDSAConfig, context: int, repeats: int) -> dict:
+def whole_step_figures(model, config: KDSAConfig, context: int, repeats: int, capacity: int | None = None) -> dict:
     """The whole decode step eager (paged `KDSACache`, and `KDSAStaticCache`) vs compiled by generate()'s own compile
     call on the static cache, interleaved per repeat, with an operator profile of each (scripts/bench_graph_mode.py,
-    docs/graph-mode.md §6)."""
-    return sibling_script("bench_graph_mode").measure_context(model, config, context, repeats)
+    docs/graph-mode.md §6). `capacity`: the static caches' size (default: sized to `context`)."""
+    return sibling_script("bench_graph_mode").measure_context(model, config, context, repeats, capacity=capacity)
 
 
 @functools.cache
@@ -1166,11 +1166,12 @@ def print_report(report: dict) -> None:
         "5b. Whole decode step: eager (paged / static cache) vs compiled by generate()'s compile call (static cache), "
         "interleaved; the compiled step's fraction of the bandwidth limit",
         ["context", "eager paged", "eager static", "compiled", "eager static / compiled (median, min..max)",
-         "compiled of limit", "graphs"],
+         "compiled of limit", "graphs", "compiled, no guard eval (measured only)"],
         [[fmt_ctx(whole["context"]), fmt_ms(whole["eager_paged_s"]), fmt_ms(whole["eager_static_s"]),
           fmt_ms(whole["compiled_static_s"]),
           f"{whole['speedup_median']:.2f}x, {whole['speedup_min']:.2f}..{whole['speedup_max']:.2f}",
-          f"{whole['compiled_limit']['fraction_achieved']:.1%}", str(whole["graphs_compiled"])]
+          f"{whole['compiled_limit']['fraction_achieved']:.1%}", str(whole["graphs_compiled"]),
+          f"{fmt_ms(whole['compiled_unguarded_s'])} ({whole['unguarded_speedup_median']:.2f}x)"]
          for whole in report["whole_step"]],
     )  # fmt: skip
     for whole in report["whole_step"]:
@@ -1515,8 +1516,12 @@ def run_all(args, report: dict) -> None:
     # The compiled step at the smallest context (issue 14's ratio) and the largest (its fraction of the bandwidth
     # limit, against the same bytes per step as section 2's eager KDSA decode).
     report["whole_step"] = []
+    # --quick: one static-cache capacity for both contexts, so the step compiles once (a second capacity recompiles
+    # it: ~40 s of the smoke test on a slow machine). The full run sizes each cache to its context: a dense MLA layer
+    # reads its cache's whole capacity, so a 64k-sized cache would slow the 4k step.
+    shared_capacity = max(contexts) + 2 * args.whole_step_repeats + 8 if args.quick else None
     for context in sorted({contexts[0], contexts[-1]}):
-        figures = whole_step_figures(models["KDSA"], config, context, args.whole_step_repeats)
+        figures = whole_step_figures(models["KDSA"], config, context, args.whole_step_repeats, shared_capacity)
         eager = next(entry for entry in report["model_decode"] if entry["context"] == context)["models"]["KDSA"]
         figures["bytes_needed"] = eager["bytes_needed"]
         figures["compiled_limit"] = physical_limit(

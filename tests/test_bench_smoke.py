@@ -89,6 +89,8 @@ def test_quick_run_writes_every_section(tmp_path):
     for family, pair in report["prefill"]["pairs"].items():
         assert pair["speedup"] > 0 and pair["steadiness"]["reference"] == f"KDSA:{family}"
     assert [whole["context"] for whole in report["whole_step"]] == [256, 512]
+    # --quick sizes both contexts' static caches alike: the step compiles at the first context only.
+    assert [whole["graphs_compiled"] for whole in report["whole_step"]] == [1, 0]
     for whole, decode in zip(report["whole_step"], report["model_decode"], strict=True):
         assert whole["eager_paged_s"] > 0 and whole["compiled_static_s"] > 0
         calls = {name: profile["aten_calls_per_step"] for name, profile in whole["op_profile"].items()}
@@ -316,6 +318,9 @@ def test_graph_mode_bench_quick_run(tmp_path):
     assert row["eager_paged_s"] > 0 and row["eager_static_s"] > 0 and row["compiled_static_s"] > 0
     assert row["graphs_compiled"] == 1
     assert row["max_abs_logit_diff"] < 0.05  # bf16 logits of O(1) size
+    # Guard evaluation skipped: the same graph on the same cache contents, so the same logits bit for bit.
+    assert row["compiled_unguarded_s"] > 0 and row["unguarded_max_abs_logit_diff"] == 0
+    assert len(row["times_s"]["compiled_unguarded"]) == len(row["times_s"]["compiled_static"])
     # Cold: this process's first compile in an empty inductor cache; warm: a fresh process that finds all of it there.
     cold, warm = report["compile"]["cold"], report["compile"]["warm"]
     assert cold["compile_s"] == row["first_compiled_call_s"] > 0 and warm["compile_s"] > 0
