@@ -150,7 +150,9 @@ def measure_context(
     compiled = model.get_compiled_call(compile_config(options))
 
     def unguarded(**inputs):
-        """The compiled step without guard evaluation: safe here because every step has the shapes of the one graph."""
+        """The compiled step without guard evaluation. Safe here: the guarded call below compiles (or recompiles) the
+        step for this context's shapes first, and under this stance dynamo still checks the guards that tell its graphs
+        apart; the logits are compared too."""
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             return compiled(**inputs)
 

@@ -24,8 +24,9 @@ the batches run, whether the 10 % criterion was met and the spread of the pair-b
      divided by this machine's memory bandwidth, measured in the same run, as the fraction of it achieved;
   5. graph mode (torch.compile) on/off for the DSA kernels, and cold/warm compile time in fresh processes; and at the
      smallest and largest context the whole decode step eager (paged and static cache) vs compiled by generate()'s
-     own compile call, with an operator profile (top operators, aten calls per step) of each
-     (scripts/bench_graph_mode.py) and the compiled step's fraction of the bandwidth limit.
+     own compile call (also timed with dynamo's guard evaluation skipped, measured only), with an operator profile
+     (top operators, aten calls per step) of each (scripts/bench_graph_mode.py) and the compiled step's fraction of the
+     bandwidth limit; --quick sizes both contexts' static caches alike, so the step compiles once.
 
 Long caches are not filled by prefill (a 64k eager prefill would allocate [H, T, T]): caches are filled directly with
 random tensors of the right shapes and dtypes through each cache's update API, then decode is timed. A pair is
