@@ -130,6 +130,12 @@ def timed(call) -> float:
     return time.perf_counter() - start
 
 
+def static_capacity(context: int, repeats: int) -> int:
+    """Tokens a static cache of `measure_context` must hold: the context, then per cache the two checking steps, the
+    `repeats` timed ones and the profiled ones (2 · repeats + 8 covers them for any repeats ≥ 0)."""
+    return context + 2 * repeats + 8
+
+
 def measure_context(
     model,
     config: KDSAConfig,
@@ -140,9 +146,9 @@ def measure_context(
     capacity: int | None = None,
 ) -> dict:
     """Eager and compiled whole steps at `context` cached tokens. The static caches hold `capacity` tokens (default:
-    the context and this run's steps); steps on caches of another capacity recompile the step once (dynamo's automatic
-    dynamic shapes), so callers timing several contexts cheaply may pass one capacity for all."""
-    capacity = capacity or context + 2 * repeats + 8
+    `static_capacity(context, repeats)`); steps on caches of another capacity recompile the step once (dynamo's
+    automatic dynamic shapes), so callers timing several contexts cheaply may pass one capacity for all."""
+    capacity = capacity or static_capacity(context, repeats)
     dynamic = fill(KDSACache(config), config, context, batch)
     eager_static = fill(KDSAStaticCache(config, capacity), config, context, batch)
     compiled_static = fill(KDSAStaticCache(config, capacity), config, context, batch)

@@ -1520,7 +1520,8 @@ def run_all(args, report: dict) -> None:
     # --quick: one static-cache capacity for both contexts, so the step compiles once (a second capacity recompiles
     # it: ~40 s of the smoke test on a slow machine). The full run sizes each cache to its context: a dense MLA layer
     # reads its cache's whole capacity, so a 64k-sized cache would slow the 4k step.
-    shared_capacity = max(contexts) + 2 * args.whole_step_repeats + 8 if args.quick else None
+    graph_bench = sibling_script("bench_graph_mode")
+    shared_capacity = graph_bench.static_capacity(max(contexts), args.whole_step_repeats) if args.quick else None
     for context in sorted({contexts[0], contexts[-1]}):
         figures = whole_step_figures(models["KDSA"], config, context, args.whole_step_repeats, shared_capacity)
         eager = next(entry for entry in report["model_decode"] if entry["context"] == context)["models"]["KDSA"]
