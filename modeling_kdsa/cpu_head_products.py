@@ -23,7 +23,7 @@ contiguous copies.
 
 import torch
 
-from .cpu_extension import PRELUDE, load_build
+from .cpu_extension import PRELUDE, load_build, plain_tensor
 from .cpu_row_linear import GEMV_AVX2_SOURCE, GEMV_SOURCE, few_bf16_rows
 
 # `row_times_matrix` of the AVX512-BF16 build (after GEMV_SOURCE).
@@ -199,7 +199,7 @@ def kernels_apply(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.dim() >= 2
         and few_bf16_rows(x, x.shape[-2] * x.shape[-1])
-        and type(weight) in (torch.Tensor, torch.nn.Parameter)
+        and plain_tensor(weight)
         and weight.dtype == torch.bfloat16
         and weight.dim() == 3
         and weight.stride(2) == 1

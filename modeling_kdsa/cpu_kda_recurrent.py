@@ -15,7 +15,7 @@ autograd, export, more than `cpu_extension.MAX_THREADS` threads) `kda_ops.recurr
 
 import torch
 
-from .cpu_extension import PRELUDE, few_threads, load_build
+from .cpu_extension import PRELUDE, few_threads, kernels_traceable, load_build
 from .kda_ops import _check_kda_inputs, recurrent_kda
 
 _SOURCE = (
@@ -133,14 +133,14 @@ VALUE_DIM_MULTIPLE = 16
 def kernel_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
     """The kernel runs this recurrence: on a CPU that supports it, at least one token, a value head size that is a
     multiple of `VALUE_DIM_MULTIPLE`, not under `torch.export` (an exported program may run where the op is not
-    registered), without autograd (the op has no backward), at most `cpu_extension.MAX_THREADS` threads — and it is
-    built and loaded."""
+    registered) unless `kernels_in_export()`, without autograd (the op has no backward), at most
+    `cpu_extension.MAX_THREADS` threads — and it is built and loaded."""
     return (
         q.device.type == "cpu"
         and q.dim() == 4
         and q.shape[1] > 0  # the state is written by the first token
         and v.shape[-1] % VALUE_DIM_MULTIPLE == 0
-        and not torch.compiler.is_exporting()
+        and kernels_traceable()
         and not torch.is_grad_enabled()
         and few_threads()
         and kernel_available()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_extension import cpu_has_bf16_products
+from .cpu_extension import cpu_has_bf16_products, plain_tensor
 from .cpu_row_linear import MAX_ROWS, row_linear, row_linear_applies
 
 
@@ -26,7 +26,7 @@ def fuses_on_cpu(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
         torch.compiler.is_compiling()
         and not torch.compiler.is_exporting()
         and hidden_states.device.type == "cpu"
-        and type(weight) in (torch.Tensor, nn.Parameter)
+        and plain_tensor(weight)
         and weight.dtype == hidden_states.dtype
         and not torch.is_autocast_enabled("cpu")
     )
@@ -65,7 +65,7 @@ def widens_to_fp32(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
     read the weight once in bf16 instead, the row kernel) and a plain bf16 weight."""
     return (
         hidden_states.numel() > MAX_ROWS * hidden_states.shape[-1]
-        and type(weight) in (torch.Tensor, nn.Parameter)
+        and plain_tensor(weight)
         and weight.dtype == torch.bfloat16
         and slow_bf16_products(hidden_states)
     )

@@ -13,16 +13,19 @@ cache contents, and the number of graphs compiled over all steps is reported (1 
      skip_guard_eval_unsafe=True)`, once the step is compiled; docs/graph-mode.md §6, §11): the host time its guards
      cost, interleaved with the others, and its logits compared with the guarded step's (measured only: the product
      keeps the guards);
-  5. an operator profile (torch.profiler) of the four steps: the top operators and the aten calls per step;
-  6. compile time of that step, cold and warm: this process compiles it first in a new, empty inductor cache directory
-     (cold: its first compiled call at the first context), then a fresh process with the same batch and context
-     reuses that directory (warm, as a second run of a user's program would); each with its FX-graph cache hits and
-     misses (cold: misses only; warm: hits only).
+  5. the step as an AOTInductor package (`modeling_kdsa.aot`, docs/graph-mode.md §14): the same fixed-shape step
+     exported and compiled ahead of time, behind a C++ wrapper with no guards, on its own static cache filled alike;
+     its logits compared with the eager step's, its compile and load times reported (`--skip-aot`: not run);
+  6. an operator profile (torch.profiler) of the steps: the top operators and the aten calls per step;
+  7. compile time of the compiled step, cold and warm: this process compiles it first in a new, empty inductor cache
+     directory (cold: its first compiled call at the first context), then a fresh process with the same batch and
+     context reuses that directory (warm, as a second run of a user's program would); each with its FX-graph cache hits
+     and misses (cold: misses only; warm: hits only).
 
 Caches are filled with random rows / states through their own write paths (no prefill), so long contexts are cheap.
 
 Usage:  .venv/bin/python scripts/bench_graph_mode.py [--quick] [--contexts 4096 65536] [--repeats 10] [--batch 1]
-        [--out PATH] [--inductor-options NAME=VALUE ...]   (CompileConfig.options, e.g. freezing=true)
+        [--skip-aot] [--out PATH] [--inductor-options NAME=VALUE ...]   (CompileConfig.options, e.g. freezing=true)
 Writes JSON (default runs/bench_graph_mode.json) and prints a table.
 """
 
@@ -46,6 +49,8 @@ from transformers import CompileConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+
+from modeling_kdsa.aot import compile_decode_step, load_decode_step  # noqa: E402
 
 from modeling_kdsa import KDSAConfig, KDSAForCausalLM  # noqa: E402
 from modeling_kdsa.cache import KDSACache, KDSAPagedMLALayer  # noqa: E402
@@ -144,11 +149,15 @@ def measure_context(
     options: dict | None = None,
     batch: int = 1,
     capacity: int | None = None,
+    aot_dir: Path | None = None,
 ) -> dict:
     """Eager and compiled whole steps at `context` cached tokens. The static caches hold `capacity` tokens (default:
     `static_capacity(context, repeats)`); steps on caches of another capacity recompile the step once (dynamo's
-    automatic dynamic shapes), so callers timing several contexts cheaply may pass one capacity for all."""
+    automatic dynamic shapes), so callers timing several contexts cheaply may pass one capacity for all. `aot_dir`:
+    where the AOTInductor packages go (one per batch and capacity, reused by later contexts of the same capacity);
+    None: no AOTInductor step."""
     capacity = capacity or static_capacity(context, repeats)
+    aot = aot_decode_step(model, config, context, batch, capacity, aot_dir) if aot_dir else None
     dynamic = fill(KDSACache(config), config, context, batch)
     eager_static = fill(KDSAStaticCache(config, capacity), config, context, batch)
     compiled_static = fill(KDSAStaticCache(config, capacity), config, context, batch)
@@ -174,21 +183,47 @@ def measure_context(
         unguarded(**step_inputs(unguarded_static, batch))
         unguarded_logits = unguarded(**step_inputs(unguarded_static, batch)).logits  # the compiled one's second step
         unguarded_diff = (unguarded_logits.float() - compiled_logits.float()).abs().max().item()
+        token = torch.full((batch, 1), 7)
+        if aot:
+            aot["step"](token)
+            aot["max_abs_logit_diff"] = (aot["step"](token).float() - eager_logits.float()).abs().max().item()
         model(**step_inputs(dynamic, batch))  # warm-up
-        dynamic_s, eager_s, compiled_s, unguarded_s = [], [], [], []
+        dynamic_s, eager_s, compiled_s, unguarded_s, aot_s = [], [], [], [], []
         for _ in tqdm(range(repeats), desc=f"context {context}", leave=False):
             dynamic_s.append(timed(lambda: model(**step_inputs(dynamic, batch))))
             eager_s.append(timed(lambda: model(**step_inputs(eager_static, batch))))
             compiled_s.append(timed(lambda: compiled(**step_inputs(compiled_static, batch))))
             unguarded_s.append(timed(lambda: unguarded(**step_inputs(unguarded_static, batch))))
+            if aot:
+                aot_s.append(timed(lambda: aot["step"](token)))
         profiles = dict(
             eager_paged=op_profile(lambda: model(**step_inputs(dynamic, batch))),
             eager_static=op_profile(lambda: model(**step_inputs(eager_static, batch))),
             compiled_static=op_profile(lambda: compiled(**step_inputs(compiled_static, batch))),
             compiled_unguarded=op_profile(lambda: unguarded(**step_inputs(unguarded_static, batch))),
         )
+        if aot:
+            profiles["aot_package"] = op_profile(lambda: aot["step"](token))
     ratios = [e / c for e, c in zip(eager_s, compiled_s, strict=True)]
     unguarded_ratios = [e / c for e, c in zip(eager_s, unguarded_s, strict=True)]
+    times = dict(
+        eager_paged=dynamic_s, eager_static=eager_s, compiled_static=compiled_s, compiled_unguarded=unguarded_s
+    )
+    aot_figures = {}
+    if aot:
+        times["aot_package"] = aot_s
+        aot_ratios = [e / a for e, a in zip(eager_s, aot_s, strict=True)]
+        aot_figures = dict(
+            aot_package_s=statistics.median(aot_s),
+            aot_min_s=min(aot_s),
+            aot_speedup_median=statistics.median(aot_ratios),
+            aot_speedup_min=min(aot_ratios),
+            aot_speedup_max=max(aot_ratios),
+            aot_vs_compiled_median=statistics.median([c / a for c, a in zip(compiled_s, aot_s, strict=True)]),
+            aot_max_abs_logit_diff=aot["max_abs_logit_diff"],
+            aot_compile_s=aot["compile_s"],
+            aot_load_s=aot["load_s"],
+        )
     return dict(
         context=context,
         eager_paged_s=statistics.median(dynamic_s),
@@ -210,11 +245,23 @@ def measure_context(
         first_compiled_call_fx_graph_cache=first_call_cache,
         graphs_compiled=torch._dynamo.utils.counters["stats"]["unique_graphs"],
         max_abs_logit_diff=max_abs_diff,
-        times_s=dict(
-            eager_paged=dynamic_s, eager_static=eager_s, compiled_static=compiled_s, compiled_unguarded=unguarded_s
-        ),
+        **aot_figures,
+        times_s=times,
         op_profile=profiles,
     )
+
+
+def aot_decode_step(model, config: KDSAConfig, context: int, batch: int, capacity: int, aot_dir: Path) -> dict:
+    """The decode step as an AOTInductor package on its own static cache filled like the others: the package of this
+    batch and capacity is compiled into `aot_dir` unless there (`compile_s`: None then), then loaded (`load_s`)."""
+    cache = fill(KDSAStaticCache(config, capacity), config, context, batch)
+    path = Path(aot_dir) / f"decode-step-b{batch}-c{cache.capacity}.pt2"
+    compile_s = None
+    if not path.exists():
+        compile_s = timed(lambda: compile_decode_step(model, cache, path))
+    start = time.perf_counter()
+    step = load_decode_step(path, model, cache)
+    return dict(step=step, compile_s=compile_s, load_s=time.perf_counter() - start)
 
 
 def op_profile(call, steps: int = 3, top: int = 8) -> dict:
@@ -288,6 +335,15 @@ def print_table(report: dict) -> None:
         ]
         for r in report["decode"]
     ]
+    if all("aot_package_s" in r for r in report["decode"]):
+        headers += ["AOT package ms", "speedup", "vs compiled", "max |Δlogit|"]
+        for row, r in zip(rows, report["decode"], strict=True):
+            row += [
+                f"{r['aot_package_s'] * 1e3:.2f}",
+                f"{r['aot_speedup_median']:.2f}x ({r['aot_speedup_min']:.2f}..{r['aot_speedup_max']:.2f})",
+                f"{r['aot_vs_compiled_median']:.2f}x",
+                f"{r['aot_max_abs_logit_diff']:.2e}",
+            ]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
     batch = report["environment"]["batch"]
     print(f"Whole decode step, batch {batch}, bf16 (KDSAStaticCache compiled by generate()'s own compile call)")
@@ -302,6 +358,12 @@ def print_table(report: dict) -> None:
             print(
                 f"  {r['context']:,} {name}: {prof['total_ms_per_step']:.2f} ms/step profiled, "
                 f"{prof['aten_calls_per_step']:.0f} aten calls/step; top: {top}"
+            )
+    for r in report["decode"]:
+        if r.get("aot_compile_s") is not None:
+            print(
+                f"AOTInductor package ({r['context']:,}): compiled in {r['aot_compile_s']:.1f} s (export + "
+                f"AOTInductor, no cache), loaded in {r['aot_load_s']:.2f} s"
             )
     if "compile" in report:
         cold, warm = report["compile"]["cold"], report["compile"]["warm"]
@@ -322,6 +384,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--skip-compile-times", action="store_true", help="no cold/warm compile times (the inductor cache is reused)"
     )
+    parser.add_argument("--skip-aot", action="store_true", help="no AOTInductor package step (saves its compile)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "bench_graph_mode.json")
     parser.add_argument(
         "--inductor-options",
@@ -360,6 +423,7 @@ def main(argv=None) -> dict:
     options = parse_options(args.inductor_options)
     # Compile times: this process's first compile is the cold one, in an empty inductor cache directory, which the warm
     # process then reuses.
+    aot_dir = None
     cache_dir = None if args.compile_probe or args.skip_compile_times else tempfile.mkdtemp(prefix="kdsa-inductor-")
     previous_cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if cache_dir:
@@ -371,6 +435,7 @@ def main(argv=None) -> dict:
         repeats = 3 if args.quick and args.repeats == 10 else args.repeats
         config = bench_config(args.quick)
         model = build_model(config)
+        aot_dir = None if args.skip_aot else Path(tempfile.mkdtemp(prefix="kdsa-aot-"))
         report = dict(
             command=" ".join([Path(sys.executable).name, *sys.argv]) if argv is None else f"main({argv})",
             environment=dict(
@@ -382,7 +447,9 @@ def main(argv=None) -> dict:
             ),
             quick=args.quick,
             inductor_options=options,
-            decode=[measure_context(model, config, c, repeats, options, args.batch) for c in args.contexts],
+            decode=[
+                measure_context(model, config, c, repeats, options, args.batch, aot_dir=aot_dir) for c in args.contexts
+            ],
         )
         if cache_dir:
             first = report["decode"][0]
@@ -390,6 +457,8 @@ def main(argv=None) -> dict:
             report["compile"] = dict(cold=cold, warm=warm_compile(cache_dir, args))
     finally:
         torch.set_num_threads(previous_threads)
+        if aot_dir:
+            shutil.rmtree(aot_dir, ignore_errors=True)
         if cache_dir:
             shutil.rmtree(cache_dir, ignore_errors=True)
             if previous_cache_dir is None:

@@ -302,8 +302,9 @@ def test_graph_mode_bench_refuses_a_batch_below_one(capsys):
 @pytest.mark.slow
 def test_graph_mode_bench_quick_run(tmp_path):
     """scripts/bench_graph_mode.py --quick (small model, context 128) with two sequences: eager and compiled whole
-    decode steps, the compiled logits close to eager's (bf16), one graph for all steps, cold compile (in the run's own
-    process, an empty inductor cache) and warm compile (a fresh process over the same cache)."""
+    decode steps and the AOTInductor package's, the compiled logits close to eager's (bf16), one graph for all steps,
+    cold compile (in the run's own process, an empty inductor cache) and warm compile (a fresh process over the same
+    cache)."""
     out = tmp_path / "graph.json"
     script = SCRIPT.with_name("bench_graph_mode.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -321,6 +322,13 @@ def test_graph_mode_bench_quick_run(tmp_path):
     # Guard evaluation skipped: the same graph on the same cache contents, so the same logits bit for bit.
     assert row["compiled_unguarded_s"] > 0 and row["unguarded_max_abs_logit_diff"] == 0
     assert len(row["times_s"]["compiled_unguarded"]) == len(row["times_s"]["compiled_static"])
+    # The AOTInductor package of the step (docs/graph-mode.md §14): compiled once, timed in the same loop, its logits
+    # those of the same fixed-shape step (bf16).
+    assert row["aot_compile_s"] > 0 and row["aot_load_s"] > 0 and row["aot_package_s"] > 0
+    assert len(row["times_s"]["aot_package"]) == len(row["times_s"]["compiled_static"])
+    assert row["aot_max_abs_logit_diff"] < 0.05
+    assert row["aot_speedup_min"] <= row["aot_speedup_median"] <= row["aot_speedup_max"]
+    assert "AOT package ms" in result.stdout
     # Cold: this process's first compile in an empty inductor cache; warm: a fresh process that finds all of it there.
     cold, warm = report["compile"]["cold"], report["compile"]["warm"]
     assert cold["compile_s"] == row["first_compiled_call_s"] > 0 and warm["compile_s"] > 0

@@ -17,9 +17,8 @@ than `cpu_extension.MAX_THREADS` threads) those paths keep their torch form.
 """
 
 import torch
-from torch import nn
 
-from .cpu_extension import PRELUDE, load_build
+from .cpu_extension import PRELUDE, load_build, plain_tensor
 from .cpu_row_linear import GEMV_AVX2_SOURCE, GEMV_SOURCE, bf16_kernel_input
 
 # The op over either build's `gemv` (cpu_row_linear: GEMV_SOURCE or GEMV_AVX2_SOURCE).
@@ -112,7 +111,7 @@ def expert_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         bf16_kernel_input(x)
         and x.dim() == 2
         and x.stride(-1) == 1
-        and type(weight) in (torch.Tensor, nn.Parameter)
+        and plain_tensor(weight)
         and weight.dtype == torch.bfloat16
         and weight.dim() == 3
         and weight.is_contiguous()

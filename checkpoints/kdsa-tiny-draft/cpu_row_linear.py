@@ -19,9 +19,8 @@ compiled step, where it is one opaque op: there it also beat inductor's fused mu
 """
 
 import torch
-from torch import nn
 
-from .cpu_extension import PRELUDE, few_threads, load_build
+from .cpu_extension import PRELUDE, few_threads, kernels_traceable, load_build, plain_tensor
 
 # The product of 1 to 4 rows with a block of weight rows, shared with `cpu_head_products`, `cpu_expert_linear` and
 # `cpu_fp8_dequantize` (after PRELUDE).
@@ -235,10 +234,10 @@ def kernel_available() -> bool:
 def bf16_kernel_input(x: torch.Tensor) -> bool:
     """What every bf16 CPU kernel of a decode step (this one, `cpu_head_products`, `cpu_expert_linear`,
     `cpu_fp8_dequantize`'s fused product) needs of its activations `x`: bf16 on CPU, not under `torch.export` (an
-    exported program may run where the ops are not registered), no autocast, no autograd, at most
-    `cpu_extension.MAX_THREADS` threads."""
+    exported program may run where the ops are not registered) unless `kernels_in_export()`, no autocast, no autograd,
+    at most `cpu_extension.MAX_THREADS` threads."""
     return (
-        not torch.compiler.is_exporting()
+        kernels_traceable()
         and x.device.type == "cpu"
         and x.dtype == torch.bfloat16
         and not torch.is_autocast_enabled("cpu")
@@ -259,7 +258,7 @@ def row_linear_applies(hidden_states: torch.Tensor, weight: torch.Tensor, bias: 
     loaded."""
     return (
         few_bf16_rows(hidden_states, hidden_states.shape[-1])
-        and type(weight) in (torch.Tensor, nn.Parameter)
+        and plain_tensor(weight)
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and weight.is_contiguous()

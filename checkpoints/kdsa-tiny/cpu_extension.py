@@ -16,9 +16,12 @@ import os
 import subprocess
 import tempfile
 import warnings
+from contextlib import contextmanager
 from functools import cache
 
 import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 # The kernels run on one thread. Up to this many intra-op threads they matched or beat the torch path, measured with 1
 # and 2 on a 2-core machine (ad-hoc, caches evicted between calls): at 2 threads the indexer's compiled 64k layer step
@@ -141,6 +144,35 @@ def few_threads() -> bool:
     return torch.get_num_threads() <= MAX_THREADS
 
 
+# While torch.export traces, the kernels step aside (an exported program may run where the `kdsa::` ops are not
+# registered), except inside `kernels_in_export()`: `modeling_kdsa.aot` exports a decode step for an AOTInductor
+# package that calls them through the dispatcher of a process that has imported this package (docs/graph-mode.md §14).
+_KERNELS_IN_EXPORT = False
+
+
+@contextmanager
+def kernels_in_export():
+    """Let `torch.export` trace the C++ kernels as `kdsa::` ops (the program then needs them registered to run)."""
+    global _KERNELS_IN_EXPORT
+    previous, _KERNELS_IN_EXPORT = _KERNELS_IN_EXPORT, True
+    try:
+        yield
+    finally:
+        _KERNELS_IN_EXPORT = previous
+
+
+def kernels_traceable() -> bool:
+    """Whether a kernel may enter the graph being traced: always, except under `torch.export` outside
+    `kernels_in_export()`."""
+    return _KERNELS_IN_EXPORT or not torch.compiler.is_exporting()
+
+
+def plain_tensor(tensor: torch.Tensor) -> bool:
+    """A plain tensor or parameter, no subclass (such as a quantized weight) whose data the kernels could not read as
+    is. torch.export's non-strict tracing hands the model FakeTensors in place of its plain tensors."""
+    return type(tensor) in (torch.Tensor, nn.Parameter, FakeTensor)
+
+
 def _torch_flags() -> list[str]:
     """Compile and link against the running torch: the headers and libraries its wheel ships (where
     `torch.utils.cpp_extension` finds them), its C++ ABI; the libraries rpath'd."""
@@ -232,6 +264,9 @@ __all__ = [
     "few_threads",
     "has_cpu_kernel",
     "kernel_isa",
+    "kernels_in_export",
+    "kernels_traceable",
     "load",
     "load_build",
+    "plain_tensor",
 ]

@@ -1,0 +1,213 @@
+"""The decode step as an AOTInductor package (aot/decode_step.py, docs/graph-mode.md §14): exported over a
+`KDSAStaticCache` whose tensors it updates in place, it decodes exactly eager's tokens; it carries the C++ kernels as
+`kdsa::` ops; loading checks that the package fits the model and cache, and each call checks its inputs."""
+
+import pytest
+import torch
+from conftest import cpu_compile_config, needs_kernel_build, tiny_model
+from modeling_kdsa.aot import DecodeStepModule, compile_decode_step, export_decode_step, load_decode_step
+
+from modeling_kdsa import cpu_extension
+from modeling_kdsa.cache import KDSACache
+from modeling_kdsa.static_cache import KDSAStaticCache
+
+NEW_TOKENS = 256
+
+
+def prompt(batch: int, length: int = 30, padded: int = 5):
+    ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :padded] = 0
+    return ids, mask
+
+
+def allocated_cache(model, batch: int, capacity: int) -> KDSAStaticCache:
+    """A static cache whose tensors exist (one eager token), emptied again."""
+    cache = KDSAStaticCache(model.config, capacity)
+    with torch.no_grad():
+        model(torch.full((batch, 1), 5), cache=cache)
+    cache.reset()
+    return cache
+
+
+@pytest.fixture(scope="module")
+def fp32_package(tmp_path_factory):
+    """fp32 model without an EOS (so every sequence runs all 256 steps), two sequences, one left-padded."""
+    model = tiny_model()
+    model.generation_config.eos_token_id = None
+    ids, mask = prompt(batch=2)
+    cache = allocated_cache(model, 2, ids.shape[1] + NEW_TOKENS)
+    path = compile_decode_step(model, cache, tmp_path_factory.mktemp("aot") / "fp32.pt2")
+    return model, cache, path
+
+
+def cache_tensors(model, cache) -> list[torch.Tensor]:
+    """The cache's tensors, as the exported module registers them."""
+    return [tensor for name, tensor in DecodeStepModule(model, cache).named_buffers() if name.startswith("cache_")]
+
+
+@pytest.mark.slow
+def test_package_decodes_eager_tokens_with_padding(fp32_package):
+    """256 package steps for two sequences (one left-padded) give exactly the tokens of `model.generate`: positions,
+    the padding mask, page boundaries and the token counts all advance (a count folded into a constant at compile
+    time would write every step to one slot)."""
+    model, cache, path = fp32_package
+    ids, mask = prompt(batch=2)
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    step = load_decode_step(path, model, cache)
+    got = step.generate(ids, NEW_TOKENS, attention_mask=mask)
+    assert got.shape == expected.shape == (2, ids.shape[1] + NEW_TOKENS)
+    assert torch.equal(got, expected)
+    assert int(cache.get_seq_length()) == ids.shape[1] + NEW_TOKENS - 1  # the cache itself advanced, in place
+    assert all(int(layer.num_tokens) == int(cache.get_seq_length()) for layer in cache.layers[1::2])
+
+
+@pytest.mark.slow
+def test_package_stops_at_eos_like_generate(fp32_package):
+    """With the model's EOS back, a sequence that produces it is padded from then on and decoding stops once all have:
+    the same tokens and length as `model.generate`."""
+    model, cache, path = fp32_package
+    ids, mask = prompt(batch=2)
+    model.generation_config.eos_token_id = 2
+    try:
+        with torch.no_grad():
+            expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+        got = load_decode_step(path, model, cache).generate(ids, NEW_TOKENS, attention_mask=mask)
+    finally:
+        model.generation_config.eos_token_id = None
+    # The second sequence produces an EOS and is padded from then on while the first goes on (seed-dependent).
+    assert (expected[:, ids.shape[1] :] == 2).any(dim=1).tolist() == [False, True]
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.slow
+def test_package_step_takes_strided_inputs(fp32_package):
+    """A token column sliced out of a longer tensor (strided) gives the eager step's logits: the package itself would
+    read it with the contiguous strides it was traced with."""
+    model, cache, path = fp32_package
+    step = load_decode_step(path, model, cache)
+    ids, mask = prompt(batch=2)
+    generated = step.generate(ids, 3, attention_mask=mask)
+    eager_cache = KDSAStaticCache(model.config, cache.max_cache_len)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, position_ids=positions, cache=eager_cache)
+        cache.reset()
+        model(ids, attention_mask=mask, position_ids=positions, cache=cache)
+        token, position = generated[:, ids.shape[1] : ids.shape[1] + 1], positions[:, -1:] + 1
+        assert not token.is_contiguous()
+        padded = torch.nn.functional.pad(mask, (0, cache.capacity - ids.shape[1]), value=1)
+        eager = model(token, attention_mask=padded, position_ids=position, cache=eager_cache).logits
+        torch.testing.assert_close(step(token, padded, position), eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_package_refuses_what_it_was_not_compiled_for(fp32_package):
+    model, cache, path = fp32_package
+    with pytest.raises(ValueError, match=f"compiled for capacity={cache.capacity}, the cache has capacity=448"):
+        load_decode_step(path, model, allocated_cache(model, 2, 400))
+    with pytest.raises(ValueError, match="compiled for batch_size=2, the cache has batch_size=1"):
+        load_decode_step(path, model, allocated_cache(model, 1, cache.max_cache_len))
+    other = tiny_model(intermediate_size=64)  # same cache, another model
+    with pytest.raises(
+        ValueError, match=r"constant 'model\..*_proj\.weight' is \[\[\d+, 64\], 'torch.float32'\] \(shape"
+    ):
+        load_decode_step(path, other, cache)
+    with pytest.raises(ValueError, match="hold no tensors yet"):
+        load_decode_step(path, model, KDSAStaticCache(model.config, cache.max_cache_len))
+
+
+@pytest.mark.slow
+def test_package_call_checks_its_inputs_and_the_capacity(fp32_package):
+    model, cache, path = fp32_package
+    step = load_decode_step(path, model, cache)
+    ids, mask = prompt(batch=2)
+    step.generate(ids, 4, attention_mask=mask)
+    held = int(cache.get_seq_length())
+    token = torch.full((2, 1), 7)
+    bad_calls = {
+        "input_ids of shape \\(2, 1\\), int64": lambda: step(torch.full((2, 2), 7)),
+        "int64": lambda: step(token.int()),
+        "position_ids of shape": lambda: step(token, position_ids=torch.zeros(2, dtype=torch.long)),
+        f"padding mask of shape \\(2, {cache.capacity}\\)": lambda: step(token, torch.ones(2, 40, dtype=torch.long)),
+    }
+    for message, call in bad_calls.items():
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert int(cache.get_seq_length()) == held  # nothing ran
+    with pytest.raises(ValueError, match=f"need {cache.max_cache_len + 1} cache slots"):
+        step.generate(ids, NEW_TOKENS + 2, attention_mask=mask)  # the last new token is not fed back
+    cache.cumulative_length.fill_(cache.max_cache_len)  # as if full
+    with pytest.raises(ValueError, match=f"capacity exceeded: {cache.max_cache_len} cached"):
+        step(token)
+    cache.reset()
+
+
+def test_export_leaves_the_cache_as_it_was():
+    """Exporting traces the model over the cache's own tensors (module buffers) and puts them back: the same tensors
+    at the same addresses with the same contents, none of them a tracer's fake."""
+    model = tiny_model()
+    cache = allocated_cache(model, 1, 40)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 9)), cache=cache)
+    before = [(t, t.clone()) for t in cache_tensors(model, cache)]
+    program = export_decode_step(model, cache)
+    after = cache_tensors(model, cache)
+    assert [id(t) for t in after] == [id(t) for t, _ in before]
+    assert all(type(t) is torch.Tensor and torch.equal(t, copy) for t, copy in before)
+    # Every cache tensor a step writes is a buffer the program mutates (KDA states, pools, counts).
+    mutated = set(program.run_decompositions().graph_signature.buffers_to_mutate.values())
+    assert len(mutated) >= len(before) - 2  # all but the block tables, which a step only reads
+
+
+def test_export_refuses_caches_it_cannot_carry():
+    model = tiny_model()
+    with pytest.raises(TypeError, match="over a KDSAStaticCache, got KDSACache"):
+        export_decode_step(model, KDSACache(model.config))
+    with pytest.raises(ValueError, match="hold no tensors yet: run one eager forward"):
+        export_decode_step(model, KDSAStaticCache(model.config, 32))
+
+
+@needs_kernel_build
+def test_export_carries_the_cpu_kernels_only_for_the_package():
+    """A bf16 model with 8 attention and indexer heads: the exported step holds every C++ kernel of the decode step
+    as a `kdsa::` op; a plain `torch.export` of the same model keeps the torch paths of the kernels that step aside
+    under export (docs/graph-mode.md §7)."""
+    model = tiny_model(index_n_heads=8, num_attention_heads=8).to(torch.bfloat16)
+    cache = allocated_cache(model, 1, 40)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_extension, "MAX_THREADS", max(cpu_extension.MAX_THREADS, torch.get_num_threads()))
+        program = export_decode_step(model, cache)
+        plain = torch.export.export(model, (torch.zeros(1, 4, dtype=torch.long),), {"use_cache": False}, strict=False)
+    ops = {str(node.target) for node in program.graph.nodes if "kdsa" in str(node.target)}
+    assert {f"kdsa.{op}.default" for op in KERNEL_OPS} <= ops
+    plain_ops = {str(node.target) for node in plain.graph.nodes}
+    assert not any(op in target for op in ("row_linear", "kda_recurrent") for target in plain_ops)
+
+
+KERNEL_OPS = ("row_linear", "head_linear", "head_matmul", "expert_linear", "kda_recurrent")
+
+
+@needs_kernel_build
+@pytest.mark.slow
+def test_bf16_package_with_kernels_follows_the_compiled_step(tmp_path):
+    """The bf16 package, whose products are the C++ kernels, against generate()'s compiled step (the same fixed-shape
+    graph under inductor; docs/graph-mode.md §2): fed the same tokens for 24 steps, the logits agree within bf16
+    rounding. (Against the eager step both differ alike, by up to ~0.5 at some steps: inductor keeps fp32 where the
+    eager ops round to bf16, and an indexer selection of 8 keys can flip on a near tie.)"""
+    model = tiny_model(index_n_heads=8, num_attention_heads=8).to(torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    ids, _ = prompt(batch=1, padded=0)
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+        patch.setattr(cpu_extension, "MAX_THREADS", max(cpu_extension.MAX_THREADS, torch.get_num_threads()))
+        tokens = model.generate(ids, max_new_tokens=24, do_sample=False)[:, ids.shape[1] :]
+        cache, compiled_cache = allocated_cache(model, 1, 64), KDSAStaticCache(model.config, 64)
+        step = load_decode_step(compile_decode_step(model, cache, tmp_path / "bf16.pt2"), model, cache)
+        compiled = model.get_compiled_call(cpu_compile_config("inductor"))
+        model(ids, cache=cache)
+        model(ids, cache=compiled_cache)
+        for index in range(tokens.shape[1]):
+            token = tokens[:, index : index + 1]
+            expected = compiled(input_ids=token, cache=compiled_cache, use_cache=True).logits
+            torch.testing.assert_close(step(token).float(), expected.float(), rtol=0, atol=0.03)
