@@ -170,9 +170,21 @@ def _manifest(model, cache: KDSAStaticCache) -> dict:
     }
 
 
+def _check_compilable(cache: KDSAStaticCache) -> None:
+    """What AOTInductor cannot compile, refused before the minute a compile takes."""
+    planes = [plane for container, key in _cache_slots(cache) for plane in _planes(_get(container, key))]
+    if any(plane.dtype == torch.float8_e8m0fnu for plane in planes):
+        raise ValueError(
+            "the cache holds MXFP8 indexer keys (E8M0 scales, quantization_config indexer='mxfp8'), which "
+            "AOTInductor's C++ code generation cannot compile (torch 2.13 has no C++ type for float8_e8m0fnu there); "
+            "use KDSAQuantizationConfig(indexer='bf16') for a package (the FP8 latent cache compiles)"
+        )
+
+
 def compile_decode_step(model, cache: KDSAStaticCache, package_path: str | Path) -> str:
     """Export the decode step (`export_decode_step`) and compile it with AOTInductor into the package
     `package_path` (a `.pt2` file; weights and cache not included). Returns the package's path."""
+    _check_compilable(cache)
     program = export_decode_step(model, cache)
     configs = {**INDUCTOR_CONFIGS, "aot_inductor.metadata": {_METADATA_KEY: json.dumps(_manifest(model, cache))}}
     return torch._inductor.aoti_compile_and_package(program, package_path=str(package_path), inductor_configs=configs)
