@@ -2,6 +2,8 @@
 `KDSAStaticCache` whose tensors it updates in place, it decodes exactly eager's tokens; it carries the C++ kernels as
 `kdsa::` ops; loading checks that the package fits the model and cache, and each call checks its inputs."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import cpu_compile_config, needs_kernel_build, tiny_model
@@ -127,6 +129,12 @@ def test_package_refuses_what_it_was_not_compiled_for(fp32_package):
         load_decode_step(path, other, cache)
     with pytest.raises(ValueError, match="hold no tensors yet"):
         load_decode_step(path, model, KDSAStaticCache(model.config, cache.max_cache_len))
+    stranger = torch._inductor.aoti_compile_and_package(
+        torch.export.export(torch.nn.Linear(2, 2), (torch.ones(1, 2),)),
+        package_path=str(Path(path).parent / "linear.pt2"),
+    )
+    with pytest.raises(ValueError, match="is not a KDSA decode-step package"):
+        load_decode_step(stranger, model, cache)
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
