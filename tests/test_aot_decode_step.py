@@ -17,6 +17,16 @@ from modeling_kdsa.static_cache import KDSAStaticCache
 NEW_TOKENS = 256
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """dynamo's per-code state (automatic dynamic shapes) must not carry from one test's model to the next test's
+    compile: in torch 2.13 a step whose sizes dynamo then marks dynamic fails to reuse its compile regions (an internal
+    KeyError; docs/graph-mode.md §8)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def prompt(batch: int, length: int = 30, padded: int = 5):
     ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
