@@ -8,8 +8,9 @@
     cache = KDSAStaticCache(model.config, max_cache_len=4096)
     model(prompt[:, :1], cache=cache)                    # any eager forward: allocates the cache's tensors
     path = compile_decode_step(model, cache, "step.pt2")  # once; later processes only load it
-    step = load_decode_step(path, model, cache)
-    tokens = step.generate(prompt, max_new_tokens=64)     # greedy: eager prefill, then the package's steps
+    load_decode_step(path, model, cache)                  # binds the package to the cache
+    cache.reset()
+    tokens = model.generate(prompt, cache=cache, max_new_tokens=64)  # eager prefill, then the package's steps
 
 A step compiled by `torch.compile` (generate(cache_implementation="static"), §2) still runs Python each step: dynamo's
 guard check over the whole model and inductor's Python wrapper (§11). An AOTInductor package is the same kind of graph
@@ -193,11 +194,14 @@ def compile_decode_step(model, cache: KDSAStaticCache, package_path: str | Path)
 class DecodeStep:
     """A loaded decode-step package bound to a model's weights and a static cache (`load_decode_step`).
 
-    `step(input_ids, attention_mask=None, position_ids=None)` runs one step: input_ids `[B, 1]` (int64, the cache's
-    batch) -> logits `[B, 1, vocab]`, the cache one token longer. `attention_mask`: the padding mask `[B, capacity]`
-    (1 = a real token: the prompt's mask, then ones), default all ones; `position_ids` `[B, 1]`: the new tokens'
-    positions, default the cached token count (right for sequences without padding). Nothing else checks the
-    package's inputs: this call checks their shapes and the cache's capacity before running it."""
+    Loading binds it to the cache (`cache.decode_step`): the model's eager forward then runs every plain one-token step
+    over that cache through it, so `model.generate(..., cache=cache)` decodes with the package (the prefill stays
+    eager). `step(input_ids, attention_mask=None, position_ids=None)` runs one step directly: input_ids `[B, 1]`
+    (int64, the cache's batch) -> logits `[B, 1, vocab]`, the cache one token longer. `attention_mask`: the padding
+    mask `[B, capacity]` (1 = a real token; columns past the cached tokens are not read), default all ones;
+    `position_ids` `[B, 1]`: the new tokens' positions, default the cached token count (right for sequences without
+    padding). Nothing else checks the package's inputs: this call checks their shapes, the cache's capacity and, from
+    a forward, that the forward's model is the one whose weights the package was given."""
 
     def __init__(self, runner, model, cache: KDSAStaticCache, batch_size: int):
         self.runner = runner
@@ -207,7 +211,12 @@ class DecodeStep:
         device = cache.cumulative_length.device
         self.full_mask = torch.ones(batch_size, cache.capacity, dtype=torch.long, device=device)
 
-    def __call__(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, model=None) -> torch.Tensor:
+        if model is not None and model is not self.model:
+            raise ValueError(
+                "this KDSAStaticCache carries a decode-step package loaded with another model's weights: load it for "
+                "this model (load_decode_step) or set cache.decode_step = None to decode eagerly"
+            )
         column = (self.batch_size, 1)
         for name, tensor in (("input_ids", input_ids), ("position_ids", position_ids)):
             if tensor is not None and (tensor.shape != column or tensor.dtype != torch.long):
@@ -232,40 +241,6 @@ class DecodeStep:
             position_ids = torch.full(column, cached, dtype=torch.long, device=self.full_mask.device)
         # The package reads its inputs with the strides they were traced with (contiguous) and checks nothing.
         return self.runner(input_ids.contiguous(), attention_mask.long().contiguous(), position_ids.contiguous())
-
-    @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask=None) -> torch.Tensor:
-        """Greedy decoding as `model.generate(do_sample=False)` does it, with the package's steps: the cache reset,
-        the prompt `[B, T]` (left-padded where `attention_mask` says so) prefilled eagerly, positions counted over
-        the real tokens; a sequence that produces an EOS of the model's generation config is padded from then on
-        (`pad_token_id`), and decoding stops when all have. Returns the prompt and the new tokens."""
-        prompt_len = input_ids.shape[1]
-        if prompt_len + max_new_tokens - 1 > self.cache.max_cache_len:
-            raise ValueError(
-                f"{prompt_len} prompt tokens + {max_new_tokens} new ones need {prompt_len + max_new_tokens - 1} cache "
-                f"slots; the cache has max_cache_len={self.cache.max_cache_len}"
-            )
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # transformers' positions for a padded prompt
-        self.cache.reset()
-        logits = self.model(input_ids, attention_mask=mask, position_ids=positions, cache=self.cache).logits
-        step_mask = torch.nn.functional.pad(mask, (0, self.cache.capacity - prompt_len), value=1)
-        position = positions[:, -1:]
-        config = self.model.generation_config
-        eos = config.eos_token_id
-        eos = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos), dtype=torch.long)
-        pad = config.pad_token_id if config.pad_token_id is not None else int(eos[0]) if len(eos) else 0
-        unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        tokens = [input_ids]
-        for _ in range(max_new_tokens):
-            next_ids = torch.where(unfinished, logits[:, -1].argmax(-1), pad)
-            tokens.append(next_ids[:, None])
-            unfinished &= ~torch.isin(next_ids, eos.to(next_ids.device))
-            if len(tokens) > max_new_tokens or not unfinished.any():
-                break
-            position = position + 1
-            logits = self(next_ids[:, None], step_mask, position)
-        return torch.cat(tokens, dim=1)
 
 
 def load_decode_step(package_path: str | Path, model, cache: KDSAStaticCache) -> DecodeStep:
@@ -301,4 +276,5 @@ def load_decode_step(package_path: str | Path, model, cache: KDSAStaticCache) ->
     runner.load_constants(
         {n: t for n, t in constants.items() if n in needed}, check_full_update=True, user_managed=True
     )
-    return DecodeStep(runner, model, cache, expected["batch_size"])
+    cache.decode_step = DecodeStep(runner, model, cache, expected["batch_size"])
+    return cache.decode_step

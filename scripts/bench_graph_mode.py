@@ -14,8 +14,12 @@ cache contents, and the number of graphs compiled over all steps is reported (1 
      cost, interleaved with the others, and its logits compared with the guarded step's (measured only: the product
      keeps the guards);
   5. the step as an AOTInductor package (`modeling_kdsa.aot`, docs/graph-mode.md §14): the same fixed-shape step
-     exported and compiled ahead of time, behind a C++ wrapper with no guards, on its own static cache filled alike;
-     its logits compared with the eager step's, its compile and load times reported (`--skip-aot`: not run);
+     exported and compiled ahead of time, behind a C++ wrapper with no guards, on its own static cache filled alike
+     and called as generate() calls it (the model's forward, which hands a plain step to the package bound to the
+     cache); its logits compared with the eager step's, its compile and load times reported (`--skip-aot`: not run);
+     then whole `model.generate` calls of `GENERATE_TOKENS` greedy tokens from the filled caches, interleaved: the
+     default paged cache (eager), the static cache with generate()'s compiled step, and the package's cache — the
+     per-token time a user sees, generate()'s own work included;
   6. an operator profile (torch.profiler) of the steps: the top operators and the aten calls per step;
   7. compile time of the compiled step, cold and warm: this process compiles it first in a new, empty inductor cache
      directory (cold: its first compiled call at the first context), then a fresh process with the same batch and
@@ -135,10 +139,14 @@ def timed(call) -> float:
     return time.perf_counter() - start
 
 
+GENERATE_TOKENS = 32  # new tokens per timed generate() call (section 5)
+
+
 def static_capacity(context: int, repeats: int) -> int:
     """Tokens a static cache of `measure_context` must hold: the context, then per cache the two checking steps, the
-    `repeats` timed ones and the profiled ones (2 · repeats + 8 covers them for any repeats ≥ 0)."""
-    return context + 2 * repeats + 8
+    `repeats` timed ones and the profiled ones (2 · repeats + 8 covers them for any repeats ≥ 0), or a generate()
+    call's tokens (section 5: from the refilled context)."""
+    return context + max(2 * repeats + 8, GENERATE_TOKENS + 1)
 
 
 def measure_context(
@@ -183,10 +191,10 @@ def measure_context(
         unguarded(**step_inputs(unguarded_static, batch))
         unguarded_logits = unguarded(**step_inputs(unguarded_static, batch)).logits  # the compiled one's second step
         unguarded_diff = (unguarded_logits.float() - compiled_logits.float()).abs().max().item()
-        token = torch.full((batch, 1), 7)
-        if aot:
-            aot["step"](token)
-            aot["max_abs_logit_diff"] = (aot["step"](token).float() - eager_logits.float()).abs().max().item()
+        if aot:  # through the model's forward, as generate() calls it: the cache hands the step to the package
+            model(**step_inputs(aot["cache"], batch))
+            aot_logits = model(**step_inputs(aot["cache"], batch)).logits
+            aot["max_abs_logit_diff"] = (aot_logits.float() - eager_logits.float()).abs().max().item()
         model(**step_inputs(dynamic, batch))  # warm-up
         dynamic_s, eager_s, compiled_s, unguarded_s, aot_s = [], [], [], [], []
         for _ in tqdm(range(repeats), desc=f"context {context}", leave=False):
@@ -195,15 +203,19 @@ def measure_context(
             compiled_s.append(timed(lambda: compiled(**step_inputs(compiled_static, batch))))
             unguarded_s.append(timed(lambda: unguarded(**step_inputs(unguarded_static, batch))))
             if aot:
-                aot_s.append(timed(lambda: aot["step"](token)))
+                aot_s.append(timed(lambda: model(**step_inputs(aot["cache"], batch))))
         profiles = dict(
             eager_paged=op_profile(lambda: model(**step_inputs(dynamic, batch))),
             eager_static=op_profile(lambda: model(**step_inputs(eager_static, batch))),
             compiled_static=op_profile(lambda: compiled(**step_inputs(compiled_static, batch))),
             compiled_unguarded=op_profile(lambda: unguarded(**step_inputs(unguarded_static, batch))),
         )
+        graphs_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         if aot:
-            profiles["aot_package"] = op_profile(lambda: aot["step"](token))
+            profiles["aot_package"] = op_profile(lambda: model(**step_inputs(aot["cache"], batch)))
+            aot["generate"] = generate_per_token(
+                model, config, context, batch, options, compiled_static, aot["cache"], 1 if repeats < 5 else 5
+            )
     ratios = [e / c for e, c in zip(eager_s, compiled_s, strict=True)]
     unguarded_ratios = [e / c for e, c in zip(eager_s, unguarded_s, strict=True)]
     times = dict(
@@ -223,6 +235,7 @@ def measure_context(
             aot_max_abs_logit_diff=aot["max_abs_logit_diff"],
             aot_compile_s=aot["compile_s"],
             aot_load_s=aot["load_s"],
+            generate_ms_per_token=aot["generate"],
         )
     return dict(
         context=context,
@@ -243,7 +256,7 @@ def measure_context(
         unguarded_max_abs_logit_diff=unguarded_diff,
         first_compiled_call_s=first_call_s,
         first_compiled_call_fx_graph_cache=first_call_cache,
-        graphs_compiled=torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        graphs_compiled=graphs_compiled,
         max_abs_logit_diff=max_abs_diff,
         **aot_figures,
         times_s=times,
@@ -260,8 +273,40 @@ def aot_decode_step(model, config: KDSAConfig, context: int, batch: int, capacit
     if not path.exists():
         compile_s = timed(lambda: compile_decode_step(model, cache, path))
     start = time.perf_counter()
-    step = load_decode_step(path, model, cache)
-    return dict(step=step, compile_s=compile_s, load_s=time.perf_counter() - start)
+    load_decode_step(path, model, cache)  # binds the package to the cache
+    return dict(cache=cache, compile_s=compile_s, load_s=time.perf_counter() - start)
+
+
+def generate_per_token(model, config, context, batch, options, compiled_cache, aot_cache, repeats) -> dict:
+    """Milliseconds per token of `model.generate` (greedy, `GENERATE_TOKENS` new tokens after a context of `context`
+    random tokens; the prompt's last token is the only one fed) with the paged cache eager, the static cache compiled
+    by generate() and the package's cache. The three alternate, `repeats` calls each; every cache is refilled before
+    its call, outside the timing. Medians, and the paged call's time over each other's, pair by pair."""
+    ids = torch.full((batch, context + 1), 7)
+    kwargs = dict(max_new_tokens=GENERATE_TOKENS, min_new_tokens=GENERATE_TOKENS, do_sample=False)
+
+    def refilled(cache):
+        cache.reset()
+        return fill(cache, config, context, batch)
+
+    routes = dict(  # name: (a filled cache, generate()'s extra arguments)
+        eager_paged=(lambda: fill(KDSACache(config), config, context, batch), {}),
+        compiled_static=(lambda: refilled(compiled_cache), dict(compile_config=compile_config(options))),
+        aot_package=(lambda: refilled(aot_cache), {}),
+    )
+    times = {name: [] for name in routes}
+    for round_ in range(repeats + 1):  # round 0 warms up (and builds generate()'s compiled call for this config)
+        for name, (filled, extra) in routes.items():
+            cache = filled()
+            seconds = timed(lambda: model.generate(ids, cache=cache, **kwargs, **extra))  # noqa: B023
+            if round_:
+                times[name].append(seconds * 1e3 / GENERATE_TOKENS)
+    figures = {name: statistics.median(ms) for name, ms in times.items()}
+    for name in ("compiled_static", "aot_package"):
+        figures[f"{name}_speedup"] = statistics.median(
+            [e / t for e, t in zip(times["eager_paged"], times[name], strict=True)]
+        )
+    return dict(new_tokens=GENERATE_TOKENS, repeats=repeats, **figures, times_ms=times)
 
 
 def op_profile(call, steps: int = 3, top: int = 8) -> dict:
@@ -360,6 +405,14 @@ def print_table(report: dict) -> None:
                 f"{prof['aten_calls_per_step']:.0f} aten calls/step; top: {top}"
             )
     for r in report["decode"]:
+        if "generate_ms_per_token" in r:
+            g = r["generate_ms_per_token"]
+            print(
+                f"model.generate ({r['context']:,} cached, {g['new_tokens']} new tokens, median of {g['repeats']}): "
+                f"eager paged {g['eager_paged']:.2f} ms/token, compiled static {g['compiled_static']:.2f} "
+                f"({g['compiled_static_speedup']:.2f}x), AOT package {g['aot_package']:.2f} "
+                f"({g['aot_package_speedup']:.2f}x)"
+            )
         if r.get("aot_compile_s") is not None:
             print(
                 f"AOTInductor package ({r['context']:,}): compiled in {r['aot_compile_s']:.1f} s (export + "

@@ -67,34 +67,65 @@ def cache_tensors(model, cache) -> list[torch.Tensor]:
     return [tensor for name, tensor in DecodeStepModule(model, cache).named_buffers() if name.startswith("cache_")]
 
 
+def counting_runner(step) -> list:
+    """Count the package's runs: `step.runner` wrapped; returns the one-element counter."""
+    calls, runner = [0], step.runner
+
+    def run(*inputs):
+        calls[0] += 1
+        return runner(*inputs)
+
+    step.runner = run
+    return calls
+
+
+def generate(model, ids, mask, cache=None, new_tokens=NEW_TOKENS, do_sample=False, **kwargs):
+    """`model.generate`, greedy by default, over `cache` (reset first) or, with None, a new paged cache."""
+    with torch.no_grad():
+        if cache is not None:
+            cache.reset()
+        return model.generate(
+            ids, attention_mask=mask, max_new_tokens=new_tokens, cache=cache, do_sample=do_sample, **kwargs
+        )
+
+
 @pytest.mark.slow
-def test_package_decodes_eager_tokens_with_padding(fp32_package):
-    """256 package steps for two sequences (one left-padded) give exactly the tokens of `model.generate`: positions,
-    the padding mask, page boundaries and the token counts all advance (a count folded into a constant at compile
-    time would write every step to one slot)."""
+def test_generate_with_the_package_decodes_eager_tokens(fp32_package):
+    """`model.generate` over the package's cache runs every decode step through the package and gives exactly the
+    tokens of the eager paged cache for 256 steps, two sequences, one left-padded: positions, the padding mask, page
+    boundaries and the token counts all advance (a count folded into a constant at compile time would write every
+    step to one slot)."""
     model, cache, path = fp32_package
     ids, mask = prompt(batch=2)
-    with torch.no_grad():
-        expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = generate(model, ids, mask)
     step = load_decode_step(path, model, cache)
-    got = step.generate(ids, NEW_TOKENS, attention_mask=mask)
+    assert cache.decode_step is step
+    calls = counting_runner(step)
+    # A compile config does not make generate() compile a step the package already serves (the backend would only
+    # trace: dynamo's `eager`).
+    got = generate(model, ids, mask, cache, compile_config=cpu_compile_config("eager"))
     assert got.shape == expected.shape == (2, ids.shape[1] + NEW_TOKENS)
     assert torch.equal(got, expected)
+    assert calls[0] == NEW_TOKENS - 1  # every step after the prefill (the last token is not fed back)
     assert int(cache.get_seq_length()) == ids.shape[1] + NEW_TOKENS - 1  # the cache itself advanced, in place
     assert all(int(layer.num_tokens) == int(cache.get_seq_length()) for layer in cache.layers[1::2])
 
 
 @pytest.mark.slow
-def test_package_stops_at_eos_like_generate(fp32_package):
-    """With the model's EOS back, a sequence that produces it is padded from then on and decoding stops once all have:
-    the same tokens and length as `model.generate`."""
+def test_generate_with_the_package_samples_and_stops_at_eos_like_eager(fp32_package):
+    """generate()'s other machinery around the package's logits: sampling (same seed, same tokens as eager) and EOS
+    (a sequence that produces it is padded from then on and decoding stops once all have)."""
     model, cache, path = fp32_package
     ids, mask = prompt(batch=2)
+    calls = counting_runner(load_decode_step(path, model, cache))
+    sampled = []
+    for target in (None, cache):
+        torch.manual_seed(1)
+        sampled.append(generate(model, ids, mask, target, new_tokens=32, do_sample=True, top_k=20))
+    assert torch.equal(*sampled) and calls[0] == 31
     model.generation_config.eos_token_id = 2
     try:
-        with torch.no_grad():
-            expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
-        got = load_decode_step(path, model, cache).generate(ids, NEW_TOKENS, attention_mask=mask)
+        expected, got = generate(model, ids, mask), generate(model, ids, mask, cache)
     finally:
         model.generation_config.eos_token_id = None
     # Both sequences produce an EOS, at different steps: one is padded while the other goes on, and decoding stops
@@ -105,13 +136,47 @@ def test_package_stops_at_eos_like_generate(fp32_package):
 
 
 @pytest.mark.slow
+def test_forwards_the_package_does_not_serve_run_eagerly(fp32_package):
+    """Only a plain one-token step goes to the package: a prompt, hidden states, router logits or labels run the
+    model's own forward (the cache then advances through it), and so does every step once `decode_step` is None."""
+    model, cache, path = fp32_package
+    step = load_decode_step(path, model, cache)
+    calls = counting_runner(step)
+    ids, mask = prompt(batch=2)
+    token = torch.full((2, 1), 7)
+    with torch.no_grad():
+        cache.reset()
+        model(ids, attention_mask=mask, cache=cache)
+        model(token, cache=cache, output_hidden_states=True)
+        model(token, cache=cache, output_router_logits=True)
+        model(token, cache=cache, labels=token)
+        assert calls[0] == 0 and int(cache.get_seq_length()) == ids.shape[1] + 3
+        model(token, cache=cache)
+        assert calls[0] == 1
+        with pytest.raises(ValueError, match="loaded with another model's weights"):
+            quantized_model()(token, cache=cache)  # same shapes, other weights: the package would use the first's
+        cache.decode_step = None
+        model(token, cache=cache)
+        assert calls[0] == 1 and int(cache.get_seq_length()) == ids.shape[1] + 5
+    # Traced by dynamo (generate()'s compiled step) or exported again, the forward is the model's, not the package's.
+    step = load_decode_step(path, model, cache)
+    calls = counting_runner(step)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        compiled(token, cache=cache)
+    export_decode_step(model, cache)
+    assert calls[0] == 0 and cache.decode_step is step
+    cache.reset()
+
+
+@pytest.mark.slow
 def test_package_step_takes_strided_inputs(fp32_package):
     """A token column sliced out of a longer tensor (strided) gives the eager step's logits: the package itself would
     read it with the contiguous strides it was traced with."""
     model, cache, path = fp32_package
     step = load_decode_step(path, model, cache)
     ids, mask = prompt(batch=2)
-    generated = step.generate(ids, 3, attention_mask=mask)
+    generated = generate(model, ids, mask, cache, new_tokens=3)
     eager_cache = KDSAStaticCache(model.config, cache.max_cache_len)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
     with torch.no_grad():
@@ -159,7 +224,7 @@ def test_package_call_checks_its_inputs_and_the_capacity(fp32_package):
     model, cache, path = fp32_package
     step = load_decode_step(path, model, cache)
     ids, mask = prompt(batch=2)
-    step.generate(ids, 4, attention_mask=mask)
+    generate(model, ids, mask, cache, new_tokens=4)
     held = int(cache.get_seq_length())
     token = torch.full((2, 1), 7)
     bad_calls = {
@@ -172,8 +237,9 @@ def test_package_call_checks_its_inputs_and_the_capacity(fp32_package):
         with pytest.raises(ValueError, match=message):
             call()
     assert int(cache.get_seq_length()) == held  # nothing ran
-    with pytest.raises(ValueError, match=f"need {cache.max_cache_len + 1} cache slots"):
-        step.generate(ids, NEW_TOKENS + 2, attention_mask=mask)  # the last new token is not fed back
+    with pytest.raises(ValueError, match=f"needs {cache.max_cache_len + 1} cache slots"):
+        generate(model, ids, mask, cache, new_tokens=NEW_TOKENS + 2)  # the last new token is not fed back
+    assert int(cache.get_seq_length()) == 0  # refused before the prefill (the helper had reset the cache)
     cache.cumulative_length.fill_(cache.max_cache_len)  # as if full
     with pytest.raises(ValueError, match=f"capacity exceeded: {cache.max_cache_len} cached"):
         step(token)

@@ -299,6 +299,9 @@ def test_graph_mode_bench_refuses_a_batch_below_one(capsys):
     assert "--batch takes a number of sequences >= 1, got 0" in capsys.readouterr().err
 
 
+ROUTES = ("eager_paged", "compiled_static", "aot_package")
+
+
 @pytest.mark.slow
 def test_graph_mode_bench_quick_run(tmp_path):
     """scripts/bench_graph_mode.py --quick (small model, context 128) with two sequences: eager and compiled whole
@@ -329,6 +332,10 @@ def test_graph_mode_bench_quick_run(tmp_path):
     assert row["aot_max_abs_logit_diff"] < 0.05
     assert row["aot_speedup_min"] <= row["aot_speedup_median"] <= row["aot_speedup_max"]
     assert "AOT package ms" in result.stdout
+    # Whole generate() calls from the filled caches: eager paged, generate()'s compiled step, the package.
+    generate = row["generate_ms_per_token"]
+    assert all(len(generate["times_ms"][name]) == generate["repeats"] > 0 for name in ROUTES)
+    assert all(generate[name] > 0 for name in ROUTES) and "model.generate (128 cached" in result.stdout
     # Cold: this process's first compile in an empty inductor cache; warm: a fresh process that finds all of it there.
     cold, warm = report["compile"]["cold"], report["compile"]["warm"]
     assert cold["compile_s"] == row["first_compiled_call_s"] > 0 and warm["compile_s"] > 0

@@ -151,6 +151,12 @@ def test_static_cache_refusals():
         greedy(model, ids, None, 4, cache_implementation="static", prompt_lookup_num_tokens=3)
     with pytest.raises(ValueError, match="beam search"):
         greedy(model, ids, None, 4, cache_implementation="static", num_beams=2)
+    # A static cache passed to generate() too small for the prompt and the new tokens: refused before the prefill.
+    small = KDSAStaticCache(model.config, max_cache_len=12)
+    with pytest.raises(ValueError, match="needs 13 cache slots .* max_cache_len=12"):
+        greedy(model, ids, mask, 4, cache=small)
+    assert int(small.get_seq_length()) == 0
+    assert greedy(model, ids, mask, 3, cache=small).shape == (2, 13)  # 12 slots: the last token is not fed back
 
 
 # ----------------------------------------------------------------------------------------------- fixed-shape kernels

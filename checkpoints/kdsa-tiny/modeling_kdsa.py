@@ -688,7 +688,14 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         `cache_implementation="static"` builds a `KDSAStaticCache` (fixed capacity, compileable: generate then
         compiles the decode step with `generation_config.compile_config`; docs/graph-mode.md §2) of capacity
         `max(max_length, generation_config.max_cache_len, the previous static capacity)`, the last term so that
-        repeated calls keep one compiled graph, as transformers' static caches do."""
+        repeated calls keep one compiled graph, as transformers' static caches do. A `KDSAStaticCache` passed in
+        (`cache=`) must hold the prompt and the new tokens: checked here, before the prefill."""
+        given = model_kwargs.get("cache")
+        if isinstance(given, KDSAStaticCache) and max_cache_length > given.max_cache_len:
+            raise ValueError(
+                f"generate() needs {max_cache_length} cache slots (prompt + max_new_tokens - 1); the KDSAStaticCache "
+                f"passed has max_cache_len={given.max_cache_len}"
+            )
         if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
             implementation = generation_config.cache_implementation
             crops = generation_mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant
@@ -718,6 +725,14 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
         )
+
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        """transformers' criteria for compiling the decode step, except over a static cache that carries a
+        decode-step package (modeling_kdsa.aot): its steps are already compiled, and a compiled forward would trace
+        the model's own step instead (docs/graph-mode.md §14)."""
+        if getattr(model_kwargs.get("cache"), "decode_step", None) is not None:
+            return False
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
     def init_continuous_batching(self, *args, **kwargs):
         """transformers' continuous batching (`generate_batch`, `ContinuousBatchingManager`, `transformers serve
@@ -762,6 +777,21 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
                 )
         return super()._prepare_position_ids_for_generation(inputs_tensor, model_kwargs)
 
+    @staticmethod
+    def _runs_decode_step(cache, input_ids, labels, output_hidden_states, output_router_logits) -> bool:
+        """Whether this forward is a plain one-token step over a static cache that carries a decode-step package:
+        logits only, no loss or extra outputs, not inside a compiled graph (generate()'s own compiled step)."""
+        return (
+            isinstance(cache, KDSAStaticCache)
+            and cache.decode_step is not None
+            and input_ids is not None
+            and input_ids.shape[1] == 1
+            and labels is None
+            and not output_hidden_states
+            and not output_router_logits
+            and not torch.compiler.is_compiling()
+        )
+
     @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -792,6 +822,11 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         output_router_logits = (
             self.config.output_router_logits if output_router_logits is None else output_router_logits
         )
+        if self._runs_decode_step(cache, input_ids, labels, output_hidden_states, output_router_logits):
+            # A decode-step package bound to this static cache (modeling_kdsa.aot; docs/graph-mode.md §14).
+            mask = self.model._static_padding_mask(attention_mask, input_ids.shape[0], cache.capacity)
+            logits = cache.decode_step(input_ids, mask, position_ids, model=self)
+            return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

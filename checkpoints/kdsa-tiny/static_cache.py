@@ -353,6 +353,9 @@ class KDSAStaticCache(KDSACache):
     Refuses `crop` (speculative decoding), `reorder_cache` (beam search) and a 2-D padding mask wider than the
     capacity, each with a ValueError. A forward that would exceed the capacity raises before anything is written
     (checked eagerly; a compiled step trusts generate's sizing).
+
+    `decode_step`: None, or a decode-step package bound to this cache (`modeling_kdsa.aot.load_decode_step` sets it):
+    the model's eager forward then runs each one-token step through it (docs/graph-mode.md §14).
     """
 
     def __init__(self, config, max_cache_len: int, page_size: int = PAGE_SIZE):
@@ -375,6 +378,7 @@ class KDSAStaticCache(KDSACache):
         self.rollback_tokens = 0
         self.cumulative_length = torch.zeros((), dtype=torch.long)
         _mark_static(self.cumulative_length)
+        self.decode_step = None
 
     @property
     def capacity(self) -> int:
