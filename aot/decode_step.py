@@ -34,6 +34,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from modeling_kdsa import (
+    cpu_expert_linear,
+    cpu_fp8_dequantize,
+    cpu_head_products,
+    cpu_indexer,
+    cpu_kda_recurrent,
+    cpu_row_linear,
+    cpu_sparse_mla,
+)
 from modeling_kdsa.cache import _map_planes, _planes
 from modeling_kdsa.cpu_extension import kernels_in_export
 from modeling_kdsa.static_cache import KDSAStaticCache, StaticKDALayer
@@ -43,6 +52,21 @@ from modeling_kdsa.static_cache import KDSAStaticCache, StaticKDALayer
 # The cache's buffers change every step, so that folding is off (docs/graph-mode.md §14).
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False, "joint_graph_constant_folding": False}
 _METADATA_KEY = "kdsa_decode_step"
+
+# The module whose `kernel_available()` builds (or finds on disk) and registers the CPU kernel of each `kdsa::` op.
+# The package calls them through the dispatcher, and a process registers a kernel only when it first needs it: a
+# process that loads a package registers the package's kernels first.
+KERNEL_MODULES = {
+    "row_linear": cpu_row_linear,
+    "fp8_row_linear": cpu_fp8_dequantize,
+    "dequantize_fp8_tiles": cpu_fp8_dequantize,
+    "head_linear": cpu_head_products,
+    "head_matmul": cpu_head_products,
+    "expert_linear": cpu_expert_linear,
+    "indexer_topk_decode": cpu_indexer,
+    "kda_recurrent": cpu_kda_recurrent,
+    "sparse_mla_decode": cpu_sparse_mla,
+}
 
 
 def _cache_slots(cache: KDSAStaticCache) -> list[tuple[object, object]]:
@@ -171,6 +195,27 @@ def _manifest(model, cache: KDSAStaticCache) -> dict:
     }
 
 
+def kernel_ops(program: torch.export.ExportedProgram) -> list[str]:
+    """The `kdsa::` ops an exported step calls, by name (e.g. "row_linear")."""
+    targets = {node.target for module in program.graph_module.modules() if isinstance(module, torch.fx.GraphModule)
+               for node in module.graph.nodes if node.op == "call_function"}  # fmt: skip
+    return sorted(t._opname for t in targets if isinstance(t, torch._ops.OpOverload) and t.namespace == "kdsa")
+
+
+def register_kernels(ops: list[str]) -> None:
+    """Build (or find) and register the CPU kernels of `ops` in this process (`KERNEL_MODULES`); a ValueError names
+    one that cannot be registered here."""
+    for op in ops:
+        module = KERNEL_MODULES.get(op)
+        if module is None:
+            raise ValueError(f"the package calls kdsa::{op}, an op this version of modeling_kdsa does not define")
+        if not module.kernel_available():
+            raise ValueError(
+                f"the package calls kdsa::{op}, whose CPU kernel cannot be built or loaded in this process (see the "
+                "warning above): load the package where the kernels build, or decode without it"
+            )
+
+
 def _check_compilable(cache: KDSAStaticCache) -> None:
     """What AOTInductor cannot compile, refused before the minute a compile takes."""
     planes = [plane for container, key in _cache_slots(cache) for plane in _planes(_get(container, key))]
@@ -187,7 +232,8 @@ def compile_decode_step(model, cache: KDSAStaticCache, package_path: str | Path)
     `package_path` (a `.pt2` file; weights and cache not included). Returns the package's path."""
     _check_compilable(cache)
     program = export_decode_step(model, cache)
-    configs = {**INDUCTOR_CONFIGS, "aot_inductor.metadata": {_METADATA_KEY: json.dumps(_manifest(model, cache))}}
+    manifest = {**_manifest(model, cache), "kernels": kernel_ops(program)}
+    configs = {**INDUCTOR_CONFIGS, "aot_inductor.metadata": {_METADATA_KEY: json.dumps(manifest)}}
     return torch._inductor.aoti_compile_and_package(program, package_path=str(package_path), inductor_configs=configs)
 
 
@@ -245,8 +291,8 @@ class DecodeStep:
 
 def load_decode_step(package_path: str | Path, model, cache: KDSAStaticCache) -> DecodeStep:
     """Load a package from `compile_decode_step` and bind it to `model`'s weights and `cache`'s tensors (used in
-    place). The package must come from the same configuration, batch size and capacity: checked against the manifest
-    it carries, with a ValueError naming the first difference."""
+    place), registering the C++ kernels it calls. The package must come from the same configuration, batch size and
+    capacity: checked against the manifest it carries, with a ValueError naming the first difference."""
     _check_initialized(cache)
     runner = torch._inductor.aoti_load_package(str(package_path))
     metadata = runner.get_metadata()
@@ -264,6 +310,7 @@ def load_decode_step(package_path: str | Path, model, cache: KDSAStaticCache) ->
             f"sets ({actual['threads']}): inductor fixes each kernel's thread count at compile time",
             stacklevel=2,
         )
+    register_kernels(expected["kernels"])
     constants = _constants(model, cache)
     for name in runner.get_constant_fqns():
         if name not in constants or actual["constants"][name] != expected["constants"][name]:

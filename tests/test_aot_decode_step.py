@@ -2,12 +2,16 @@
 `KDSAStaticCache` whose tensors it updates in place, it decodes exactly eager's tokens; it carries the C++ kernels as
 `kdsa::` ops; loading checks that the package fits the model and cache, and each call checks its inputs."""
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import cpu_compile_config, needs_kernel_build, tiny_model
 from modeling_kdsa.aot import DecodeStepModule, compile_decode_step, export_decode_step, load_decode_step
+from modeling_kdsa.aot import decode_step as aot_decode_step
 from modeling_kdsa.quantization import KDSAQuantizationConfig
 
 from modeling_kdsa import cpu_extension
@@ -167,6 +171,46 @@ def test_forwards_the_package_does_not_serve_run_eagerly(fp32_package):
     export_decode_step(model, cache)
     assert calls[0] == 0 and cache.decode_step is step
     cache.reset()
+
+
+FRESH_PROCESS = """
+import json, sys
+import torch
+sys.path.insert(0, {tests!r})
+from test_aot_decode_step import allocated_cache, generate, prompt, quantized_model
+from modeling_kdsa.aot import load_decode_step
+torch.set_num_threads({threads})
+model = quantized_model()
+model.generation_config.eos_token_id = None
+ids, mask = prompt(batch=2)
+cache = allocated_cache(model, 2, {capacity})
+load_decode_step({path!r}, model, cache)
+print(json.dumps(generate(model, ids, mask, cache, new_tokens=8).tolist()))
+"""
+
+
+@pytest.mark.slow
+def test_a_new_process_only_loads_the_package(fp32_package):
+    """What a later run of a user's program does: build the model, load the package, generate. That process has not
+    used every kernel the package calls (a first run used the KDA recurrence kernel while the package registered
+    none of it: "Could not run 'kdsa::kda_recurrent' with arguments from the 'CPU' backend"); loading registers them."""
+    model, cache, path = fp32_package
+    ids, mask = prompt(batch=2)
+    expected = generate(model, ids, mask, new_tokens=8)
+    script = FRESH_PROCESS.format(
+        tests=str(Path(__file__).parent), threads=torch.get_num_threads(), capacity=cache.max_cache_len, path=str(path)
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == expected.tolist()
+
+
+def test_kernels_a_package_calls_are_registered_or_refused(monkeypatch):
+    with pytest.raises(ValueError, match="kdsa::no_such_op, an op this version of modeling_kdsa does not define"):
+        aot_decode_step.register_kernels(["no_such_op"])
+    monkeypatch.setattr(aot_decode_step.cpu_kda_recurrent, "kernel_available", lambda: False)
+    with pytest.raises(ValueError, match="kdsa::kda_recurrent, whose CPU kernel cannot be built or loaded"):
+        aot_decode_step.register_kernels(["kda_recurrent"])
 
 
 @pytest.mark.slow
