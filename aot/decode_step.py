@@ -310,7 +310,7 @@ def load_decode_step(package_path: str | Path, model, cache: KDSAStaticCache) ->
             f"sets ({actual['threads']}): inductor fixes each kernel's thread count at compile time",
             stacklevel=2,
         )
-    register_kernels(expected.get("kernels", sorted(KERNEL_MODULES)))  # no list: compiled before the manifest had one
+    register_kernels(expected["kernels"])
     constants = _constants(model, cache)
     for name in runner.get_constant_fqns():
         if name not in constants or actual["constants"][name] != expected["constants"][name]:

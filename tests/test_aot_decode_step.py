@@ -206,6 +206,10 @@ def test_a_new_process_only_loads_the_package(fp32_package):
 
 
 def test_kernels_a_package_calls_are_registered_or_refused(monkeypatch):
+    """Every `kdsa::` op this package defines has the kernel module that registers it (a package calling an op missing
+    from `KERNEL_MODULES` could not be loaded); an unknown op, or one whose kernel does not build, is refused."""
+    defined = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("kdsa::")}
+    assert defined == set(aot_decode_step.KERNEL_MODULES)
     with pytest.raises(ValueError, match="kdsa::no_such_op, an op this version of modeling_kdsa does not define"):
         aot_decode_step.register_kernels(["no_such_op"])
     monkeypatch.setattr(aot_decode_step.cpu_kda_recurrent, "kernel_available", lambda: False)

@@ -696,7 +696,7 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
                 f"generate() needs {max_cache_length} cache slots (prompt + max_new_tokens - 1); the KDSAStaticCache "
                 f"passed has max_cache_len={given.max_cache_len}"
             )
-        if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
+        if given is None and generation_config.use_cache is not False:
             implementation = generation_config.cache_implementation
             crops = generation_mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant
             if implementation == "static":
