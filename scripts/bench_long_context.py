@@ -26,7 +26,9 @@ the batches run, whether the 10 % criterion was met and the spread of the pair-b
      smallest and largest context the whole decode step eager (paged and static cache) vs compiled by generate()'s
      own compile call (also timed with dynamo's guard evaluation skipped, measured only), with an operator profile
      (top operators, aten calls per step) of each (scripts/bench_graph_mode.py) and the compiled step's fraction of the
-     bandwidth limit; --quick sizes both contexts' static caches alike, so the step compiles once.
+     bandwidth limit; the same for the decode step compiled ahead of time (`modeling_kdsa.aot`, one AOTInductor
+     package per static-cache capacity, timed through the model's forward as generate() calls it; `--skip-aot`
+     leaves it out); --quick sizes both contexts' static caches alike, so the step compiles once.
 
 Long caches are not filled by prefill (a 64k eager prefill would allocate [H, T, T]): caches are filled directly with
 random tensors of the right shapes and dtypes through each cache's update API, then decode is timed. A pair is
@@ -748,11 +750,16 @@ def time_graph_mode(model, config: KDSAConfig, contexts: list[int], warmup: int,
     return dict(decode=rows, compile=sibling_script("bench_dsa_kernels").compile_times(quick))
 
 
-def whole_step_figures(model, config: KDSAConfig, context: int, repeats: int, capacity: int | None = None) -> dict:
+def whole_step_figures(
+    model, config: KDSAConfig, context: int, repeats: int, capacity: int | None = None, aot_dir: Path | None = None
+) -> dict:
     """The whole decode step eager (paged `KDSACache`, and `KDSAStaticCache`) vs compiled by generate()'s own compile
     call on the static cache, interleaved per repeat, with an operator profile of each (scripts/bench_graph_mode.py,
-    docs/graph-mode.md §6). `capacity`: the static caches' size (default: sized to `context`)."""
-    return sibling_script("bench_graph_mode").measure_context(model, config, context, repeats, capacity=capacity)
+    docs/graph-mode.md §6). `capacity`: the static caches' size (default: sized to `context`). `aot_dir`: where the
+    AOTInductor packages of the step go (one per capacity, docs/graph-mode.md §14); None: no package."""
+    return sibling_script("bench_graph_mode").measure_context(
+        model, config, context, repeats, capacity=capacity, aot_dir=aot_dir
+    )
 
 
 @functools.cache
@@ -1175,6 +1182,22 @@ def print_report(report: dict) -> None:
           f"{fmt_ms(whole['compiled_unguarded_s'])} ({whole['unguarded_speedup_median']:.2f}x)"]
          for whole in report["whole_step"]],
     )  # fmt: skip
+    packaged = [whole for whole in report["whole_step"] if "aot_package_s" in whole]
+    if packaged:
+        print_table(
+            "5c. The decode step ahead of time (AOTInductor package, modeling_kdsa.aot) through the model's forward, "
+            "interleaved with 5b's steps; whole generate() calls per token",
+            ["context", "package", "eager static / package (median, min..max)", "package of limit", "compile",
+             "generate(): eager paged / package ms per token"],
+            [[fmt_ctx(whole["context"]), fmt_ms(whole["aot_package_s"]),
+              f"{whole['aot_speedup_median']:.2f}x, {whole['aot_speedup_min']:.2f}..{whole['aot_speedup_max']:.2f}",
+              f"{whole['aot_limit']['fraction_achieved']:.1%}",
+              "cached" if whole["aot_compile_s"] is None else f"{whole['aot_compile_s']:.1f} s",
+              f"{whole['generate_ms_per_token']['eager_paged']:.2f} / "
+              f"{whole['generate_ms_per_token']['aot_package']:.2f} "
+              f"({whole['generate_ms_per_token']['aot_package_speedup']:.2f}x)"]
+             for whole in packaged],
+        )  # fmt: skip
     for whole in report["whole_step"]:
         for name, profile in whole["op_profile"].items():
             top = ", ".join(f"{op['name']} {op['self_ms_per_step']:.2f} ms x{op['calls_per_step']:.0f}"
@@ -1248,6 +1271,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench_long_context.json"))
     parser.add_argument(
         "--dsa-layer-only", action="store_true", help="only the bandwidth and section 1 (one DSA layer's decode step)"
+    )
+    parser.add_argument(
+        "--skip-aot", action="store_true", help="section 5: no AOTInductor package step (saves its compile)"
     )
     parser.add_argument(
         "--quick", action="store_true", help="smoke test: narrow models (kdsa_config), contexts 256 and 512, 2 repeats"
@@ -1522,14 +1548,20 @@ def run_all(args, report: dict) -> None:
     # reads its cache's whole capacity, so a 64k-sized cache would slow the 4k step.
     graph_bench = sibling_script("bench_graph_mode")
     shared_capacity = graph_bench.static_capacity(max(contexts), args.whole_step_repeats) if args.quick else None
-    for context in sorted({contexts[0], contexts[-1]}):
-        figures = whole_step_figures(models["KDSA"], config, context, args.whole_step_repeats, shared_capacity)
-        eager = next(entry for entry in report["model_decode"] if entry["context"] == context)["models"]["KDSA"]
-        figures["bytes_needed"] = eager["bytes_needed"]
-        figures["compiled_limit"] = physical_limit(
-            eager["bytes_needed"]["total_bytes"], figures["compiled_static_s"], bandwidth
-        )
-        report["whole_step"].append(figures)
+    with tempfile.TemporaryDirectory(prefix="bench-aot-") as aot_dir:
+        for context in sorted({contexts[0], contexts[-1]}):
+            figures = whole_step_figures(
+                models["KDSA"], config, context, args.whole_step_repeats, shared_capacity,
+                None if args.skip_aot else Path(aot_dir),
+            )  # fmt: skip
+            eager = next(entry for entry in report["model_decode"] if entry["context"] == context)["models"]["KDSA"]
+            figures["bytes_needed"] = eager["bytes_needed"]
+            for route, seconds in (("compiled", "compiled_static_s"), ("aot", "aot_package_s")):
+                if seconds in figures:
+                    figures[f"{route}_limit"] = physical_limit(
+                        eager["bytes_needed"]["total_bytes"], figures[seconds], bandwidth
+                    )
+            report["whole_step"].append(figures)
     report["dsa_layer_prefill_memory"] = dsa_layer_prefill_memory(config, args.layer_prefill_context)
     report["memory_method"] = _memory_method_text()
 

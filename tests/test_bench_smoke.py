@@ -99,6 +99,13 @@ def test_quick_run_writes_every_section(tmp_path):
         assert whole["bytes_needed"] == decode["models"]["KDSA"]["bytes_needed"]
         limit = whole["compiled_limit"]
         assert limit["fraction_achieved"] == pytest.approx(limit["limit_s"] / whole["compiled_static_s"])
+        # The AOTInductor package's step, through the same bytes; its logits near the eager step's.
+        assert whole["aot_package_s"] > 0 and whole["aot_max_abs_logit_diff"] < 0.05
+        assert whole["aot_limit"]["limit_s"] == limit["limit_s"]
+        assert whole["aot_limit"]["fraction_achieved"] == pytest.approx(limit["limit_s"] / whole["aot_package_s"])
+        assert whole["generate_ms_per_token"]["aot_package"] > 0
+    # One capacity for both contexts: one package, compiled at the first and reused at the second.
+    assert [whole["aot_compile_s"] is not None for whole in report["whole_step"]] == [True, False]
     for name in MODELS:
         result = report["prefill"]["models"][name]
         assert result.get("skipped") or result["median_s"] > 0, name

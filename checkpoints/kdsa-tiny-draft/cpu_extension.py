@@ -248,6 +248,8 @@ def load_build(name: str, op: str, source: str, avx2_source: str | None = None) 
     `source` with AVX512_FLAGS, or `avx2_source` with AVX2_FLAGS (None: no AVX2 build); False where
     neither runs."""
     isa = kernel_isa()
+    if (isa == "avx512_bf16" or (isa == "avx2" and avx2_source is not None)) and has_cpu_kernel(op):
+        return True  # loaded already: every linear layer asks once per forward, so skip the environment and cache
     if isa == "avx512_bf16":
         return load(name, source, op, compiler())
     return isa == "avx2" and avx2_source is not None and load(f"{name}_avx2", avx2_source, op, compiler(), AVX2_FLAGS)
