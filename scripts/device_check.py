@@ -19,7 +19,9 @@ bf16, batch 2 with a left-padded sequence, pages in shuffled order:
   6. once per run, graph mode: generate()'s compiled decode step on the static cache against eager greedy tokens
      (fp32); on CUDA under CUDA graphs (`mode="reduce-overhead"`), which inductor must not have skipped
      (`--skip-graph-mode` leaves it out).
-Prints a table, writes JSON (default runs/device_check.json) and exits 1 when a check misses its bound.
+Prints a table, writes JSON (default runs/device_check.json) and exits 1 when a check misses its bound. A check that
+raises is recorded as a failed row with its error and the run goes on to the next one; the JSON is rewritten after
+every check, so a run cut short (a device lease's time limit) still leaves what it measured.
 """
 
 import argparse
@@ -29,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -350,6 +353,28 @@ def check_kda(backend: str, device: str) -> list[dict]:
     return rows
 
 
+def guarded(section: str, backend: str, check, *args, **kwargs) -> list[dict]:
+    """`check(*args, **kwargs)`'s rows; if it raises, one failed row naming the section, backend and error instead
+    (traceback on stderr), so that the other checks still run and report: device time is scarce, and one broken
+    kernel must not hide the others' results."""
+    try:
+        return check(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001  (any failure of a check is a result to report)
+        traceback.print_exc()
+        message = f"{type(error).__name__}: {error}"[:2000]
+        return [{"backend": backend, "section": section, "error": message, "ok": False}]
+
+
+def failed(rows: list[dict]) -> list[dict]:
+    """The rows that record a check that raised (`guarded`)."""
+    return [row for row in rows if "error" in row]
+
+
+def completed(rows: list[dict]) -> list[dict]:
+    """The rows of checks that ran to the end (not `failed`)."""
+    return [row for row in rows if "error" not in row]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", choices=["auto", "npu", "cuda", "cpu"])
@@ -369,48 +394,56 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (2 if args.dry_run else 10)
     timing_dims = dict(heads=4, index_heads=8, topk=64) if args.dry_run else dict(heads=16, index_heads=64, topk=2048)
 
-    report = {"device": device, "dry_run": args.dry_run, "kernels": [], "kpool": [], "generate": []}
-    report["decode_timing"] = []
-    report["kda"] = []
+    sections = ("kernels", "kpool", "generate", "decode_timing", "kda", "graph_mode")
+    report = {"device": device, "dry_run": args.dry_run, **{section: [] for section in sections}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def run(section: str, backend: str, check, *check_args, **check_kwargs) -> None:
+        report[section] += guarded(section, backend, check, *check_args, **check_kwargs)
+        args.out.write_text(json.dumps(report, indent=2))  # after every check: a cut-short run keeps what it measured
+
+    new_tokens = 4 if args.dry_run else 8
     for backend in backends:
-        report["kda"] += check_kda(backend, device)
-        report["kernels"] += check_kernels(backend, device, cases, index_topk=64)
-        report["kpool"] += check_kpool(backend, device)
-        report["generate"].append(check_generate(backend, device, new_tokens=4 if args.dry_run else 8))
-        report["decode_timing"] += time_decode(backend, device, contexts, repeats, **timing_dims)
-    report["graph_mode"] = [] if args.skip_graph_mode else [check_graph_mode(device, 8 if args.dry_run else 32)]
+        run("kda", backend, check_kda, backend, device)
+        run("kernels", backend, check_kernels, backend, device, cases, index_topk=64)
+        run("kpool", backend, check_kpool, backend, device)
+        run("generate", backend, lambda backend=backend: [check_generate(backend, device, new_tokens)])
+        run("decode_timing", backend, time_decode, backend, device, contexts, repeats, **timing_dims)
+    if not args.skip_graph_mode:
+        run("graph_mode", "auto", lambda: [check_graph_mode(device, 8 if args.dry_run else 32)])
 
     print(f"device: {device}{' (dry run)' if args.dry_run else ''}")
     print(f"{'backend':8} {'case':22} {'recall':>7} {'sparse err':>11} {'dense err':>10}  ok")
-    for row in report["kernels"]:
+    for row in completed(report["kernels"]):
         print(
             f"{row['backend']:8} {row['case']:22} {row['indexer_recall']:7.4f} {row['sparse_rel_error']:11.2e} "
             f"{row['dense_rel_error']:10.2e}  {'yes' if row['ok'] else 'NO'}"
         )
-    for row in report["kpool"]:
+    for row in completed(report["kpool"]):
         print(f"{row['backend']:8} {row['case']:30} recall {row['indexer_recall']:.4f}  {'yes' if row['ok'] else 'NO'}")
-    for row in report["generate"]:
+    for row in completed(report["generate"]):
         print(
             f"generate {row['backend']}: == torch on {device}: {row['equal_to_torch_on_device']}, "
             f"== cpu backend on cpu: {row['equal_to_cpu_backend']}"
         )
     print(f"{'backend':8} {'context':>8} {'decode step ms':>15}")
-    for row in report["decode_timing"]:
+    for row in completed(report["decode_timing"]):
         print(f"{row['backend']:8} {row['context']:8d} {row['decode_step_ms']:15.3f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
-    for row in report["kda"]:
+    for row in completed(report["kda"]):
         verdict = "yes" if row["ok"] else "NO"
         print(f"{row['backend']:8} {row['kernel']:18} rel error vs kda_ops {row['rel_error']:.2e}  {verdict}")
-    for row in report["graph_mode"]:
+    for row in completed(report["graph_mode"]):
         print(
             f"graph mode ({row['mode']}): {row['new_tokens']} tokens == eager: {row['equal_to_eager']}, "
             f"{row['graphs_compiled']} graph(s), CUDA graph skips {row['cudagraph_skips']}, "
             f"{row['compile_and_generate_s']:.1f} s  {'yes' if row['ok'] else 'NO'}"
         )
     checks = report["kernels"] + report["kpool"] + report["generate"] + report["kda"] + report["graph_mode"]
-    passed = all(row["ok"] for row in checks)
+    errors = failed(checks + report["decode_timing"])
+    for row in errors:
+        print(f"ERROR in {row['section']} ({row['backend']}): {row['error']}")
+    passed = all(row["ok"] for row in checks) and not errors
     print("PASS" if passed else "FAIL")
     return 0 if passed else 1
 

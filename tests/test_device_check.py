@@ -50,3 +50,43 @@ def test_graph_mode_verdict():
     assert passed(True, "default", 0) and passed(True, "reduce-overhead", 0)
     assert not passed(False, "default", 0) and not passed(False, "reduce-overhead", 0)
     assert not passed(True, "reduce-overhead", 1)
+
+
+@pytest.mark.parametrize(("check", "section"), [("check_kpool", "kpool"), ("time_decode", "decode_timing")])
+def test_a_check_that_raises_is_a_failed_row_and_the_run_goes_on(check, section, tmp_path, monkeypatch, capsys):
+    """One check raising (a broken kernel on the device) gives a failed row with its error and exit status 1 (also
+    for the timing section, which has no bound of its own), and every other check still runs and reports."""
+    script = load_script()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(script, check, broken)
+    out = tmp_path / "device_check.json"
+    assert script.main(["--dry-run", "--backends", "torch", "--skip-graph-mode", "--out", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert report[section] == [
+        {"backend": "torch", "section": section, "error": "RuntimeError: kernel exploded", "ok": False}
+    ]
+    others = [row for name in ("kernels", "kpool", "generate", "kda") if name != section for row in report[name]]
+    assert report["kernels"] and all(row["ok"] for row in others)
+    printed = capsys.readouterr().out
+    assert f"ERROR in {section} (torch): RuntimeError: kernel exploded" in printed
+    assert printed.rstrip().endswith("FAIL")
+
+
+def test_a_run_cut_short_keeps_what_it_measured(tmp_path, monkeypatch):
+    """The JSON is written after every check: a run stopped midway (here the timing section interrupted, as a device
+    lease's time limit would) leaves the checks before it on disk."""
+    script = load_script()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(script, "time_decode", interrupted)
+    out = tmp_path / "device_check.json"
+    with pytest.raises(KeyboardInterrupt):
+        script.main(["--dry-run", "--backends", "torch", "--skip-graph-mode", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["kernels"] and report["kpool"] and report["generate"][0]["ok"]
+    assert report["decode_timing"] == []
