@@ -762,6 +762,41 @@ def whole_step_figures(
     )
 
 
+def whole_step_section(model, config: KDSAConfig, args, model_decode: list[dict], bandwidth: float) -> list[dict]:
+    """Sections 5b and 5c: `whole_step_figures` at the smallest context (issue 14's ratio) and the largest, each
+    route's fraction of the bandwidth limit against the same bytes per step as section 2's eager KDSA decode at that
+    context (`model_decode`); the AOTInductor package unless `args.skip_aot`. --quick: one static-cache capacity for
+    both contexts, so the step compiles once and one package serves both (a second capacity recompiles the step: ~40
+    s of the smoke test on a slow machine). The full run sizes each cache to its context: a dense MLA layer reads its
+    cache's whole capacity, so a 64k-sized cache would slow the 4k step."""
+    contexts = args.contexts
+    shared_capacity = (
+        sibling_script("bench_graph_mode").static_capacity(max(contexts), args.whole_step_repeats)
+        if args.quick
+        else None
+    )
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-aot-") as aot_dir:
+        for context in sorted({contexts[0], contexts[-1]}):
+            figures = whole_step_figures(
+                model, config, context, args.whole_step_repeats, shared_capacity,
+                None if args.skip_aot else Path(aot_dir),
+            )  # fmt: skip
+            eager = next(entry for entry in model_decode if entry["context"] == context)["models"]["KDSA"]
+            figures["bytes_needed"] = eager["bytes_needed"]
+            rows.append(add_limits(figures, eager["bytes_needed"]["total_bytes"], bandwidth))
+    return rows
+
+
+def add_limits(figures: dict, total_bytes: float, bandwidth: float) -> dict:
+    """`figures` (`whole_step_figures`) with each timed route's fraction of the bandwidth limit for a step that must
+    read `total_bytes`: `compiled_limit`, and `aot_limit` where the package ran."""
+    for route, seconds in (("compiled", "compiled_static_s"), ("aot", "aot_package_s")):
+        if seconds in figures:
+            figures[f"{route}_limit"] = physical_limit(total_bytes, figures[seconds], bandwidth)
+    return figures
+
+
 @functools.cache
 def sibling_script(name: str):
     """scripts/`name`.py as a module, loaded once per process."""
@@ -982,6 +1017,44 @@ def print_table(title: str, headers: list[str], rows: list[list]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
 
 
+def print_whole_step(whole_steps: list[dict]) -> None:
+    """Sections 5b and 5c (`whole_step_section`) and the op profiles of their steps."""
+    print_table(
+        "5b. Whole decode step: eager (paged / static cache) vs compiled by generate()'s compile call (static cache), "
+        "interleaved; the compiled step's fraction of the bandwidth limit",
+        ["context", "eager paged", "eager static", "compiled", "eager static / compiled (median, min..max)",
+         "compiled of limit", "graphs", "compiled, no guard eval (measured only)"],
+        [[fmt_ctx(whole["context"]), fmt_ms(whole["eager_paged_s"]), fmt_ms(whole["eager_static_s"]),
+          fmt_ms(whole["compiled_static_s"]),
+          f"{whole['speedup_median']:.2f}x, {whole['speedup_min']:.2f}..{whole['speedup_max']:.2f}",
+          f"{whole['compiled_limit']['fraction_achieved']:.1%}", str(whole["graphs_compiled"]),
+          f"{fmt_ms(whole['compiled_unguarded_s'])} ({whole['unguarded_speedup_median']:.2f}x)"]
+         for whole in whole_steps],
+    )  # fmt: skip
+    packaged = [whole for whole in whole_steps if "aot_package_s" in whole]
+    if packaged:
+        print_table(
+            "5c. The decode step ahead of time (AOTInductor package, modeling_kdsa.aot) through the model's forward, "
+            "interleaved with 5b's steps; whole generate() calls per token",
+            ["context", "package", "eager static / package (median, min..max)", "package of limit", "compile",
+             "generate(): eager paged / package ms per token"],
+            [[fmt_ctx(whole["context"]), fmt_ms(whole["aot_package_s"]),
+              f"{whole['aot_speedup_median']:.2f}x, {whole['aot_speedup_min']:.2f}..{whole['aot_speedup_max']:.2f}",
+              f"{whole['aot_limit']['fraction_achieved']:.1%}",
+              "cached" if whole["aot_compile_s"] is None else f"{whole['aot_compile_s']:.1f} s",
+              f"{whole['generate_ms_per_token']['eager_paged']:.2f} / "
+              f"{whole['generate_ms_per_token']['aot_package']:.2f} "
+              f"({whole['generate_ms_per_token']['aot_package_speedup']:.2f}x)"]
+             for whole in packaged],
+        )  # fmt: skip
+    for whole in whole_steps:
+        for name, profile in whole["op_profile"].items():
+            top = ", ".join(f"{op['name']} {op['self_ms_per_step']:.2f} ms x{op['calls_per_step']:.0f}"
+                            for op in profile["top"][:5])  # fmt: skip
+            print(f"   {fmt_ctx(whole['context'])} {name}: {profile['aten_calls_per_step']:.0f} aten calls/step, "
+                  f"{profile['total_ms_per_step']:.2f} ms profiled; top: {top}")  # fmt: skip
+
+
 def print_report(report: dict) -> None:
     env, bw = report["environment"], report["bandwidth"]
     print(
@@ -1170,40 +1243,7 @@ def print_report(report: dict) -> None:
              f"{warm['fx_graph_cache_hits']}/{warm['fx_graph_cache_misses']}"],
         ],
     )  # fmt: skip
-    print_table(
-        "5b. Whole decode step: eager (paged / static cache) vs compiled by generate()'s compile call (static cache), "
-        "interleaved; the compiled step's fraction of the bandwidth limit",
-        ["context", "eager paged", "eager static", "compiled", "eager static / compiled (median, min..max)",
-         "compiled of limit", "graphs", "compiled, no guard eval (measured only)"],
-        [[fmt_ctx(whole["context"]), fmt_ms(whole["eager_paged_s"]), fmt_ms(whole["eager_static_s"]),
-          fmt_ms(whole["compiled_static_s"]),
-          f"{whole['speedup_median']:.2f}x, {whole['speedup_min']:.2f}..{whole['speedup_max']:.2f}",
-          f"{whole['compiled_limit']['fraction_achieved']:.1%}", str(whole["graphs_compiled"]),
-          f"{fmt_ms(whole['compiled_unguarded_s'])} ({whole['unguarded_speedup_median']:.2f}x)"]
-         for whole in report["whole_step"]],
-    )  # fmt: skip
-    packaged = [whole for whole in report["whole_step"] if "aot_package_s" in whole]
-    if packaged:
-        print_table(
-            "5c. The decode step ahead of time (AOTInductor package, modeling_kdsa.aot) through the model's forward, "
-            "interleaved with 5b's steps; whole generate() calls per token",
-            ["context", "package", "eager static / package (median, min..max)", "package of limit", "compile",
-             "generate(): eager paged / package ms per token"],
-            [[fmt_ctx(whole["context"]), fmt_ms(whole["aot_package_s"]),
-              f"{whole['aot_speedup_median']:.2f}x, {whole['aot_speedup_min']:.2f}..{whole['aot_speedup_max']:.2f}",
-              f"{whole['aot_limit']['fraction_achieved']:.1%}",
-              "cached" if whole["aot_compile_s"] is None else f"{whole['aot_compile_s']:.1f} s",
-              f"{whole['generate_ms_per_token']['eager_paged']:.2f} / "
-              f"{whole['generate_ms_per_token']['aot_package']:.2f} "
-              f"({whole['generate_ms_per_token']['aot_package_speedup']:.2f}x)"]
-             for whole in packaged],
-        )  # fmt: skip
-    for whole in report["whole_step"]:
-        for name, profile in whole["op_profile"].items():
-            top = ", ".join(f"{op['name']} {op['self_ms_per_step']:.2f} ms x{op['calls_per_step']:.0f}"
-                            for op in profile["top"][:5])  # fmt: skip
-            print(f"   {fmt_ctx(whole['context'])} {name}: {profile['aten_calls_per_step']:.0f} aten calls/step, "
-                  f"{profile['total_ms_per_step']:.2f} ms profiled; top: {top}")  # fmt: skip
+    print_whole_step(report["whole_step"])
     memory = report["dsa_layer_prefill_memory"]
     print(
         f"\n6. One DSA layer's {fmt_ctx(memory['context'])}-token prefill: {memory['seconds']:.1f} s, "
@@ -1540,28 +1580,7 @@ def run_all(args, report: dict) -> None:
     progress.close()
 
     report["graph_mode"] = time_graph_mode(models["KDSA"], config, contexts, args.warmup, args.repeats, args.quick)
-    # The compiled step at the smallest context (issue 14's ratio) and the largest (its fraction of the bandwidth
-    # limit, against the same bytes per step as section 2's eager KDSA decode).
-    report["whole_step"] = []
-    # --quick: one static-cache capacity for both contexts, so the step compiles once (a second capacity recompiles
-    # it: ~40 s of the smoke test on a slow machine). The full run sizes each cache to its context: a dense MLA layer
-    # reads its cache's whole capacity, so a 64k-sized cache would slow the 4k step.
-    graph_bench = sibling_script("bench_graph_mode")
-    shared_capacity = graph_bench.static_capacity(max(contexts), args.whole_step_repeats) if args.quick else None
-    with tempfile.TemporaryDirectory(prefix="bench-aot-") as aot_dir:
-        for context in sorted({contexts[0], contexts[-1]}):
-            figures = whole_step_figures(
-                models["KDSA"], config, context, args.whole_step_repeats, shared_capacity,
-                None if args.skip_aot else Path(aot_dir),
-            )  # fmt: skip
-            eager = next(entry for entry in report["model_decode"] if entry["context"] == context)["models"]["KDSA"]
-            figures["bytes_needed"] = eager["bytes_needed"]
-            for route, seconds in (("compiled", "compiled_static_s"), ("aot", "aot_package_s")):
-                if seconds in figures:
-                    figures[f"{route}_limit"] = physical_limit(
-                        eager["bytes_needed"]["total_bytes"], figures[seconds], bandwidth
-                    )
-            report["whole_step"].append(figures)
+    report["whole_step"] = whole_step_section(models["KDSA"], config, args, report["model_decode"], bandwidth)
     report["dsa_layer_prefill_memory"] = dsa_layer_prefill_memory(config, args.layer_prefill_context)
     report["memory_method"] = _memory_method_text()
 
