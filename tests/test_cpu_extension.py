@@ -55,6 +55,30 @@ def test_a_kernel_already_registered_is_not_built_again(tmp_path, monkeypatch):
     assert not any(tmp_path.iterdir())
 
 
+@needs_kernel_build
+def test_a_registered_kernel_is_answered_without_the_build_machinery(monkeypatch):
+    """Every linear layer asks `kernel_available()` each forward: once the kernel is registered the answer must not
+    read the environment ($CXX) or go through `load`'s cache (here both would raise)."""
+    assert cpu_indexer.kernel_available()
+
+    def forbidden(*args):
+        raise AssertionError("the build machinery ran for a registered kernel")
+
+    monkeypatch.setattr(cpu_extension, "compiler", forbidden)
+    monkeypatch.setattr(cpu_extension, "load", forbidden)
+    assert cpu_indexer.kernel_available()
+
+
+@needs_kernel_build
+@pytest.mark.parametrize(("isa", "avx2_source"), [(None, SOURCE), ("avx2", None)], ids=["off", "no-avx2-build"])
+def test_no_build_for_this_cpu_means_no_kernel_even_if_registered(isa, avx2_source, monkeypatch):
+    """`KDSA_CPU_KERNELS=off` (no ISA), or an AVX2 CPU and a kernel without an AVX2 build: the torch path, even where
+    the op's kernel is registered in the process already."""
+    assert cpu_indexer.kernel_available()
+    monkeypatch.setattr(cpu_extension, "kernel_isa", lambda: isa)
+    assert not cpu_extension.load_build("indexer_topk_decode", "kdsa::indexer_topk_decode", SOURCE, avx2_source)
+
+
 @pytest.mark.parametrize("flags", [cpu_extension.AVX512_FLAGS, cpu_extension.AVX2_FLAGS], ids=["avx512", "avx2"])
 def test_kernels_are_compiled_with_openmp(tmp_path, monkeypatch, flags):
     """The row kernel splits a weight over two threads with ATen's `at::parallel_for`, which runs serially unless the

@@ -248,11 +248,14 @@ def load_build(name: str, op: str, source: str, avx2_source: str | None = None) 
     `source` with AVX512_FLAGS, or `avx2_source` with AVX2_FLAGS (None: no AVX2 build); False where
     neither runs."""
     isa = kernel_isa()
-    if (isa == "avx512_bf16" or (isa == "avx2" and avx2_source is not None)) and has_cpu_kernel(op):
-        return True  # loaded already: every linear layer asks once per forward, so skip the environment and cache
     if isa == "avx512_bf16":
-        return load(name, source, op, compiler())
-    return isa == "avx2" and avx2_source is not None and load(f"{name}_avx2", avx2_source, op, compiler(), AVX2_FLAGS)
+        build_name, build_source, flags = name, source, AVX512_FLAGS
+    elif isa == "avx2" and avx2_source is not None:
+        build_name, build_source, flags = f"{name}_avx2", avx2_source, AVX2_FLAGS
+    else:
+        return False
+    # Registered already: every linear layer asks once per forward, so skip reading $CXX and the cache lookup.
+    return has_cpu_kernel(op) or load(build_name, build_source, op, compiler(), flags)
 
 
 __all__ = [
