@@ -38,6 +38,7 @@ from .norms import KDSARMSNorm
 from .numeric_formats import mxfp4_quantize
 from .rotary import KDSARotaryEmbedding
 from .sequence_parallel import SequenceParallelContext
+from .speculative import speculative_generate
 from .static_cache import KDSAStaticCache, StaticKDALayer, append_conv_window
 from .stop_strings import VocabularyProbeStopStringCriteria, stop_string_probe
 
@@ -733,6 +734,22 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         if getattr(model_kwargs.get("cache"), "decode_step", None) is not None:
             return False
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+
+    def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+        """`use_mtp=True` (the checkpoint's MTP layers) and `speculation_type="dspark"` (a `DSparkDraftModel` as
+        `assistant_model`) run KDSA's own block-drafting loop (speculative.py, docs/speculative.md), batched;
+        assisted decoding with another model and prompt lookup stay transformers' own."""
+        if generation_config.use_mtp or generation_config.speculation_type == "dspark":
+            return speculative_generate(
+                self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs
+            )
+        if generation_config.speculation_type is not None:
+            raise ValueError(
+                f"speculation_type={generation_config.speculation_type!r} is not supported by KDSA models: use "
+                "speculation_type='dspark' with a DSparkDraftModel, use_mtp=True, an assistant_model or "
+                "prompt_lookup_num_tokens"
+            )
+        return super()._assisted_decoding(input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
 
     def init_continuous_batching(self, *args, **kwargs):
         """transformers' continuous batching (`generate_batch`, `ContinuousBatchingManager`, `transformers serve

@@ -1,0 +1,389 @@
+"""Block speculative decoding for KDSA targets: a drafter proposes up to n tokens, one target forward verifies them,
+the accepted prefix is committed and the cache is cropped (KDA states replayed, DSA pages truncated; cache.py).
+
+Drafters:
+- `MTPDrafter`: the checkpoint's own multi-token-prediction layers (`generate(use_mtp=True)`; DeepSeek-V3 technical
+  report §2.2, arXiv 2412.19437; mtp.py). The layer is chained for several drafts (vLLM does the same): each further
+  draft feeds the layer its own previous output in place of the target's hidden state.
+- `DSparkDrafter`: a DSpark draft model (`generate(assistant_model=draft, speculation_type="dspark")`; DSpark paper,
+  arXiv 2607.05147 §3; dspark.py): one backbone forward per round drafts a whole block, then the Markov head samples
+  it left to right and the confidence head prunes it.
+
+One round, for a batch of B left-padded rows (docs/speculative.md):
+1. The committed tokens are in the target cache except the last one, the anchor (sampled, not yet fed).
+2. The drafter proposes d_1..d_n (and the processed draft logits q, from which it sampled them).
+3. One target forward over [anchor, d_1..d_n] gives p_0..p_n, each processed by the logits processors with its own
+   prefix, exactly as plain decoding would process it.
+4. Accept rule (Leviathan et al. 2023, arXiv 2211.17192, Alg. 1): d_k is kept with probability
+   min(1, p(d_k) / q(d_k)), left to right; at the first rejection the next token is drawn from norm(max(0, p − q));
+   if all are kept, a bonus token is drawn from p_n. Greedy is the one-hot case: keep while d_k = argmax p_{k−1},
+   then take argmax p. Each emitted token is a sample of the target's own distribution, so greedy output is plain
+   greedy's and sampling keeps the target's distribution.
+5. Batch: every row commits the same count a + 1, a = the fewest drafts any unfinished row accepted. A row that
+   accepted more emits its accepted draft at slot a (itself a valid target sample), so nothing is lost but drafts.
+6. The target cache is cropped to the committed length; the drafter takes the target's hidden states at the
+   committed positions (no extra target pass).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .cache import ROLLBACK_TOKENS, KDSACache
+
+
+@dataclass
+class SpeculationStats:
+    """What the last speculative `generate()` did: `rounds` target verify forwards (the prefill not counted),
+    `drafted` draft tokens verified, `accepted` draft tokens committed, `emitted` tokens appended per row."""
+
+    method: str
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    accepted_per_round: list[int] = field(default_factory=list)
+
+    @property
+    def tokens_per_round(self) -> float:
+        """τ: mean tokens committed per target verify forward (accepted drafts + the target's own token)."""
+        return (self.accepted + self.rounds) / max(self.rounds, 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / max(self.drafted, 1)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor | None, length: int, device) -> torch.Tensor:
+    """transformers' generation positions: the cumulative count of real tokens − 1 (padding: 0)."""
+    if attention_mask is None:
+        return torch.arange(length, device=device)[None]
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 0)
+
+
+class Sampler:
+    """Processes and samples the logits of one position the way plain `generate()` would: the logits processors see
+    the committed ids plus every token drafted before this slot; greedy takes the argmax, sampling draws from the
+    softmax (the global RNG, as transformers does)."""
+
+    def __init__(self, logits_processor, do_sample: bool):
+        self.logits_processor = logits_processor
+        self.do_sample = do_sample
+
+    def process(self, prefix_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(prefix_ids, logits.float())
+
+    def draw(self, processed: torch.Tensor) -> torch.Tensor:
+        if self.do_sample:
+            return torch.multinomial(processed.softmax(-1), num_samples=1).squeeze(1)
+        return processed.argmax(-1)
+
+    def drafting(self, committed_ids: torch.Tensor):
+        """A callback `sample(logits [B, V], k) -> (tokens [B], processed [B, V])` for a drafter, slot k = 0, 1, ...
+        (it remembers the tokens it drew, which form the prefix of the next slot)."""
+        drawn: list[torch.Tensor] = []
+
+        def sample(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if k != len(drawn):
+                raise ValueError(f"draft slots must be sampled in order: slot {k} after {len(drawn)} slots")
+            prefix = torch.cat([committed_ids, *[t[:, None] for t in drawn]], dim=1)
+            processed = self.process(prefix, logits)
+            tokens = self.draw(processed)
+            drawn.append(tokens)
+            return tokens, processed
+
+        return sample
+
+
+def accept(
+    draft_tokens: torch.Tensor, draft_logits: torch.Tensor | None, target_logits: torch.Tensor, do_sample: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The accept rule per row. `draft_tokens [B, n]`, `draft_logits [B, n, V]` (processed q; unused when greedy),
+    `target_logits [B, n + 1, V]` (processed p). Returns `(accepted [B], next_tokens [B, n + 1])`: how many drafts
+    each row keeps, and for every slot j the token that row emits at slot j if it keeps exactly j drafts (the
+    corrected or bonus token); at a slot j < accepted the row emits its draft d_{j+1}, which `next_tokens` holds too."""
+    batch, n = draft_tokens.shape
+    if not do_sample:
+        target_tokens = target_logits.argmax(-1)
+        keep = draft_tokens == target_tokens[:, :n]
+        return keep.long().cumprod(1).sum(1), target_tokens
+    p = target_logits.softmax(-1)
+    next_tokens = torch.empty(batch, n + 1, dtype=torch.long, device=draft_tokens.device)
+    if n:
+        q = draft_logits.softmax(-1)
+        p_d = p[:, :n].gather(-1, draft_tokens[..., None]).squeeze(-1)
+        q_d = q.gather(-1, draft_tokens[..., None]).squeeze(-1)
+        keep = torch.rand_like(p_d) * q_d < p_d  # u < p/q without dividing (q(d) > 0: d was drawn from q)
+        accepted = keep.long().cumprod(1).sum(1)
+        residual = (p[:, :n] - q).clamp(min=0)
+        mass = residual.sum(-1, keepdim=True)
+        # p == q leaves no residual mass; the rejection then has probability 0, any valid distribution will do.
+        residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), p[:, :n])
+    else:
+        accepted = torch.zeros(batch, dtype=torch.long, device=draft_tokens.device)
+    # Only each row's slot `accepted` needs a fresh draw; the slots before it emit the drafts.
+    rows = torch.arange(batch, device=draft_tokens.device)
+    next_tokens[:, :n] = draft_tokens
+    bonus = accepted == n
+    choice = p[rows, accepted]
+    if n:
+        choice = torch.where(bonus[:, None], choice, residual[rows, accepted.clamp(max=n - 1)])
+    next_tokens[rows, accepted] = torch.multinomial(choice, num_samples=1).squeeze(1)
+    return accepted, next_tokens
+
+
+class MTPDrafter:
+    """Drafts with the target's MTP layer (mtp.py). Its cache holds one entry per committed pair (h_i, x_{i+1}):
+    the target's final normed hidden state at position i with the token after it, at position i. A round's chained
+    drafts add entries that `observe` crops again before it feeds the newly committed pairs."""
+
+    method = "mtp"
+
+    def __init__(self, model, num_draft_tokens: int):
+        if model.mtp is None:
+            raise ValueError(
+                "use_mtp=True needs MTP layers: this model's config has num_mtp_layers=0 (load a checkpoint that "
+                "ships them, e.g. checkpoints/kdsa-tiny, a DeepSeek-V3.2 or GLM-5.3-Flash folder)"
+            )
+        if num_draft_tokens < 1:
+            raise ValueError(f"mtp_draft_tokens must be >= 1, got {num_draft_tokens}")
+        self.model, self.mtp = model, model.mtp
+        self.num_draft_tokens = num_draft_tokens
+        self.cache = self.mtp.new_cache(rollback_tokens=ROLLBACK_TOKENS)
+        self.pairs = 0  # committed pairs in the cache
+        self.last_output: torch.Tensor | None = None  # [B, 1, D], the block output at the last committed pair
+
+    def observe(self, hidden_states, next_ids, attention_mask, position_ids) -> None:
+        """`hidden_states`: the target's tuple over T newly committed positions; `next_ids [B, T]`: the token after
+        each; `attention_mask [B, pairs + T]` (or None); `position_ids [B, T]`."""
+        if self.cache.get_seq_length() > self.pairs:
+            self.cache.crop(self.pairs)
+        out = self.mtp(0, hidden_states[-1], next_ids, attention_mask, position_ids, self.cache)
+        self.pairs += next_ids.shape[1]
+        self.last_output = out[:, -1:]
+        self.last_position = position_ids[:, -1:]
+
+    def propose(self, num_tokens: int, anchor, anchor_position, attention_mask, sample):
+        tokens, logits = [], []
+        out, position = self.last_output, self.last_position
+        mask = None if attention_mask is None else attention_mask[:, :-1]  # the committed pairs' columns
+        for k in range(num_tokens):
+            if k:  # chain: the layer's own output stands in for the target's hidden state at the next position
+                position = position + 1
+                mask = None if mask is None else torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+                out = self.mtp(0, out, tokens[-1][:, None], mask, position, self.cache)
+            token, processed = sample(self.mtp.logits(0, out)[:, -1], k)
+            tokens.append(token)
+            logits.append(processed)
+        return _stack(tokens, logits, anchor)
+
+
+class DSparkDrafter:
+    """Drafts with a `DSparkDraftModel` (dspark.py): its cache holds context rows (fc + hidden_norm of the target's
+    hidden states at its layers) for the committed positions only; a block's own K/V are never kept."""
+
+    method = "dspark"
+
+    def __init__(self, model, draft, batch_size: int, confidence_threshold: float):
+        draft.bind_target(model)
+        self.draft = draft
+        self.cache = draft.new_cache(batch_size)
+        self.confidence_threshold = confidence_threshold
+        self.num_draft_tokens = draft.config.block_size
+
+    def observe(self, hidden_states, next_ids, attention_mask, position_ids) -> None:
+        new_mask = None if attention_mask is None else attention_mask[:, -next_ids.shape[1] :]
+        self.draft.extend_context(self.cache, hidden_states, new_mask, position_ids)
+
+    def propose(self, num_tokens: int, anchor, anchor_position, attention_mask, sample):
+        tokens, logits, confidence = self.draft.propose(self.cache, anchor, anchor_position, sample)
+        keep = min(num_tokens, tokens.shape[1])
+        if self.confidence_threshold > 0:
+            # DeepSpec's static rule: cut the block at the first slot whose confidence is below the threshold; in a
+            # batch, the longest confident prefix of any row (one forward verifies all rows).
+            confident = (confidence >= self.confidence_threshold).long().cumprod(1).sum(1)
+            keep = min(keep, int(confident.max()))
+        return tokens[:, :keep], logits[:, :keep]
+
+
+def _stack(tokens: list, logits: list, anchor: torch.Tensor):
+    if not tokens:
+        return anchor.new_zeros(anchor.shape[0], 0), None
+    return torch.stack(tokens, 1), torch.stack(logits, 1)
+
+
+def _drafter(model, generation_config, batch_size: int, assistant_model, model_kwargs: dict):
+    mtp_tokens = model_kwargs.pop("mtp_draft_tokens", None)
+    threshold = model_kwargs.pop("dspark_confidence_threshold", None)
+    if generation_config.use_mtp:
+        if assistant_model is not None:
+            raise ValueError("use_mtp=True drafts with the model's own MTP layers: pass no assistant_model")
+        num_mtp_layers = getattr(model.config, "num_mtp_layers", 0)
+        if num_mtp_layers > 1:
+            raise ValueError(
+                f"drafting with {num_mtp_layers} MTP layers is not supported: KDSA chains the first MTP layer "
+                "(docs/speculative.md); the checkpoints of the family ship one"
+            )
+        return MTPDrafter(model, mtp_tokens if mtp_tokens is not None else 1)
+    if assistant_model is None or not hasattr(assistant_model, "propose"):
+        raise ValueError(
+            "speculation_type='dspark' needs assistant_model=<a DSparkDraftModel> "
+            f"(modeling_kdsa.DSparkDraftModel.from_pretrained(folder)); got {type(assistant_model).__name__}"
+        )
+    if threshold is None:
+        threshold = generation_config.assistant_confidence_threshold or 0.0
+    return DSparkDrafter(model, assistant_model, batch_size, float(threshold))
+
+
+def _check_supported(generation_config) -> None:
+    if generation_config.num_return_sequences not in (None, 1):
+        raise ValueError("speculative decoding (use_mtp / dspark) needs num_return_sequences=1")
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError(
+            "speculative decoding (use_mtp / dspark) returns no attentions or hidden states: KDA and DSA form no "
+            "attention matrix, and a verify forward covers several tokens"
+        )
+
+
+@torch.no_grad()
+def speculative_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    inputs_tensor=None,
+    assistant_model=None,
+    assistant_tokenizer=None,
+    tokenizer=None,
+    **model_kwargs,
+):
+    """generate()'s decoding loop for `use_mtp=True` and `speculation_type="dspark"` (called from
+    `KDSAForCausalLM._assisted_decoding` with generate()'s own processors, stopping criteria and cache)."""
+    _check_supported(generation_config)
+    if assistant_tokenizer is not None:
+        raise ValueError("DSpark and MTP drafts share the target's vocabulary: pass no assistant_tokenizer")
+    cache = model_kwargs.get("cache")
+    if not isinstance(cache, KDSACache) or not cache.is_croppable:
+        raise ValueError(
+            "speculative decoding needs a KDSACache that can roll back: let generate() build it, or pass "
+            f"KDSACache(config, rollback_tokens={ROLLBACK_TOKENS})"
+        )
+    batch_size = input_ids.shape[0]
+    drafter = _drafter(model, generation_config, batch_size, assistant_model, model_kwargs)
+    sampler = Sampler(logits_processor, bool(generation_config.do_sample))
+    pad = generation_config._pad_token_tensor
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is not None and bool(attention_mask.all()):
+        attention_mask = None  # nothing padded: the model's fast path
+    want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+    want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+    scores, raw_logits = [], []
+    stats = SpeculationStats(method=drafter.method)
+    model.speculation_stats = stats
+
+    # Prefill: the prompt, with the hidden states the drafter reads.
+    prompt_len = input_ids.shape[1]
+    past = cache.get_seq_length()
+    new_ids = input_ids[:, past:]
+    positions = position_ids_from_mask(attention_mask, prompt_len, input_ids.device)[:, past:]
+    if attention_mask is None:
+        positions = positions.expand(batch_size, -1)
+    out = model(
+        input_ids=new_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
+        output_hidden_states=True, logits_to_keep=1,
+    )  # fmt: skip
+    processed = sampler.process(input_ids, out.logits[:, -1])
+    first = sampler.draw(processed)
+    unfinished = torch.ones(batch_size, dtype=torch.bool, device=input_ids.device)
+    input_ids, attention_mask, unfinished = _append(
+        input_ids, attention_mask, first[:, None], unfinished, stopping_criteria, pad, streamer,
+        scores if want_scores else None, raw_logits if want_logits else None,
+        processed[:, None], out.logits[:, -1:],
+    )  # fmt: skip
+    stats.emitted += 1
+    if bool(unfinished.any()):
+        pairs_mask = None if attention_mask is None else attention_mask[:, :prompt_len]
+        drafter.observe(out.hidden_states, input_ids[:, past + 1 :], pairs_mask, positions)
+
+    max_length = generation_config.max_length
+    while bool(unfinished.any()) and input_ids.shape[1] < max_length:
+        anchor = input_ids[:, -1]
+        past = cache.get_seq_length()  # == input_ids.shape[1] - 1: every committed token but the anchor
+        n = min(drafter.num_draft_tokens, max_length - input_ids.shape[1] - 1)
+        anchor_position = position_ids_from_mask(attention_mask, past + 1, input_ids.device)[:, -1].expand(batch_size)
+        draft_tokens, draft_logits = drafter.propose(
+            n, anchor, anchor_position, attention_mask, sampler.drafting(input_ids)
+        )
+        n = draft_tokens.shape[1]
+        verify_ids = torch.cat([anchor[:, None], draft_tokens], dim=1)
+        verify_mask = None
+        if attention_mask is not None:
+            verify_mask = torch.cat([attention_mask, attention_mask.new_ones(batch_size, n)], 1)
+        positions = position_ids_from_mask(verify_mask, past + n + 1, input_ids.device)[:, past:]
+        if verify_mask is None:
+            positions = positions.expand(batch_size, -1)
+        out = model(
+            input_ids=verify_ids, attention_mask=verify_mask, position_ids=positions, cache=cache,
+            output_hidden_states=True, logits_to_keep=0,
+        )  # fmt: skip
+        target = torch.stack(
+            [sampler.process(torch.cat([input_ids, draft_tokens[:, :k]], 1), out.logits[:, k]) for k in range(n + 1)],
+            dim=1,
+        )
+        accepted_rows, next_tokens = accept(draft_tokens, draft_logits, target, sampler.do_sample)
+        # Finished rows emit padding whatever they accept: they do not hold the batch back.
+        accepted = int(torch.where(unfinished, accepted_rows, n).min())
+        emit = next_tokens[:, : accepted + 1]
+        stats.rounds += 1
+        stats.drafted += n
+        stats.accepted += accepted
+        stats.accepted_per_round.append(accepted)
+        cache.crop(past + accepted + 1)
+        input_ids, attention_mask, unfinished = _append(
+            input_ids, attention_mask, emit, unfinished, stopping_criteria, pad, streamer,
+            scores if want_scores else None, raw_logits if want_logits else None,
+            target[:, : accepted + 1], out.logits[:, : accepted + 1],
+        )  # fmt: skip
+        stats.emitted += emit.shape[1]
+        if bool(unfinished.any()):
+            kept = tuple(h[:, : accepted + 1] for h in out.hidden_states)
+            pairs_mask = None if attention_mask is None else attention_mask[:, : past + accepted + 1]
+            drafter.observe(kept, emit, pairs_mask, positions[:, : accepted + 1])
+    if streamer is not None:
+        streamer.end()
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(
+            sequences=input_ids,
+            scores=tuple(scores) if want_scores else None,
+            logits=tuple(raw_logits) if want_logits else None,
+            cache=cache,
+        )
+    return input_ids
+
+
+def _append(input_ids, attention_mask, tokens, unfinished, stopping_criteria, pad, streamer, scores, raw_logits,
+            processed, logits):  # fmt: skip
+    """Append `tokens [B, m]` one column at a time, as plain decoding would: a finished row gets padding, the
+    stopping criteria see every prefix, and appending stops once every row is finished."""
+    for j in range(tokens.shape[1]):
+        column = tokens[:, j]
+        if pad is not None:
+            column = torch.where(unfinished, column, pad.to(column.device))
+        input_ids = torch.cat([input_ids, column[:, None]], dim=1)
+        if attention_mask is not None:
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=1)
+        if streamer is not None:
+            streamer.put(column.cpu())
+        if scores is not None:
+            scores.append(processed[:, j])
+        if raw_logits is not None:
+            raw_logits.append(logits[:, j])
+        unfinished = unfinished & ~stopping_criteria(input_ids, processed[:, j])
+        if not bool(unfinished.any()):
+            break
+    return input_ids, attention_mask, unfinished
