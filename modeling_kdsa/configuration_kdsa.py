@@ -89,6 +89,10 @@ class KDSAConfig(PreTrainedConfig):
         `aux_loss`, added to the LM loss times `router_aux_loss_coef` when labels are given (docs/design.md §9).
         Default False: no router output, today's loss.
     router_aux_loss_coef (`float`): weight of the load-balancing loss in the training loss (Glm5Next's 0.001).
+    num_mtp_layers (`int`): multi-token-prediction layers after the trunk (DeepSeek-V3 §2.2; `num_nextn_predict_layers`
+        in DeepSeek / GLM configs): each is `eh_proj([enorm(emb(t_{i+1})) ; hnorm(h_i)])`, one decoder block of the
+        configuration `mtp_config()` describes, and a final norm before the model's own `lm_head` (modeling_kdsa.mtp).
+        The forward pass of the model ignores them; speculative decoding drafts with them. 0 = none (default).
     """
 
     model_type = "kdsa"
@@ -169,6 +173,8 @@ class KDSAConfig(PreTrainedConfig):
     # MoE training outputs (transformers' Mixtral / Glm5Next names): router logits and the load-balancing loss
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.001
+    # Multi-token prediction (DeepSeek-V3 MTP / "nextn" layers, modeling_kdsa.mtp)
+    num_mtp_layers: int = 0
 
     def __post_init__(self, **kwargs):
         # transformers only warns when a config.json of another model type is loaded into this class, then keeps the
@@ -258,6 +264,8 @@ class KDSAConfig(PreTrainedConfig):
         self._check_indexer_variants()
         self._check_glm_fields()
         self._check_k3_fields()
+        if isinstance(self.num_mtp_layers, bool) or self.num_mtp_layers < 0:
+            raise ValueError(f"num_mtp_layers must be an int >= 0 (0 = no MTP layers), got {self.num_mtp_layers!r}")
         if not self.router_aux_loss_coef >= 0:
             raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
         if self.kernel_backend not in KERNEL_BACKENDS:
@@ -268,6 +276,42 @@ class KDSAConfig(PreTrainedConfig):
                 f"kernel_backend='triton' does not support the k-pool indexer (index_kpool={self.index_kpool}); use "
                 "kernel_backend 'cpu', 'compiled', 'torch' or 'npu'"
             )
+
+    def mtp_layer_type(self) -> str:
+        """The token mixer of the MTP blocks: DSA (with the trunk's indexer settings, k-pool included) when the trunk
+        has DSA layers, as DeepSeek-V3.2 and GLM-5.3-Flash ship them; dense MLA for a trunk without any (a Kimi
+        trunk). A trunk of KDA layers only has no attention layer kind to copy: refused by name."""
+        if DSA_LAYER in self.layer_types:
+            return DSA_LAYER
+        if MLA_LAYER in self.layer_types:
+            return MLA_LAYER
+        raise ValueError(
+            f"num_mtp_layers={self.num_mtp_layers} needs a DSA or dense MLA layer in layer_types to copy the MTP "
+            "block's attention from; this trunk has KDA layers only"
+        )
+
+    def mtp_config(self) -> "KDSAConfig":
+        """The configuration of the MTP blocks, as a `KDSAConfig` whose `num_mtp_layers` decoder layers are one block
+        each: the trunk's fields with every layer an attention (`mtp_layer_type`, own indexer) + MoE ("sparse")
+        layer on the plain residual stream (`attn_res_block_size=0`, `hc_mult=1`: DeepSeek's MTP block; GLM-5.3-Flash
+        ships its MTP layer single-stream), `first_k_dense_replace=0` and no MTP layers of its own."""
+        if self.num_mtp_layers < 1:
+            raise ValueError("mtp_config() needs num_mtp_layers >= 1")
+        fields = self.to_dict()
+        for name in ("model_type", "transformers_version", "architectures", "auto_map", "qk_head_dim", "head_dim"):
+            fields.pop(name, None)
+        n = self.num_mtp_layers
+        fields.update(
+            num_hidden_layers=n,
+            layer_types=[self.mtp_layer_type()] * n,
+            mlp_layer_types=["sparse"] * n,
+            indexer_types=["full"] * n,
+            first_k_dense_replace=0,
+            attn_res_block_size=0,
+            hc_mult=1,
+            num_mtp_layers=0,
+        )
+        return KDSAConfig(**fields)
 
     def _check_group_routing(self):
         if self.n_group <= 0 or self.n_routed_experts % self.n_group:
