@@ -34,6 +34,7 @@ from .hyper_connections import HyperConnectionStream, KDSAHyperConnection
 from .kda import KDSAKimiDeltaAttention
 from .linear import KDSALinear
 from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter, load_balancing_loss
+from .mtp import KDSAMultiTokenPredictor
 from .norms import KDSARMSNorm
 from .numeric_formats import mxfp4_quantize
 from .rotary import KDSARotaryEmbedding
@@ -624,6 +625,11 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         self.model = KDSAModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = KDSALinear(config.hidden_size, config.vocab_size, bias=False)
+        # The MTP layers (docs/checkpoint-conversion.md §10): draft layers the forward pass never runs; they share
+        # the embedding and lm_head with the model (read at each call, saved once).
+        self.mtp = KDSAMultiTokenPredictor(config) if config.num_mtp_layers > 0 else None
+        if self.mtp is not None:
+            self.mtp.bind(self)
         for name, block in self._fp8_held_layers.items():  # set only while an FP8 folder loads (conversion.py)
             self.set_submodule(name, KDSAFP8Linear.like(self.get_submodule(name), block))
         self.post_init()
@@ -651,8 +657,20 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
                 "fp8_weights= applies to FP8 checkpoints of deepseek_v32 / glm5_next folders only "
                 "(docs/checkpoint-conversion.md §9); this is not one"
             )
+        want_info = kwargs.pop("output_loading_info", False)
         with REGISTRATION_LOCK:  # never while a foreign load has its conversions registered
-            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+            model, info = super().from_pretrained(
+                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+            )
+        # transformers initialises missing tensors at random and only warns: MTP layers that the config declares
+        # but the checkpoint lacks would draft garbage (docs/checkpoint-conversion.md §10).
+        missing_mtp = sorted(key for key in info.get("missing_keys", ()) if key.startswith("mtp."))
+        if missing_mtp:
+            raise ValueError(
+                f"{pretrained_model_name_or_path}: config.json declares num_mtp_layers={model.config.num_mtp_layers} "
+                f"but the checkpoint lacks MTP tensors {missing_mtp}; pass num_mtp_layers=0 to load without MTP layers"
+            )
+        return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Refused for a model holding FP8 weights (`fp8_weights="hold"`): KDSA's native format has no FP8 weight
