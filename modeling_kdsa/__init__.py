@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache import KDSACache
 from .configuration_kdsa import KDSAConfig
+from .dspark import DSparkConfig, DSparkDraftModel
 from .modeling_kdsa import KDSAForCausalLM, KDSAModel, KDSAPreTrainedModel
 
 AutoConfig.register("kdsa", KDSAConfig, exist_ok=True)
@@ -31,6 +32,8 @@ register()
 __all__ = [
     "KDSACache",
     "KDSAConfig",
+    "DSparkConfig",
+    "DSparkDraftModel",
     "KDSAModel",
     "KDSAForCausalLM",
     "KDSAPreTrainedModel",
