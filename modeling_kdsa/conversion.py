@@ -53,7 +53,7 @@ _TRAINING_ONLY_FIELDS = {"output_router_logits", "aux_loss_alpha", "seq_aux", "e
 _SUPPORTED_ROPE_TYPES = ("default", "yarn")
 _FP8_QUANT_METHOD = "fp8"
 # KDSAConfig fields no source config has; a caller may set them as from_pretrained keyword arguments.
-_KDSA_ONLY_FIELDS = ("kernel_backend",)
+_KDSA_ONLY_FIELDS = ("kernel_backend", "num_mtp_layers")
 # `from_pretrained(folder, fp8_weights=...)` for FP8 checkpoints (docs/checkpoint-conversion.md §9).
 FP8_WEIGHTS_CHOICES = ("dequantize", "hold")
 # Linear layers whose `.weight` is read by code other than their forward (MLA weight absorption): kept dequantized.
@@ -72,6 +72,8 @@ class ForeignCheckpointPlan:
     skipped: dict[str, str] = field(default_factory=dict)
     # (rows, cols) of the checkpoint's FP8 weight blocks; None for an unquantized checkpoint.
     fp8_block: tuple[int, int] | None = None
+    # checkpoint key of an MTP layer's copy of a shared tensor -> the model's parameter it must equal (`_mtp_plan`).
+    mtp_copies: dict[str, str] = field(default_factory=dict)
 
 
 class _Fields:
@@ -240,16 +242,76 @@ def _dequantizing(conversions: list, block: tuple[int, int]) -> list:
     return [*extended, WeightConverter(["weight", "weight_scale_inv"], "weight", [BlockFP8Dequantize(block)])]
 
 
-def _layer_skips(model_type: str, num_layers: int, checkpoint_keys: list[str], prefix: str) -> dict[str, str]:
-    """MTP (next-token-prediction) layers are stored after the trunk as `layers.{N..}`; KDSA skips them."""
-    skipped = {}
-    extra = sorted(
-        {int(m.group(1)) for k in checkpoint_keys if (m := re.match(prefix + r"layers\.(\d+)\.", k))}
-        - set(range(num_layers))
-    )
-    for index in extra:
-        skipped[rf"(^|\.)layers\.{index}\."] = f"{model_type} layer {index} (multi-token-prediction block)"
-    return skipped
+def _extra_layers(num_layers: int, checkpoint_keys: list[str], prefix: str) -> list[int]:
+    """Indices of the checkpoint's `{prefix}layers.{i}.` blocks after the trunk (MTP layers are stored there)."""
+    pattern = re.escape(prefix) + r"layers\.(\d+)\."
+    indices = {int(m.group(1)) for k in checkpoint_keys if (m := re.match(pattern, k))}
+    return sorted(indices - set(range(num_layers)))
+
+
+# Tensors of a hub MTP layer outside its decoder block (DeepSeek-V3 / GLM names); the rest of `layers.{N+k}.*` is the
+# block. `embed_tokens` and `shared_head.head` are the layer's copies of the model's embedding and lm_head.
+_MTP_OWN = r"(enorm|hnorm|eh_proj|shared_head\.norm|shared_head\.head|embed_tokens)"
+_MTP_COPIES = {"embed_tokens": "model.embed_tokens.weight", "shared_head.head": "lm_head.weight"}
+
+
+@dataclass
+class _MTPPlan:
+    num_mtp_layers: int
+    renamings: list
+    skipped: dict[str, str]
+    copies: dict[str, str]
+
+
+def _mtp_plan(
+    model_type: str, num_layers: int, declared: int, checkpoint_keys: list[str], prefix: str, overrides: dict
+) -> _MTPPlan:
+    """The multi-token-prediction layers of a hub checkpoint (docs/checkpoint-conversion.md §10): `declared`
+    (`num_nextn_predict_layers`) layers stored as `{prefix}layers.{N+k}.*` after the N trunk layers load into
+    `mtp.layers.{k}`: `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` by name, every other tensor into the decoder
+    `block` (so a tensor the block does not have, e.g. an `hc_*` of a multi-stream MTP layer, is unexpected and
+    refused by name, and a missing one is missing). The layer's copies of the shared tensors (`embed_tokens`,
+    `shared_head.head`) are not loaded: `load_foreign` checks that each equals the model's embedding / lm_head and
+    refuses it by name otherwise (KDSA's MTP shares them, as DeepSeek-V3 §2.2 defines it).
+
+    `from_pretrained(folder, num_mtp_layers=0)` skips the MTP layers (one info line each); any other value must be
+    the declared one. Layers after the declared ones are not described by the config: skipped, one info line each.
+    `prefix`: the checkpoint's key prefix of the layers (plain text); the renamings act on keys whose family prefix
+    is already renamed to `model.`."""
+    requested = overrides.pop("num_mtp_layers", None)
+    if requested is not None and requested not in (0, declared):
+        raise ValueError(
+            f"num_mtp_layers={requested!r}: a {model_type} checkpoint loads its declared num_nextn_predict_layers="
+            f"{declared} MTP layers, or none with num_mtp_layers=0"
+        )
+    count = declared if requested is None else requested
+    extra = _extra_layers(num_layers, checkpoint_keys, prefix)
+    skipped = {
+        rf"(^|\.)layers\.{index}\.": f"{model_type} layer {index} (multi-token-prediction block)"
+        for index in extra
+        if index >= num_layers + count
+    }
+    renamings, copies = [], {}
+    for k in range(count):
+        index = num_layers + k
+        renamings += [
+            WeightRenaming(rf"^model\.layers\.{index}\.{_MTP_OWN}\.", rf"mtp.layers.{k}.\1."),
+            WeightRenaming(rf"^model\.layers\.{index}\.", f"mtp.layers.{k}.block."),
+        ]
+        for name, target in _MTP_COPIES.items():
+            key = f"{prefix}layers.{index}.{name}.weight"
+            if key in checkpoint_keys:
+                if key + "_scale_inv" in checkpoint_keys:
+                    raise ValueError(
+                        f"{model_type} checkpoint tensor {key} is FP8-quantized: KDSA compares an MTP layer's copy of "
+                        "a shared tensor exactly and reads it unquantized only"
+                    )
+                copies[key] = target
+    if copies:
+        skipped[rf"^mtp\.layers\.\d+\.({'|'.join(re.escape(n) for n in _MTP_COPIES)})\.weight$"] = (
+            f"{model_type} MTP copies of the embedding / lm_head (checked equal to the model's)"
+        )
+    return _MTPPlan(count, renamings, skipped, copies)
 
 
 # --------------------------------------------------------------------------------------------------- DeepSeek-V3.2
@@ -272,15 +334,18 @@ def _deepseek_v32(fields: _Fields, checkpoint_keys: list[str], overrides: dict) 
     fields.require("scoring_func", ("sigmoid",), "sigmoid router scores")
     fields.require("topk_method", ("noaux_tc",), "top-k over bias-corrected scores")
     fields.require("moe_layer_freq", (1,), "every layer after first_k_dense_replace is MoE")
-    fields.drop(["num_nextn_predict_layers"])  # MTP layers: skipped by tensor name below
+    declared = fields.take("num_nextn_predict_layers") if "num_nextn_predict_layers" in fields.pending else 0
     fields.drop(["rope_theta", "rope_scaling"])  # folded into rope_parameters by transformers
     fields.unhandled()
+    mtp = _mtp_plan("deepseek_v32", mapped["num_hidden_layers"], declared or 0, checkpoint_keys, "model.", overrides)
+    mapped["num_mtp_layers"] = mtp.num_mtp_layers
     return _build(
         "deepseek_v32",
         mapped,
         overrides,
-        conversions=_stacked_experts("gate_proj", "up_proj", "down_proj"),
-        skipped=_layer_skips("deepseek_v32", mapped["num_hidden_layers"], checkpoint_keys, r"model\."),
+        conversions=[*mtp.renamings, *_stacked_experts("gate_proj", "up_proj", "down_proj")],
+        skipped=mtp.skipped,
+        mtp_copies=mtp.copies,
     )
 
 
@@ -334,6 +399,7 @@ def _kimi_linear(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -
     mapped.pop("_linear_attn_config")
     _quantization(fields, mapped)
     fields.unhandled()
+    mtp = _kimi_mtp("kimi_linear", mapped, checkpoint_keys, "model.", overrides)
     return _build(
         "kimi_linear",
         mapped,
@@ -344,6 +410,7 @@ def _kimi_linear(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -
             WeightRenaming(r"\.block_sparse_moe\.", ".mlp."),
             *_stacked_experts("w1", "w3", "w2"),
         ],
+        skipped=mtp.skipped,
     )
 
 
@@ -379,8 +446,25 @@ def _kimi_text(fields: _Fields, mlp_activations: tuple[str, ...], attn_keys: set
     fields.require("mla_use_nope", (True,), "Kimi-Linear's MLA does not rotate")
     # Kimi-Linear has no rotary embedding anywhere (transformers' class builds none), so rope settings mean nothing;
     # use_grouped_topk only selects the grouped code path, whose groups n_group gives.
-    fields.drop(["use_grouped_topk", "num_nextn_predict_layers", "rope_theta", "rope_scaling", "rope_parameters"])
+    fields.drop(["use_grouped_topk", "rope_theta", "rope_scaling", "rope_parameters"])
+    nextn = fields.take("num_nextn_predict_layers") if "num_nextn_predict_layers" in fields.pending else 0
+    mapped["_num_nextn_predict_layers"] = nextn or 0
     return mapped
+
+
+def _kimi_mtp(model_type: str, mapped: dict, checkpoint_keys: list[str], prefix: str, overrides: dict) -> _MTPPlan:
+    """Kimi MTP layers are refused: no public Kimi checkpoint ships them (the released configs declare
+    `num_nextn_predict_layers: 0`), and vLLM's `KimiK3MTP` feeds them the trunk's hidden state *before* the final
+    norm, where KDSA's MTP reads the normed state (DeepSeek-V3 §2.2): loading them would draft from the wrong input.
+    `num_mtp_layers=0` loads the trunk and skips them (docs/checkpoint-conversion.md §10)."""
+    declared = mapped.pop("_num_nextn_predict_layers")
+    if declared and overrides.get("num_mtp_layers") != 0:
+        raise ValueError(
+            f"{model_type} config field num_nextn_predict_layers={declared}: Kimi MTP layers are not supported (their "
+            "hidden-state input is the trunk's pre-norm state, KDSA's MTP reads the normed one); pass "
+            "num_mtp_layers=0 to load the model without them"
+        )
+    return _mtp_plan(model_type, mapped["num_hidden_layers"], 0, checkpoint_keys, prefix, overrides)
 
 
 # ------------------------------------------------------------------------------------------------------- Kimi K3
@@ -550,8 +634,8 @@ def _kimi_k3(raw: dict, checkpoint_keys: list[str], overrides: dict) -> ForeignC
     fields.pending.discard("quantization_config")
     fields.unhandled()
 
-    num_layers, num_heads = mapped["num_hidden_layers"], mapped["linear_num_heads"]
-    skipped = _layer_skips("kimi_k3", num_layers, checkpoint_keys, r"language_model\.model\.")
+    num_heads = mapped["linear_num_heads"]
+    skipped = _kimi_mtp("kimi_k3", mapped, checkpoint_keys, "language_model.model.", overrides).skipped
     skipped[r"^vision_tower\."] = "kimi_k3 vision tower vision_tower.*"
     skipped[r"^mm_projector\."] = "kimi_k3 multimodal projector mm_projector.*"
     if mapped["routed_expert_weight_format"] == "mxfp4":
@@ -672,6 +756,31 @@ _GLM_HC_RENAMES = [
 ]
 
 
+# GLM's MTP fields, read from `text_config` or the top level of config.json (public loaders read either).
+_GLM_MTP_FIELDS = ("num_nextn_predict_layers", "index_share_for_mtp_iteration")
+
+
+def _glm_mtp_fields(text: _Fields, top: dict) -> int:
+    """The declared MTP layer count. `index_share_for_mtp_iteration` is read and either value is accepted: it lets a
+    serving engine reuse one draft step's indexer top-k for the next MTP draft steps (a speed choice of the drafting
+    loop, the layer's weights are the same either way). KDSA runs the MTP layer's own indexer at every step; drafts
+    never change the output, since the target verifies every drafted token (docs/checkpoint-conversion.md §10)."""
+    values = {}
+    for name in _GLM_MTP_FIELDS:
+        inner = text.take(name) if name in text.pending else None
+        outer = top.get(name)
+        if inner is not None and outer is not None and inner != outer:
+            raise ValueError(f"glm5_next config field {name}={outer!r} but text_config.{name}={inner!r}")
+        values[name] = inner if inner is not None else outer
+    share = values["index_share_for_mtp_iteration"]
+    if share not in (None, True, False):
+        raise ValueError(f"glm5_next config field index_share_for_mtp_iteration={share!r} must be a bool")
+    declared = values["num_nextn_predict_layers"] or 0
+    if not isinstance(declared, int) or declared < 0:
+        raise ValueError(f"glm5_next config field num_nextn_predict_layers={declared!r} must be an int >= 0")
+    return declared
+
+
 def _glm5_next(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> ForeignCheckpointPlan:
     _metadata_fields(fields)
     fields.drop(_GLM_VISION_FIELDS)
@@ -680,6 +789,7 @@ def _glm5_next(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> 
     quantization = {}
     _quantization(fields, quantization)  # top-level in GLM's config.json
     fields.take("text_config")
+    top_mtp = {name: fields.take(name) for name in _GLM_MTP_FIELDS if name in fields.pending}
     fields.unhandled()
 
     text = _Fields(fields.source.text_config, "glm5_next text_config")
@@ -700,8 +810,12 @@ def _glm5_next(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> 
     if mapped["qk_rope_head_dim"] != 0:
         raise ValueError(f"glm5_next text_config qk_rope_head_dim={mapped['qk_rope_head_dim']}: GLM's MLA is NoPE")
     _glm_components(text, mapped)
+    declared = _glm_mtp_fields(text, top_mtp)
     text.unhandled()
-    skipped = _layer_skips("glm5_next", mapped["num_hidden_layers"], checkpoint_keys, r"model\.language_model\.")
+    prefix = "model.language_model."
+    mtp = _mtp_plan("glm5_next", mapped["num_hidden_layers"], declared, checkpoint_keys, prefix, overrides)
+    mapped["num_mtp_layers"] = mtp.num_mtp_layers
+    skipped = mtp.skipped
     skipped[r"^model\.visual\."] = "glm5_next vision tower model.visual.*"
     if mapped["index_kpool"] == 1:
         # Pools of one token: the pooling softmax weighs the single key by exactly 1, so transformers' compression
@@ -714,6 +828,7 @@ def _glm5_next(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> 
         key_mapping=_kda_key_mapping(mapped["layer_types"]),
         conversions=[
             WeightRenaming(r"^model\.language_model\.", "model."),
+            *mtp.renamings,
             *_GLM_HC_RENAMES,
             *_kda_runtime_layout(),
             WeightConverter(
@@ -724,6 +839,7 @@ def _glm5_next(fields: _Fields, checkpoint_keys: list[str], overrides: dict) -> 
             *_stacked_experts("gate_proj", "up_proj", "down_proj"),
         ],
         skipped=skipped,
+        mtp_copies=mtp.copies,
     )
 
 
@@ -867,11 +983,38 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
     }
     if problems:
         raise ValueError(f"{plan.model_type} checkpoint {path!r} does not map onto KDSA exactly: {problems}")
+    _check_mtp_copies(path, plan, model)
     for pattern, what in plan.skipped.items():
         count = sum(1 for k in keys if re.search(pattern, k))
         if count:
             logger.info("skipped %s: %d tensors", what, count)
     return (model, info) if want_info else model
+
+
+def _shard_of(folder: str, key: str) -> str:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return os.path.join(folder, json.load(f)["weight_map"][key])
+    return os.path.join(folder, "model.safetensors")
+
+
+def _check_mtp_copies(folder: str, plan: ForeignCheckpointPlan, model) -> None:
+    """An MTP layer's copy of the embedding or of the lm_head (`_mtp_plan`) must equal the model's tensor as loaded
+    (compared in the model's dtype, so a bf16 load rounds both the same way); KDSA's MTP shares the model's, so a
+    copy that differs would be dropped silently: refused by name (docs/checkpoint-conversion.md §10)."""
+    from safetensors import safe_open
+
+    parameters = dict(model.named_parameters())
+    for key, target in plan.mtp_copies.items():
+        with safe_open(_shard_of(folder, key), framework="pt") as f:
+            copy = f.get_tensor(key)
+        ours = parameters[target]
+        if copy.shape != ours.shape or not torch.equal(copy.to(ours.dtype), ours.detach().cpu()):
+            raise ValueError(
+                f"{plan.model_type} checkpoint tensor {key} differs from the model's {target}: KDSA's MTP layers share "
+                "the model's embedding and lm_head (DeepSeek-V3 §2.2) and cannot use a separate copy"
+            )
 
 
 def _fp8_unreadable(folder: str, keys: list[str]) -> list[str]:
