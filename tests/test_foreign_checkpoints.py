@@ -268,28 +268,166 @@ def copy_of(family, tmp_path):
     return folder
 
 
-def test_mtp_layer_is_skipped_with_one_info_line(family, tmp_path, caplog):
+# The trunk layer whose hub tensors the fixtures copy into an MTP block: a DSA layer with its own indexer and a MoE.
+MTP_SOURCE_LAYER = {"deepseek_v32": 2, "glm5_next": 1}
+
+
+def mtp_tensors(family, n: int) -> dict[str, torch.Tensor]:
+    """A hub MTP layer at index `n`: a copy of a DSA + MoE trunk layer's tensors, perturbed, without mHC tensors
+    (GLM's MTP layer is single-stream), plus enorm, hnorm, eh_proj, shared_head.norm and the copies of the embedding
+    and lm_head (exact copies, as DeepSeek ships them)."""
+    prefix = MTP_PREFIX[family.name]
+    index = json.loads((family.folder / "model.safetensors.index.json").read_text())
+    generator = torch.Generator().manual_seed(2)
+    source = f"{prefix}{MTP_SOURCE_LAYER[family.name]}."
+    tensors = {}
+    for key, shard in index["weight_map"].items():
+        if key.startswith(source) and ".hc_" not in key:
+            tensor = load_file(family.folder / shard)[key]
+            noise = 0.01 * torch.randn(tensor.shape, generator=generator) if tensor.is_floating_point() else 0
+            tensors[f"{prefix}{n}." + key[len(source) :]] = tensor + noise
+    hidden = family.model.config.hidden_size
+    tensors[f"{prefix}{n}.enorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=generator)
+    tensors[f"{prefix}{n}.hnorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=generator)
+    tensors[f"{prefix}{n}.eh_proj.weight"] = 0.1 * torch.randn(hidden, 2 * hidden, generator=generator)
+    tensors[f"{prefix}{n}.shared_head.norm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=generator)
+    tensors[f"{prefix}{n}.shared_head.head.weight"] = family.model.lm_head.weight.detach().clone()
+    tensors[f"{prefix}{n}.embed_tokens.weight"] = family.model.model.embed_tokens.weight.detach().clone()
+    return tensors
+
+
+def with_mtp(family, tmp_path, changed: dict | None = None, **config_changes):
+    """A copy of the family folder with one MTP layer declared (`num_nextn_predict_layers: 1`; GLM: in text_config)
+    and stored (`changed`: tensors replaced or added); returns (folder, the MTP tensors)."""
+    folder = copy_of(family, tmp_path)
+    tensors = mtp_tensors(family, family.model.config.num_hidden_layers) | (changed or {})
+    add_tensors(folder, tensors)
+    edit_config(folder, text_config=family.name == "glm5_next", num_nextn_predict_layers=1, **config_changes)
+    return folder, tensors
+
+
+def mtp_name(family, key: str) -> str:
+    """KDSA's name of a hub MTP tensor (one MTP layer at index num_hidden_layers)."""
+    n = family.model.config.num_hidden_layers
+    name = key.removeprefix(f"{MTP_PREFIX[family.name]}{n}.")
+    if re.match(r"(enorm|hnorm|eh_proj|shared_head\.norm)\.", name):
+        return f"mtp.layers.0.{name}"
+    return f"mtp.layers.0.block.{name}"
+
+
+def needs_mtp(family):
     if family.name not in MTP_PREFIX:
         pytest.skip(f"{family.name} checkpoints have no multi-token-prediction layers")
-    folder = copy_of(family, tmp_path)
-    n = family.model.config.num_hidden_layers
-    prefix = MTP_PREFIX[family.name]
-    add_tensors(
-        folder,
-        {
-            f"{prefix}{n}.eh_proj.weight": torch.randn(64, 128),
-            f"{prefix}{n}.enorm.weight": torch.randn(64),
-            f"{prefix}{n}.self_attn.q_a_proj.weight": torch.randn(32, 64),
-        },
-    )
+
+
+def test_mtp_layer_loads_tensor_by_tensor(family, tmp_path):
+    needs_mtp(family)
+    folder, tensors = with_mtp(family, tmp_path)
+    model = KDSAForCausalLM.from_pretrained(folder).eval()
+    assert model.config.num_mtp_layers == 1 and model.mtp is not None
+    ours = model.state_dict()
+    checked = set()
+    for key, tensor in tensors.items():
+        if key.endswith(("shared_head.head.weight", "embed_tokens.weight")):
+            continue  # the model's own lm_head / embedding (checked equal at load)
+        if ".experts." in key:
+            expert, proj = re.search(r"experts\.(\d+)\.(\w+)_proj", key).groups()
+            kind = "down" if proj == "down" else "gate_up"
+            stacked = mtp_name(family, key).split(".experts.")[0] + f".experts.{kind}_proj"
+            part = ours[stacked][int(expert)]
+            part = part if proj == "down" else part.chunk(2)[proj == "up"]
+            assert torch.equal(part, tensor), key
+            checked.add(stacked)
+            continue
+        assert torch.equal(ours[mtp_name(family, key)], tensor), key
+        checked.add(mtp_name(family, key))
+    assert checked == {name for name in ours if name.startswith("mtp.")}
+    with torch.no_grad():  # the model's forward does not run the MTP layer
+        assert torch.equal(model(family.ids).logits, family.model(family.ids).logits)
+
+
+def test_mtp_layer_skipped_with_num_mtp_layers_0_and_one_info_line(family, tmp_path, caplog):
+    needs_mtp(family)
+    folder, _ = with_mtp(family, tmp_path)
     with caplog.at_level(logging.INFO, logger="modeling_kdsa.conversion"):
-        model = KDSAForCausalLM.from_pretrained(folder).eval()
+        model = KDSAForCausalLM.from_pretrained(folder, num_mtp_layers=0).eval()
+    assert model.mtp is None and model.config.num_mtp_layers == 0
+    n = family.model.config.num_hidden_layers
     lines = [
         r.getMessage() for r in caplog.records if r.name == "modeling_kdsa.conversion" and "layer" in r.getMessage()
     ]
-    assert lines == [f"skipped {family.name} layer {n} (multi-token-prediction block): 3 tensors"]
+    count = len(mtp_tensors(family, n))
+    assert lines == [f"skipped {family.name} layer {n} (multi-token-prediction block): {count} tensors"]
     with torch.no_grad():
         assert torch.equal(model(family.ids).logits, family.model(family.ids).logits)
+    with pytest.raises(ValueError, match="num_mtp_layers=2"):
+        KDSAForCausalLM.from_pretrained(folder, num_mtp_layers=2)
+
+
+def test_undeclared_mtp_layer_is_skipped_with_one_info_line(family, tmp_path, caplog):
+    needs_mtp(family)
+    folder = copy_of(family, tmp_path)
+    n = family.model.config.num_hidden_layers
+    add_tensors(folder, mtp_tensors(family, n))
+    with caplog.at_level(logging.INFO, logger="modeling_kdsa.conversion"):
+        model = KDSAForCausalLM.from_pretrained(folder).eval()
+    assert model.mtp is None
+    assert any(f"layer {n} (multi-token-prediction block)" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("which", ["eh_proj.weight", "self_attn.indexer.wk.weight", "mlp.experts.1.up_proj.weight"])
+def test_missing_mtp_tensor_is_refused_by_name(family, tmp_path, which):
+    needs_mtp(family)
+    folder, _ = with_mtp(family, tmp_path)
+    n = family.model.config.num_hidden_layers
+    remove_tensor(folder, f"{MTP_PREFIX[family.name]}{n}.{which}")
+    expected = "mlp.experts.gate_up_proj" if "experts" in which else mtp_name(family, f"x.{which}").split("x.")[-1]
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        KDSAForCausalLM.from_pretrained(folder)
+
+
+def test_unexpected_mtp_tensor_is_refused_by_name(family, tmp_path):
+    """A multi-stream (mHC) MTP layer's `hc_*` tensors: KDSA's MTP block is single-stream."""
+    needs_mtp(family)
+    n = family.model.config.num_hidden_layers
+    folder, _ = with_mtp(family, tmp_path, {f"{MTP_PREFIX[family.name]}{n}.hc_attn_fn": torch.randn(24, 256)})
+    with pytest.raises(ValueError, match=r"mtp\.layers\.0\.block\.(hc_attn_fn|attn_hc\.fn)"):
+        KDSAForCausalLM.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("copy", ["shared_head.head", "embed_tokens"])
+def test_mtp_copy_of_a_shared_tensor_that_differs_is_refused_by_name(family, tmp_path, copy):
+    needs_mtp(family)
+    key = f"{MTP_PREFIX[family.name]}{family.model.config.num_hidden_layers}.{copy}.weight"
+    shared = family.model.lm_head if copy == "shared_head.head" else family.model.model.embed_tokens
+    folder, _ = with_mtp(family, tmp_path, {key: shared.weight.detach() + 1e-3})
+    with pytest.raises(ValueError, match=re.escape(key)):
+        KDSAForCausalLM.from_pretrained(folder)
+
+
+def test_kimi_mtp_layers_are_refused_by_name_unless_skipped():
+    raw = kimi_linear_model().config.to_dict() | {"num_nextn_predict_layers": 1}
+    with pytest.raises(ValueError, match="num_nextn_predict_layers=1"):
+        plan_foreign_load(raw, [])
+    keys = ["model.layers.4.eh_proj.weight"]
+    plan = plan_foreign_load(raw, keys, {"num_mtp_layers": 0})
+    assert plan.config.num_mtp_layers == 0 and list(plan.skipped.values()) == [
+        "kimi_linear layer 4 (multi-token-prediction block)"
+    ]
+
+
+def test_glm_mtp_fields_are_read_from_text_config_or_top_level():
+    raw = glm5_next_model().config.to_dict()
+    raw["num_nextn_predict_layers"] = 1
+    raw["text_config"]["index_share_for_mtp_iteration"] = True
+    assert plan_foreign_load(raw, []).config.num_mtp_layers == 1
+    raw["text_config"]["num_nextn_predict_layers"] = 2
+    with pytest.raises(ValueError, match="num_nextn_predict_layers"):
+        plan_foreign_load(raw, [])
+    raw["text_config"]["num_nextn_predict_layers"] = 1
+    raw["text_config"]["index_share_for_mtp_iteration"] = "yes"
+    with pytest.raises(ValueError, match="index_share_for_mtp_iteration"):
+        plan_foreign_load(raw, [])
 
 
 # ------------------------------------------------------------------------------------------------------ refusals
@@ -409,7 +547,7 @@ def test_deepseek_v32_hub_config_translates():
     assert (config.n_group, config.topk_group, config.mla_layernorm_eps) == (8, 4, 1e-6)
     assert config.attn_res_block_size == 0 and config.n_routed_experts == 256 and config.index_topk == 2048
     assert not hasattr(config, "quantization_config") or config.quantization_config is None
-    assert list(plan.skipped.values()) == ["deepseek_v32 layer 61 (multi-token-prediction block)"]
+    assert plan.config.num_mtp_layers == 1 and plan.skipped == {}  # layer 61 loads as the MTP layer
 
 
 def test_kimi_linear_hub_config_translates():
