@@ -753,6 +753,16 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
             return False
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        """transformers' checks, plus: `speculation_type="dspark"` without a draft is refused (transformers would
+        decode plainly and ignore it)."""
+        if generation_config.speculation_type == "dspark" and generation_mode_kwargs.get("assistant_model") is None:
+            raise ValueError(
+                "speculation_type='dspark' needs assistant_model=<a DSparkDraftModel> "
+                "(modeling_kdsa.DSparkDraftModel.from_pretrained(folder))"
+            )
+        super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
+
     def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
         """`use_mtp=True` (the checkpoint's MTP layers) and `speculation_type="dspark"` (a `DSparkDraftModel` as
         `assistant_model`) run KDSA's own block-drafting loop (speculative.py, docs/speculative.md), batched;
