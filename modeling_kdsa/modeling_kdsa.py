@@ -39,7 +39,7 @@ from .norms import KDSARMSNorm
 from .numeric_formats import mxfp4_quantize
 from .rotary import KDSARotaryEmbedding
 from .sequence_parallel import SequenceParallelContext
-from .speculative import speculative_generate
+from .speculative import SPECULATION_OPTIONS, speculative_generate
 from .static_cache import KDSAStaticCache, StaticKDALayer, append_conv_window
 from .stop_strings import VocabularyProbeStopStringCriteria, stop_string_probe
 
@@ -753,14 +753,29 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
             return False
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
+    def _prepare_generation_config(self, generation_config, **kwargs):
+        """transformers' preparation, plus KDSA's drafting options (`SPECULATION_OPTIONS`: `mtp_draft_tokens`,
+        `dspark_confidence_threshold`), taken from `generate()`'s keywords onto the call's generation config."""
+        options = {name: kwargs.pop(name) for name in SPECULATION_OPTIONS if name in kwargs}
+        generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
+        for name, value in options.items():
+            setattr(generation_config, name, value)
+        return generation_config, model_kwargs
+
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-        """transformers' checks, plus: `speculation_type="dspark"` without a draft is refused (transformers would
-        decode plainly and ignore it)."""
+        """transformers' checks, plus: `speculation_type="dspark"` without a draft, and a drafting option without its
+        drafter, are refused (transformers would decode plainly and ignore them)."""
         if generation_config.speculation_type == "dspark" and generation_mode_kwargs.get("assistant_model") is None:
             raise ValueError(
                 "speculation_type='dspark' needs assistant_model=<a DSparkDraftModel> "
                 "(modeling_kdsa.DSparkDraftModel.from_pretrained(folder))"
             )
+        drafters = {"mtp_draft_tokens": ("use_mtp=True", bool(generation_config.use_mtp)),
+                    "dspark_confidence_threshold": ("speculation_type='dspark'",
+                                                    generation_config.speculation_type == "dspark")}  # fmt: skip
+        for name, (flag, active) in drafters.items():
+            if getattr(generation_config, name, None) is not None and not active:
+                raise ValueError(f"{name} applies to {flag} only")
         super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
 
     def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):

@@ -200,7 +200,7 @@ class DSparkDrafter:
     def propose(self, num_tokens: int, anchor, anchor_position, attention_mask, sample):
         tokens, logits, confidence = self.draft.propose(self.cache, anchor, anchor_position, sample)
         keep = min(num_tokens, tokens.shape[1])
-        if self.confidence_threshold > 0:
+        if self.confidence_threshold > 0 and confidence is not None:
             # DeepSpec's static rule: cut the block at the first slot whose confidence is below the threshold; in a
             # batch, the longest confident prefix of any row (one forward verifies all rows).
             confident = (confidence >= self.confidence_threshold).long().cumprod(1).sum(1)
@@ -214,9 +214,15 @@ def _stack(tokens: list, logits: list, anchor: torch.Tensor):
     return torch.stack(tokens, 1), torch.stack(logits, 1)
 
 
-def _drafter(model, generation_config, batch_size: int, assistant_model, model_kwargs: dict):
-    mtp_tokens = model_kwargs.pop("mtp_draft_tokens", None)
-    threshold = model_kwargs.pop("dspark_confidence_threshold", None)
+# generate() keywords (or GenerationConfig attributes) of KDSA's drafters: the draft tokens the MTP layer chains per
+# round (default 1, transformers' use_mtp count), and the DSpark pruning threshold (default: transformers'
+# `assistant_confidence_threshold`).
+SPECULATION_OPTIONS = ("mtp_draft_tokens", "dspark_confidence_threshold")
+
+
+def _drafter(model, generation_config, batch_size: int, assistant_model):
+    mtp_tokens = getattr(generation_config, "mtp_draft_tokens", None)
+    threshold = getattr(generation_config, "dspark_confidence_threshold", None)
     if generation_config.use_mtp:
         if assistant_model is not None:
             raise ValueError("use_mtp=True drafts with the model's own MTP layers: pass no assistant_model")
@@ -274,7 +280,7 @@ def speculative_generate(
             f"KDSACache(config, rollback_tokens={ROLLBACK_TOKENS})"
         )
     batch_size = input_ids.shape[0]
-    drafter = _drafter(model, generation_config, batch_size, assistant_model, model_kwargs)
+    drafter = _drafter(model, generation_config, batch_size, assistant_model)
     sampler = Sampler(logits_processor, bool(generation_config.do_sample))
     pad = generation_config._pad_token_tensor
     attention_mask = model_kwargs.get("attention_mask")

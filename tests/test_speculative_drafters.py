@@ -1,0 +1,120 @@
+"""generate() with the real drafters — the model's MTP layer (`use_mtp=True`) and a DSpark draft
+(`assistant_model=draft, speculation_type="dspark"`) — returns plain greedy's tokens at batch 1 and batch 4
+left-padded, chained MTP drafts and confidence pruning included; sampling runs through the same loop. The drafts here
+have random weights, so most drafts are rejected (the scripted tests in test_speculative_loop.py choose every
+accept/reject pattern); the shipped, trained drafts are tested in test_checkpoint.py."""
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from modeling_kdsa import DSparkConfig, DSparkDraftModel
+
+GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def left_padded(batch, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [13, 6, 21, 9][:batch]
+    width = max(lengths)
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = torch.randint(3, 128, (length,), generator=generator)
+        mask[row, width - length :] = 1
+    return ids, (mask if batch > 1 else None)
+
+
+def random_dspark(model, seed=0, **overrides) -> DSparkDraftModel:
+    """A DSpark draft for the tiny test model with random weights (two context layers, a Markov and a confidence
+    head)."""
+    torch.manual_seed(seed)
+    fields = dict(
+        vocab_size=model.config.vocab_size, hidden_size=model.config.hidden_size, intermediate_size=96,
+        num_hidden_layers=1, num_attention_heads=4, target_layer_ids=[0, 2], num_target_layers=4, block_size=5,
+        mask_token_id=3, markov_rank=16,
+    )  # fmt: skip
+    fields.update(overrides)
+    return DSparkDraftModel(DSparkConfig(**fields)).eval()
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("draft_tokens", [1, 3])
+def test_mtp_greedy_equals_plain_greedy(batch, draft_tokens):
+    model = tiny_model(num_mtp_layers=1)
+    ids, mask = left_padded(batch)
+    reference = model.generate(ids, attention_mask=mask, max_new_tokens=20, **GREEDY)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=20, use_mtp=True, mtp_draft_tokens=draft_tokens,
+                         **GREEDY)  # fmt: skip
+    assert torch.equal(out, reference)
+    stats = model.speculation_stats
+    assert stats.method == "mtp" and stats.rounds > 0
+    assert stats.drafted <= stats.rounds * draft_tokens
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_dspark_greedy_equals_plain_greedy(batch, threshold):
+    model = tiny_model()
+    draft = random_dspark(model)
+    ids, mask = left_padded(batch, seed=1)
+    reference = model.generate(ids, attention_mask=mask, max_new_tokens=20, **GREEDY)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=20, assistant_model=draft,
+                         speculation_type="dspark", dspark_confidence_threshold=threshold, **GREEDY)  # fmt: skip
+    assert torch.equal(out, reference)
+    stats = model.speculation_stats
+    assert stats.method == "dspark"
+    if threshold == 0.0:  # no pruning: every round verifies a whole block (γ = 5) until the end is near
+        assert stats.drafted >= (stats.rounds - 4) * 5
+
+
+def test_confidence_pruning_reaches_the_verify_forward():
+    """A threshold above every confidence verifies no draft at all (each round is a plain step); none prunes
+    nothing: the count of drafted tokens follows the threshold."""
+    model = tiny_model()
+    draft = random_dspark(model)
+    ids, _ = left_padded(1)
+    drafted = {}
+    for threshold in (0.0, 1.01):
+        model.generate(ids, max_new_tokens=12, assistant_model=draft, speculation_type="dspark",
+                       dspark_confidence_threshold=threshold, **GREEDY)  # fmt: skip
+        drafted[threshold] = model.speculation_stats.drafted
+    assert drafted[1.01] == 0 and drafted[0.0] > 0
+
+
+@pytest.mark.parametrize("method", ["mtp", "dspark"])
+def test_sampling_runs_batched(method):
+    """do_sample with top-p through both drafters, batch 4 left-padded: every row gets its tokens (the distribution
+    itself is tested in test_speculative_loop.py)."""
+    model = tiny_model(num_mtp_layers=1)
+    ids, mask = left_padded(4, seed=2)
+    extra = {"use_mtp": True, "mtp_draft_tokens": 2} if method == "mtp" else {
+        "assistant_model": random_dspark(model), "speculation_type": "dspark"}  # fmt: skip
+    torch.manual_seed(0)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=True, top_p=0.9, temperature=0.8,
+                         pad_token_id=0, eos_token_id=None, **extra)  # fmt: skip
+    assert out.shape == (4, ids.shape[1] + 16)
+    stats = model.speculation_stats
+    assert stats.method == method and stats.emitted == 16 and stats.rounds + 1 <= 16
+
+
+def test_bad_drafter_arguments_are_refused():
+    model = tiny_model(num_mtp_layers=1)
+    ids, _ = left_padded(1)
+    with pytest.raises(ValueError, match="mtp_draft_tokens must be >= 1"):
+        model.generate(ids, max_new_tokens=4, use_mtp=True, mtp_draft_tokens=0, **GREEDY)
+    with pytest.raises(ValueError, match="pass no assistant_model"):
+        model.generate(ids, max_new_tokens=4, use_mtp=True, assistant_model=random_dspark(model), **GREEDY)
+    with pytest.raises(ValueError, match="needs assistant_model=<a DSparkDraftModel>"):
+        model.generate(ids, max_new_tokens=4, speculation_type="dspark", assistant_model=tiny_model(), **GREEDY)
+    wrong_layers = random_dspark(model, target_layer_ids=[3], num_target_layers=None)
+    with pytest.raises(ValueError, match="final layer"):
+        model.generate(ids, max_new_tokens=4, speculation_type="dspark", assistant_model=wrong_layers, **GREEDY)
