@@ -320,10 +320,12 @@ def needs_mtp(family):
         pytest.skip(f"{family.name} checkpoints have no multi-token-prediction layers")
 
 
-def test_mtp_layer_loads_tensor_by_tensor(family, tmp_path):
+def test_mtp_layer_loads_tensor_by_tensor(family, tmp_path, caplog):
     needs_mtp(family)
     folder, tensors = with_mtp(family, tmp_path)
-    model = KDSAForCausalLM.from_pretrained(folder).eval()
+    with caplog.at_level(logging.INFO, logger="modeling_kdsa.conversion"):
+        model = KDSAForCausalLM.from_pretrained(folder).eval()
+    assert not [r for r in caplog.records if "multi-token-prediction" in r.getMessage()]  # loaded, not skipped
     assert model.config.num_mtp_layers == 1 and model.mtp is not None
     ours = model.state_dict()
     checked = set()
