@@ -382,8 +382,9 @@ def test_missing_mtp_tensor_is_refused_by_name(family, tmp_path, which):
     needs_mtp(family)
     folder, _ = with_mtp(family, tmp_path)
     n = family.model.config.num_hidden_layers
-    remove_tensor(folder, f"{MTP_PREFIX[family.name]}{n}.{which}")
-    expected = "mlp.experts.gate_up_proj" if "experts" in which else mtp_name(family, f"x.{which}").split("x.")[-1]
+    key = f"{MTP_PREFIX[family.name]}{n}.{which}"
+    remove_tensor(folder, key)
+    expected = "mtp.layers.0.block.mlp.experts.gate_up_proj" if "experts" in which else mtp_name(family, key)
     with pytest.raises(ValueError, match=re.escape(expected)):
         KDSAForCausalLM.from_pretrained(folder)
 
