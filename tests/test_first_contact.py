@@ -1,6 +1,7 @@
 """What a new user meets first: clear errors for bad input (a ValueError naming the argument and the limit, raised
 before any state changes) and transformers' conventions where a user expects them (positions beyond
-max_position_embeddings, hidden states, return_dict, left-padding tokenizer, the README's quantization example)."""
+max_position_embeddings, hidden states, return_dict, left-padding tokenizer, the quantization example of
+docs/quantization.md)."""
 
 import re
 from pathlib import Path
@@ -238,11 +239,11 @@ def test_pipeline_output_is_spaced_text_that_round_trips():
     assert stopped[0]["generated_text"] == PROMPT + " " + first
 
 
-def test_readme_quantization_example_runs_on_the_shipped_checkpoint(tmp_path):
-    """The README's quantization block, executed as written with `path` = the shipped checkpoint."""
+def test_docs_quantization_example_runs_on_the_shipped_checkpoint(tmp_path):
+    """The quantization block of docs/quantization.md §4, executed as written with `path` = the shipped checkpoint."""
     shipped()
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Quantization") :]
+    doc = (ROOT / "docs" / "quantization.md").read_text()
+    section = doc[doc.index("## §4 The `kdsa` quantization method") :]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
     from transformers import AutoModelForCausalLM
 
