@@ -260,6 +260,12 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", type=Path, default=OUTPUT)
+    parser.add_argument(
+        "--data-cache",
+        type=Path,
+        default=None,
+        help="reuse the captured data of an earlier run with the same data arguments (a .pt file)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -303,13 +309,18 @@ def main():
             if " ".join(words) in held_out:
                 raise ValueError(f"a training prompt equals a held-out {task} doc")
             eval_prompts.append((task, words))
-    train = build_dataset(target, draft, tokenizer, prompts, batch_size=32)
-    evaluation = []
-    for task, words in eval_prompts:  # one bucket per doc: the task name is kept for the per-task τ
-        kind = COPY if task == "copy" else KEY_VALUE
-        (bucket,) = build_dataset(target, draft, tokenizer, [(kind, words)], batch_size=1, keep_hidden=True)
-        bucket["task_name"] = task
-        evaluation.append(bucket)
+    if args.data_cache is not None and args.data_cache.exists():
+        train, evaluation = torch.load(args.data_cache)
+    else:
+        train = build_dataset(target, draft, tokenizer, prompts, batch_size=32)
+        evaluation = []
+        for task, words in eval_prompts:  # one bucket per doc: the task name is kept for the per-task τ
+            kind = COPY if task == "copy" else KEY_VALUE
+            (bucket,) = build_dataset(target, draft, tokenizer, [(kind, words)], batch_size=1, keep_hidden=True)
+            bucket["task_name"] = task
+            evaluation.append(bucket)
+        if args.data_cache is not None:
+            torch.save((train, evaluation), args.data_cache)
     data_seconds = time.perf_counter() - start
     print(f"data: {sum(b['ids'].shape[0] for b in train)} training sequences, {len(evaluation)} held-out, "
           f"{data_seconds:.0f} s", flush=True)  # fmt: skip
@@ -365,7 +376,7 @@ def main():
         )
         + " --target-layer-ids "
         + " ".join(map(str, args.target_layer_ids)),
-        **{k: v for k, v in vars(args).items() if k != "output"},
+        **{k: v for k, v in vars(args).items() if k not in ("output", "data_cache")},
         "train_sequences": sum(b["ids"].shape[0] for b in train),
         "parameters": sum(p.numel() for p in draft.parameters()),
         "data_seconds": data_seconds,
