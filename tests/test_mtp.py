@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -311,3 +312,29 @@ def test_chained_layers_keep_their_own_token_counts_and_bad_calls_are_refused():
         assert cache.get_seq_length(0) == 6  # a refused call writes nothing
         with pytest.raises(ValueError, match="vocab_size"):
             model.mtp(0, hidden, ids + 64)
+
+
+def test_train_mtp_writes_only_the_mtp_tensors_and_keeps_the_others_bit_identical(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from train_mtp import build_mtp, write_checkpoint
+
+    torch.manual_seed(0)
+    KDSAForCausalLM(tiny_config(num_mtp_layers=0)).save_pretrained(tmp_path)
+    before = load_file(tmp_path / "model.safetensors")
+    config_before = json.loads((tmp_path / "config.json").read_text())
+    target = KDSAForCausalLM.from_pretrained(tmp_path).eval()
+    build_mtp(target)  # block = the trunk's layer 3 (DSA + MoE), eh_proj = [I | I]
+    block = target.mtp.layers[0].block
+    assert torch.equal(block.self_attn.kv_b_proj.weight, before["model.layers.3.self_attn.kv_b_proj.weight"])
+    written = write_checkpoint(target, tmp_path)
+    after = load_file(tmp_path / "model.safetensors")
+    assert set(after) == set(before) | set(written) and all(name.startswith("mtp.") for name in written)
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+    config_after = json.loads((tmp_path / "config.json").read_text())
+    assert config_after == config_before | {"num_mtp_layers": 1}
+    reloaded = KDSAForCausalLM.from_pretrained(tmp_path)
+    for name, tensor in target.mtp.state_dict().items():
+        assert torch.equal(reloaded.mtp.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match="already holds MTP tensors"):
+        write_checkpoint(target, tmp_path)
