@@ -751,6 +751,9 @@ class DSparkDraftModel(PreTrainedModel):
         from safetensors.torch import load_file
         from transformers.utils import cached_file
 
+        dtype = kwargs.pop("torch_dtype", dtype)
+        kwargs.pop("trust_remote_code", None)
+
         def resolve(name: str, required: bool = True):
             return cached_file(pretrained_model_name_or_path, name, _raise_exceptions_for_missing_entries=required,
                                **kwargs)  # fmt: skip

@@ -189,6 +189,7 @@ def simulate_greedy(draft, buckets) -> dict:
 
 def model_card(training: dict, results: dict) -> str:
     per_task = "\n".join(f"| {task} | {tau:.2f} |" for task, tau in results["greedy"]["tau_per_task"].items())
+    data_time = "loaded from --data-cache" if training["data_cached"] else f"{training['data_seconds']:.0f} s"
     slots = ", ".join(f"{a:.2f}" for a in results["greedy"]["slot_acceptance"] if a is not None)
     return f"""---
 license: apache-2.0
@@ -220,8 +221,11 @@ out = model.generate(ids, assistant_model=draft, speculation_type="dspark", do_s
 
 ## Measured (held-out prompts: the lm-eval test docs, {results["eval_sequences"]} sequences)
 
-The target's greedy continuations are decoded by simulated greedy speculation through the draft's own inference
-API (`extend_context` / `propose`): tokens per target forward τ = accepted drafts + 1.
+{results["eval_sequences"] // len(EVAL_TASKS)} docs per task, continued by kdsa-tiny's greedy decoding
+({NEW_TOKENS[KEY_VALUE]} new tokens after a key-value query, the copy length + {COPY_EXTRA} after a copy
+prompt); the continuations are replayed as greedy speculation through the draft's own inference API
+(`extend_context` / `propose`, γ = {training["block_size"]}, no pruning): τ = tokens per target forward = accepted
+drafts + 1.
 
 | prompts | τ (greedy) |
 |---|---|
@@ -236,7 +240,7 @@ Before training: greedy τ {results["untrained_greedy_tau"]:.2f}, analytic τ {r
 
 `{training["command"]}` — {training["train_sequences"]} prompts of kdsa-tiny's task distribution (key-value
 recall / compose queries and copies of 8-64 pairs or keys), continued by kdsa-tiny's own greedy decoding; the
-target's hidden states and logits captured once ({training["data_seconds"]:.0f} s). {training["steps"]} steps of
+target's hidden states and logits captured once ({data_time}). {training["steps"]} steps of
 {training["batch_size"]} sequences × {training["anchors"]} anchors, AdamW lr {training["lr"]} (warm-up
 {training["warmup"]}, cosine to 10 %), loss 0.1·CE + 0.9·TV + 1.0·BCE(confidence, 1 − TV) with slot weights
 exp(−k/4). Training: {training["train_seconds"] / 60:.1f} min on one CPU thread ({training["total_seconds"] / 60:.1f}
@@ -309,7 +313,8 @@ def main():
             if " ".join(words) in held_out:
                 raise ValueError(f"a training prompt equals a held-out {task} doc")
             eval_prompts.append((task, words))
-    if args.data_cache is not None and args.data_cache.exists():
+    data_cached = args.data_cache is not None and args.data_cache.exists()
+    if data_cached:
         train, evaluation = torch.load(args.data_cache)
     else:
         train = build_dataset(target, draft, tokenizer, prompts, batch_size=32)
@@ -380,6 +385,7 @@ def main():
         "train_sequences": sum(b["ids"].shape[0] for b in train),
         "parameters": sum(p.numel() for p in draft.parameters()),
         "data_seconds": data_seconds,
+        "data_cached": data_cached,
         "train_seconds": train_seconds,
         "total_seconds": time.perf_counter() - start,
     }

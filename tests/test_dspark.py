@@ -360,6 +360,12 @@ def test_speculators_round_trip(tmp_path):
     for got, want in zip(loaded.propose(cache, torch.tensor([2]), torch.tensor([7])),
                          draft.propose(cache, torch.tensor([2]), torch.tensor([7])), strict=True):  # fmt: skip
         assert torch.equal(got, want)
+    half = DSparkDraftModel.from_pretrained(tmp_path, target=target, torch_dtype=torch.bfloat16)
+    assert half.fc.weight.dtype == torch.bfloat16 and half.markov_head.markov_w1.weight.dtype == torch.bfloat16
+    half_cache, _ = setup_context(half, target)  # fp32 target hidden states and embeddings, cast on the way in
+    assert half_cache.keys[0].dtype == torch.bfloat16
+    tokens, q_logits, _ = half.propose(half_cache, torch.tensor([2]), torch.tensor([7]))
+    assert q_logits.dtype == torch.float32 and tokens.shape == (1, 5)
 
 
 def test_reduced_vocabulary_round_trip(tmp_path):
