@@ -201,17 +201,27 @@ def group_divisor(group: str, tp: int, ep: int) -> int:
     return {"tp": tp, "ep_tp": ep * tp, "replicated": 1}[group]
 
 
-def fp8_held_modules(model: KDSAForCausalLM) -> list[str]:
+# Modules an FP8 family checkpoint stores in bf16 beyond the common ones (router, indexer head weights, kv_b_proj):
+# GLM-5.3-Flash keeps every KDA layer and the whole indexer bf16 (its 62 shard headers as read by public serving
+# stacks, e.g. Modular MAX's GLM-5.3-Flash precision map; docs/memory-plan.md §3).
+_BF16_IN_FP8_CHECKPOINT = {"glm5_next": r"(\.linear_attn\.|\.indexer\.)"}
+
+
+def fp8_held_modules(model: KDSAForCausalLM, model_type: str | None = None) -> list[str]:
     """The linear layers a FP8 checkpoint keeps FP8 under `fp8_weights="hold"`, from the module structure: every 2-D
     linear weight of a decoder or MTP layer except the router, the indexer's head weights (not FP8 in the published
-    checkpoints) and `kv_b_proj` (dequantized at load: the MLA absorption reads it); the stacked routed experts are
-    dequantized at load too (docs/checkpoint-conversion.md §9). For a folder the checkpoint's own names decide
+    checkpoints), `kv_b_proj` (dequantized at load: the MLA absorption reads it) and what the family stores in bf16
+    (`_BF16_IN_FP8_CHECKPOINT`); the stacked routed experts are dequantized at load too
+    (docs/checkpoint-conversion.md §9). For a folder the checkpoint's own names decide
     (`conversion.fp8_held_layers`)."""
+    family_bf16 = _BF16_IN_FP8_CHECKPOINT.get(model_type)
     held = []
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or not re.match(r"(model|mtp)\.layers\.\d+\.", name):
             continue
         if re.search(r"(\.mlp\.gate|\.indexer\.weights_proj|\.kv_b_proj)$", name):
+            continue
+        if family_bf16 is not None and re.search(family_bf16, name + "."):
             continue
         held.append(name)
     return held
@@ -239,12 +249,14 @@ class TensorEntry:
     is_parameter: bool
 
 
-def weight_entries(model: KDSAForCausalLM, weights: str, fp8_block=(128, 128), held=None) -> list[TensorEntry]:
+def weight_entries(
+    model: KDSAForCausalLM, weights: str, fp8_block=(128, 128), held=None, model_type: str | None = None
+) -> list[TensorEntry]:
     """Every tensor of the state dict (parameters and persistent buffers, tied ones once) with its bytes in the
-    format `weights` loads it in."""
+    format `weights` loads it in (`held`: the FP8-held module names, default `fp8_held_modules`)."""
     config = model.config
     fp32 = _fp32_pattern(model)
-    held = set(fp8_held_modules(model) if held is None else held) if weights == "fp8" else set()
+    held = set(fp8_held_modules(model, model_type) if held is None else held) if weights == "fp8" else set()
     parameters = {id(p) for p in model.parameters()}
     entries, seen = [], set()
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -480,7 +492,9 @@ class MemoryPlan:
         self.weights, self.kv_cache, self.indexer = weights, kv_cache, indexer
         self.prefill_chunk, self.reserve = prefill_chunk, reserve
         self.model = meta_model(config)
-        self.entries = weight_entries(self.model, weights, spec.fp8_block or (128, 128), spec.held_from_checkpoint)
+        self.entries = weight_entries(
+            self.model, weights, spec.fp8_block or (128, 128), spec.held_from_checkpoint, source.raw.get("model_type")
+        )
         self.table = weight_table(self.entries)
         self.per_token = attention_bytes_per_token(config, kv_cache, indexer)
         self.cache_formats = cache_format_table(config)

@@ -143,27 +143,44 @@ def test_sharding_rule_puts_each_component_in_its_group(plans):
 
 
 # Published totals (docs/memory-plan.md §5), in logical weights, with the tolerance each statement's rounding allows.
+# "active": the weights one token reads in the trunk (MTP layers excluded): everything but the routed experts, plus
+# top-k / n_routed_experts of them.
 PUBLISHED = {
-    # DeepSeek-V3 report: 671B main model, MTP excluded; the hub's 685B adds the 14B MTP module, whose copies of the
-    # embedding and output head (2 x 0.93B) KDSA does not store.
-    "deepseek-v3.2": [("weights - mtp_weights", 671e9, 0.005), ("weights + copies", 685e9, 0.005)],
-    "kimi-linear-48b-a3b": [("weights", 48e9, 0.03)],  # "48B total", no MTP
-    "glm-5.3-flash": [("weights", 320e9, 0.01)],  # "about 320B params" with its MTP layer, vision tower excluded
-    "kimi-k3": [("weights", 2.8e12, 0.01), ("active_weights", 104e9, 0.02)],  # "2.8T total, about 104B active"
+    # DeepSeek-V3 report: 671B main model, MTP excluded, 37B activated (the input embedding, a lookup, not counted);
+    # the hub's 685B adds the 14B MTP module, whose copies of the embedding and output head (2 x 0.93B) KDSA does
+    # not store.
+    "deepseek-v3.2": [
+        ("weights - mtp_weights", 671e9, 0.005), ("weights + copies", 685e9, 0.005),
+        ("active - embedding", 37e9, 0.02),
+    ],
+    "kimi-linear-48b-a3b": [("weights", 48e9, 0.03)],  # "48B total"; no MTP
+    # Model card: "320B total parameters and just 18B active" (MTP layer in the total, vision tower not).
+    "glm-5.3-flash": [("weights", 320e9, 0.01), ("active", 18e9, 0.04)],
+    "kimi-k3": [("weights", 2.8e12, 0.01), ("active", 104e9, 0.02)],  # "2.8T total, about 104B active"
 }
+
+
+def trunk_active(plan: planner.MemoryPlan) -> int:
+    config = plan.config
+    trunk = [e for e in plan.entries if not e.name.startswith("mtp.")]
+    routed = sum(e.weights for e in trunk if e.group == "ep_tp")
+    return sum(e.weights for e in trunk) - routed + routed * config.num_experts_per_tok // config.n_routed_experts
 
 
 @pytest.mark.parametrize("family", list(PUBLISHED))
 def test_totals_match_the_published_ones(plans, family):
     plan = plans[family]
     counts = plan.parameter_counts()
-    copies = 2 * plan.config.vocab_size * plan.config.hidden_size * plan.config.num_mtp_layers
+    embedding = plan.config.vocab_size * plan.config.hidden_size
     values = {
         "weights": counts["weights"],
         "weights - mtp_weights": counts["weights"] - counts["mtp_weights"],
-        "weights + copies": counts["weights"] + copies,
-        "active_weights": counts["active_weights"],
+        "weights + copies": counts["weights"] + 2 * embedding * plan.config.num_mtp_layers,
+        "active": trunk_active(plan),
+        "active - embedding": trunk_active(plan) - embedding,
     }
+    if not plan.config.num_mtp_layers:
+        assert counts["active_weights"] == values["active"]
     for what, published, tolerance in PUBLISHED[family]:
         assert abs(values[what] / published - 1) <= tolerance, (what, values[what], published)
 
@@ -205,10 +222,26 @@ def test_fp8_weights_take_a_byte_and_a_scale_per_block(tmp_path):
     plan = planner.MemoryPlan(planner.read_source("deepseek-v3.2"), weights="fp8")
     q_a = next(e for e in plan.entries if e.name == "model.layers.0.self_attn.q_a_proj.weight")
     assert q_a.bytes == {"fp8_values": 1536 * 7168, "fp8_scales": 4 * 12 * 56}
+    kv_a = next(e for e in plan.entries if e.name == "model.layers.0.self_attn.kv_a_proj_with_mqa.weight")
+    assert kv_a.bytes == {"fp8_values": 576 * 7168, "fp8_scales": 4 * 5 * 56}  # 4.5 row tiles: the edge tile counts
     kv_b = next(e for e in plan.entries if e.name == "model.layers.0.self_attn.kv_b_proj.weight")
     assert kv_b.bytes == {"bf16": 2 * 32768 * 512}  # dequantized at load: the MLA absorption reads it
     experts = next(e for e in plan.entries if e.name == "model.layers.3.mlp.experts.gate_up_proj")
     assert experts.bytes == {"bf16": 2 * 256 * 4096 * 7168}
+
+
+def test_glm_fp8_checkpoint_keeps_kda_and_the_indexer_bf16(plans, tmp_path):
+    """GLM-5.3-Flash's FP8 release: MLA projections (not kv_b_proj), dense and shared MLPs FP8; KDA and indexer
+    bf16 (docs/memory-plan.md §3)."""
+    plan = planner.MemoryPlan(planner.read_source(str(glm_converter_subset(tmp_path))), weights="fp8")
+    kinds = {e.name: set(e.bytes) for e in plan.entries}
+    assert kinds["model.layers.3.self_attn.q_b_proj.weight"] == {"fp8_values", "fp8_scales"}
+    assert kinds["model.layers.0.mlp.down_proj.weight"] == {"fp8_values", "fp8_scales"}
+    assert kinds["model.layers.3.mlp.shared_experts.gate_proj.weight"] == {"fp8_values", "fp8_scales"}
+    assert kinds["model.layers.0.linear_attn.q_proj.weight"] == {"bf16"}
+    assert kinds["model.layers.3.self_attn.indexer.wq_b.weight"] == {"bf16"}
+    assert kinds["model.layers.3.self_attn.kv_b_proj.weight"] == {"bf16"}
+    assert kinds["mtp.layers.0.block.self_attn.o_proj.weight"] == {"fp8_values", "fp8_scales"}
 
 
 def tiny_config(**changes) -> KDSAConfig:
@@ -241,6 +274,30 @@ def test_cache_bytes_equal_a_real_cache_after_a_forward(kv_cache, indexer):
     assert batch * planner.kda_state_bytes(meta, tp=1) == measured["kda_states"]
 
 
+def test_cache_bytes_of_the_published_configs(plans):
+    """DeepSeek-V3.2: 61 DSA layers + its MTP layer, each `(512 + 64) x 2` latent + `128 x 2` indexer bytes; FP8
+    latent: 512 E4M3 + 4 fp32 tile scales + 64 x 2 RoPE part. Kimi-Linear: 7 dense MLA layers, latent only."""
+    deepseek = plans["deepseek-v3.2"]
+    assert deepseek.per_token == 62 * (576 * 2 + 128 * 2)
+    assert deepseek.cache_formats["fp8/bf16"] == 62 * (512 + 4 * 4 + 64 * 2 + 128 * 2)
+    assert plans["kimi-linear-48b-a3b"].per_token == 7 * 576 * 2
+
+
+def test_activation_estimate_follows_its_formula(plans):
+    config = plans["deepseek-v3.2"].config
+    tp, ep, chunk = 8, 4, 4096
+    terms = planner.activation_bytes(config, tp, ep, batch=2, context=131072, prefill_chunk=chunk)
+    a, d = 2, 7168
+    assert terms["stream"] == chunk * d * a and terms["layer"] == 4 * chunk * d * a
+    assert terms["mixer"] == chunk * 16 * (192 + 2 * 128) * a + chunk * 64 * 128 * a
+    moe = chunk * 256 * 4 + 2 * chunk * 8 * d * a + 2 * (chunk * 8 // 32) * 3 * 2048 * a + 3 * chunk * 256 * a
+    assert terms["ffn"] == max(3 * chunk * (18432 // tp) * a, moe)
+    assert terms["logits"] == 2 * 129280 * 4
+    assert terms["total"] == sum(v for k, v in terms.items() if k != "total")
+    short = planner.activation_bytes(config, tp, ep, batch=1, context=100, prefill_chunk=chunk)
+    assert short["layer"] == 4 * 100 * d * a  # a prompt shorter than the chunk is one forward of its length
+
+
 def test_kda_state_is_divided_by_tp(plans):
     plan = plans["kimi-k3"]
     # 69 layers x (conv window 3 x 12288 x 4 bf16 + state 96 x 128 x 128 fp32).
@@ -258,6 +315,7 @@ def test_searches_are_consistent(plans):
     assert plan.usage(2, 1, 131072, batch).total <= memory < plan.usage(2, 1, 131072, batch + 1).total
     devices, tp, ep = plan.smallest_devices(131072, 64, memory)
     assert tp * ep == devices and plan.usage(tp, ep, 131072, 64).total <= memory
+    assert plan.smallest_devices(1024, 1, planner.parse_bytes("200GiB")) == (1, 1, 1)
     smaller = [pair for n in range(1, devices) for pair in plan.layouts(n)]
     assert smaller and all(plan.usage(*pair, 131072, 64).total > memory for pair in smaller)
 
@@ -275,7 +333,6 @@ def test_searches_are_consistent(plans):
         (dict(source="kimi-linear-48b-a3b", device_memory="lots"), "device_memory='lots'"),
         (dict(source="kimi-linear-48b-a3b", context=0), "context=0"),
         (dict(source="kimi-linear-48b-a3b", kv_cache="int4"), "kv_cache"),
-        (dict(source="glm-5.3-flash"), "linear_attn_config"),
     ],
 )
 def test_bad_input_is_refused_by_name(kwargs, match):
@@ -318,13 +375,14 @@ def test_cli_text_report(capsys):
     assert "4 devices = tp" in text and "largest context at batch 2" in text and "KDA state per sequence" in text
 
 
+PARALLEL_IMPORT = re.compile(r"^\s*(from|import)\s+(\.+parallel|modeling_kdsa\.parallel)\b", re.MULTILINE)
+
+
 def test_the_model_package_never_imports_the_planner():
     """The entry is `python -m modeling_kdsa.parallel.plan`, not a modeling_kdsa/plan.py: every modeling_kdsa/*.py
     is shipped as remote code, must be reachable from the model files, and imports nothing of parallel/
     (docs/design.md §1; docs/memory-plan.md §6)."""
-    offenders = [
-        path.name
-        for path in sorted((ROOT / "modeling_kdsa").glob("*.py"))
-        if re.search(r"^\s*(from|import)\s+(\.parallel|modeling_kdsa\.parallel)\b", path.read_text(), re.MULTILINE)
-    ]
+    assert PARALLEL_IMPORT.search("from .parallel.plan import main\n")
+    assert PARALLEL_IMPORT.search("import modeling_kdsa.parallel.plan\n")
+    offenders = [p.name for p in sorted((ROOT / "modeling_kdsa").glob("*.py")) if PARALLEL_IMPORT.search(p.read_text())]
     assert offenders == []
