@@ -503,11 +503,14 @@ class MemoryPlan:
     # -------------------------------------------------------------------------------------------------- counts
     def parameter_counts(self) -> dict[str, int]:
         """nn.Parameter elements (what `model.parameters()` counts), logical weights (packed MXFP4 bytes count two,
-        scales none, buffers such as the router bias included), and the MTP layers' share of the logical weights."""
+        scales none, buffers such as the router bias included), the MTP layers' share of the logical weights, and the
+        weights one token reads in the trunk (`active_weights`: all but the routed experts, plus
+        top-k / n_routed_experts of them; MTP layers excluded)."""
         config = self.config
-        routed = sum(e.weights for e in self.entries if e.group == "ep_tp")
         total = sum(e.weights for e in self.entries)
-        active = total - routed
+        trunk = [e for e in self.entries if not e.name.startswith("mtp.")]
+        routed = sum(e.weights for e in trunk if e.group == "ep_tp")
+        active = sum(e.weights for e in trunk) - routed
         if config.n_routed_experts:
             active += routed * config.num_experts_per_tok // config.n_routed_experts
         return {
@@ -688,9 +691,9 @@ def format_report(report: dict) -> str:
         f"KDSA memory plan: {report['source']} ({report['config']})",
         f"  layers: {report['layers']['kda']} KDA, {report['layers']['dsa']} DSA, {report['layers']['mla']} dense MLA, "
         f"{report['layers']['mtp']} MTP; parameters {report['parameters'] / 1e9:.2f} B, logical weights "
-        f"{report['weights'] / 1e9:.2f} B (MTP {report['mtp_weights'] / 1e9:.2f} B), active per token "
+        f"{report['weights'] / 1e9:.2f} B (MTP {report['mtp_weights'] / 1e9:.2f} B), active per token in the trunk "
         f"{report['active_weights'] / 1e9:.2f} B",
-        f"  layout: {report['devices']} devices = tp {report['tp']} x ep {report['ep']}"
+        f"  layout: {report['devices']} device(s) = tp {report['tp']} x ep {report['ep']}"
         + (" (smallest that fits)" if report["smallest_devices_searched"] else "")
         + f"; device memory {report['device_memory'] / GiB:.2f} GiB; weights {report['weights_format']}, "
         f"kv-cache {report['kv_cache']}, indexer {report['indexer']}",
