@@ -462,8 +462,8 @@ class MemoryPlan:
         self,
         source: Source,
         weights: str | None = None,
-        kv_cache: str = "bf16",
-        indexer: str = "bf16",
+        kv_cache: str | None = None,
+        indexer: str | None = None,
         mtp: bool | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         reserve: int = parse_bytes(DEFAULT_RESERVE),
@@ -471,6 +471,9 @@ class MemoryPlan:
         self.source = source
         spec = model_spec(source, mtp)
         self.config = config = spec.config
+        configured = CacheFormats.from_config(config)  # a native config's own cache formats, else bf16
+        kv_cache = configured.kv_cache if kv_cache is None else kv_cache
+        indexer = configured.indexer if indexer is None else indexer
         packed = config.routed_expert_weight_format == "mxfp4"
         default = "mxfp4-experts" if packed else "bf16"
         weights = default if weights is None else weights
@@ -597,8 +600,8 @@ def plan_report(
     tp: int | None = None,
     ep: int | None = None,
     weights: str | None = None,
-    kv_cache: str = "bf16",
-    indexer: str = "bf16",
+    kv_cache: str | None = None,
+    indexer: str | None = None,
     mtp: bool | None = None,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     reserve: str | int = DEFAULT_RESERVE,
@@ -749,8 +752,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int)
     parser.add_argument("--ep", type=int)
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, help="default: as the checkpoint loads by default")
-    parser.add_argument("--kv-cache", choices=KV_CACHE_FORMATS, default="bf16")
-    parser.add_argument("--indexer", choices=INDEXER_FORMATS, default="bf16")
+    parser.add_argument("--kv-cache", choices=KV_CACHE_FORMATS, help="default: the config's own, else bf16")
+    parser.add_argument("--indexer", choices=INDEXER_FORMATS, help="default: the config's own, else bf16")
     parser.add_argument("--no-mtp", action="store_true", help="plan without the MTP layers (num_mtp_layers=0)")
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help="tokens per prefill forward")
     parser.add_argument("--reserve", default=DEFAULT_RESERVE, help="per-rank bytes set aside (runtime, fragmentation)")

@@ -217,6 +217,38 @@ def test_fp8_hold_rule_equals_the_converters_on_transformers_own_deepseek_model(
     assert sorted(planner.fp8_held_modules(model)) == sorted(fp8_held_layers(plan, keys))
 
 
+def test_a_folder_holds_the_layers_its_tensor_names_make_fp8(tmp_path):
+    """A checkpoint folder: config.json and the shard index are read, and the held layers come from its names
+    (`fp8_held_layers`). Here the index names a DeepSeek-V3.2-shaped checkpoint whose only FP8 weights are the
+    attention's `o_proj`s."""
+    raw = json.loads((CONFIGS / "deepseek-v3.2.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    keys = []
+    for layer in range(61):
+        name = f"model.layers.{layer}.self_attn.o_proj.weight"
+        keys += [name, name + "_scale_inv", f"model.layers.{layer}.self_attn.q_a_proj.weight"]
+    index = {"metadata": {}, "weight_map": dict.fromkeys(keys, "model-00001-of-00001.safetensors")}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    plan = planner.MemoryPlan(planner.read_source(str(tmp_path)), weights="fp8", mtp=False)
+    held = {e.name.removesuffix(".weight") for e in plan.entries if "fp8_values" in e.bytes}
+    assert held == {f"model.layers.{layer}.self_attn.o_proj" for layer in range(61)}
+
+
+def test_a_native_folder_plans_with_its_own_cache_formats():
+    plan = planner.MemoryPlan(planner.read_source(str(ROOT / "checkpoints" / "kdsa-tiny")))
+    assert (plan.kv_cache, plan.indexer) == ("bf16", "bf16")
+    model = converted_meta_model_native(plan.config)
+    assert plan.parameter_counts()["parameters"] == sum(p.numel() for p in model.parameters())
+    config = tiny_config(quantization_config={"quant_method": "kdsa", "kv_cache": "fp8", "indexer": "mxfp8"})
+    quantized = planner.MemoryPlan(planner.Source("tiny", "-", config.to_dict()))
+    assert (quantized.kv_cache, quantized.indexer) == ("fp8", "mxfp8")
+
+
+def converted_meta_model_native(config) -> KDSAForCausalLM:
+    with torch.device("meta"):
+        return KDSAForCausalLM(config)
+
+
 def test_fp8_weights_take_a_byte_and_a_scale_per_block(tmp_path):
     plan = planner.MemoryPlan(planner.read_source("deepseek-v3.2"), weights="fp8")
     q_a = next(e for e in plan.entries if e.name == "model.layers.0.self_attn.q_a_proj.weight")
