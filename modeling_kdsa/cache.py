@@ -32,6 +32,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from .configuration_kdsa import DSA_LAYER, MLA_LAYER
+from .cpu_kda_recurrent import cpu_recurrent_kda, kernel_applies
 from .dsa_ops import kpool_keys
 from .dsa_paged_ops import read_rows
 from .kernels import KernelSet, kernel_set
@@ -819,14 +820,23 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
             if replayed:
                 steps = KDAReplayRecord.concat(self.records)
                 kda_recurrent = kernel_set(self.kernel_backend, state.device).require("kda_recurrent")
-                # Replay = the decode kernel itself, called once per token with decode's [B, 1, ...] shapes, so the
-                # rebuilt state is bit for bit the stepped one (one T-token call can round differently: its strided
-                # per-token slices take other matmul kernels). Its output (q = k) is discarded.
-                for t in range(replayed):
-                    step = steps.tokens(t, t + 1)
+                kept = steps.tokens(0, replayed)
+                if kda_recurrent is cpu_recurrent_kda and kernel_applies(kept.k, kept.v):
+                    # The CPU kernel steps every token of a call as a one-token call does (the state goes through the
+                    # same fp32 buffer): one call over the kept tokens is bit for bit the stepped state.
                     _, state = kda_recurrent(
-                        step.k, step.k, step.v, step.g, step.beta, initial_state=state, output_final_state=True
+                        kept.k, kept.k, kept.v, kept.g, kept.beta, initial_state=state, output_final_state=True
                     )
+                else:
+                    # Replay = the decode kernel itself, called once per token with decode's [B, 1, ...] shapes, so
+                    # the rebuilt state is bit for bit the stepped one (one T-token call of the torch reference can
+                    # round differently: its strided per-token slices take other matmul kernels). Its output (q = k)
+                    # is discarded.
+                    for t in range(replayed):
+                        step = steps.tokens(t, t + 1)
+                        _, state = kda_recurrent(
+                            step.k, step.k, step.v, step.g, step.beta, initial_state=state, output_final_state=True
+                        )
                 conv = self._window(conv, steps.conv_inputs[..., :replayed])
             self.conv_states[0], self.recurrent_states[0] = conv, state
             self.num_tokens = new_length

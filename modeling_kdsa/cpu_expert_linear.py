@@ -3,13 +3,13 @@ in place from the stacked weights (docs/graph-mode.md §12).
 
 `kdsa::expert_linear(x [P, K], weight [E, N, K], experts [P]) -> [P, N]` computes `x[p] @ weight[experts[p]]ᵀ` for
 every (token, slot) pair p: the row kernel's dot products (`cpu_row_linear`), the same loop and order of additions,
-so each row's result is bit for bit what `cpu_row_linear.row_linear(x[p], weight[experts[p]])` gives. Pairs of the
-same expert (tokens of a batch that chose it) share each read of its weight, up to 4 at a time, as the row kernel
-shares a weight between up to 4 rows; the experts' weights are read one after the other (one sequential stream per
-thread, split over threads by rows). The expert indices are read by the kernel, so neither eager nor a compiled step
-syncs on them or copies a weight.
+so each row's result is bit for bit what `cpu_row_linear.row_linear(x[p], weight[experts[p]])` gives. Pairs of the same
+expert (tokens of a batch or of a verification that chose it) share each read of its weight, up to 16 at a time, as the
+row kernel shares a weight between up to 16 rows; the experts' weights are read one after the other (one sequential
+stream per thread, split over threads by rows). The expert indices are read by the kernel, so neither eager nor a
+compiled step syncs on them or copies a weight.
 
-`KDSAExperts` calls it for up to 4 tokens eagerly (instead of a Python loop over the experts after a host sync) and for
+`KDSAExperts` calls it for up to 16 tokens eagerly (instead of a Python loop over the experts after a host sync) and for
 its fixed-shape decode path in a compiled step (instead of inductor's multiply-and-sum over the gathered weights,
 docs/graph-mode.md §4, §9). `cpu_extension` builds and loads the C++ source, over the row kernel's AVX512-BF16 or AVX2
 `gemv` (`cpu_extension.kernel_isa`); where the kernel cannot run (no AVX2, no compiler, not bf16, autograd, export, more
@@ -27,22 +27,25 @@ _OP_SOURCE = r"""
 
 namespace {
 
-// The pairs of one expert, up to 4 (the rows `gemv` shares each weight vector read between).
+// The most pairs of one expert that share each read of its weight: `gemv`'s rows (`cpu_row_linear.MAX_ROWS`).
+constexpr int kGroupRows = 16;
+
+// The pairs of one expert, up to kGroupRows.
 struct Group {
   int64_t expert;
   int rows;
-  int64_t pair[4];
+  int64_t pair[kGroupRows];
 };
 
-// Pairs in expert order (stable), in groups of up to 4 pairs of the same expert: a decode step of up to 4 sequences (or
-// a speculative step's tokens) whose tokens chose the same expert read its weight once.
+// Pairs in expert order (stable), in groups of up to kGroupRows pairs of the same expert: a decode step of several
+// sequences (or a verification's tokens) whose tokens chose the same expert read its weight once.
 std::vector<Group> groups_by_expert(const int64_t* expert, int64_t pairs) {
   std::vector<int64_t> order(pairs);
   for (int64_t p = 0; p < pairs; ++p) order[p] = p;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return expert[a] < expert[b]; });
   std::vector<Group> groups;
   for (int64_t p : order) {
-    if (groups.empty() || groups.back().expert != expert[p] || groups.back().rows == 4)
+    if (groups.empty() || groups.back().expert != expert[p] || groups.back().rows == kGroupRows)
       groups.push_back(Group{expert[p], 0, {}});
     groups.back().pair[groups.back().rows++] = p;
   }
@@ -75,7 +78,7 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& weight, const at
   // and its outputs computed side by side (`gemv`'s layout), then put in their pairs' rows.
   const int64_t grain = std::max<int64_t>(1, (512 << 10) / (2 * k));
   at::parallel_for(0, num_groups * n, grain, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> rows_in(4 * k), rows_out(4 * n);
+    std::vector<uint16_t> rows_in(kGroupRows * k), rows_out(kGroupRows * n);
     for (int64_t g = begin / n; g * n < end; ++g) {
       const Group& group = groups[g];
       const int64_t first = std::max(begin, g * n) - g * n, last = std::min(end, (g + 1) * n) - g * n;

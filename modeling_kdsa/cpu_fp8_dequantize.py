@@ -10,7 +10,7 @@ each: 3.3 ms for a 1024 x 1024 weight, ~140x the product of one row with the BF1
   `dequantize_tiles` calls it outside a compile (inside one, inductor fuses the traced conversion into the product's
   loop) for a bf16 or fp32 result; rows are split over torch's intra-op threads, at any thread count (measured at 1
   and 2: `scripts/bench_cpu_kernels.py`).
-- `kdsa::fp8_row_linear` is a held layer's forward of 1 to 4 bf16 rows (a decode step), eagerly and compiled: the row
+- `kdsa::fp8_row_linear` is a held layer's forward of 1 to 16 bf16 rows (a decode step), eagerly and compiled: the row
   kernel's loop (`cpu_row_linear.GEMV_SOURCE`, or `GEMV_AVX2_SOURCE` in the AVX2 build) with each weight vector
   dequantized in registers, bit for bit the product with the dequantized weight, without writing that weight.
 
@@ -214,13 +214,13 @@ _OP_SOURCE = r"""
 
 namespace {
 
-// kdsa::fp8_row_linear (schema in Python): x [..., K] contiguous bf16 holding 1 to 4 rows, values [N, K]
+// kdsa::fp8_row_linear (schema in Python): x [..., K] contiguous bf16 holding 1 to 16 rows, values [N, K]
 // float8_e4m3fn and scale_inv [ceil(N / br), ceil(K / bc)] fp32, both contiguous, bc a multiple of 32, bias [N] bf16
 // or none; returns `x @ dequantize(values)ᵀ + bias` [..., N] in bf16, bit for bit the dequantized layer's row product.
 // Bad input is a ValueError.
 at::Tensor fp8_row_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scale_inv,
                           int64_t block_rows, int64_t block_cols, const std::optional<at::Tensor>& bias) {
-  constexpr int64_t kMaxRows = 4;  // `cpu_row_linear.MAX_ROWS`
+  constexpr int64_t kMaxRows = 16;  // `cpu_row_linear.MAX_ROWS`
   bool ok = x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() >= 1 &&
             values.scalar_type() == at::kFloat8_e4m3fn && values.is_contiguous() && values.dim() == 2 &&
             scale_inv.scalar_type() == at::kFloat && scale_inv.is_contiguous() && scale_inv.dim() == 2 &&

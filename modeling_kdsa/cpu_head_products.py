@@ -1,5 +1,6 @@
-"""MLA's per-head products with `kv_b_proj`'s weight for 1 to 4 query rows (a decode step of up to 4 sequences) in
-bf16 on x86 CPUs, as two hand-written kernels that read the weight in place (docs/dsa.md §13).
+"""MLA's per-head products with `kv_b_proj`'s weight for 1 to 16 query rows (a decode step of up to 16 sequences,
+or a verification of up to 16 tokens) in bf16 on x86 CPUs, as two hand-written kernels that read the weight in place
+(docs/dsa.md §13).
 
 An absorbed MLA layer (docs/dsa.md §3) multiplies each head's query by `W_UK[h]` `[Dn, C]` and each head's latent
 output by `W_UV[h]ᵀ` (`W_UV[h]`: `[Dv, C]`), both slices of `kv_b_proj.weight` viewed `[H, Dn + Dv, C]`. torch's bf16
@@ -114,9 +115,9 @@ _OP_SOURCE = r"""
 
 namespace {
 
-constexpr int64_t kMaxRows = 4;  // `MAX_ROWS` in Python
+constexpr int64_t kMaxRows = 16;  // `MAX_ROWS` in Python
 
-// The checks both ops share: x [..., H, width] contiguous bf16 holding 1 to 4 rows, weight [H, N, K] bf16 with
+// The checks both ops share: x [..., H, width] contiguous bf16 holding 1 to 16 rows, weight [H, N, K] bf16 with
 // contiguous rows (stride(2) = 1, stride(1) = K) and any head stride. Bad input is a ValueError.
 void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight, int64_t width_dim) {
   bool ok = x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
@@ -142,17 +143,21 @@ at::Tensor head_matmul(const at::Tensor& x, const at::Tensor& weight) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = k;
   at::Tensor out = at::empty(shape, x.options());
-  const auto kernel = rows == 1   ? row_times_matrix<1>
-                      : rows == 2 ? row_times_matrix<2>
-                      : rows == 3 ? row_times_matrix<3>
-                                  : row_times_matrix<4>;
+  auto kernel = [](int64_t count) {
+    return count == 1 ? row_times_matrix<1> : count == 2 ? row_times_matrix<2> : count == 3 ? row_times_matrix<3>
+                                                                                            : row_times_matrix<4>;
+  };
   const uint16_t* xp = (const uint16_t*)x.data_ptr();
   const uint16_t* wp = (const uint16_t*)weight.data_ptr();
   uint16_t* op = (uint16_t*)out.data_ptr();
+  // More than 4 rows in groups of up to 4, each a pass over the head's matrix (read from memory by the first group,
+  // from cache by the others); every output the same sums in the same order whatever the number of rows.
   at::parallel_for(0, heads, head_grain(weight), [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(rows * k);
+    std::vector<float> acc(std::min<int64_t>(rows, 4) * k);
     for (int64_t h = begin; h < end; ++h)
-      kernel(xp + h * n, heads * n, wp + h * weight.stride(0), n, k, op + h * k, heads * k, acc.data());
+      for (int64_t m = 0; m < rows; m += 4)
+        kernel(std::min<int64_t>(4, rows - m))(xp + m * heads * n + h * n, heads * n, wp + h * weight.stride(0), n, k,
+                                              op + m * heads * k + h * k, heads * k, acc.data());
   });
   return out;
 }

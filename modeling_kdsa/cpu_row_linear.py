@@ -1,5 +1,5 @@
-"""A linear layer's product with 1 to 4 rows (a decode step of up to 4 sequences) in bf16 on x86 CPUs as one
-hand-written kernel (docs/graph-mode.md §10).
+"""A linear layer's product with 1 to 16 rows (a decode step of up to 16 sequences, or a verification of up to 16
+drafted tokens) in bf16 on x86 CPUs as one hand-written kernel (docs/graph-mode.md §10).
 
 At batch 1 every linear layer of an eager decode step multiplies its weight by one row, so the step is bound by
 reading the weights. torch's bf16 `F.linear` for that shape (oneDNN) read cold weights at 11-16 GB/s on one thread of
@@ -22,7 +22,7 @@ import torch
 
 from .cpu_extension import PRELUDE, few_threads, kernels_traceable, load_build, plain_tensor
 
-# The product of 1 to 4 rows with a block of weight rows, shared with `cpu_head_products`, `cpu_expert_linear` and
+# The product of 1 to 16 rows with a block of weight rows, shared with `cpu_head_products`, `cpu_expert_linear` and
 # `cpu_fp8_dequantize` (after PRELUDE).
 GEMV_SOURCE = r"""
 namespace {
@@ -71,16 +71,30 @@ void gemv_of(const uint16_t* x, int64_t x_stride, const Weights& weights, int64_
   }
 }
 
-// `gemv_of` for `rows` (1 to 4) x rows: the instantiation chosen at run time, once per call.
+// Weight rows per block when x has more than 4 rows: ~16 KiB of bf16 weights, which stay in L1 while each group of
+// up to 4 x rows passes over them (`weight_block_rows`).
+inline int64_t weight_block_rows(int64_t k) { return std::max<int64_t>(1, (16 << 10) / (2 * k)); }
+
+// `gemv_of` for `rows` (1 to 16) x rows: the instantiation chosen at run time, once per call. More than 4 rows (a
+// verification of several tokens) go in groups of up to 4 over blocks of weight rows: the block is read from memory
+// by the first group and from L1 by the others, so the weight is still streamed once. Each output is the same sum in
+// the same order whatever the number of rows (the accumulators do not depend on `Rows`).
 template <typename Weights>
 void gemv_rows(int64_t rows, const uint16_t* x, int64_t x_stride, const Weights& weights, int64_t k,
                const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t begin, int64_t end) {
-  switch (rows) {
-    case 1: gemv_of<1>(x, x_stride, weights, k, bias, out, out_stride, begin, end); break;
-    case 2: gemv_of<2>(x, x_stride, weights, k, bias, out, out_stride, begin, end); break;
-    case 3: gemv_of<3>(x, x_stride, weights, k, bias, out, out_stride, begin, end); break;
-    default: gemv_of<4>(x, x_stride, weights, k, bias, out, out_stride, begin, end);
-  }
+  auto group = [&](int64_t count, const uint16_t* gx, uint16_t* gout, int64_t b, int64_t e) {
+    switch (count) {
+      case 1: gemv_of<1>(gx, x_stride, weights, k, bias, gout, out_stride, b, e); break;
+      case 2: gemv_of<2>(gx, x_stride, weights, k, bias, gout, out_stride, b, e); break;
+      case 3: gemv_of<3>(gx, x_stride, weights, k, bias, gout, out_stride, b, e); break;
+      default: gemv_of<4>(gx, x_stride, weights, k, bias, gout, out_stride, b, e);
+    }
+  };
+  if (rows <= 4) return group(rows, x, out, begin, end);
+  const int64_t block = weight_block_rows(k);
+  for (int64_t b = begin; b < end; b += block)
+    for (int64_t m = 0; m < rows; m += 4)
+      group(std::min<int64_t>(4, rows - m), x + m * x_stride, out + m * out_stride, b, std::min(end, b + block));
 }
 
 // `gemv_rows` over a bf16 weight whose row n starts at w + n * k.
@@ -151,19 +165,27 @@ void gemv_avx2_of(const float* x, const Weights& weights, int64_t k, const uint1
 }
 
 // GEMV_SOURCE's `gemv_rows` (same arguments, the AVX2 readers above): the x rows widened once per call, then
-// `gemv_avx2_of` for their count.
+// `gemv_avx2_of` for their count; more than 4 rows in groups of up to 4 over blocks of weight rows, as there (the
+// block is read from memory once and from L1 by the other groups).
 template <typename Weights>
 void gemv_rows(int64_t rows, const uint16_t* x, int64_t x_stride, const Weights& weights, int64_t k,
                const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t begin, int64_t end) {
   std::vector<float> wide(rows * k);
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t i = 0; i < k; ++i) wide[m * k + i] = bf16_to_float(x[m * x_stride + i]);
-  switch (rows) {
-    case 1: gemv_avx2_of<1>(wide.data(), weights, k, bias, out, out_stride, begin, end); break;
-    case 2: gemv_avx2_of<2>(wide.data(), weights, k, bias, out, out_stride, begin, end); break;
-    case 3: gemv_avx2_of<3>(wide.data(), weights, k, bias, out, out_stride, begin, end); break;
-    default: gemv_avx2_of<4>(wide.data(), weights, k, bias, out, out_stride, begin, end);
-  }
+  auto group = [&](int64_t count, const float* gx, uint16_t* gout, int64_t b, int64_t e) {
+    switch (count) {
+      case 1: gemv_avx2_of<1>(gx, weights, k, bias, gout, out_stride, b, e); break;
+      case 2: gemv_avx2_of<2>(gx, weights, k, bias, gout, out_stride, b, e); break;
+      case 3: gemv_avx2_of<3>(gx, weights, k, bias, gout, out_stride, b, e); break;
+      default: gemv_avx2_of<4>(gx, weights, k, bias, gout, out_stride, b, e);
+    }
+  };
+  if (rows <= 4) return group(rows, wide.data(), out, begin, end);
+  const int64_t block = std::max<int64_t>(1, (16 << 10) / (2 * k));  // ~16 KiB of bf16 weights, kept in L1
+  for (int64_t b = begin; b < end; b += block)
+    for (int64_t m = 0; m < rows; m += 4)
+      group(std::min<int64_t>(4, rows - m), wide.data() + m * k, out + m * out_stride, b, std::min(end, b + block));
 }
 
 // A bf16 weight row's reader for `gemv_avx2_of`.
@@ -188,9 +210,9 @@ _OP_SOURCE = r"""
 
 namespace {
 
-// kdsa::row_linear (schema in Python): x [..., K] holding 1 to 4 rows, weight [N, K], bias [N] or none, all
+// kdsa::row_linear (schema in Python): x [..., K] holding 1 to 16 rows, weight [N, K], bias [N] or none, all
 // contiguous bf16; returns [..., N]. Checks what the pointer arithmetic relies on: bad input is a ValueError.
-constexpr int64_t kMaxRows = 4;  // `MAX_ROWS` in Python: the rows of x `gemv` is instantiated for
+constexpr int64_t kMaxRows = 16;  // `MAX_ROWS` in Python
 
 at::Tensor row_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   auto fits = [](const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 && t.is_contiguous(); };
@@ -205,7 +227,6 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& weight, const std::
   shape.back() = weight.size(0);
   at::Tensor out = at::empty(shape, x.options());
   const int64_t rows = weight.size(0), k = weight.size(1), x_rows = x.numel() / k;
-  static_assert(kMaxRows == 4, "gemv_rows instantiates 1 to 4 rows");
   // With 2 threads each reads its own contiguous block of weight rows (still one stream each); a weight under
   // ~512 KiB per thread stays on one thread (a fork costs a few microseconds).
   const int64_t grain = std::max<int64_t>(1, (512 << 10) / (2 * k));
@@ -273,7 +294,10 @@ _SCHEMA = "row_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
 # product of 1 to 4 rows read cold weights at ~13 GB/s on one thread and ~23 GB/s on two; this kernel at 26-34 GB/s
 # on one and 36-41 GB/s on two: 1.8-3.9x `F.linear` per weight shape on one thread and 1.5-2.6x on two, from 384 x
 # 1024 to the 32000 x 1024 lm_head (docs/graph-mode.md §10). More rows: `F.linear` (a GEMM, no longer one read).
-MAX_ROWS = 4
+# Up to 16 rows (a verification of up to 15 drafted tokens and the anchor) in groups of 4 over blocks of weight rows
+# that stay in L1: the weight is still read from memory once, where the fp32 GEMM that more rows fall back to on a CPU
+# without native bf16 products first widens the whole weight (`linear.widens_to_fp32`).
+MAX_ROWS = 16
 
 
 def _fake_row_linear(x, weight, bias):

@@ -17,7 +17,8 @@ the softmax and the division: the output is as close or closer to the fp32 refer
 `kdsa::sparse_mla_decode` (schema and fake implementation registered here); on a CPU without AVX512-BF16 the same source
 is built for AVX2 (docs/graph-mode.md §13: the scores' `vdpbf16ps` as two FMAs, the weighted sum as FMAs of widened rows
 with the probabilities kept in fp32). Where it cannot run — no AVX2, no compiler, another dtype, geometry or page
-format, several queries per sequence — the callers keep the torch path.
+format — the callers keep the torch path. Several queries per sequence (a verification) are rows of their own, each with
+its sequence's block table (`dsa_paged_ops.paged_sparse_mla_fused`).
 """
 
 import torch

@@ -446,20 +446,55 @@ def paged_indexer_topk_fused(
     pages are consecutive, docs/dsa.md §7; at most KEY_BLOCK_ELEMENTS products per sequence) and merged into a
     running top-k, so the `[T, S]` logits are never materialised. fp32 inputs give
     exactly the reference's indices (same products, same head order, same tie rule). bf16 inputs multiply q·k in
-    bf16 (fp32 accumulation inside the GEMM, bf16 result) and do ReLU, weighting and the head sum in fp32.
+    bf16 (fp32 accumulation inside the GEMM, bf16 result) and do ReLU, weighting and the head sum in fp32. A bf16
+    decode step, and up to MAX_KERNEL_QUERIES queries per sequence (a verification, each query a row masked past its
+    own position), go through the C++ kernel where it applies (`cpu_indexer`, docs/dsa.md §11).
     """
     _check_indexer_inputs(
         q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask
     )
-    num_visible = min(num_keys, query_start + 1)  # with one query (the kernel's case): the keys up to it
+    num_queries = q_index.shape[1]
+    num_visible = min(num_keys, query_start + num_queries)  # the keys up to the last query
     num_selected = min(index_topk, num_visible)
-    if num_selected > 0 and decode_kernel_applies(q_index, index_pages):
+    if num_selected > 0 and num_queries == 1 and decode_kernel_applies(q_index, index_pages):
         # A decode step: the hand-written kernel reads the pages through the block table (docs/dsa.md §11).
         visible = torch.tensor(num_visible)
         return _decode_topk_cpu(q_index, weights, index_pages, block_table, visible, key_padding_mask, num_selected)
+    few_queries = 1 < num_queries <= MAX_KERNEL_QUERIES
+    if num_selected > 0 and few_queries and decode_kernel_applies(q_index[:, :1], index_pages):
+        # A few queries (a verification of drafted tokens): the same kernel, each query a row of its own.
+        return _queries_topk_cpu(
+            q_index, weights, index_pages, block_table, num_visible, query_start, key_padding_mask, num_selected
+        )
     return _blocked_indexer_topk(
         q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, _score_block
     )
+
+
+# The most queries per sequence the CPU decode kernels (`cpu_indexer`, `cpu_sparse_mla`) take as rows of their own: a
+# verification of up to 15 drafted tokens and the anchor. More (a prefill) keep the blocked torch paths, which read
+# each key once for all queries.
+MAX_KERNEL_QUERIES = 16
+
+
+def _queries_topk_cpu(q_index, weights, index_pages, block_table, num_visible, query_start, key_padding_mask, width):
+    """`_decode_topk_cpu` for T queries `[B, T, HI, DI]` at cache positions `query_start …`: the B·T queries are rows of
+    one kernel call over the first `num_visible` keys, each row's later keys masked as padding (query t sees the keys up
+    to `query_start + t`, and the sequence's own padding), so each row selects what a decode step at its position
+    would. Returns int64 `[B, T, width]`, -1 where a query sees fewer keys."""
+    batch, num_queries = q_index.shape[:2]
+    positions = torch.arange(num_visible, device=q_index.device)
+    last_key = query_start + torch.arange(num_queries, device=q_index.device)
+    visible = (positions[None, :] <= last_key[:, None]).expand(batch, num_queries, num_visible)
+    if key_padding_mask is not None:
+        visible = visible & key_padding_mask[:, None, :num_visible].bool()
+    rows = batch * num_queries
+    selected = _decode_topk_cpu(
+        q_index.reshape(rows, 1, *q_index.shape[2:]), weights.reshape(rows, 1, -1), index_pages,
+        block_table.repeat_interleave(num_queries, dim=0), torch.tensor(num_visible),
+        visible.reshape(rows, num_visible), width,
+    )  # fmt: skip
+    return selected.view(batch, num_queries, width)
 
 
 def _decode_topk_cpu(q_index, weights, index_pages, block_table, num_visible, key_padding_mask, num_selected):
@@ -734,11 +769,22 @@ def paged_sparse_mla_fused(
     max_pages]`; indices `[B, T, K]` logical positions, -1 = none. Returns `[B, T, H, C]` in q_latent's dtype.
     Queries are processed in chunks whose gathered rows stay within ATTENTION_ROWS_ELEMENTS (28 queries at K = 512,
     C + R = 288): about 10 MB per chunk in bf16, whatever T and the context length. A bf16 decode step (one query per
-    sequence) goes through the C++ kernel where it applies (`cpu_sparse_mla`, docs/dsa.md §12).
+    sequence) goes through the C++ kernel where it applies (`cpu_sparse_mla`, docs/dsa.md §12), and so do up to
+    MAX_KERNEL_QUERIES queries per sequence (a verification), as rows of one call.
     """
     _check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices)
     if sparse_decode_kernel_applies(q_latent, q_pe, kv_pages):
         return sparse_mla_decode_cpu(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale)
+    batch, num_queries = q_latent.shape[:2]
+    if 1 < num_queries <= MAX_KERNEL_QUERIES and sparse_decode_kernel_applies(q_latent[:, :1], q_pe[:, :1], kv_pages):
+        # A few queries (a verification): each attends to its own selection, so the B·T queries are the rows of one
+        # decode-kernel call, each with its sequence's block table.
+        rows = batch * num_queries
+        out = sparse_mla_decode_cpu(
+            q_latent.reshape(rows, 1, *q_latent.shape[2:]), q_pe.reshape(rows, 1, *q_pe.shape[2:]), kv_pages,
+            block_table.repeat_interleave(num_queries, dim=0), indices.reshape(rows, 1, -1), softmax_scale,
+        )  # fmt: skip
+        return out.view(q_latent.shape)
     return _chunked_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale, _attend)
 
 

@@ -12,6 +12,7 @@ from transformers.cache_utils import Cache
 
 from .cache import KDSACache
 from .configuration_kdsa import KDA_LAYER
+from .cpu_kda_recurrent import cpu_recurrent_kda, steps_tokens_applies
 from .kda_ops import causal_short_conv, causal_short_conv_step, kda_gate, l2norm
 from .kernels import kernel_set
 from .linear import KDSALinear
@@ -204,7 +205,14 @@ class KDSAKimiDeltaAttention(nn.Module):
             g = g.masked_fill(~mask[:, :, None, None], 0.0)
             beta = beta.masked_fill(~mask[:, :, None], 0.0)
 
-        kernel = kernel_set(self.kernel_backend, v.device).require("kda_recurrent" if decoding else "kda_chunk")
+        kernels = kernel_set(self.kernel_backend, v.device)
+        kernel = kernels.require("kda_recurrent" if decoding else "kda_chunk")
+        if not decoding and recurrent_state is not None and sequence_parallel is None:
+            # A few tokens after a cached state (a verification of drafted tokens): the CPU recurrent kernel steps
+            # them all in one call, reading and writing the state once (docs/kda.md §9), where the chunked form's
+            # many small ops cost more than the recurrence itself.
+            if kernels.kda_recurrent is cpu_recurrent_kda and steps_tokens_applies(q, v):
+                kernel = kernels.kda_recurrent
         if sequence_parallel is not None:
             o, final_state = sequence_parallel.kda_recurrence(q, k, v, g, beta, kda_chunk=kernel)
         else:

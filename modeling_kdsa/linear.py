@@ -1,5 +1,5 @@
 """The model's linear layers: `nn.Linear` whose product with a few rows on CPU streams the weight once instead of
-calling a GEMM: in bf16 through a C++ kernel for 1 to 4 rows, eagerly and compiled (`cpu_row_linear`,
+calling a GEMM: in bf16 through a C++ kernel for 1 to 16 rows, eagerly and compiled (`cpu_row_linear`,
 docs/graph-mode.md §10); otherwise, for one row in a compiled graph, through one fused multiply-and-sum
 (docs/graph-mode.md §9).
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cpu_extension import cpu_has_bf16_products, plain_tensor
-from .cpu_row_linear import MAX_ROWS, row_linear, row_linear_applies
+from .cpu_row_linear import row_linear, row_linear_applies
 
 
 def fuses_on_cpu(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -60,11 +60,16 @@ def slow_bf16_products(x: torch.Tensor) -> bool:
     )
 
 
+# Where the row kernel does not take a product (no AVX2, more than `MAX_ROWS` rows), up to this many rows keep torch's
+# bf16 product: widening the weight would cost more than one slow read of it (docs/graph-mode.md §13).
+WIDEN_ABOVE_ROWS = 4
+
+
 def widens_to_fp32(hidden_states: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear` runs its product as an fp32 GEMM (`slow_bf16_products`): more than `MAX_ROWS` rows (fewer
-    read the weight once in bf16 instead, the row kernel) and a plain bf16 weight."""
+    """Whether `linear` runs a product that the row kernel does not take as an fp32 GEMM (`slow_bf16_products`): more
+    than `WIDEN_ABOVE_ROWS` rows and a plain bf16 weight."""
     return (
-        hidden_states.numel() > MAX_ROWS * hidden_states.shape[-1]
+        hidden_states.numel() > WIDEN_ABOVE_ROWS * hidden_states.shape[-1]
         and plain_tensor(weight)
         and weight.dtype == torch.bfloat16
         and slow_bf16_products(hidden_states)
@@ -80,9 +85,10 @@ def product(function, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def linear(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`: 1 to 4 bf16 rows through the C++ row kernel where it applies (`cpu_row_linear`,
-    docs/graph-mode.md §10), else in the fused single-row form when `streams_weight(hidden_states, weight)`; more bf16
-    rows on a CPU without native bf16 products as an fp32 GEMM (`widens_to_fp32`)."""
+    """`F.linear`: 1 to `MAX_ROWS` (16) bf16 rows through the C++ row kernel where it applies (`cpu_row_linear`,
+    docs/graph-mode.md §10), else in the fused single-row form when `streams_weight(hidden_states, weight)`; other
+    products of more than `WIDEN_ABOVE_ROWS` bf16 rows on a CPU without native bf16 products as an fp32 GEMM
+    (`widens_to_fp32`)."""
     if row_linear_applies(hidden_states, weight, bias):
         return row_linear(hidden_states.contiguous(), weight, bias)  # a batch's last-token slice is strided
     if streams_weight(hidden_states, weight):
@@ -101,6 +107,7 @@ class KDSALinear(nn.Linear):
 
 
 __all__ = [
+    "WIDEN_ABOVE_ROWS",
     "KDSALinear",
     "fuses_on_cpu",
     "linear",

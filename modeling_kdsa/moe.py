@@ -180,8 +180,8 @@ class KDSAExperts(nn.Module):
         Grouped compute: the N·k (token, slot) pairs are sorted by expert once, so each expert that received
         tokens runs one matmul pair over a contiguous slice; results are weighted and summed back per token.
         """
-        # A decode step of up to 4 sequences through the expert kernel: two calls, no host sync, each chosen expert
-        # read once.
+        # Up to MAX_ROWS (16) tokens (a decode step of several sequences, a verification) through the expert kernel:
+        # two calls, no host sync, each chosen expert read once.
         in_place = 0 < hidden_states.shape[0] <= MAX_ROWS and self._reads_in_place(hidden_states)
         if torch.compiler.is_compiling():
             # The grouped loop below needs per-expert counts on the host; a compiled graph takes a fixed-shape path.
@@ -257,12 +257,12 @@ class KDSAExperts(nn.Module):
     def _forward_gathered(
         self, hidden_states: torch.Tensor, topk_indices: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        """Fixed-shape decode path (docs/graph-mode.md §4), also the eager path of up to 4 tokens where the expert
-        kernel runs: each (token, slot) pair multiplies by its expert's weights, selected by index, in one batched GEMV
-        pair; only the selected experts' weights are read, and nothing syncs. Each token's slots are taken in expert
-        order and summed in fp32 in that order (torch adds up to 16 rows in order), as `forward`'s grouped loop adds
-        them: with the kernel, whose products are the row kernel's, the result is bit for bit the grouped path's
-        (docs/graph-mode.md §12)."""
+        """Fixed-shape decode path (docs/graph-mode.md §4), also the eager path of up to MAX_ROWS tokens where the
+        expert kernel runs: each (token, slot) pair multiplies by its expert's weights, selected by index, in one
+        batched GEMV pair; only the selected experts' weights are read, and nothing syncs. Each token's slots are taken
+        in expert order and summed in fp32 in that order (torch adds up to 16 rows in order), as `forward`'s grouped
+        loop adds them: with the kernel, whose products are the row kernel's, the result is bit for bit the grouped
+        path's (docs/graph-mode.md §12)."""
         num_tokens, num_slots = topk_indices.shape
         topk_indices, order = topk_indices.sort(dim=-1)
         topk_weights = topk_weights.gather(-1, order)

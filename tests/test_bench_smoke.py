@@ -309,6 +309,37 @@ def test_speculative_bench_quick_run(tmp_path):
             assert row["rollback_bytes_per_pending_token"] > 0
 
 
+def test_verify_cost_bench_quick_run(tmp_path, capsys):
+    """scripts/bench_verify_cost.py --quick: a forward over n = 1, 2, 4, 8, 16 tokens from a filled 256-token cache with
+    rollback records, each cropped back; then rounds of a forward and a crop keeping n // 2 tokens (the replay). Every
+    timing positive, the ratios to n = 1 consistent with the medians, a replay share in (0, 1) for n >= 2 and none for
+    n = 1, and the cache grown by the kept tokens only. Timings are not compared (noisy machines)."""
+    spec = importlib.util.spec_from_file_location("bench_verify_cost", SCRIPT.with_name("bench_verify_cost.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "verify.json"
+    threads = torch.get_num_threads()
+    report = module.main(["--quick", "--out", str(out)])
+    assert torch.get_num_threads() == threads  # restored
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert report["environment"]["threads"] == 1 and report["contexts"] == [256]
+    (entry,) = report["results"]
+    rows = entry["rows"]
+    assert list(rows) == ["1", "2", "4", "8", "16"]
+    base = rows["1"]["verify_median_s"]
+    for n, row in rows.items():
+        assert len(row["verify_times_s"]) == report["repeats"] and min(row["verify_times_s"]) > 0
+        assert row["ratio_to_one"] == pytest.approx(row["verify_median_s"] / base)
+        if n == "1":
+            assert "replay_s" not in row and row["ratio_to_one"] == 1.0
+        else:
+            assert row["replayed_tokens"] == int(n) // 2 and row["replay_median_s"] > 0
+            assert 0.0 < row["replay_share_median"] < 1.0
+    kept = sum(int(n) // 2 for n in rows) * report["repeats"]
+    assert entry["final_context"] == 256 + kept + sum(int(n) // 2 for n in rows)  # the warm-up round kept tokens too
+    assert "verify cost" in capsys.readouterr().out
+
+
 def test_prefill_bench_runs_and_times_every_module_kind(tmp_path):
     """scripts/bench_prefill.py on 64 tokens (a subprocess: it wraps the module classes' forwards with timers): JSON
     with positive wall and CPU times and a timer for every module kind and KDA kernel of this checkout."""

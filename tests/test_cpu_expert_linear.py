@@ -64,12 +64,22 @@ def test_each_pair_is_the_row_kernel_on_its_expert(experts, n, k, pairs):
 
 
 @needs_kernel_build
-def test_pairs_of_one_expert_share_its_reads_in_groups_of_up_to_four():
-    """Seven pairs of expert 2 (groups of 4 and 3), one of expert 0 and two of expert 4, interleaved: every row is still
-    the row kernel's on its own expert."""
+def test_pairs_of_one_expert_share_its_reads_in_groups_of_up_to_sixteen():
+    """Seven pairs of expert 2 (one group), one of expert 0 and two of expert 4, interleaved; then 21 pairs of expert 1
+    (groups of 16 and 5, the row kernel's groups of 4 inside): every row is still the row kernel's on its own expert,
+    within one bf16 rounding of the fp32 product."""
     x, weight, _ = case(experts=5, n=40, k=300, pairs=10)
     index = torch.tensor([2, 0, 2, 2, 4, 2, 2, 4, 2, 2])
     assert torch.equal(expert_linear(x, weight, index), row_kernel_products(x, weight, index))
+    x, weight, _ = case(experts=5, n=40, k=300, pairs=24)
+    index = torch.tensor([1] * 10 + [3] + [1] * 11 + [0, 3])
+    got = expert_linear(x, weight, index)
+    for p in range(24):  # each row against the row kernel given all rows of its expert at once (same groups)
+        same = (index == index[p]).nonzero().flatten()
+        rows = [row_linear(x[same[i : i + 16]].contiguous(), weight[index[p]], None) for i in range(0, len(same), 16)]
+        assert torch.equal(got[p], torch.cat(rows)[(same == p).nonzero().item()])
+    exact = torch.einsum("pk,pnk->pn", x.float(), weight[index].float())
+    assert ((got.float() - exact).abs() <= 2**-8 * exact.abs() + 1e-5).all()
 
 
 @needs_kernel_build
@@ -171,10 +181,11 @@ def test_one_token_runs_its_experts_through_the_kernel_without_a_host_sync(monke
 
 
 @needs_kernel_build
-@pytest.mark.parametrize("tokens", [2, 3, 4])
-def test_a_batch_of_up_to_four_tokens_takes_the_kernel_with_the_grouped_paths_bits(monkeypatch, tokens):
-    """A decode step of 2 to 4 sequences (tokens sharing some experts): two kernel calls, no host sync, and bit for bit
-    the grouped loop's output (whose products are the row kernel's for up to 4 rows per expert)."""
+@pytest.mark.parametrize("tokens", [2, 3, 4, 5, 8, 16])
+def test_up_to_sixteen_tokens_take_the_kernel_with_the_grouped_paths_bits(monkeypatch, tokens):
+    """A decode step of several sequences or a verification of 2 to 16 tokens (sharing some experts, up to 16 pairs
+    of one expert): two kernel calls, no host sync, and bit for bit the grouped loop's output (whose products are the
+    row kernel's for up to 16 rows per expert)."""
     experts = make_experts(num_experts=6)
     generator = torch.Generator().manual_seed(4)
     hidden = torch.randn(tokens, 64, generator=generator).bfloat16()
@@ -208,9 +219,9 @@ def test_compiled_batch_of_four_takes_the_kernel_even_with_more_pairs_than_exper
 
 
 @needs_kernel_build
-@pytest.mark.parametrize("tokens", [5, 0])
-def test_five_tokens_or_none_keep_the_grouped_loop(monkeypatch, tokens):
-    """More tokens than the row kernel's 4 rows (a prefill) keep the grouped GEMMs; so does an empty batch."""
+@pytest.mark.parametrize("tokens", [17, 0])
+def test_seventeen_tokens_or_none_keep_the_grouped_loop(monkeypatch, tokens):
+    """More tokens than the row kernel's 16 rows (a prefill) keep the grouped GEMMs; so does an empty batch."""
     experts = make_experts()
     calls = count_calls(monkeypatch, moe_module, "expert_linear")
     hidden = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(5)).bfloat16()

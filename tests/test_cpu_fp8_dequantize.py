@@ -165,13 +165,15 @@ def dequantized_forward(layer: KDSAFP8Linear, x: torch.Tensor) -> torch.Tensor:
         (48, 40, (16, 32), (1, 1), False),  # one step of 32 and a masked tail of 8; partial edge tiles
         (130, 300, (128, 128), (2, 1), True),  # every loop: 2 unrolled steps, a step of 32, a tail of 12; edge tiles
         (64, 1024, (128, 128), (4,), False),  # unrolled steps only, four rows
+        (130, 300, (128, 128), (2, 8), True),  # sixteen rows (a verification): groups of 4 over blocks of weight rows
+        (9, 96, (4, 32), (5,), False),  # five rows: groups of 4 and 1
         (9, 96, (4, 32), (3,), True),  # each vector of 32 columns its own tile
         (5, 20, (1, 64), (1,), False),  # narrower than one vector
         (8, 256, (8, 64), (1,), False),  # two tiles within each unrolled step of 128 columns
     ],
 )
 def test_fused_row_product_is_the_dequantized_layers_product(monkeypatch, rows, cols, block, x_rows, bias):
-    """A held layer's forward of 1 to 4 bf16 rows runs the fused kernel once and gives, bit for bit, the dequantized
+    """A held layer's forward of 1 to 16 bf16 rows runs the fused kernel once and gives, bit for bit, the dequantized
     weight's row product (the same vectors in the same order); strided rows (a slice of wider activations) too."""
     calls = count_calls(monkeypatch, fp8_linear_module, "fp8_row_linear")
     layer = held_layer(rows, cols, block, bias)
@@ -227,7 +229,7 @@ def test_fused_row_product_splits_weight_rows_over_two_threads(monkeypatch):
 @needs_kernel_build
 @pytest.mark.usefixtures("kernels_at_this_thread_count")
 def test_dequantized_product_where_the_fused_kernel_does_not_apply(monkeypatch):
-    """Five rows, fp32 activations, tiles of 48 columns, an fp32 bias, strided values or scales, autograd, autocast,
+    """17 rows, fp32 activations, tiles of 48 columns, an fp32 bias, strided values or scales, autograd, autocast,
     more threads than MAX_THREADS, export and an unavailable kernel: the layer dequantizes, then multiplies, as
     before."""
     calls = count_calls(monkeypatch, fp8_linear_module, "fp8_row_linear")
@@ -236,7 +238,7 @@ def test_dequantized_product_where_the_fused_kernel_does_not_apply(monkeypatch):
     applies = cpu_fp8_dequantize.fp8_row_linear_applies
     scale_inv = layer.weight_scale_inv
     refused = [
-        (x.expand(5, 96), layer.weight, scale_inv, (16, 32), None),
+        (x.expand(17, 96), layer.weight, scale_inv, (16, 32), None),
         (x.float(), layer.weight, scale_inv, (16, 32), None),
         (x, layer.weight, scale_inv, (16, 48), None),
         (x, layer.weight, scale_inv, (16, 32), torch.zeros(32)),
@@ -251,8 +253,8 @@ def test_dequantized_product_where_the_fused_kernel_does_not_apply(monkeypatch):
             assert not applies(*args)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert not applies(x, layer.weight, scale_inv, (16, 32), None)
-        five_rows = x.expand(5, 96)
-        assert torch.equal(layer(five_rows), dequantized_forward(layer, five_rows))
+        many_rows = x.expand(17, 96)
+        assert torch.equal(layer(many_rows), dequantized_forward(layer, many_rows))
     assert not applies(x, layer.weight, scale_inv, (16, 32), None)  # autograd on
     with torch.no_grad():
         monkeypatch.setattr(cpu_extension, "MAX_THREADS", torch.get_num_threads() - 1)
@@ -287,7 +289,7 @@ def test_compiled_held_layer_holds_the_fused_kernel_as_one_op():
 
 @needs_kernel_build
 def test_fused_row_product_refuses_inputs_it_cannot_read():
-    """The op reads raw pointers: wrong dtypes, five rows, a width or grid mismatch, tiles of 48 columns, strided
+    """The op reads raw pointers: wrong dtypes, 17 rows, a width or grid mismatch, tiles of 48 columns, strided
     values or a bias of the wrong size is a ValueError, not a crash; `opcheck` checks the fake against the op."""
     assert cpu_fp8_dequantize.kernel_available()
     layer = held_layer(16, 96, (16, 32), bias=True)
@@ -298,7 +300,7 @@ def test_fused_row_product_refuses_inputs_it_cannot_read():
         (x.float(), values, scale_inv, 16, 32, bias),
         (x, values.float(), scale_inv, 16, 32, bias),
         (x, values, scale_inv.double(), 16, 32, bias),
-        (x.expand(5, 96).contiguous(), values, scale_inv, 16, 32, bias),
+        (x.expand(17, 96).contiguous(), values, scale_inv, 16, 32, bias),
         (x[:, :64].contiguous(), values, scale_inv, 16, 32, bias),
         (x, values, scale_inv[:, :2].contiguous(), 16, 32, bias),
         (x, values, scale_inv[:, :2].contiguous(), 16, 48, bias),  # tiles of 48 columns, their grid

@@ -56,6 +56,9 @@ def expected(w_uk, w_uv, q, latent):
         (2, 3, 5, 33, (1,)),  # a masked tail of a single value (matmul)
         (4, 17, 9, 300, (3,)),  # three rows through every loop of both kernels
         (1, 3, 2, 31, (1, 4)),  # four rows, a single head (its slices are contiguous)
+        (4, 17, 9, 300, (1, 5)),  # five rows (a verification): groups of 4 and 1
+        (3, 5, 7, 37, (2, 8)),  # sixteen rows: four groups of 4
+        (2, 4, 3, 16, (13,)),  # groups of 4, 4, 4, 1
     ],
 )
 def test_kernels_equal_the_fp32_products_on_exact_inputs(heads, nope, value, latent, rows):
@@ -122,7 +125,7 @@ def test_strided_rows_reach_the_kernels_as_contiguous_copies(monkeypatch):
 
 @needs_kernel_build
 def test_the_einsums_run_where_the_kernels_do_not_apply(monkeypatch):
-    """Five rows, fp32, a weight whose rows are not contiguous, a weight subclass, autograd, autocast, more threads
+    """17 rows, fp32, a weight whose rows are not contiguous, a weight subclass, autograd, autocast, more threads
     than MAX_THREADS and an unavailable kernel keep the einsums, with the same results."""
     query_calls = count_calls(monkeypatch, dsa_module, "head_matmul")
     output_calls = count_calls(monkeypatch, dsa_module, "head_linear")
@@ -133,7 +136,7 @@ def test_the_einsums_run_where_the_kernels_do_not_apply(monkeypatch):
 
     column_major = w_uk.transpose(1, 2).contiguous().transpose(1, 2)
     padded_rows = torch.zeros(*w_uk.shape[:2], w_uk.shape[2] + 3).bfloat16()[..., : w_uk.shape[2]]
-    cases = [(q.expand(5, 1, -1, -1), w_uk), (q.float(), w_uk.float()), (q, column_major), (q, padded_rows)]
+    cases = [(q.expand(17, 1, -1, -1), w_uk), (q.float(), w_uk.float()), (q, column_major), (q, padded_rows)]
     cases.append((q, w_uk.as_subclass(Subclass)))
     for x, weight in cases:
         assert not kernels_apply(x, weight)
@@ -147,7 +150,7 @@ def test_the_einsums_run_where_the_kernels_do_not_apply(monkeypatch):
 
 @needs_kernel_build
 def test_kernels_refuse_inputs_they_cannot_read():
-    """The ops read raw pointers: a wrong dtype, five rows, a head or width mismatch, a strided x or a weight whose
+    """The ops read raw pointers: a wrong dtype, 17 rows, a head or width mismatch, a strided x or a weight whose
     rows are not contiguous is a ValueError, not a crash."""
     assert cpu_head_products.kernel_available()  # loads the ops' CPU kernels
     w_uk, w_uv, q, out_latent = kv_b_case()
@@ -156,7 +159,7 @@ def test_kernels_refuse_inputs_they_cannot_read():
     for op, x, weight in [
         (head_matmul, q.float(), w_uk),
         (head_matmul, q, w_uk.float()),
-        (head_matmul, q.expand(5, 1, -1, -1).contiguous(), w_uk),
+        (head_matmul, q.expand(17, 1, -1, -1).contiguous(), w_uk),
         (head_matmul, q[..., :2, :].contiguous(), w_uk),
         (head_matmul, q[..., :4].contiguous(), w_uk),
         (head_matmul, q.transpose(0, 2), w_uk),
@@ -193,18 +196,18 @@ def test_compiled_products_hold_the_kernels_as_ops():
 @needs_kernel_build
 def test_a_decode_step_reads_kv_b_proj_in_place_and_a_prefill_copies_it(monkeypatch):
     """A bf16 decode step of one sequence runs each DSA layer's two products through the kernels on views of
-    `kv_b_proj.weight` (no copy); a prefill of 6 tokens takes contiguous copies and the einsums. The kernels' logits
+    `kv_b_proj.weight` (no copy); a prefill of 20 tokens takes contiguous copies and the einsums. The kernels' logits
     match those of the einsums."""
     torch.manual_seed(0)
     model = KDSAForCausalLM(tiny_config()).to(torch.bfloat16).eval()
     attention = model.model.layers[1].self_attn
     views = attention.absorbed_weights(torch.zeros(1, 1, attention.num_heads, attention.qk_nope_head_dim).bfloat16())
-    copies = attention.absorbed_weights(torch.zeros(1, 6, attention.num_heads, attention.qk_nope_head_dim).bfloat16())
+    copies = attention.absorbed_weights(torch.zeros(1, 20, attention.num_heads, attention.qk_nope_head_dim).bfloat16())
     weight = attention.kv_b_proj.weight
     assert all(view.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr() for view in views)
     assert all(copy.is_contiguous() and copy.untyped_storage().data_ptr() != weight.data_ptr() for copy in copies)
 
-    prompt = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
     logits = {}
     for kernels in (True, False):
         if not kernels:
@@ -213,7 +216,7 @@ def test_a_decode_step_reads_kv_b_proj_in_place_and_a_prefill_copies_it(monkeypa
         output_calls = count_calls(monkeypatch, dsa_module, "head_linear")
         cache = KDSACache(model.config)
         model(prompt, cache=cache, use_cache=True)
-        assert not query_calls and not output_calls  # the prefill's 6 rows are more than MAX_ROWS
+        assert not query_calls and not output_calls  # the prefill's 20 rows are more than MAX_ROWS
         logits[kernels] = model(torch.tensor([[5]]), cache=cache, use_cache=True).logits
         dsa_layers = sum(layer_type == "indexed_attention" for layer_type in model.config.layer_types)
         assert len(query_calls) == len(output_calls) == (dsa_layers if kernels else 0)

@@ -59,6 +59,46 @@ def test_kernel_selects_exactly_the_references_keys(batch, heads, dim, num_keys,
     assert torch.equal(got, expected)
 
 
+@needs_kernel_build
+@pytest.mark.parametrize(
+    "batch, queries, num_keys, top_k, padded",
+    [
+        (2, 2, 1000, 64, True),  # two queries (a verification of one drafted token), a padded row
+        (2, 8, 1003, 7, False),  # eight queries, a scalar tail
+        (1, 16, 300, 20, True),  # sixteen queries (the most that take the kernel)
+        (2, 8, 12, 64, True),  # early queries see fewer keys than top_k: -1 past them
+    ],
+)
+def test_several_queries_select_exactly_the_references_keys(monkeypatch, batch, queries, num_keys, top_k, padded):
+    """Up to MAX_KERNEL_QUERIES queries per sequence (a verification) go through one kernel call, each query a row
+    that sees the keys up to its own position (the later ones masked like padding): the reference's selection for
+    every query, -1 where it sees fewer keys than the width."""
+    calls = count_calls(monkeypatch, dsa_paged_ops, "indexer_topk_decode")
+    q_index, weights, pages, table = exact_case(batch, num_keys=num_keys)
+    generator = torch.Generator().manual_seed(queries)
+    q_index = torch.randint(-2, 3, (batch, queries, 16, 64), generator=generator).float()
+    weights = weights.expand(batch, queries, 16) * (1 + torch.arange(queries)[None, :, None] % 3)
+    mask = padding_mask(batch, num_keys, pads=(0, 5)) if padded else None
+    start = num_keys - queries
+    expected = paged_indexer_topk_reference(q_index, weights, pages, table, num_keys, top_k, start, mask)
+    got = paged_indexer_topk_fused(q_index.bfloat16(), weights, pages.bfloat16(), table, num_keys, top_k, start, mask)
+    assert len(calls) == 1 and calls[0][0].shape[0] == batch * queries
+    assert got.shape == expected.shape == (batch, queries, min(top_k, num_keys))
+    assert torch.equal(got, expected)
+
+
+@needs_kernel_build
+def test_more_queries_than_the_kernel_takes_keep_the_blocked_path(monkeypatch):
+    """17 queries (a prefill block) keep the blocked torch path, which reads each key once for all of them."""
+    calls = count_calls(monkeypatch, dsa_paged_ops, "indexer_topk_decode")
+    q_index, weights, pages, table = exact_case(batch=1, num_keys=200)
+    q_index, weights = q_index.expand(1, 17, 16, 64), weights.expand(1, 17, 16)
+    expected = paged_indexer_topk_reference(q_index, weights, pages, table, 200, 32, 183)
+    assert torch.equal(paged_indexer_topk_fused(q_index.bfloat16(), weights, pages.bfloat16(), table, 200, 32, 183),
+                       expected)  # fmt: skip
+    assert not calls
+
+
 def test_more_threads_than_the_kernel_was_measured_with_keep_the_torch_path():
     """The kernel runs on one thread: with more than MAX_THREADS intra-op threads the torch path, which uses them all,
     is kept; up to MAX_THREADS the kernel applies."""

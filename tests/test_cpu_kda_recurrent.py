@@ -1,14 +1,21 @@
 """The hand-written CPU kernel of the token-by-token KDA recurrence (modeling_kdsa/cpu_kda_recurrent.py, docs/kda.md
 §9): its output and final state against `kda_ops.recurrent_kda`, the cases it leaves to that reference, its two-thread
-split and its input checks; that a decode step reaches it eagerly and compiled: test_graph_mode.py."""
+split and its input checks; that the KDA layer steps a verification of up to 16 tokens through one call and that a
+rollback's replay is one call with the stepped state's bits; that a decode step reaches it eagerly and compiled:
+test_graph_mode.py."""
+
+import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_avx2_builds_pass, needs_kernel_build, runs_avx512_builds
+from conftest import assert_avx2_builds_pass, count_calls, needs_kernel_build, runs_avx512_builds, tiny_config
 
 from modeling_kdsa import cpu_extension, cpu_kda_recurrent
-from modeling_kdsa.cpu_kda_recurrent import cpu_recurrent_kda, kernel_applies
+from modeling_kdsa import kda as kda_module
+from modeling_kdsa.cache import KDAReplayRecord, KDSACache
+from modeling_kdsa.cpu_kda_recurrent import MAX_STEPPED_TOKENS, cpu_recurrent_kda, kernel_applies
+from modeling_kdsa.kda import KDSAKimiDeltaAttention
 from modeling_kdsa.kda_ops import recurrent_kda
 
 pytestmark = pytest.mark.usefixtures("kernels_at_this_thread_count", "no_grad")
@@ -73,6 +80,92 @@ def test_each_token_starts_from_the_previous_tokens_state():
         q[:, 1:], k[:, 1:], v[:, 1:], g[:, 1:], beta[:, 1:], None, first_state, True
     )
     assert identical((both, both_state), (torch.cat([first, second], dim=1), second_state))
+
+
+def kda_layer_and_cache(seed=0):
+    """A KDA layer of the tiny config (2 heads of 16, fp32) with random weights, and a one-layer `KDSACache` with
+    rollback records, as speculative decoding builds it."""
+    config = tiny_config(num_hidden_layers=1, layer_types=["linear_attention"])
+    layer = KDSAKimiDeltaAttention(config, layer_idx=0)
+    generator = torch.Generator().manual_seed(seed)
+    for parameter in layer.parameters():
+        parameter.data = 0.3 * torch.randn(parameter.shape, generator=generator)
+    return layer.eval(), KDSACache(config, rollback_tokens=64)
+
+
+def run_layer(layer, x, cache, mask=None):
+    cache.begin_forward(x.shape[1])
+    return layer(x, attention_mask=mask, cache=cache)
+
+
+@needs_kernel_build
+@pytest.mark.parametrize("tokens", [2, 8, MAX_STEPPED_TOKENS])
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_verification_is_stepped_in_one_kernel_call(monkeypatch, tokens, padded):
+    """After a cached state, up to MAX_STEPPED_TOKENS tokens (a verification of drafted tokens) run the recurrence as
+    one call of the kernel: the output and state of the chunked form within fp32 rounding (the tolerance of
+    test_kda.py's two-part prefill), and the state of stepping the tokens one forward at a time. With `padded`, some
+    tokens of the second sequence are masked: identity steps in both forms."""
+    layer, cache = kda_layer_and_cache()
+    x = torch.randn(2, 10 + tokens, 64, generator=torch.Generator().manual_seed(tokens))
+    mask = None
+    if padded:
+        mask = torch.ones(2, tokens, dtype=torch.long)
+        mask[1, : tokens // 2] = 0
+    run_layer(layer, x[:, :10], cache)
+    chunked_cache, stepped_cache = copy.deepcopy(cache), copy.deepcopy(cache)
+    calls = count_calls(monkeypatch, cpu_kda_recurrent, "kda_recurrent")
+    got = run_layer(layer, x[:, 10:], cache, mask)
+    assert len(calls) == 1 and calls[0][0].shape[1] == tokens
+    monkeypatch.setattr(kda_module, "steps_tokens_applies", lambda *args: False)
+    expected = run_layer(layer, x[:, 10:], chunked_cache, mask)
+    assert len(calls) == 1  # the chunked form ran
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    state = cache.get_recurrent_state(0)
+    torch.testing.assert_close(state, chunked_cache.get_recurrent_state(0), atol=1e-5, rtol=1e-5)
+    for t in range(10, 10 + tokens):
+        run_layer(layer, x[:, t : t + 1], stepped_cache, None if mask is None else mask[:, t - 10 : t - 9])
+    torch.testing.assert_close(state, stepped_cache.get_recurrent_state(0), atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache.get_conv_state(0), chunked_cache.get_conv_state(0))
+
+
+@needs_kernel_build
+def test_more_tokens_or_no_cached_state_keep_the_chunked_form(monkeypatch):
+    """MAX_STEPPED_TOKENS + 1 tokens after a cached state, and a prefill without one, run the chunked kernel."""
+    layer, cache = kda_layer_and_cache()
+    x = torch.randn(1, 10 + MAX_STEPPED_TOKENS + 1, 64, generator=torch.Generator().manual_seed(1))
+    calls = count_calls(monkeypatch, cpu_kda_recurrent, "kda_recurrent")
+    run_layer(layer, x[:, :10], cache)
+    run_layer(layer, x[:, 10:], cache)
+    assert not calls
+
+
+@needs_kernel_build
+def test_crop_replays_the_kept_tokens_in_one_call_with_the_stepped_states_bits(monkeypatch):
+    """A crop that keeps n of 12 verified tokens replays them from the checkpoint in one kernel call, and the state is
+    bit for bit that of n one-token calls of the decode kernel on the recorded inputs (the replay the speculative
+    tests rely on); the conv window is the checkpoint's followed by the kept columns."""
+    layer, base = kda_layer_and_cache(seed=3)
+    x = torch.randn(2, 22, 64, generator=torch.Generator().manual_seed(3))
+    run_layer(layer, x[:, :10], base)
+    base.crop(10)  # commit the prompt: the checkpoint is after 10 tokens
+    run_layer(layer, x[:, 10:], base)
+    kda = base.layers[0]
+    recorded = KDAReplayRecord.concat(kda.records)
+    conv0, state = kda.checkpoint
+    stepped = [state]
+    for t in range(12):
+        step = recorded.tokens(t, t + 1)
+        stepped.append(cpu_recurrent_kda(step.k, step.k, step.v, step.g, step.beta, None, stepped[-1], True)[1])
+    for kept in range(1, 12):
+        cache = copy.deepcopy(base)
+        with monkeypatch.context() as patch:
+            calls = count_calls(patch, cpu_kda_recurrent, "kda_recurrent")
+            cache.crop(10 + kept)
+        assert len(calls) == 1 and calls[0][0].shape[1] == kept
+        assert torch.equal(cache.get_recurrent_state(0), stepped[kept])
+        window = torch.cat([conv0, recorded.conv_inputs[..., :kept]], dim=-1)[..., -conv0.shape[-1] :]
+        assert torch.equal(cache.get_conv_state(0), window)
 
 
 @needs_kernel_build

@@ -48,6 +48,11 @@ def integer_case(rows_out=7, width=100, bias=True, shape=(1, 1), seed=0):
         (5, 300, True, (2,)),  # two rows through every loop
         (5, 300, False, (3, 1)),  # three rows
         (6, 300, True, (1, 4)),  # four rows
+        # More than 4 rows (a verification of several tokens): groups of up to 4 over blocks of weight rows
+        (7, 100, True, (1, 5)),  # a group of 4 and a group of 1
+        (6, 300, False, (1, 8)),  # two groups of 4
+        (70, 300, True, (13,)),  # groups of 4, 4, 4, 1 over three blocks of weight rows (27 rows of 300 each)
+        (40, 1024, True, (2, 8)),  # 16 rows over five blocks of 8 weight rows
     ],
 )
 def test_kernel_equals_f_linear_on_exact_inputs(rows_out, width, bias, shape):
@@ -87,8 +92,8 @@ def test_random_bf16_rows_are_within_bf16_rounding_of_the_fp32_product():
 
 
 @needs_kernel_build
-def test_linear_routes_only_up_to_four_bf16_rows_without_autograd_to_the_kernel(monkeypatch):
-    """`linear` sends 1 to 4 eager bf16 rows to the kernel; five rows, fp32, autograd, autocast, a non-contiguous
+def test_linear_routes_only_up_to_sixteen_bf16_rows_without_autograd_to_the_kernel(monkeypatch):
+    """`linear` sends 1 to 16 eager bf16 rows to the kernel; 17 rows, fp32, autograd, autocast, a non-contiguous
     weight, a weight subclass, more threads than MAX_THREADS and an unavailable kernel keep `F.linear`."""
     calls = count_calls(monkeypatch, linear_module, "row_linear")
     x, weight, b = integer_case(rows_out=8, width=64)
@@ -99,7 +104,8 @@ def test_linear_routes_only_up_to_four_bf16_rows_without_autograd_to_the_kernel(
         pass
 
     strided = torch.empty(64, 16).bfloat16().t()
-    cases = [(x.expand(5, 1, 64), weight, b), (x.float(), weight.float(), b.float()), (x, strided, None)]
+    assert cpu_row_linear.row_linear_applies(x.expand(16, 1, 64), weight, b)
+    cases = [(x.expand(17, 1, 64), weight, b), (x.float(), weight.float(), b.float()), (x, strided, None)]
     cases.append((x, weight.as_subclass(Subclass), b))
     for case in cases:
         assert not cpu_row_linear.row_linear_applies(*case)
@@ -124,13 +130,13 @@ def test_compiled_linear_holds_the_kernel_as_one_op():
 
 @needs_kernel_build
 def test_kernel_refuses_inputs_it_cannot_read():
-    """The op reads raw pointers: a wrong dtype, five rows, a width mismatch, a strided weight or a bias of the wrong
+    """The op reads raw pointers: a wrong dtype, 17 rows, a width mismatch, a strided weight or a bias of the wrong
     size is a ValueError, not a crash."""
     assert cpu_row_linear.kernel_available()  # loads the op's CPU kernel
     x, weight, b = integer_case(rows_out=8, width=64)
     for bad in [
         (x.float(), weight, b),
-        (x.expand(1, 5, 64).contiguous(), weight, b),
+        (x.expand(1, 17, 64).contiguous(), weight, b),
         (x[..., :0].contiguous(), weight[:, :0].contiguous(), b),
         (x[..., :63].contiguous(), weight, b),
         (x, weight.t().contiguous().t(), b),

@@ -66,6 +66,33 @@ def test_kernel_is_as_close_to_the_fp32_reference_as_the_torch_path(batch, heads
 
 
 @needs_kernel_build
+@pytest.mark.parametrize("batch, queries", [(2, 2), (1, 8), (2, 16)])
+def test_several_queries_are_rows_of_one_kernel_call(monkeypatch, batch, queries):
+    """Up to MAX_KERNEL_QUERIES queries per sequence (a verification), each with its own selection: one kernel call,
+    each query's output the kernel's output for that query alone, and as close to the fp32 reference as the torch
+    path."""
+    calls = count_calls(monkeypatch, dsa_paged_ops, "sparse_mla_decode_cpu")
+    q_latent, q_pe, pages, table, indices, scale = sparse_case(batch)
+    generator = torch.Generator().manual_seed(queries)
+    q_latent = torch.randn(batch, queries, 16, 256, generator=generator).bfloat16()
+    q_pe = torch.randn(batch, queries, 16, 32, generator=generator).bfloat16()
+    indices = torch.stack([torch.stack([torch.randperm(1000, generator=generator)[:61] for _ in range(queries)])
+                           for _ in range(batch)])  # fmt: skip
+    indices[:, :, 5] = -1
+    got = paged_sparse_mla_fused(q_latent, q_pe, pages, table, indices, scale)
+    assert len(calls) == 1 and got.shape == q_latent.shape
+    monkeypatch.undo()
+    for t in range(queries):
+        alone = paged_sparse_mla_fused(q_latent[:, t : t + 1], q_pe[:, t : t + 1], pages, table, indices[:, t : t + 1],
+                                       scale)  # fmt: skip
+        assert torch.equal(got[:, t : t + 1], alone)
+    expected = fp32_reference(q_latent, q_pe, pages, table, indices, scale)
+    torch_path = dsa_paged_ops._attend(q_latent, q_pe, pages, table, indices, scale)
+    error, torch_error = (got.float() - expected).abs().max(), (torch_path.float() - expected).abs().max()
+    assert error <= torch_error * 1.01
+
+
+@needs_kernel_build
 def test_a_sequence_without_keys_gets_zeros():
     """Every slot -1 (nothing selected): the output is 0, as the reference's (docs/dsa.md §6); the other sequence is
     unaffected."""
@@ -104,9 +131,10 @@ def test_compiled_static_cpu_sparse_mla_is_one_graph():
 
 
 def test_callers_keep_the_torch_path_where_the_kernel_does_not_apply(monkeypatch):
-    """fp32 queries, several queries per sequence, head counts that are not a multiple of 8, latent widths that are
-    not a multiple of 32, pages not stored contiguously and quantized pages never reach the kernel, nor does anything
-    with more threads than MAX_THREADS or when it is unavailable: the torch path's result comes back."""
+    """fp32 queries, several queries per sequence (to the kernel itself: the caller splits them into rows), head counts
+    that are not a multiple of 8, latent widths that are not a multiple of 32, pages not stored contiguously and
+    quantized pages never reach the kernel, nor does anything with more threads than MAX_THREADS or when it is
+    unavailable: the torch path's result comes back."""
     q_latent, q_pe, pages, table, indices, scale = sparse_case(batch=1, heads=8, latent=64, rope=16)
     rows = pages.shape[1] * pages.shape[0]
     two_queries = (q_latent.expand(1, 2, 8, 64), q_pe.expand(1, 2, 8, 16), pages)

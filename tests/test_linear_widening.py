@@ -29,6 +29,8 @@ def case(rows=8, width=100, out=12, seed=0):
 
 
 def test_more_than_four_rows_are_an_fp32_product_rounded_once(monkeypatch, without_bf16_products):
+    """Where the row kernel does not take them (no AVX2, or more than its 16 rows)."""
+    monkeypatch.setattr(linear_module, "row_linear_applies", lambda *args: False)
     x, weight, bias = case()
     calls = count_calls(monkeypatch, linear_module.F, "linear")
     got = linear(x, weight, bias)
@@ -68,6 +70,7 @@ def test_the_bf16_product_stays_where_widening_does_not_apply(monkeypatch, witho
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
     monkeypatch.setattr(linear_module, "cpu_has_bf16_products", lambda: True)
     assert not linear_module.widens_to_fp32(x, weight)
+    monkeypatch.setattr(linear_module, "row_linear_applies", lambda *args: False)  # 8 rows: else the row kernel's
     calls = count_calls(monkeypatch, linear_module.F, "linear")
     linear(x, weight, bias)
     assert [args[0].dtype for args in calls] == [torch.bfloat16]
