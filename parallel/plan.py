@@ -304,11 +304,12 @@ def per_rank_weights(table: dict[str, dict[str, int]], tp: int, ep: int) -> dict
 # -------------------------------------------------------------------------------------------------- the cache
 
 
-def kda_state_bytes(model: KDSAForCausalLM, tp: int) -> int:
-    """Bytes of every KDA layer's live state for one sequence on one rank (heads split by tp): the cache's own
-    `KDAReplayLayer` fed the short-conv window `[1, C, W]` (model dtype, C = 2·H·K + H·V) and the fp32 state
-    `[1, H, K, V]` the layer hands it (modeling_kdsa/kda.py), on the meta device, then its `memory_bytes()`."""
-    total = 0
+def kda_state_parts(model: KDSAForCausalLM, tp: int) -> dict[str, int]:
+    """Bytes of every KDA layer's live state for one sequence on one rank (heads split by tp), as `conv_window` and
+    `recurrent_state`: the cache's own `KDAReplayLayer` fed the short-conv window `[1, C, W]` (model dtype,
+    C = 2·H·K + H·V) and then the fp32 state `[1, H, K, V]` the layer hands it (modeling_kdsa/kda.py), on the meta
+    device, its `memory_bytes()["states"]` read after each."""
+    parts = {"conv_window": 0, "recurrent_state": 0}
     for layer in model.model.layers:
         attn = getattr(layer, "linear_attn", None)
         if attn is None:
@@ -317,11 +318,18 @@ def kda_state_bytes(model: KDSAForCausalLM, tp: int) -> int:
         channels = heads * (2 * attn.head_k_dim + attn.head_v_dim)
         cache_layer = KDAReplayLayer(attn.conv_kernel_size, 0, "torch")
         cache_layer.update_conv_state(torch.empty(1, channels, 1, dtype=torch.bfloat16, device="meta"))
+        conv = cache_layer.memory_bytes()["states"]
         cache_layer.update_recurrent_state(
             torch.empty(1, heads, attn.head_k_dim, attn.head_v_dim, dtype=torch.float32, device="meta")
         )
-        total += cache_layer.memory_bytes()["states"]
-    return total
+        parts["conv_window"] += conv
+        parts["recurrent_state"] += cache_layer.memory_bytes()["states"] - conv
+    return parts
+
+
+def kda_state_bytes(model: KDSAForCausalLM, tp: int) -> int:
+    """`kda_state_parts` summed: what one sequence's KDA layers hold on one rank."""
+    return sum(kda_state_parts(model, tp).values())
 
 
 def _store_bytes_per_token(config, layer_idx: int, formats: CacheFormats) -> int:
@@ -662,6 +670,7 @@ def plan_report(
         "weights_per_rank": rank,
         "weights_per_rank_total": usage.weights,
         "kda_state_per_sequence_per_rank": plan.kda_state(tp),
+        "kda_state_parts_per_sequence_per_rank": kda_state_parts(plan.model, tp),
         "attention_cache_per_token_per_rank": plan.per_token,
         "attention_cache_per_token_by_format": plan.cache_formats,
         "activations": activation_bytes(config, tp, ep, batch, context, prefill_chunk),
@@ -712,8 +721,9 @@ def format_report(report: dict) -> str:
     lines.append(f"    {'total':<24}" + "".join(f"  {_gib(v)}" for v in totals) + f"  {_gib(sum(totals))}")
     lines += [
         "",
-        f"  KDA state per sequence per rank: {report['kda_state_per_sequence_per_rank'] / 2**20:.2f} MiB "
-        "(short-conv window + fp32 state)",
+        f"  KDA state per sequence per rank: {report['kda_state_per_sequence_per_rank'] / 2**20:.2f} MiB = "
+        f"short-conv window {report['kda_state_parts_per_sequence_per_rank']['conv_window'] / 2**20:.2f} MiB + fp32 "
+        f"state {report['kda_state_parts_per_sequence_per_rank']['recurrent_state'] / 2**20:.2f} MiB",
         f"  DSA/MLA cache per token per rank: {report['attention_cache_per_token_per_rank']} bytes "
         f"({report['kv_cache']} latent, {report['indexer']} indexer keys); by format (latent/indexer):",
     ]

@@ -334,6 +334,8 @@ def test_kda_state_is_divided_by_tp(plans):
     # 69 layers x (conv window 3 x 12288 x 4 bf16 + state 96 x 128 x 128 fp32).
     whole = 69 * (3 * 12288 * 4 * 2 + 96 * 128 * 128 * 4)
     assert plan.kda_state(1) == whole and plan.kda_state(8) == whole // 8
+    parts = planner.kda_state_parts(plan.model, 8)
+    assert parts == {"conv_window": 69 * 3 * 1536 * 4 * 2, "recurrent_state": 69 * 12 * 128 * 128 * 4}
 
 
 def test_searches_are_consistent(plans):
