@@ -4,6 +4,7 @@ bytes against a real KDSACache, the searches, the CLI and every refusal by name.
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -382,7 +383,7 @@ def test_a_cache_format_the_layer_cannot_store_is_refused_by_name(plans):
 def run_cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "modeling_kdsa.parallel.plan", *args], cwd=ROOT, capture_output=True, text=True,
-        timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}, stdin=subprocess.DEVNULL,
+        timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"), stdin=subprocess.DEVNULL,
     )  # fmt: skip
 
 
