@@ -122,6 +122,25 @@ def test_per_rank_bytes_follow_the_plans_sharding_rule(plans, family):
     assert expected < whole  # something is sharded
 
 
+@pytest.mark.parametrize("changes", [{}, {"q_lora_rank": 32, "n_shared_experts": 1, "linear_use_full_rank_gate": True}])
+def test_tp_column_of_the_rule_is_what_apply_tensor_parallel_keeps(changes):
+    """Today's tensor parallelism on a tiny model (rank 0 of tp = 2; the slicing needs no collective): every tensor
+    keeps 1/tp of its elements exactly when the plan puts it in a group divided by tp."""
+    from modeling_kdsa.parallel.mesh import ParallelMesh
+    from modeling_kdsa.parallel.tensor_parallel import apply_tensor_parallel
+
+    config = tiny_config(**changes)
+    torch.manual_seed(0)
+    model = KDSAForCausalLM(config)
+    whole = {name: tensor.numel() for name, tensor in unique_tensors(model).items()}
+    mesh = ParallelMesh(cp_size=1, tp_size=2, cp_rank=0, tp_rank=0, cp_group=None, tp_group=None, device="cpu")
+    apply_tensor_parallel(model, mesh)
+    kept = {name: tensor.numel() for name, tensor in unique_tensors(model).items()}
+    assert kept.keys() == whole.keys()
+    expected = {name: n // planner.group_divisor(planner.shard_group(name, config), 2, 1) for name, n in whole.items()}
+    assert kept == expected
+
+
 def test_sharding_rule_puts_each_component_in_its_group(plans):
     config = plans["kimi-k3"].config
     expectations = {
