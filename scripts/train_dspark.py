@@ -391,7 +391,8 @@ def main():
     }
     args.output.mkdir(parents=True, exist_ok=True)
     draft.save_pretrained(args.output, verifier_name_or_path="kdsa-tiny")
-    (args.output / "training.json").write_text(json.dumps({"training": training, "results": results}, indent=2) + "\n")
+    # The folder holds weights, config and card only; the full record goes to stdout.
+    print(json.dumps({"training": training}, indent=2))
     (args.output / "README.md").write_text(model_card(training, results))
     print(f"wrote {args.output} ({training['total_seconds'] / 60:.1f} min)")
 
