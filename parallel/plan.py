@@ -695,6 +695,9 @@ def plan_report(
 
 
 def _gib(n: int) -> str:
+    """GiB with two decimals; a non-zero amount below 0.01 GiB in MiB (suffix M), so block scales stay visible."""
+    if 0 < n < GiB / 100:
+        return f"{n / 2**20:8.2f}M"
     return f"{n / GiB:9.2f}"
 
 
@@ -710,7 +713,7 @@ def format_report(report: dict) -> str:
         + f"; device memory {report['device_memory'] / GiB:.2f} GiB; weights {report['weights_format']}, "
         f"kv-cache {report['kv_cache']}, indexer {report['indexer']}",
         "",
-        "  weights per rank (GiB)    " + "".join(f"{g:>11}" for g in GROUPS) + "      total",
+        f"{'  weights per rank':<28}" + "".join(f"{g:>11}" for g in GROUPS) + "      total  (GiB; M = MiB)",
     ]
     rank = report["weights_per_rank"]
     for kind in FORMAT_KINDS:
