@@ -86,86 +86,112 @@ struct Cursor {
   }
 };
 
-// Scores keys [begin, end) of one sequence into `best`; begin is a multiple of 8.
-void score_range(const Sequence& s, int64_t begin, int64_t end, TopK& best) {
+// Scores the 8 keys at `keys` (positions key .. key + 7, one page) against one row's query into `best`.
+inline void score_eight(const Sequence& s, const uint16_t* keys, int64_t key, TopK& best) {
   const int64_t groups = s.heads / 8, pairs = s.dim / 2;
-  const int64_t ahead = std::min(s.page_size, std::max<int64_t>(8, (8192 / (2 * s.dim)) / 8 * 8));  // ~8 KiB
   const __m256 zero = _mm256_setzero_ps();
   alignas(32) float scores[8];
-  int64_t key = begin;
-  Cursor at(s, begin), next(s, begin + ahead);
+  __m256 total[8];
+  for (int r = 0; r < 8; ++r) total[r] = zero;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 dot[8];
+    for (int r = 0; r < 8; ++r) dot[r] = zero;
+    const uint16_t* q = s.packed_q + g * pairs * 16;
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m256i q_pairs = _mm256_loadu_si256((const __m256i*)(q + p * 16));
+      for (int r = 0; r < 8; ++r) {
+        int32_t k_pair;
+        memcpy(&k_pair, keys + r * s.dim + 2 * p, 4);
+        dot[r] = dot_bf16_pairs(dot[r], _mm256_set1_epi32(k_pair), q_pairs);
+      }
+    }
+    __m256 w = _mm256_loadu_ps(s.weights + g * 8);
+    for (int r = 0; r < 8; ++r) total[r] = _mm256_fmadd_ps(_mm256_max_ps(dot[r], zero), w, total[r]);
+  }
+  __m256 group_scores = lane_sums(total);
+  // One comparison finds the keys above the threshold (usually none); only those are offered.
+  int above = _mm256_movemask_ps(_mm256_cmp_ps(group_scores, _mm256_set1_ps(best.threshold), _CMP_GT_OQ));
+  if (above == 0) return;
+  _mm256_store_ps(scores, group_scores);
+  for (; above != 0; above &= above - 1) {
+    const int r = __builtin_ctz(above);
+    if (!s.padding || s.padding[key + r]) best.offer(scores[r], key + r);
+  }
+}
+
+// Scores keys [0, end) for `count` rows that read the same pages (one sequence's queries of a verification, or one
+// decode query) into their `best`: each block of 8 keys is prefetched and read once and scored for every row while it
+// is in L1.
+void score_rows(const Sequence* rows, TopK* best, int64_t count, int64_t end) {
+  const Sequence& s = rows[0];
+  const int64_t ahead = std::min(s.page_size, std::max<int64_t>(8, (8192 / (2 * s.dim)) / 8 * 8));  // ~8 KiB
+  int64_t key = 0;
+  Cursor at(s, 0), next(s, ahead);
   for (; key + 8 <= end; key += 8, at.advance(8), next.advance(8)) {
     if (key + ahead + 8 <= end) {
       const char* bytes = (const char*)next.row();
       for (int64_t byte = 0; byte < 16 * s.dim; byte += 64) _mm_prefetch(bytes + byte, _MM_HINT_T0);
     }
     const uint16_t* keys = at.row();  // 8 keys in one page (page_size is a multiple of 8)
-    __m256 total[8];
-    for (int r = 0; r < 8; ++r) total[r] = zero;
-    for (int64_t g = 0; g < groups; ++g) {
-      __m256 dot[8];
-      for (int r = 0; r < 8; ++r) dot[r] = zero;
-      const uint16_t* q = s.packed_q + g * pairs * 16;
-      for (int64_t p = 0; p < pairs; ++p) {
-        const __m256i q_pairs = _mm256_loadu_si256((const __m256i*)(q + p * 16));
-        for (int r = 0; r < 8; ++r) {
-          int32_t k_pair;
-          memcpy(&k_pair, keys + r * s.dim + 2 * p, 4);
-          dot[r] = dot_bf16_pairs(dot[r], _mm256_set1_epi32(k_pair), q_pairs);
-        }
-      }
-      __m256 w = _mm256_loadu_ps(s.weights + g * 8);
-      for (int r = 0; r < 8; ++r) total[r] = _mm256_fmadd_ps(_mm256_max_ps(dot[r], zero), w, total[r]);
-    }
-    __m256 group_scores = lane_sums(total);
-    // One comparison finds the keys above the threshold (usually none); only those are offered.
-    int above = _mm256_movemask_ps(_mm256_cmp_ps(group_scores, _mm256_set1_ps(best.threshold), _CMP_GT_OQ));
-    if (above == 0) continue;
-    _mm256_store_ps(scores, group_scores);
-    for (; above != 0; above &= above - 1) {
-      const int r = __builtin_ctz(above);
-      if (!s.padding || s.padding[key + r]) best.offer(scores[r], key + r);
-    }
+    for (int64_t i = 0; i < count; ++i) score_eight(rows[i], keys, key, best[i]);
   }
   for (; key < end; ++key, at.advance(1)) {  // the last < 8 keys
-    if (s.padding && !s.padding[key]) continue;
     const uint16_t* k = at.row();
-    float score = 0.f;
-    for (int64_t h = 0; h < s.heads; ++h) {
-      float dot = 0.f;
-      for (int64_t d = 0; d < s.dim; ++d) dot += bf16_to_float(k[d]) * s.query[h * s.dim + d];
-      score += s.weights[h] * (dot > 0.f ? dot : 0.f);
+    for (int64_t i = 0; i < count; ++i) {
+      const Sequence& row = rows[i];
+      if (row.padding && !row.padding[key]) continue;
+      float score = 0.f;
+      for (int64_t h = 0; h < row.heads; ++h) {
+        float dot = 0.f;
+        for (int64_t d = 0; d < row.dim; ++d) dot += bf16_to_float(k[d]) * row.query[h * row.dim + d];
+        score += row.weights[h] * (dot > 0.f ? dot : 0.f);
+      }
+      best[i].offer(score, key);
     }
-    best.offer(score, key);
   }
 }
 
-// For each of `batch` sequences: the `top_k` best of its first `num_keys` keys under
+// For each of `batch` rows: the `top_k` best of its first `num_keys` keys under
 // score = sum_h weights[h] * relu(q[h] . key), best first, into out [batch, width] (-1 past the last found).
+// Consecutive rows with the same block table (the queries of one sequence, `dsa_paged_ops._queries_topk_cpu`) are
+// scored in one pass over the keys.
 void topk_decode(
     const uint16_t* pages, int64_t page_size, int64_t dim, const int64_t* table, int64_t table_stride,
     const uint16_t* q, const float* weights, int64_t heads, int64_t num_keys, const uint8_t* padding,
     int64_t padding_stride, int64_t batch, int64_t top_k, int64_t width, int64_t* out) {
   const int64_t pairs = dim / 2;
-  std::vector<uint16_t> packed(heads * dim);
-  std::vector<float> query(heads * dim);
+  std::vector<uint16_t> packed(batch * heads * dim);
+  std::vector<float> query(batch * heads * dim);
+  std::vector<Sequence> rows;
+  rows.reserve(batch);
   for (int64_t b = 0; b < batch; ++b) {
     const uint16_t* qb = q + b * heads * dim;
+    uint16_t* pb = packed.data() + b * heads * dim;
+    float* fb = query.data() + b * heads * dim;
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t p = 0; p < pairs; ++p)
         for (int i = 0; i < 2; ++i) {
-          packed[((h / 8) * pairs + p) * 16 + (h % 8) * 2 + i] = qb[h * dim + 2 * p + i];
-          query[h * dim + 2 * p + i] = bf16_to_float(qb[h * dim + 2 * p + i]);
+          pb[((h / 8) * pairs + p) * 16 + (h % 8) * 2 + i] = qb[h * dim + 2 * p + i];
+          fb[h * dim + 2 * p + i] = bf16_to_float(qb[h * dim + 2 * p + i]);
         }
-    Sequence s{pages, table + b * table_stride, page_size, dim, heads, packed.data(), weights + b * heads,
-               padding ? padding + b * padding_stride : nullptr, query.data()};
-    TopK best(top_k);
-    score_range(s, 0, num_keys, best);
-    std::vector<Candidate>& found = best.buffer;
-    int64_t kept = std::min<int64_t>(top_k, (int64_t)found.size());
-    if (kept < (int64_t)found.size()) std::nth_element(found.begin(), found.begin() + (kept - 1), found.end(), better);
-    std::sort(found.begin(), found.begin() + kept, better);
-    for (int64_t i = 0; i < width; ++i) out[b * width + i] = i < kept ? found[i].position : -1;
+    rows.push_back(Sequence{pages, table + b * table_stride, page_size, dim, heads, pb, weights + b * heads,
+                            padding ? padding + b * padding_stride : nullptr, fb});
+  }
+  const int64_t table_pages = (num_keys + page_size - 1) / page_size;  // the entries the keys read
+  for (int64_t first = 0; first < batch;) {
+    int64_t last = first + 1;
+    while (last < batch && std::equal(rows[first].table, rows[first].table + table_pages, rows[last].table)) ++last;
+    std::vector<TopK> best(last - first, TopK(top_k));
+    score_rows(rows.data() + first, best.data(), last - first, num_keys);
+    for (int64_t b = first; b < last; ++b) {
+      std::vector<Candidate>& found = best[b - first].buffer;
+      int64_t kept = std::min<int64_t>(top_k, (int64_t)found.size());
+      if (kept < (int64_t)found.size())
+        std::nth_element(found.begin(), found.begin() + (kept - 1), found.end(), better);
+      std::sort(found.begin(), found.begin() + kept, better);
+      for (int64_t i = 0; i < width; ++i) out[b * width + i] = i < kept ? found[i].position : -1;
+    }
+    first = last;
   }
 }
 
