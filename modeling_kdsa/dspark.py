@@ -633,12 +633,18 @@ class DSparkDraftModel(PreTrainedModel):
         anchor_ids: torch.Tensor,
         anchor_position_ids: torch.Tensor,
         sample: SampleFn | None = None,
+        confidence_threshold: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One block: `anchor_ids` `[B]` (the last committed token, not yet in the context) at
         `anchor_position_ids` `[B]`. One backbone forward over `[anchor, MASK × (γ−1)]`, then the Markov loop:
         `logits_k = U_k + bias(x_{k−1})` (x_{−1} = anchor), `tok, processed = sample(logits_k [B, V_target], k)`
-        (default greedy). Returns `tokens` `[B, γ]`, `q_logits` `[B, γ, V_target]` (the processed logits),
-        `confidence` `[B, γ]` (σ of the confidence head; None without one). The cache is not changed."""
+        (default greedy). Returns `tokens` `[B, n]`, `q_logits` `[B, n, V_target]` (the processed logits),
+        `confidence` `[B, n]` (σ of the confidence head; None without one), n ≤ γ. The cache is not changed.
+
+        `confidence_threshold` > 0 prunes the block (DeepSpec's static rule): slot k's confidence depends only on
+        h_k and x_{k−1}, so it is known before slot k is sampled, and the loop stops at the first slot where no row
+        is still confident (every row's run of confidences ≥ the threshold has ended) — a pruned slot costs no
+        sampling. n = 0 when slot 0 is not confident anywhere."""
         sample = greedy_sample if sample is None else sample
         if cache.mask is None:
             raise ValueError("propose needs a context: call extend_context with the prompt's hidden states first")
@@ -655,19 +661,28 @@ class DSparkDraftModel(PreTrainedModel):
         base = self.draft_logits(hidden)  # [B, γ, V_draft]
         tokens, q_logits, confidence = [], [], []
         prev = anchor_ids
+        confident = torch.ones(batch, dtype=torch.bool, device=anchor_ids.device)
         state = None if self.markov_head is None else self.markov_head.initial_state(hidden[:, 0])
         for k in range(gamma):
             logits, prev_embedding = base[:, k], None
             if self.markov_head is not None:
                 bias, state, prev_embedding = self.markov_head.step(prev, hidden[:, k], state)
                 logits = logits + bias.float()
-            token, processed = sample(self.to_target_vocab(logits), k)
             conf = self._confidence(hidden[:, k], prev_embedding)
             if conf is not None:
-                confidence.append(torch.sigmoid(conf))
+                conf = torch.sigmoid(conf)
+                if confidence_threshold > 0:
+                    confident &= conf >= confidence_threshold
+                    if not bool(confident.any()):
+                        break
+                confidence.append(conf)
+            token, processed = sample(self.to_target_vocab(logits), k)
             tokens.append(token)
             q_logits.append(processed)
             prev = token
+        if not tokens:
+            vocab = self.config.vocab_size
+            return anchor_ids.new_zeros(batch, 0), base.new_zeros(batch, 0, vocab, dtype=torch.float32), None
         confidence = torch.stack(confidence, dim=1) if confidence else None
         return torch.stack(tokens, dim=1), torch.stack(q_logits, dim=1), confidence
 

@@ -198,14 +198,10 @@ class DSparkDrafter:
         self.draft.extend_context(self.cache, hidden_states, new_mask, position_ids)
 
     def propose(self, num_tokens: int, anchor, anchor_position, attention_mask, sample):
-        tokens, logits, confidence = self.draft.propose(self.cache, anchor, anchor_position, sample)
-        keep = min(num_tokens, tokens.shape[1])
-        if self.confidence_threshold > 0 and confidence is not None:
-            # DeepSpec's static rule: cut the block at the first slot whose confidence is below the threshold; in a
-            # batch, the longest confident prefix of any row (one forward verifies all rows).
-            confident = (confidence >= self.confidence_threshold).long().cumprod(1).sum(1)
-            keep = min(keep, int(confident.max()))
-        return tokens[:, :keep], logits[:, :keep]
+        # DeepSpec's static rule inside `propose`: the block is cut at the first slot whose confidence is below the
+        # threshold; in a batch, at the end of the longest confident run of any row (one forward verifies all rows).
+        tokens, logits, _ = self.draft.propose(self.cache, anchor, anchor_position, sample, self.confidence_threshold)
+        return tokens[:, :num_tokens], logits[:, :num_tokens]
 
 
 def _stack(tokens: list, logits: list, anchor: torch.Tensor):

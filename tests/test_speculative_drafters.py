@@ -118,3 +118,29 @@ def test_bad_drafter_arguments_are_refused():
     wrong_layers = random_dspark(model, target_layer_ids=[3], num_target_layers=None)
     with pytest.raises(ValueError, match="final layer"):
         model.generate(ids, max_new_tokens=4, speculation_type="dspark", assistant_model=wrong_layers, **GREEDY)
+
+
+@torch.no_grad()
+def test_propose_stops_at_the_end_of_the_longest_confident_run():
+    """With a threshold, `propose` returns the unpruned block cut where the longest run of confident slots of any
+    row ends, and samples no slot past it."""
+    model = tiny_model()
+    draft = random_dspark(model, block_size=8).bind_target(model)
+    ids, mask = left_padded(4, seed=3)
+    out = model(ids, attention_mask=mask, output_hidden_states=True)
+    cache = draft.new_cache(4)
+    draft.extend_context(cache, out.hidden_states, mask)
+    anchor = out.logits[:, -1].argmax(-1)
+    position = mask.sum(1)
+    full, _, confidence = draft.propose(cache, anchor, position)
+    for threshold in confidence.flatten().tolist() + [1.01]:
+        runs = (confidence >= threshold).long().cumprod(1).sum(1)
+        sampled = []
+
+        def sample(logits, k, sampled=sampled):
+            sampled.append(k)
+            return logits.argmax(-1), logits
+
+        tokens, logits, _ = draft.propose(cache, anchor, position, sample, confidence_threshold=threshold)
+        assert torch.equal(tokens, full[:, : int(runs.max())])
+        assert sampled == list(range(int(runs.max())))
