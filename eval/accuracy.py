@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import modeling_kdsa  # noqa: F401  (registers the architecture; the checkpoint also carries remote code)
+    import modeling_kdsa  # noqa: F401  (registers the architecture: the shipped checkpoints carry no code)
 
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     docs = {task: load_docs(task)[: args.limit] for task in args.tasks}

@@ -2,9 +2,9 @@
 
 Importing this package registers the architecture with the Auto classes, so
 `AutoModelForCausalLM.from_pretrained(path)` works without `trust_remote_code`, and registers the "kdsa" quantization
-method (`modeling_kdsa.quantization`: `from_pretrained(..., quantization_config=KDSAQuantizationConfig())`). Saved
-checkpoints also carry the model files as remote code (`auto_map`), for environments where this package is not
-installed.
+method (`modeling_kdsa.quantization`: `from_pretrained(..., quantization_config=KDSAQuantizationConfig())`).
+`save_pretrained` also writes the model files as remote code (`auto_map`), for environments where this package is
+not installed; the shipped checkpoints/ folders hold no code.
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM

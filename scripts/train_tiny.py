@@ -20,8 +20,9 @@ each, gradients averaged with a gloo all-reduce (one process with two OpenMP thr
 measured). Each process draws its own batches; curriculum decisions use the all-reduced accuracy, so every process
 grows the problems at the same step. With a fixed seed and process count a rerun repeats the run.
 
-Writes the best checkpoint (by validation accuracy, checked every `--eval-every` steps) with tokenizer, remote code
-(`auto_map`) and a model card holding the training config and final metrics.
+Writes the best checkpoint (by validation accuracy, checked every `--eval-every` steps): weights, config, tokenizer and
+a model card holding the training config and final metrics. No code: `save_pretrained`'s copy of the model files and
+the config's `auto_map` are removed (a Hub upload gets them from `save_pretrained` / `push_to_hub` of the loaded model).
 """
 
 import argparse
@@ -335,6 +336,12 @@ def train(rank: int, args: argparse.Namespace) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
+    for code in args.out.glob("*.py"):  # weights, config, tokenizer and card only (docs/testing.md §3)
+        code.unlink()
+    config_file = args.out / "config.json"
+    config = json.loads(config_file.read_text())
+    config.pop("auto_map", None)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     training = {
         "command": f"python scripts/train_tiny.py --model {args.model}" + "".join(
             f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "model", "port")),
@@ -413,12 +420,17 @@ trained from scratch on synthetic long-context tasks. {purpose} It knows nothing
 {config.vocab_size} words (word-level tokenizer, `AutoTokenizer` loads it).
 
 ```python
+import modeling_kdsa  # registers the "kdsa" architecture with transformers' Auto classes
 from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained("checkpoints/{name}", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("checkpoints/{name}", trust_remote_code=True)  # else a y/N prompt
+model = AutoModelForCausalLM.from_pretrained("checkpoints/{name}")
+tokenizer = AutoTokenizer.from_pretrained("checkpoints/{name}")
 ids = tokenizer("pairs k1 v5 k7 v9 k3 v0 ? k7", return_tensors="pt").input_ids
 print(tokenizer.decode(model.generate(ids, max_new_tokens=1, do_sample=False)[0, -1:]))  # v9
 ```
+
+This folder holds weights, config, tokenizer and this card, no code. `model.save_pretrained(folder)` writes the
+model's code beside the weights (`auto_map`), and that folder loads with `trust_remote_code=True` where the `kdsa`
+package is not installed.
 
 ## Tasks
 

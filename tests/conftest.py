@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 import torch
@@ -30,6 +31,51 @@ def assert_avx2_builds_pass(test_file: str) -> None:
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     summary = result.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and "skipped" not in summary, summary
+
+
+# The checkout; the venv may live inside it (`.venv/`), so "loaded from the checkout" means from here but outside it.
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SITE_PACKAGES = list(dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib")))
+_WITHOUT_THE_PACKAGE_HEAD = """
+import importlib.util, sys
+sys.path.extend({site_packages!r})
+for _name in ("modeling_kdsa", "quantization", "parallel", "aot", "eval"):
+    assert importlib.util.find_spec(_name) is None, f"{{_name}} is importable: " + str(importlib.util.find_spec(_name))
+"""
+_WITHOUT_THE_PACKAGE_TAIL = """
+_leaked = sorted(
+    f"{{_key}}: {{_module.__file__}}" for _key, _module in list(sys.modules.items())
+    if (getattr(_module, "__file__", None) or "").startswith({checkout!r} + "/")
+    and not any(_module.__file__.startswith(_folder + "/") for _folder in {site_packages!r})
+)
+assert not _leaked and "modeling_kdsa" not in sys.modules, "loaded from the checkout: " + ", ".join(_leaked)
+"""
+
+
+def run_without_the_package(script: str, cwd, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    """Run `script` in a fresh Python that has transformers, torch and the rest of this venv but cannot import this
+    package (`modeling_kdsa` and its subpackages): what a Hub user with `trust_remote_code=True` has.
+
+    How the package is hidden: the child is `python -I -S`. `-S` skips the `site` module, so no `.pth` file of the
+    venv runs, among them `__editable__.kdsa-*.pth`, whose finder maps `modeling_kdsa` (and `modeling_kdsa.eval`, ...)
+    to this checkout; `-I` ignores `PYTHONPATH` and the other `PYTHON*` variables and keeps the working directory off
+    `sys.path`. The script then appends the venv's site-packages folders (`sysconfig` purelib / platlib) to
+    `sys.path` itself: plain folders, their `.pth` files unread, so third-party packages import and the editable
+    finder stays out. Give a `cwd` outside the checkout. Two checks guard the hiding: before the script,
+    `importlib.util.find_spec` finds none of `modeling_kdsa`, `quantization`, `parallel`, `aot`, `eval`; after it,
+    no module in `sys.modules` was loaded from a file of the checkout outside the venv (remote code runs from the
+    copies transformers makes under `HF_MODULES_CACHE`). `env` adds variables (HF_HUB_OFFLINE=1 and
+    OMP_NUM_THREADS=1 are set)."""
+    assert not os.path.abspath(cwd).startswith(CHECKOUT + "/"), cwd
+    program = (
+        _WITHOUT_THE_PACKAGE_HEAD.format(site_packages=_SITE_PACKAGES)
+        + script
+        + _WITHOUT_THE_PACKAGE_TAIL.format(checkout=CHECKOUT, site_packages=_SITE_PACKAGES)
+    )
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in env.items()}}
+    command = [sys.executable, "-I", "-S", "-c", program]
+    return subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)  # fmt: skip
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""The shipped tiny checkpoint (checkpoints/kdsa-tiny): contents, tokenizer, what it has learned, and Hub-style loading
-with remote code where this package cannot be imported."""
+"""The shipped tiny checkpoint (checkpoints/kdsa-tiny): contents (weights, config, tokenizer and card, no code),
+tokenizer, what it has learned, and Hub-style loading: a folder written by `save_pretrained` carries the model's code
+and loads with remote code in a fresh Python where this package cannot be imported."""
 
 import json
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_without_the_package
 from modeling_kdsa.eval import accuracy, synthetic
 from modeling_kdsa.eval.make_data import load_docs
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -21,6 +23,7 @@ from modeling_kdsa import KDSAForCausalLM
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = ROOT / "checkpoints" / "kdsa-tiny"
 DRAFT = ROOT / "checkpoints" / "kdsa-tiny-draft"
+PACKAGE = ROOT / "modeling_kdsa"
 
 
 @pytest.fixture(autouse=True)
@@ -43,28 +46,25 @@ def tokenizer():
 
 
 @pytest.mark.parametrize("folder", [CHECKPOINT, DRAFT], ids=["target", "draft"])
-def test_folder_carries_weights_config_remote_code_tokenizer_and_card(folder):
+def test_folder_carries_weights_config_tokenizer_and_card(folder):
     files = {p.name for p in folder.iterdir()}
     for name in ["model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "README.md", "training.json", "modeling_kdsa.py",
-                 "configuration_kdsa.py"]:  # fmt: skip
+                 "tokenizer_config.json", "README.md", "training.json"]:  # fmt: skip
         assert name in files, name
     assert (folder / "model.safetensors").stat().st_size <= 20 * 2**20
-    config = json.loads((folder / "config.json").read_text())
-    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_kdsa.KDSAForCausalLM"
-    assert config["auto_map"]["AutoConfig"] == "configuration_kdsa.KDSAConfig"
-    # transformers' remote-code loader fetches the modules it finds imported as `from .module import`: every module
-    # of the folder must be among them (the device backends' too). It then requires every package those modules
-    # import to be installed, so the device backends' packages (fla, triton, torch_npu) must stay out of its sight.
-    modules = {folder / "modeling_kdsa.py", folder / "configuration_kdsa.py"}
-    for module in list(modules):
-        modules.update(Path(path) for path in get_relative_import_files(module))
-    assert modules == set(folder.glob("*.py"))
-    for module in modules:
-        assert not {"fla", "triton", "torch_npu"} & set(get_imports(module)), module.name
-        check_imports(module)
     card = (folder / "README.md").read_text()
     assert "## Results" in card and "## Training" in card and "seed" in card
+
+
+def test_checkpoints_hold_no_code():
+    """Every folder under checkpoints/ holds weights, config, tokenizer and card: no copy of the model files and no
+    `auto_map` pointing at one. The code a Hub user runs is what `save_pretrained` / `push_to_hub` write (below)."""
+    folders = sorted(p for p in (ROOT / "checkpoints").iterdir() if p.is_dir())
+    assert {CHECKPOINT, DRAFT} <= set(folders)
+    for folder in folders:
+        assert not [p.name for p in folder.rglob("*.py")], folder.name
+        assert "auto_map" not in json.loads((folder / "config.json").read_text()), folder.name
+    assert json.loads((CHECKPOINT / "config.json").read_text())["num_mtp_layers"] == 1  # it ships an MTP layer
 
 
 def test_mixed_layers_attn_res_and_moe(model):
@@ -103,71 +103,112 @@ def test_generate_answers_a_recall_question(model, tokenizer):
     assert tokenizer.decode(out[0, ids.shape[1] :]) == " " + doc["target"]
 
 
-def test_resaved_folder_loads_with_remote_code_where_the_package_is_missing(model, tokenizer, tmp_path):
-    """`save_pretrained` of the loaded model + tokenizer (what `push_to_hub` uploads) gives a folder that a Python
-    without this package loads with trust_remote_code=True: same class of remote module, bit-identical logits, and
-    the same tokens. The shipped folder itself is checked the same way."""
-    resaved = tmp_path / "resaved"
-    model.save_pretrained(resaved)
-    tokenizer.save_pretrained(resaved)
+@pytest.fixture(scope="module")
+def saved(model, tokenizer, tmp_path_factory):
+    """What `push_to_hub` uploads: `save_pretrained` of the loaded shipped model and of its tokenizer."""
+    folder = tmp_path_factory.mktemp("hub") / "kdsa-tiny"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_save_pretrained_writes_every_module_the_model_imports(saved):
+    """transformers' remote-code loader fetches the modules it finds imported as `from .module import`, starting at
+    the `auto_map` files: `save_pretrained` must write all of them (mtp.py and speculative.py included), as the
+    package's own bytes. It then requires every package those modules import to be installed, so the device
+    backends' packages (fla, triton, torch_npu) must stay out of its sight."""
+    config = json.loads((saved / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_kdsa.KDSAConfig", "AutoModelForCausalLM": "modeling_kdsa.KDSAForCausalLM"
+    }  # fmt: skip
+    assert config["num_mtp_layers"] == 1
+    modules = {PACKAGE / "modeling_kdsa.py", PACKAGE / "configuration_kdsa.py"}
+    for module in list(modules):
+        modules.update(Path(path) for path in get_relative_import_files(module))
+    assert {"mtp.py", "speculative.py", "cache.py", "kernels.py"} <= {p.name for p in modules}
+    assert {p.name for p in saved.glob("*.py")} == {p.name for p in modules}
+    for module in modules:
+        assert (saved / module.name).read_bytes() == module.read_bytes(), module.name
+        assert not {"fla", "triton", "torch_npu"} & set(get_imports(saved / module.name)), module.name
+        check_imports(saved / module.name)
+
+
+def test_saved_folder_generates_the_same_tokens_by_remote_code_without_the_package(model, tokenizer, saved, tmp_path):
+    """The saved folder, loaded with `trust_remote_code=True` in a fresh Python where this package cannot be imported
+    (tests/conftest.py `run_without_the_package`), is transformers' remote module and gives the in-process model's
+    logits and its MTP layer's logits bit for bit, and its 16 greedy tokens, both plain and with the shipped MTP layer
+    drafting (`use_mtp=True`). Greedy MTP decoding returns the target's tokens whatever the drafts are, so the MTP
+    layer's own logits are what would show a remote MTP layer that computes something else."""
     doc = load_docs("recall_mid")[0]
     ids = tokenizer(doc["context"], return_tensors="pt").input_ids
     torch.save(ids, tmp_path / "ids.pt")
     script = textwrap.dedent(
         f"""
-        import sys
-        sys.modules["modeling_kdsa"] = None  # any `import modeling_kdsa` now raises ImportError
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        torch.set_num_threads(1)
         ids = torch.load({str(tmp_path / "ids.pt")!r})
-        for name, folder in [("shipped", {str(CHECKPOINT)!r}), ("resaved", {str(resaved)!r})]:
-            model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
-            assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-            tokenizer = AutoTokenizer.from_pretrained(folder)
-            assert tokenizer({doc["context"]!r}, return_tensors="pt").input_ids.equal(ids)
-            torch.save(model(ids).logits, {str(tmp_path)!r} + f"/{{name}}.pt")
+        model = AutoModelForCausalLM.from_pretrained({str(saved)!r}, trust_remote_code=True, dtype=torch.float32)
+        model.eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        assert model.mtp is not None
+        tokenizer = AutoTokenizer.from_pretrained({str(saved)!r}, trust_remote_code=True)
+        assert tokenizer({doc["context"]!r}, return_tensors="pt").input_ids.equal(ids)
+        greedy = dict(max_new_tokens=16, do_sample=False, pad_token_id=model.config.pad_token_id)
+        with torch.no_grad():
+            hidden = model.model(ids).last_hidden_state
+            mtp_logits = model.mtp.logits(0, model.mtp(0, hidden[:, :-1], ids[:, 1:]))
+            out = dict(logits=model(ids).logits, mtp_logits=mtp_logits, plain=model.generate(ids, **greedy),
+                       mtp=model.generate(ids, use_mtp=True, **greedy))
+        torch.save(out, {str(tmp_path / "remote.pt")!r})
         """
     )
-    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
+    result = run_without_the_package(script, cwd=tmp_path, HF_MODULES_CACHE=tmp_path / "modules")
     assert result.returncode == 0, result.stderr[-3000:]
     assert type(model) is KDSAForCausalLM  # this side: the package's class
+    remote = torch.load(tmp_path / "remote.pt")
+    greedy = dict(max_new_tokens=16, do_sample=False, pad_token_id=model.config.pad_token_id)
     with torch.no_grad():
-        expected = model(ids).logits
-    for name in ("shipped", "resaved"):
-        assert torch.equal(torch.load(tmp_path / f"{name}.pt"), expected), name
+        assert torch.equal(remote["logits"], model(ids).logits)
+        hidden = model.model(ids).last_hidden_state
+        assert torch.equal(remote["mtp_logits"], model.mtp.logits(0, model.mtp(0, hidden[:, :-1], ids[:, 1:])))
+        plain = model.generate(ids, **greedy)
+        assert plain.shape[1] == ids.shape[1] + 16
+        assert torch.equal(remote["plain"], plain)
+        assert torch.equal(remote["mtp"], model.generate(ids, use_mtp=True, **greedy))
+
+
+def test_the_fresh_process_catches_a_leak_of_the_package(tmp_path):
+    """The guard of `run_without_the_package` fails where code of the checkout gets in: here a package file
+    imported by its path (what a sys.path entry of the checkout would allow)."""
+    result = run_without_the_package("import torch\n", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    leak = textwrap.dedent(
+        f"""
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("kdsa_norms", {str(PACKAGE / "norms.py")!r})
+        sys.modules["kdsa_norms"] = importlib.util.module_from_spec(spec)
+        """
+    )
+    result = run_without_the_package(leak, cwd=tmp_path)
+    assert result.returncode != 0 and "loaded from the checkout: kdsa_norms" in result.stderr, result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("folder", [CHECKPOINT, DRAFT], ids=["target", "draft"])
-def test_card_example_runs_without_the_package_and_without_a_prompt(folder, tmp_path):
-    """The card's snippet, as written, where the package is missing and stdin is closed: AutoTokenizer loads the
-    config first, and a config with `auto_map` makes transformers ask "Do you wish to run the custom code? [y/N]"
-    unless trust_remote_code is given."""
+def test_card_example_runs_as_written_and_without_a_prompt(folder):
+    """The card's snippet, as written (it imports this package: the folder carries no code), with stdin closed: no
+    "Do you wish to run the custom code? [y/N]" question, and it prints the answer."""
     card = (folder / "README.md").read_text()
     snippet = re.search(r"```python\n(.*?)```", card, re.DOTALL).group(1)
-    script = 'import sys\nsys.modules["modeling_kdsa"] = None\n' + snippet
-    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    assert "trust_remote_code" not in snippet
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     result = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", snippet], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
         stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Do you wish" not in result.stdout + result.stderr
     assert result.stdout.splitlines()[-1] == " v9"
-
-
-@pytest.mark.parametrize("folder", [CHECKPOINT, DRAFT], ids=["target", "draft"])
-def test_shipped_remote_code_is_the_package_code(folder):
-    """The checkpoints' remote-code files must be today's model files, or `trust_remote_code=True` users would run
-    stale code: run `python scripts/refresh_remote_code.py` whenever a file under modeling_kdsa/ changes."""
-    package = ROOT / "modeling_kdsa"
-    shipped = sorted(folder.glob("*.py"))
-    expected = {p.name for p in package.glob("*.py")} - {"__init__.py"}
-    assert {p.name for p in shipped} == expected, "run scripts/refresh_remote_code.py"
-    for path in shipped:
-        assert path.read_bytes() == (package / path.name).read_bytes(), f"{path.name} differs from the package's"
 
 
 # ------------------------------------------------------------------------------------------------- the draft

@@ -4,14 +4,13 @@ lm-eval runs from a temporary working directory, so a data path resolved against
 
 import importlib.util
 import json
-import os
 import random
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_without_the_package
 from modeling_kdsa.eval import accuracy, synthetic
 from modeling_kdsa.eval.make_data import SPLITS, TASKS, load_docs, make_docs
 
@@ -116,23 +115,28 @@ def test_lm_eval_python_api_offline_matches_runner(model_and_tokenizer, tmp_path
 
 @pytest.mark.slow
 def test_lm_eval_cli_offline_with_remote_code(tmp_path):
-    """The README's CLI command: `lm_eval --model hf` does not import this package, so the model comes from the
-    checkpoint's remote code. Runs from a temporary CWD."""
-    env = dict(os.environ, **OFFLINE, HF_MODULES_CACHE=str(tmp_path / "modules"), OMP_NUM_THREADS="1")
-    command = [
-        str(Path(sys.executable).parent / "lm_eval"), "--model", "hf",
-        "--model_args", f"pretrained={CHECKPOINT},trust_remote_code=True,dtype=float32",
-        "--tasks", "kdsa_recall_mid", "--include_path", str(TASK_DIR), "--device", "cpu", "--batch_size", "10",
-        "--limit", "10", "--output_path", str(tmp_path / "out"),
-    ]  # fmt: skip
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (output,) = list((tmp_path / "out").rglob("results_*.json"))
-    acc = json.loads(output.read_text())["results"]["kdsa_recall_mid"]["acc,none"]
+    """The CLI command of docs/testing.md §4: `lm_eval --model hf` does not import this package, so the model comes
+    from the remote code that `save_pretrained` writes. The CLI runs in a fresh Python where this package cannot be
+    imported (tests/conftest.py `run_without_the_package`), from a temporary CWD, on a saved copy of the shipped
+    checkpoint and a copy of the task folder (its data loader is a file of this checkout)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(CHECKPOINT)
+    model.save_pretrained(tmp_path / "kdsa-tiny")
+    tokenizer.save_pretrained(tmp_path / "kdsa-tiny")
+    shutil.copytree(TASK_DIR, tmp_path / "tasks", ignore=shutil.ignore_patterns("__pycache__"))
+    argv = [
+        "lm_eval", "--model", "hf",
+        "--model_args", f"pretrained={tmp_path / 'kdsa-tiny'},trust_remote_code=True,dtype=float32",
+        "--tasks", "kdsa_recall_mid", "--include_path", str(tmp_path / "tasks"), "--device", "cpu",
+        "--batch_size", "10", "--limit", "10", "--output_path", str(tmp_path / "out"),
+    ]  # fmt: skip
+    script = f"sys.argv = {argv!r}\nfrom lm_eval.__main__ import cli_evaluate\ncli_evaluate()\n"
+    result = run_without_the_package(script, cwd=tmp_path, HF_MODULES_CACHE=tmp_path / "modules", **OFFLINE)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (output,) = list((tmp_path / "out").rglob("results_*.json"))
+    acc = json.loads(output.read_text())["results"]["kdsa_recall_mid"]["acc,none"]
     docs = load_docs("recall_mid")[:10]
     assert acc == pytest.approx(sum(accuracy.doc_correct(model, tokenizer, docs)) / 10, abs=1e-12)
 

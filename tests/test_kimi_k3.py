@@ -8,14 +8,12 @@ engines implement (vLLM `vllm/models/kimi_k3/nvidia/{kda,mla,model}.py`, `nvidia
 import json
 import logging
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_without_the_package
 from safetensors.torch import save_file
 
 from modeling_kdsa import KDSAForCausalLM
@@ -281,8 +279,6 @@ def test_kimi_k3_native_save_reloads_by_remote_code(k3_folder, tmp_path):
     torch.save(ids, tmp_path / "ids.pt")
     script = textwrap.dedent(
         f"""
-        import sys
-        sys.modules["modeling_kdsa"] = None
         import torch
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "native")!r}, trust_remote_code=True).eval()
@@ -291,10 +287,7 @@ def test_kimi_k3_native_save_reloads_by_remote_code(k3_folder, tmp_path):
             torch.save(model(torch.load({str(tmp_path / "ids.pt")!r})).logits, {str(tmp_path / "logits.pt")!r})
         """
     )
-    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
+    result = run_without_the_package(script, cwd=tmp_path, HF_MODULES_CACHE=tmp_path / "modules")
     assert result.returncode == 0, result.stderr[-3000:]
     with torch.no_grad():
         torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), source(ids).logits, rtol=1e-6, atol=1e-6)

@@ -1,14 +1,11 @@
 """Whole-model behaviour: config validation, generate with/without cache, padding, save/load, remote code."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_model
+from conftest import run_without_the_package, tiny_config, tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from modeling_kdsa import KDSAConfig, KDSAForCausalLM
@@ -158,8 +155,6 @@ def test_remote_code_load_without_the_package(model, tmp_path):
     torch.save(ids, tmp_path / "ids.pt")
     script = textwrap.dedent(
         f"""
-        import sys
-        sys.modules["modeling_kdsa"] = None  # any `import modeling_kdsa` now raises ImportError
         import torch
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "ckpt")!r}, trust_remote_code=True).eval()
@@ -168,10 +163,7 @@ def test_remote_code_load_without_the_package(model, tmp_path):
         torch.save(model(ids).logits, {str(tmp_path / "logits.pt")!r})
         """
     )
-    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
+    result = run_without_the_package(script, cwd=tmp_path, HF_MODULES_CACHE=tmp_path / "modules")
     assert result.returncode == 0, result.stderr[-3000:]
     remote_logits = torch.load(tmp_path / "logits.pt")
     assert torch.equal(remote_logits, model(ids).logits)

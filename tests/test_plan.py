@@ -432,9 +432,9 @@ PARALLEL_IMPORT = re.compile(r"^\s*(from|import)\s+(\.+parallel|modeling_kdsa\.p
 
 
 def test_the_model_package_never_imports_the_planner():
-    """The entry is `python -m modeling_kdsa.parallel.plan`, not a modeling_kdsa/plan.py: every modeling_kdsa/*.py
-    is shipped as remote code, must be reachable from the model files, and imports nothing of parallel/
-    (docs/design.md §1; docs/memory-plan.md §6)."""
+    """The entry is `python -m modeling_kdsa.parallel.plan`, not a modeling_kdsa/plan.py: `save_pretrained` ships the
+    modeling_kdsa/*.py files the model files reach as remote code, a CLI entry is not among them, and the package
+    imports nothing of parallel/ (docs/design.md §1; docs/memory-plan.md §6)."""
     assert PARALLEL_IMPORT.search("from .parallel.plan import main\n")
     assert PARALLEL_IMPORT.search("import modeling_kdsa.parallel.plan\n")
     offenders = [p.name for p in sorted((ROOT / "modeling_kdsa").glob("*.py")) if PARALLEL_IMPORT.search(p.read_text())]

@@ -7,14 +7,11 @@
 """
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import run_without_the_package, tiny_model
 from transformers import AutoModelForCausalLM
 
 from modeling_kdsa import KDSAQuantizationConfig
@@ -225,8 +222,6 @@ def test_remote_code_loads_a_quantized_checkpoint(tmp_path):
     torch.save(ids, tmp_path / "ids.pt")
     script = textwrap.dedent(
         f"""
-        import sys
-        sys.modules["modeling_kdsa"] = None  # any `import modeling_kdsa` now raises ImportError
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
@@ -239,10 +234,7 @@ def test_remote_code_loads_a_quantized_checkpoint(tmp_path):
             torch.save(model(ids).logits, {str(tmp_path / "logits.pt")!r})
         """
     )
-    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
+    result = run_without_the_package(script, cwd=tmp_path, HF_MODULES_CACHE=tmp_path / "modules")
     assert result.returncode == 0, result.stderr[-3000:]
     with torch.no_grad():
         expected = model(ids).logits
