@@ -1,26 +1,35 @@
-"""Speculative decoding benchmark: plain greedy vs prompt lookup vs an assistant (draft) model, all through
-transformers' own `generate()` (docs/design.md §5; the rollback is `KDSACache.crop`, modeling_kdsa/cache.py).
+"""Speculative decoding benchmark: plain greedy vs prompt lookup vs an assistant (draft) model vs the checkpoint's
+MTP layer vs a DSpark draft, all through `generate()` (docs/speculative.md; the rollback is `KDSACache.crop`,
+modeling_kdsa/cache.py).
 
 For each eval task's prompts (eval/tasks/data/<task>_test.jsonl: `copy` is copy-heavy, `recall_*` recall-heavy) and
 each method, batch 1, greedy, a fixed number of new tokens (no early stop), after one warm-up call per method:
   - tokens/s (new tokens / wall time of `generate`) and the speed-up over plain greedy;
   - whether the output is token for token plain greedy's (it must be);
-  - verify rounds, mean tokens per round, acceptance rate = accepted draft tokens / drafted tokens (from the target's
-    forward calls: each verification forward sees the drafted tokens plus one);
+  - τ = new tokens per target forward (the prefill included), acceptance rate = accepted draft tokens / drafted
+    tokens (from the target's forward calls: each verification forward sees the drafted tokens plus one);
   - peak memory of the KDA rollback records (checkpoints + per-token replay inputs) during generation, and the bytes
     one pending token adds.
 
-Models: the shipped tiny checkpoint (`checkpoints/kdsa-tiny`) and its draft (`checkpoints/kdsa-tiny-draft`, trained
-by `scripts/train_tiny.py --model draft` on the same tasks and tokenizer).
+Models: the shipped tiny checkpoint (`checkpoints/kdsa-tiny`, with its MTP layer: `use_mtp=True`), its small draft
+model (`checkpoints/kdsa-tiny-draft`, trained by `scripts/train_tiny.py --model draft`) and its DSpark draft
+(`checkpoints/kdsa-tiny-dspark`, trained by `scripts/train_dspark.py`).
 
 Task `repetitive` (not an eval task): the copy sources repeated three times, the best case for prompt lookup.
+Task `free` (not an eval task): the first 12 words of each recall prompt, continued freely: no answer to find in
+the prompt.
+
+The verify-cost curve (one target forward over n = 1, 2, 4, 8, 16 tokens from a long cache on the bench shape, the
+ceiling of any drafter) and the replay share of a round are `scripts/bench_verify_cost.py`'s; `--verify-cost` runs
+it after the table with its own defaults.
 
 Usage:  .venv/bin/python scripts/bench_speculative.py [--quick] [--tasks copy recall_mid repetitive] [--threads 1]
-        [--out PATH]
+        [--methods plain prompt_lookup assisted mtp dspark] [--verify-cost] [--out PATH]
 Writes JSON (default runs/bench_speculative.json) and prints a table.
 """
 
 import argparse
+import datetime
 import json
 import platform
 import sys
@@ -40,9 +49,11 @@ from modeling_kdsa import KDSAForCausalLM  # noqa: E402
 
 CHECKPOINT = REPO_ROOT / "checkpoints" / "kdsa-tiny"
 DRAFT = REPO_ROOT / "checkpoints" / "kdsa-tiny-draft"
-METHODS = ("plain", "prompt_lookup", "assisted")
+DSPARK = REPO_ROOT / "checkpoints" / "kdsa-tiny-dspark"
+METHODS = ("plain", "prompt_lookup", "assisted", "mtp", "dspark")
 # The copy target is the whole source; recall answers are one word, so generate on past them.
 NEW_TOKENS = {"copy": synthetic.EVAL_COPY_LENGTH, "repetitive": synthetic.EVAL_COPY_LENGTH}
+FREE_PROMPT_WORDS = 12
 DEFAULT_NEW_TOKENS = 48
 
 
@@ -56,13 +67,34 @@ def repetitive_docs(count: int) -> list[dict]:
     return docs
 
 
-def load_models() -> tuple[KDSAForCausalLM, KDSAForCausalLM, object, str]:
+def cpu_model() -> str:
+    """The CPU's model name (Linux), for the figures' record."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def free_docs(count: int) -> list[dict]:
+    """Not an eval task: the opening words of recall prompts, continued freely."""
+    docs = load_docs("recall_mid")[:count]
+    return [{"context": " ".join(doc["context"].split()[:FREE_PROMPT_WORDS])} for doc in docs]
+
+
+def load_models():
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from modeling_kdsa import DSparkDraftModel
 
     target = AutoModelForCausalLM.from_pretrained(CHECKPOINT, dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(DRAFT, dtype=torch.float32).eval()
+    dspark = DSparkDraftModel.from_pretrained(DSPARK, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(CHECKPOINT)
-    return target, draft, tokenizer, "checkpoints/kdsa-tiny + checkpoints/kdsa-tiny-draft"
+    source = "checkpoints/kdsa-tiny (+ its MTP layer) + checkpoints/kdsa-tiny-draft + checkpoints/kdsa-tiny-dspark"
+    return target, {"assisted": draft, "dspark": dspark}, tokenizer, source
 
 
 class VerifyCounter:
@@ -99,22 +131,27 @@ class VerifyCounter:
             handle.remove()
 
 
-def method_kwargs(method: str, draft: KDSAForCausalLM, lookup_tokens: int) -> dict:
+def method_kwargs(method: str, drafts: dict, lookup_tokens: int) -> dict:
     if method == "prompt_lookup":
         return {"prompt_lookup_num_tokens": lookup_tokens}
     if method == "assisted":
-        return {"assistant_model": draft}
+        return {"assistant_model": drafts["assisted"]}
+    if method == "mtp":
+        return {"use_mtp": True}
+    if method == "dspark":
+        return {"assistant_model": drafts["dspark"], "speculation_type": "dspark"}
     return {}
 
 
 @torch.inference_mode()
-def bench_task(target, draft, tokenizer, task, prompts, new_tokens, lookup_tokens, counter, progress) -> list[dict]:
+def bench_task(target, drafts, tokenizer, task, prompts, new_tokens, lookup_tokens, counter, progress,
+               methods=METHODS) -> list[dict]:  # fmt: skip
     greedy = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
     encoded = [tokenizer(doc["context"], return_tensors="pt").input_ids for doc in prompts]
     rows = []
     plain_outputs = []
-    for method in METHODS:
-        extra = method_kwargs(method, draft, lookup_tokens)
+    for method in methods:
+        extra = method_kwargs(method, drafts, lookup_tokens)
         target.generate(encoded[0], **greedy, **extra)  # warm-up
         seconds, identical, rounds, drafted, peak, per_token = 0.0, True, 0, 0, 0, 0
         for i, ids in enumerate(encoded):
@@ -146,7 +183,8 @@ def bench_task(target, draft, tokenizer, task, prompts, new_tokens, lookup_token
 def format_table(rows: list[dict], source: str) -> str:
     lines = [
         f"models: {source}",
-        "| task | method | tok/s | speed-up | = plain | rounds | tok/round | accepted | rollback KiB | B/pending tok |",
+        "| task | method | tok/s | speed-up | = plain | target forwards | τ (tok/forward) | accepted | rollback KiB "
+        "| B/pending tok |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -161,7 +199,11 @@ def format_table(rows: list[dict], source: str) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", nargs="+", default=["copy", "recall_mid", "repetitive"])
+    parser.add_argument("--tasks", nargs="+", default=["copy", "recall_mid", "free", "repetitive"])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+                        help="plain is always run first (the reference)")  # fmt: skip
+    parser.add_argument("--verify-cost", action="store_true",
+                        help="then run scripts/bench_verify_cost.py (the verify-cost curve and the replay share)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per task (the first N test docs)")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
     parser.add_argument("--threads", type=int, default=1,
@@ -173,31 +215,49 @@ def main():
     torch.set_num_threads(args.threads)
     num_prompts = 1 if args.quick else args.prompts
 
-    target, draft, tokenizer, source = load_models()
+    target, drafts, tokenizer, source = load_models()
+    methods = ["plain"] + [m for m in args.methods if m != "plain"]
     counter = VerifyCounter(target)
     rows = []
-    total = len(args.tasks) * len(METHODS) * num_prompts
+    total = len(args.tasks) * len(methods) * num_prompts
     with tqdm(total=total, desc="generate", dynamic_ncols=True) as progress:
         for task in args.tasks:
             new_tokens = 16 if args.quick else NEW_TOKENS.get(task, DEFAULT_NEW_TOKENS)
-            prompts = repetitive_docs(num_prompts) if task == "repetitive" else load_docs(task)[:num_prompts]
-            rows += bench_task(target, draft, tokenizer, task, prompts, new_tokens, args.lookup_tokens, counter,
-                               progress)  # fmt: skip
+            if task == "repetitive":
+                prompts = repetitive_docs(num_prompts)
+            elif task == "free":
+                prompts = free_docs(num_prompts)
+            else:
+                prompts = load_docs(task)[:num_prompts]
+            rows += bench_task(target, drafts, tokenizer, task, prompts, new_tokens, args.lookup_tokens, counter,
+                               progress, methods)  # fmt: skip
     counter.remove()
 
     table = format_table(rows, source)
     print(table)
     result = {
         "models": source, "target_parameters": sum(p.numel() for p in target.parameters()),
-        "draft_parameters": sum(p.numel() for p in draft.parameters()), "lookup_tokens": args.lookup_tokens,
-        "assistant": {"num_assistant_tokens": draft.generation_config.num_assistant_tokens,
-                      "schedule": draft.generation_config.num_assistant_tokens_schedule},
+        "draft_parameters": sum(p.numel() for p in drafts["assisted"].parameters()),
+        "dspark_parameters": sum(p.numel() for p in drafts["dspark"].parameters()),
+        "mtp_parameters": sum(p.numel() for p in target.mtp.parameters()) if target.mtp is not None else 0,
+        "lookup_tokens": args.lookup_tokens,
+        "assistant": {"num_assistant_tokens": drafts["assisted"].generation_config.num_assistant_tokens,
+                      "schedule": drafts["assisted"].generation_config.num_assistant_tokens_schedule},
+        "dspark": {"block_size": drafts["dspark"].config.block_size,
+                   "confidence_threshold": target.generation_config.assistant_confidence_threshold},
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "platform": platform.platform(),
+        "cpu_model": cpu_model(), "date": datetime.date.today().isoformat(),
+        "command": " ".join(["scripts/bench_speculative.py"] + sys.argv[1:]),
         "rows": rows,
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+    if args.verify_cost:
+        import subprocess
+
+        command = [sys.executable, str(REPO_ROOT / "scripts" / "bench_verify_cost.py"), "--threads", str(args.threads)]
+        subprocess.run(command + (["--quick"] if args.quick else []), check=True)
 
 
 if __name__ == "__main__":

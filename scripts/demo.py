@@ -8,24 +8,33 @@ Loads `checkpoints/kdsa-tiny` (trained here by scripts/train_tiny.py; no downloa
    tokens could not see it; the Lightning Indexer has to find it) and prints the prompt and the decoded answer;
 2. copies a batch of 64-key sequences with `generate()` and reports prefill and generation tokens/s;
 3. prints the cache memory by kind (`KDSACache.memory_bytes()`);
-4. decodes one copy prompt three ways through transformers' `generate()` — plain greedy, prompt lookup
-   (`prompt_lookup_num_tokens`), and assisted by the draft model `checkpoints/kdsa-tiny-draft` (`assistant_model`) —
-   and shows that all three give the same tokens, with their speed.
+4. decodes a copy and a recall prompt with plain greedy, prompt lookup (`prompt_lookup_num_tokens`), the
+   checkpoint's MTP layer (`use_mtp=True`), the DSpark draft `checkpoints/kdsa-tiny-dspark`
+   (`speculation_type="dspark"`) and the small draft model `checkpoints/kdsa-tiny-draft` (`assistant_model`), shows
+   that all give the same tokens, and prints tokens/s, the speed-up and tau (new tokens per target forward).
 """
 
 import argparse
+import logging
 import time
 from pathlib import Path
 
-import torch
-import transformers
-from modeling_kdsa.eval.make_data import load_docs
-from transformers import AutoModelForCausalLM, AutoTokenizer
+# Library noise a user of this demo cannot act on, silenced before the libraries load: torchao (a test dependency,
+# imported by transformers' quantizer registry) logs that its CUDA-only extensions do not load on a CPU machine, and
+# torch warns about torchao's enum registrations.
+for noisy in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(noisy).setLevel(logging.ERROR)
 
-import modeling_kdsa  # noqa: F401  (registers the architecture locally; the checkpoint also carries remote code)
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from modeling_kdsa.eval.make_data import load_docs  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from modeling_kdsa import DSparkDraftModel  # noqa: E402  (importing the package registers the architecture)
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "kdsa-tiny"
 DEFAULT_DRAFT = DEFAULT_CHECKPOINT.with_name("kdsa-tiny-draft")
+DEFAULT_DSPARK = DEFAULT_CHECKPOINT.with_name("kdsa-tiny-dspark")
 
 
 def shorten(text: str, head: int = 8, tail: int = 6) -> str:
@@ -42,11 +51,13 @@ def main():
     parser.add_argument("--batch", type=int, default=4, help="copy prompts generated together")
     parser.add_argument("--draft", default=str(DEFAULT_DRAFT),
                         help="assistant model (same tokenizer); '' skips assisted decoding")  # fmt: skip
+    parser.add_argument("--dspark", default=str(DEFAULT_DSPARK), help="DSpark draft folder; '' skips DSpark")
     # One thread by default: on a shared 2-core machine two OpenMP threads waiting for each other ran a prefill
     # ~100x slower than one (measured). Raise it on a quiet many-core machine.
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()  # the tiny checkpoint loads in a blink
 
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=getattr(torch, args.dtype)).eval()
@@ -103,34 +114,56 @@ def main():
     print(f"  DSA page pool allocated           {usage['dsa_allocated'] / 1024:10.1f} KiB")
     print(f"  DSA bytes per cached token        {usage['per_token']:10d} B per sequence")
 
-    # 4. Speculative decoding through transformers' generate(): the rollback (KDSACache.crop) is exact, so the
-    # speculative outputs must be plain greedy's, token for token.
-    prompt = prompts[:1]
-    greedy = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=config.pad_token_id)
+    # 4. Speculative decoding: the rollback (KDSACache.crop) is exact, so every method must return plain greedy's
+    # tokens; tau = new tokens per target forward.
+    transformers.logging.set_verbosity_error()  # transformers' assistant loop warns about its own call on every run
+    methods = speculative_methods(args, model)
+    for name, prompt, steps in (("copy", prompts[:1], new_tokens), ("recall", ids, 32)):  # the prompts above
+        print(f"\nspeculative decoding, {name} prompt ({prompt.shape[1]} tokens), batch 1, {steps} new tokens:")
+        print(f"  {'method':34s} {'tokens/s':>9s} {'speed-up':>8s} {'tau':>5s}")
+        greedy = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=config.pad_token_id)
+        plain, plain_seconds, differing = None, None, []
+        for method, extra in methods.items():
+            seconds, forwards, out = time_generate(model, prompt, greedy, extra)
+            if plain is None:
+                plain, plain_seconds = out, seconds
+            same = torch.equal(out, plain)
+            if not same:
+                differing.append(method)
+            print(f"  {method:34s} {steps / seconds:9.1f} {plain_seconds / seconds:7.2f}x {steps / forwards:5.2f}  "
+                  f"{'same tokens as plain greedy' if same else 'DIFFERENT TOKENS'}")  # fmt: skip
+        if differing:  # the rollback is exact, so this is a bug
+            raise SystemExit(f"speculative output differs from plain greedy for: {', '.join(differing)}")
+
+
+def speculative_methods(args, model) -> dict[str, dict]:
+    """generate() keywords per method: plain, prompt lookup, the checkpoint's MTP layer, a DSpark draft, and an
+    assistant model (each only where the checkpoint or folder is there)."""
+    dtype = getattr(torch, args.dtype)
     methods = {"plain greedy": {}, "prompt lookup (10 tokens)": {"prompt_lookup_num_tokens": 10}}
+    if getattr(model.config, "num_mtp_layers", 0):
+        methods["MTP layer (use_mtp=True)"] = {"use_mtp": True}
+    if args.dspark:
+        draft = DSparkDraftModel.from_pretrained(args.dspark, dtype=dtype)
+        methods[f"DSpark ({Path(args.dspark).name})"] = {"assistant_model": draft, "speculation_type": "dspark"}
     if args.draft:
-        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=getattr(torch, args.dtype)).eval()
-        methods[f"assisted by {Path(args.draft).name}"] = {"assistant_model": draft}
-    # transformers' assistant loop passes generation arguments alongside a generation config to the draft and warns
-    # about its own call on every run; nothing a user of this demo can act on.
-    transformers.logging.set_verbosity_error()
-    print(f"\nspeculative decoding, batch 1, up to {new_tokens} new tokens (the copy prompt above):")
-    plain, plain_seconds, differing = None, None, []
-    for name, extra in methods.items():
-        with torch.inference_mode():
-            model.generate(prompt, **greedy, **extra)  # warm-up: first-call allocations
-            start = time.perf_counter()
-            out = model.generate(prompt, **greedy, **extra)
-            seconds = time.perf_counter() - start
-        if plain is None:
-            plain, plain_seconds = out, seconds
-        if not torch.equal(out, plain):
-            differing.append(name)
-        same = "same tokens as plain greedy" if name not in differing else "DIFFERENT TOKENS"
-        generated_tokens = out.shape[1] - prompt.shape[1]
-        print(f"  {name:28s} {generated_tokens / seconds:7.1f} new tokens/s  {plain_seconds / seconds:5.2f}x  {same}")
-    if differing:  # the rollback is exact, so this is a bug
-        raise SystemExit(f"speculative output differs from plain greedy for: {', '.join(differing)}")
+        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).eval()
+        methods[f"assisted ({Path(args.draft).name})"] = {"assistant_model": draft}
+    return methods
+
+
+def time_generate(model, ids, greedy: dict, extra: dict) -> tuple[float, int, torch.Tensor]:
+    """One warm-up call (first-call allocations), then one timed call; returns (seconds, target forwards, output)."""
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    with torch.inference_mode():
+        model.generate(ids, **greedy, **extra)
+        forwards.clear()
+        start = time.perf_counter()
+        out = model.generate(ids, **greedy, **extra)
+        seconds = time.perf_counter() - start
+    hook.remove()
+    return seconds, len(forwards), out
 
 
 if __name__ == "__main__":

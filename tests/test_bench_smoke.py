@@ -286,8 +286,9 @@ def test_bytes_per_decode_step_formula():
 
 
 def test_speculative_bench_quick_run(tmp_path):
-    """scripts/bench_speculative.py --quick with the shipped target and draft: every method's output equals plain
-    greedy, and the acceptance statistics are consistent (a subprocess: the script parses sys.argv)."""
+    """scripts/bench_speculative.py --quick with the shipped target, its MTP layer, its small draft and its DSpark
+    draft: every method's output equals plain greedy, the statistics are consistent, and the run is recorded (date,
+    machine, command) for docs/benchmarks.md (a subprocess: the script parses sys.argv)."""
     out = tmp_path / "spec.json"
     script = SCRIPT.with_name("bench_speculative.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -295,9 +296,12 @@ def test_speculative_bench_quick_run(tmp_path):
                             capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["models"] == "checkpoints/kdsa-tiny + checkpoints/kdsa-tiny-draft"
+    assert report["models"].startswith("checkpoints/kdsa-tiny (+ its MTP layer)")
+    assert report["mtp_parameters"] > 0 and report["dspark_parameters"] > 0
+    assert report["date"] and report["cpu_model"] and report["command"].endswith("--quick --out " + str(out))
     rows = report["rows"]
-    tasks, methods = ("copy", "recall_mid", "repetitive"), ("plain", "prompt_lookup", "assisted")
+    tasks = ("copy", "recall_mid", "free", "repetitive")
+    methods = ("plain", "prompt_lookup", "assisted", "mtp", "dspark")
     assert {(r["task"], r["method"]) for r in rows} == {(task, method) for task in tasks for method in methods}
     for row in rows:
         assert row["identical_to_plain"], row
@@ -305,7 +309,11 @@ def test_speculative_bench_quick_run(tmp_path):
         if row["method"] == "plain":
             assert row["verify_rounds"] == row["new_tokens"] and row["drafted"] == 0
         else:
-            assert 0.0 <= row["acceptance_rate"] <= 1.0
+            # every target forward but the prefill verifies a draft; each commits its accepted drafts plus one token
+            assert row["verify_rounds"] <= row["new_tokens"] * row["prompts"]
+            assert row["tokens_per_round"] == row["new_tokens"] * row["prompts"] / row["verify_rounds"]
+            if row["drafted"]:
+                assert 0.0 <= row["acceptance_rate"] <= 1.0
             assert row["rollback_bytes_per_pending_token"] > 0
 
 
