@@ -1,0 +1,28 @@
+"""The README's main job, `scripts/demo.py`, as a user runs it: it finishes, every speculative method returns plain
+greedy's tokens on both prompts, it prints τ for each, and it prints no library noise (torchao's extension-loading
+lines, torch's pytree warnings, weight-loading progress bars)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DEMO = Path(__file__).resolve().parent.parent / "scripts" / "demo.py"
+
+
+@pytest.mark.slow
+def test_demo_runs_quietly_and_every_method_matches_plain_greedy():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, str(DEMO)], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    methods = ("plain greedy", "prompt lookup", "MTP layer (use_mtp=True)", "DSpark (kdsa-tiny-dspark)",
+               "assisted (kdsa-tiny-draft)")  # fmt: skip
+    for method in methods:
+        lines = [line for line in out.splitlines() if line.strip().startswith(method)]
+        assert len(lines) == 2 and all("same tokens as plain greedy" in line for line in lines), (method, out)
+    assert "DIFFERENT" not in out and "tau" in out
+    noise = ("Failed to load", "_pytree", "Loading weights", "it/s]")
+    assert not [line for line in (result.stdout + result.stderr).splitlines() if any(n in line for n in noise)]
