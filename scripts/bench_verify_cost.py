@@ -19,6 +19,7 @@ bench_graph_mode's smoke run, context 256, 2 repeats.
 """
 
 import argparse
+import datetime
 import importlib.util
 import json
 import platform
@@ -174,7 +175,9 @@ def main(argv=None) -> dict:
     finally:
         torch.set_num_threads(threads)
     report = dict(
-        environment=dict(cpu=cpu_name(), threads=args.threads, torch=torch.__version__, quick=args.quick),
+        environment=dict(cpu=cpu_name(), threads=args.threads, torch=torch.__version__, quick=args.quick,
+                         date=datetime.date.today().isoformat(),
+                         command=" ".join(["scripts/bench_verify_cost.py"] + (sys.argv[1:] if argv is None else argv))),
         tokens=args.tokens,
         repeats=args.repeats,
         contexts=args.contexts,
