@@ -144,3 +144,54 @@ def test_propose_stops_at_the_end_of_the_longest_confident_run():
         tokens, logits, _ = draft.propose(cache, anchor, position, sample, confidence_threshold=threshold)
         assert torch.equal(tokens, full[:, : int(runs.max())])
         assert sampled == list(range(int(runs.max())))
+
+
+@pytest.mark.parametrize("method", ["mtp", "dspark"])
+@torch.no_grad()
+def test_kda_states_after_speculation_match_plain_decoding(method):
+    """After a speculative generate(), every KDA layer's conv window and fp32 state are plain greedy's over the same
+    tokens. Replay itself is bit for bit stepping of the recorded inputs (tests/test_speculative.py,
+    tests/test_cpu_kda_recurrent.py); end to end the recorded inputs come from projections over a verification's
+    several rows instead of one, whose fp32 rounding differs (measured 4e-8), so the states agree within 1e-6."""
+    from modeling_kdsa.cache import KDAReplayLayer
+
+    model = tiny_model(num_mtp_layers=1)
+    ids, mask = left_padded(4, seed=4)
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, return_dict_in_generate=True, **GREEDY)
+    plain = model.generate(ids, **kwargs)
+    extra = {"use_mtp": True, "mtp_draft_tokens": 3} if method == "mtp" else {
+        "assistant_model": random_dspark(model), "speculation_type": "dspark", "dspark_confidence_threshold": 0.0}
+    spec = model.generate(ids, **kwargs, **extra)
+    assert torch.equal(spec.sequences, plain.sequences)
+    assert spec.cache.get_seq_length() == plain.cache.get_seq_length()
+    pairs = zip(plain.cache.layers, spec.cache.layers, strict=True)
+    kda_layers = [(a, b) for a, b in pairs if isinstance(a, KDAReplayLayer)]
+    assert kda_layers
+    for ours, theirs in kda_layers:
+        torch.testing.assert_close(theirs.recurrent_states[0], ours.recurrent_states[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(theirs.conv_states[0], ours.conv_states[0], atol=1e-6, rtol=0)
+        assert theirs.num_tokens == ours.num_tokens and not theirs.records  # committed: nothing left pending
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_shipped_model_mtp_and_dspark_equal_plain_greedy_batched():
+    """The shipped checkpoint with its MTP layer and the shipped DSpark draft, on held-out copy and recall prompts of
+    different lengths, batch 1 and batch 4 left-padded: plain greedy's tokens, 40 steps."""
+    from pathlib import Path
+
+    from modeling_kdsa.eval.make_data import load_docs
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = Path(__file__).resolve().parent.parent / "checkpoints"
+    model = AutoModelForCausalLM.from_pretrained(root / "kdsa-tiny", dtype=torch.float32).eval()
+    draft = DSparkDraftModel.from_pretrained(root / "kdsa-tiny-dspark")
+    tokenizer = AutoTokenizer.from_pretrained(root / "kdsa-tiny")
+    tokenizer.padding_side = "left"
+    texts = [d["context"] for d in load_docs("copy")[:2] + load_docs("recall_mid")[:2]]
+    greedy = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=model.config.pad_token_id)
+    for batch in (texts[:1], texts):
+        inputs = tokenizer(batch, return_tensors="pt", padding=True)
+        plain = model.generate(**inputs, **greedy)
+        assert torch.equal(model.generate(**inputs, use_mtp=True, **greedy), plain)
+        assert torch.equal(model.generate(**inputs, assistant_model=draft, speculation_type="dspark", **greedy), plain)
