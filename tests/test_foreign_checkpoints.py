@@ -10,16 +10,20 @@ zero and either implementation may pick any of them; with 16 indexer heads such 
 
 import json
 import logging
-import os
 import re
 import shutil
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
-from conftest import count_calls, cpu_compile_config, graph_recorder, graph_targets, needs_kernel_build
+from conftest import (
+    count_calls,
+    cpu_compile_config,
+    graph_recorder,
+    graph_targets,
+    needs_kernel_build,
+    run_without_the_package,
+)
 from modeling_kdsa.parallel.mesh import ParallelMesh
 from modeling_kdsa.parallel.tensor_parallel import apply_tensor_parallel
 from safetensors.torch import load_file, save_file
@@ -194,8 +198,6 @@ def test_saved_folder_reloads_by_remote_code(family, tmp_path):
     torch.save(family.ids, tmp_path / "ids.pt")
     script = textwrap.dedent(
         f"""
-        import sys
-        sys.modules["modeling_kdsa"] = None
         import torch
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "ckpt")!r}, trust_remote_code=True).eval()
@@ -204,10 +206,8 @@ def test_saved_folder_reloads_by_remote_code(family, tmp_path):
             torch.save(model(torch.load({str(tmp_path / "ids.pt")!r})).logits, {str(tmp_path / "logits.pt")!r})
         """
     )
-    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
+    # A fresh process that cannot import this package (conftest.run_without_the_package).
+    result = run_without_the_package(script, cwd=tmp_path, HF_MODULES_CACHE=tmp_path / "modules")
     assert result.returncode == 0, result.stderr[-3000:]
     with torch.no_grad():  # see test_save_writes_native_kdsa_that_reloads_identically on the last bit
         assert relative_error(torch.load(tmp_path / "logits.pt"), family.model(family.ids).logits) < 1e-6

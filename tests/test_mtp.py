@@ -7,14 +7,13 @@ enorm, hnorm, eh_proj, shared_head.norm and the exact copies of the embedding an
 """
 
 import json
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_without_the_package
 from safetensors.torch import load_file, save_file
 from test_foreign_checkpoints import add_tensors, deepseek_v32_model, edit_config, perturb_constants
 from transformers import DeepseekV32ForCausalLM
@@ -211,13 +210,13 @@ def test_native_checkpoint_missing_mtp_tensors_is_refused_by_name(deepseek, tmp_
 
 @pytest.mark.slow
 def test_saved_folder_reloads_the_mtp_layer_by_remote_code(deepseek, tmp_path):
+    """A saved folder loads with trust_remote_code=True in a fresh process that cannot import this package
+    (conftest.run_without_the_package), and its MTP layer gives the in-process logits."""
     model, ids = deepseek.model, deepseek.ids
     model.save_pretrained(tmp_path / "ckpt")
     torch.save(ids, tmp_path / "ids.pt")
     script = textwrap.dedent(
         f"""
-        import sys
-        sys.modules["modeling_kdsa"] = None
         import torch
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "ckpt")!r}, trust_remote_code=True).eval()
@@ -228,10 +227,7 @@ def test_saved_folder_reloads_the_mtp_layer_by_remote_code(deepseek, tmp_path):
             torch.save(model.mtp.logits(0, model.mtp(0, hidden[:, :-1], ids[:, 1:])), {str(tmp_path / "out.pt")!r})
         """
     )
-    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
+    result = run_without_the_package(script, cwd=tmp_path, HF_MODULES_CACHE=tmp_path / "modules")
     assert result.returncode == 0, result.stderr[-3000:]
     hidden = trunk_hidden(model, ids)
     with torch.no_grad():
