@@ -765,6 +765,12 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         """transformers' checks, plus: `speculation_type="dspark"` without a draft, and a drafting option without its
         drafter, are refused (transformers would decode plainly and ignore them)."""
+        if generation_config.speculation_type not in (None, "dspark"):
+            raise ValueError(
+                f"speculation_type={generation_config.speculation_type!r} is not supported by KDSA models: use "
+                "speculation_type='dspark' with a DSparkDraftModel, use_mtp=True, an assistant_model or "
+                "prompt_lookup_num_tokens"
+            )
         if generation_config.speculation_type == "dspark" and generation_mode_kwargs.get("assistant_model") is None:
             raise ValueError(
                 "speculation_type='dspark' needs assistant_model=<a DSparkDraftModel> "
@@ -785,12 +791,6 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         if generation_config.use_mtp or generation_config.speculation_type == "dspark":
             return speculative_generate(
                 self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs
-            )
-        if generation_config.speculation_type is not None:
-            raise ValueError(
-                f"speculation_type={generation_config.speculation_type!r} is not supported by KDSA models: use "
-                "speculation_type='dspark' with a DSparkDraftModel, use_mtp=True, an assistant_model or "
-                "prompt_lookup_num_tokens"
             )
         return super()._assisted_decoding(input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
 

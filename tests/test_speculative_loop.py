@@ -270,8 +270,9 @@ def test_refusals():
         model.generate(ids, max_new_tokens=3, use_mtp=True, **GREEDY)
     with pytest.raises(ValueError, match="needs assistant_model"):
         model.generate(ids, max_new_tokens=3, speculation_type="dspark", **GREEDY)
-    with pytest.raises(ValueError, match="speculation_type='dflash' is not supported"):
-        model.generate(ids, max_new_tokens=3, speculation_type="dflash", assistant_model=model, **GREEDY)
+    for extra in ({"assistant_model": model}, {}):
+        with pytest.raises(ValueError, match="speculation_type='dflash' is not supported"):
+            model.generate(ids, max_new_tokens=3, speculation_type="dflash", **extra, **GREEDY)
     with pytest.raises(ValueError, match="can roll back"):
         model.generate(ids, max_new_tokens=3, use_mtp=True, cache=KDSACache(model.config), **GREEDY)
 
