@@ -149,11 +149,13 @@ class MTPDrafter:
             )
         if num_draft_tokens < 1:
             raise ValueError(f"mtp_draft_tokens must be >= 1, got {num_draft_tokens}")
-        self.model, self.mtp = model, model.mtp
+        self.mtp = model.mtp
         self.num_draft_tokens = num_draft_tokens
         self.cache = self.mtp.new_cache(rollback_tokens=ROLLBACK_TOKENS)
         self.pairs = 0  # committed pairs in the cache
-        self.last_output: torch.Tensor | None = None  # [B, 1, D], the block output at the last committed pair
+        # The block output [B, 1, D] at the last committed pair and that pair's position [B, 1]: the first draft.
+        self.last_output: torch.Tensor | None = None
+        self.last_position: torch.Tensor | None = None
 
     def observe(self, hidden_states, next_ids, attention_mask, position_ids) -> None:
         """`hidden_states`: the target's tuple over T newly committed positions; `next_ids [B, T]`: the token after
