@@ -99,7 +99,8 @@ def set_configuration(model, choices: dict | None) -> None:
 def indexer_recall(model, batches, formats: CacheFormats) -> list[float]:
     """Per DSA layer: recall of the BF16 top-k by the MXFP8 top-k on the indexer inputs of this configuration's
     forward (hooked), over every query of every batch (reference: dsa_ops.indexer_topk)."""
-    attentions = [m for m in model.modules() if hasattr(m, "indexer") and hasattr(m, "index_topk")]
+    # The trunk's DSA layers: a forward never runs the MTP layers' (their indexers would capture nothing).
+    attentions = [m for m in model.model.modules() if hasattr(m, "indexer") and hasattr(m, "index_topk")]
     hits, totals = [0] * len(attentions), [0] * len(attentions)
     captured = {}
     handles = [
