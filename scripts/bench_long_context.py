@@ -763,7 +763,7 @@ def whole_step_figures(
 
 
 def whole_step_section(model, config: KDSAConfig, args, model_decode: list[dict], bandwidth: float) -> list[dict]:
-    """Sections 5b and 5c: `whole_step_figures` at the smallest context (issue 14's ratio) and the largest, each
+    """Sections 5b and 5c: `whole_step_figures` at the smallest context (the graph-mode ratio) and the largest, each
     route's fraction of the bandwidth limit against the same bytes per step as section 2's eager KDSA decode at that
     context (`model_decode`); the AOTInductor package unless `args.skip_aot`. --quick: one static-cache capacity for
     both contexts, so the step compiles once and one package serves both (a second capacity recompiles the step: ~40
