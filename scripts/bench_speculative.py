@@ -47,6 +47,9 @@ from modeling_kdsa.eval.make_data import load_docs  # noqa: E402
 
 from modeling_kdsa import KDSAForCausalLM  # noqa: E402
 
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+from bench_verify_cost import cpu_name  # noqa: E402  (the CPU's model name, one helper for the benches' records)
+
 CHECKPOINT = REPO_ROOT / "checkpoints" / "kdsa-tiny"
 DRAFT = REPO_ROOT / "checkpoints" / "kdsa-tiny-draft"
 DSPARK = REPO_ROOT / "checkpoints" / "kdsa-tiny-dspark"
@@ -65,17 +68,6 @@ def repetitive_docs(count: int) -> list[dict]:
         source = doc["target"]
         docs.append({"context": " ".join(["copy", source, "|", source, "|", source])})
     return docs
-
-
-def cpu_model() -> str:
-    """The CPU's model name (Linux), for the figures' record."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def free_docs(count: int) -> list[dict]:
@@ -246,7 +238,7 @@ def main():
         "dspark": {"block_size": drafts["dspark"].config.block_size,
                    "confidence_threshold": target.generation_config.assistant_confidence_threshold},
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "platform": platform.platform(),
-        "cpu_model": cpu_model(), "date": datetime.date.today().isoformat(),
+        "cpu_model": cpu_name(), "date": datetime.date.today().isoformat(),
         "command": " ".join(["scripts/bench_speculative.py"] + sys.argv[1:]),
         "rows": rows,
     }  # fmt: skip

@@ -78,6 +78,16 @@ def run_without_the_package(script: str, cwd, timeout: float = 300, **env) -> su
                           stdin=subprocess.DEVNULL)  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """The tiny models have nothing to gain from intra-op threads, and on a shared 2-core machine OpenMP threads
+    contending with other jobs make them 10-20x slower: one thread for a module (`pytestmark`), restored after it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def kernels_at_this_thread_count(monkeypatch):
     """The CPU kernels apply up to `cpu_extension.MAX_THREADS` intra-op threads; let them apply at whatever thread

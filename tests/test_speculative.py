@@ -18,14 +18,7 @@ from modeling_kdsa.kernels import kernel_set
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model has nothing to gain from intra-op threads, and on a shared 2-core machine OpenMP threads
-    contending with other jobs make it 10-20x slower; restored after this module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rollback_cache(config, rollback_tokens=ROLLBACK_TOKENS) -> KDSACache:

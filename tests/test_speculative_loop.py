@@ -21,12 +21,7 @@ from modeling_kdsa.speculative import accept
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class ScriptedDrafter:
