@@ -284,56 +284,45 @@ def speculative_generate(
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is not None and bool(attention_mask.all()):
         attention_mask = None  # nothing padded: the model's fast path
-    want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
-    want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
-    scores, raw_logits = [], []
+    output = _Output(batch_size, input_ids.device, stopping_criteria, pad, streamer, generation_config)
     stats = SpeculationStats(method=drafter.method)
     model.speculation_stats = stats
 
     # Prefill: the prompt, with the hidden states the drafter reads.
     prompt_len = input_ids.shape[1]
     past = cache.get_seq_length()
-    new_ids = input_ids[:, past:]
-    positions = position_ids_from_mask(attention_mask, prompt_len, input_ids.device)[:, past:]
-    if attention_mask is None:
-        positions = positions.expand(batch_size, -1)
+    positions = position_ids_from_mask(attention_mask, prompt_len, input_ids.device)[:, past:].expand(batch_size, -1)
     out = model(
-        input_ids=new_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
+        input_ids=input_ids[:, past:], attention_mask=attention_mask, position_ids=positions, cache=cache,
         output_hidden_states=True, logits_to_keep=1,
     )  # fmt: skip
     processed = sampler.process(input_ids, out.logits[:, -1])
-    first = sampler.draw(processed)
-    unfinished = torch.ones(batch_size, dtype=torch.bool, device=input_ids.device)
-    input_ids, attention_mask, unfinished = _append(
-        input_ids, attention_mask, first[:, None], unfinished, stopping_criteria, pad, streamer,
-        scores if want_scores else None, raw_logits if want_logits else None,
-        processed[:, None], out.logits[:, -1:],
-    )  # fmt: skip
+    input_ids, attention_mask = output.append(input_ids, attention_mask, sampler.draw(processed)[:, None],
+                                              processed[:, None], out.logits[:, -1:])  # fmt: skip
     stats.emitted += 1
-    if bool(unfinished.any()):
+    if output.unfinished_rows():
         pairs_mask = None if attention_mask is None else attention_mask[:, :prompt_len]
         drafter.observe(out.hidden_states, input_ids[:, past + 1 :], pairs_mask, positions)
+    # Every committed token is real (left padding sits before the prompt): the anchor's position is the last
+    # prompt position + 1, and each round's tokens follow it one by one.
+    anchor_position = positions[:, -1] + 1
 
     max_length = generation_config.max_length
-    while bool(unfinished.any()) and input_ids.shape[1] < max_length:
+    while output.unfinished_rows() and input_ids.shape[1] < max_length:
         anchor = input_ids[:, -1]
         past = cache.get_seq_length()  # == input_ids.shape[1] - 1: every committed token but the anchor
         n = min(drafter.num_draft_tokens, max_length - input_ids.shape[1] - 1)
-        anchor_position = position_ids_from_mask(attention_mask, past + 1, input_ids.device)[:, -1].expand(batch_size)
         draft_tokens, draft_logits = drafter.propose(
             n, anchor, anchor_position, attention_mask, sampler.drafting(input_ids)
         )
         n = draft_tokens.shape[1]
-        verify_ids = torch.cat([anchor[:, None], draft_tokens], dim=1)
         verify_mask = None
         if attention_mask is not None:
             verify_mask = torch.cat([attention_mask, attention_mask.new_ones(batch_size, n)], 1)
-        positions = position_ids_from_mask(verify_mask, past + n + 1, input_ids.device)[:, past:]
-        if verify_mask is None:
-            positions = positions.expand(batch_size, -1)
+        positions = anchor_position[:, None] + torch.arange(n + 1, device=input_ids.device)
         out = model(
-            input_ids=verify_ids, attention_mask=verify_mask, position_ids=positions, cache=cache,
-            output_hidden_states=True, logits_to_keep=0,
+            input_ids=torch.cat([anchor[:, None], draft_tokens], dim=1), attention_mask=verify_mask,
+            position_ids=positions, cache=cache, output_hidden_states=True, logits_to_keep=0,
         )  # fmt: skip
         target = torch.stack(
             [sampler.process(torch.cat([input_ids, draft_tokens[:, :k]], 1), out.logits[:, k]) for k in range(n + 1)],
@@ -341,53 +330,68 @@ def speculative_generate(
         )
         accepted_rows, next_tokens = accept(draft_tokens, draft_logits, target, sampler.do_sample)
         # Finished rows emit padding whatever they accept: they do not hold the batch back.
-        accepted = int(torch.where(unfinished, accepted_rows, n).min())
+        accepted = int(torch.where(output.unfinished, accepted_rows, n).min())
         emit = next_tokens[:, : accepted + 1]
         stats.rounds += 1
         stats.drafted += n
         stats.accepted += accepted
         stats.accepted_per_round.append(accepted)
-        cache.crop(past + accepted + 1)
-        input_ids, attention_mask, unfinished = _append(
-            input_ids, attention_mask, emit, unfinished, stopping_criteria, pad, streamer,
-            scores if want_scores else None, raw_logits if want_logits else None,
-            target[:, : accepted + 1], out.logits[:, : accepted + 1],
-        )  # fmt: skip
         stats.emitted += emit.shape[1]
-        if bool(unfinished.any()):
+        cache.crop(past + accepted + 1)
+        input_ids, attention_mask = output.append(input_ids, attention_mask, emit, target[:, : accepted + 1],
+                                                  out.logits[:, : accepted + 1])  # fmt: skip
+        anchor_position = anchor_position + accepted + 1
+        if output.unfinished_rows():
             kept = tuple(h[:, : accepted + 1] for h in out.hidden_states)
             pairs_mask = None if attention_mask is None else attention_mask[:, : past + accepted + 1]
             drafter.observe(kept, emit, pairs_mask, positions[:, : accepted + 1])
-    if streamer is not None:
-        streamer.end()
-    if generation_config.return_dict_in_generate:
+    return output.result(input_ids, cache, generation_config)
+
+
+class _Output:
+    """What generate() returns, built as plain decoding builds it: tokens are appended one column at a time, a
+    finished row gets padding, the stopping criteria see every prefix, the streamer every column, and the processed
+    scores / raw logits of each appended token are kept when asked for."""
+
+    def __init__(self, batch_size: int, device, stopping_criteria, pad, streamer, generation_config):
+        self.stopping_criteria, self.pad, self.streamer = stopping_criteria, pad, streamer
+        self.unfinished = torch.ones(batch_size, dtype=torch.bool, device=device)
+        keep = generation_config.return_dict_in_generate
+        self.scores = [] if keep and generation_config.output_scores else None
+        self.raw_logits = [] if keep and generation_config.output_logits else None
+
+    def unfinished_rows(self) -> bool:
+        return bool(self.unfinished.any())
+
+    def append(self, input_ids, attention_mask, tokens, processed, logits):
+        """Append `tokens [B, m]` with their processed and raw logits `[B, m, V]`; stops once every row is
+        finished. Returns the new `(input_ids, attention_mask)`."""
+        for j in range(tokens.shape[1]):
+            column = tokens[:, j]
+            if self.pad is not None:
+                column = torch.where(self.unfinished, column, self.pad.to(column.device))
+            input_ids = torch.cat([input_ids, column[:, None]], dim=1)
+            if attention_mask is not None:
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], 1)
+            if self.streamer is not None:
+                self.streamer.put(column.cpu())
+            if self.scores is not None:
+                self.scores.append(processed[:, j])
+            if self.raw_logits is not None:
+                self.raw_logits.append(logits[:, j])
+            self.unfinished &= ~self.stopping_criteria(input_ids, processed[:, j])
+            if not self.unfinished_rows():
+                break
+        return input_ids, attention_mask
+
+    def result(self, input_ids, cache, generation_config):
+        if self.streamer is not None:
+            self.streamer.end()
+        if not generation_config.return_dict_in_generate:
+            return input_ids
         return GenerateDecoderOnlyOutput(
             sequences=input_ids,
-            scores=tuple(scores) if want_scores else None,
-            logits=tuple(raw_logits) if want_logits else None,
+            scores=None if self.scores is None else tuple(self.scores),
+            logits=None if self.raw_logits is None else tuple(self.raw_logits),
             cache=cache,
         )
-    return input_ids
-
-
-def _append(input_ids, attention_mask, tokens, unfinished, stopping_criteria, pad, streamer, scores, raw_logits,
-            processed, logits):  # fmt: skip
-    """Append `tokens [B, m]` one column at a time, as plain decoding would: a finished row gets padding, the
-    stopping criteria see every prefix, and appending stops once every row is finished."""
-    for j in range(tokens.shape[1]):
-        column = tokens[:, j]
-        if pad is not None:
-            column = torch.where(unfinished, column, pad.to(column.device))
-        input_ids = torch.cat([input_ids, column[:, None]], dim=1)
-        if attention_mask is not None:
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=1)
-        if streamer is not None:
-            streamer.put(column.cpu())
-        if scores is not None:
-            scores.append(processed[:, j])
-        if raw_logits is not None:
-            raw_logits.append(logits[:, j])
-        unfinished = unfinished & ~stopping_criteria(input_ids, processed[:, j])
-        if not bool(unfinished.any()):
-            break
-    return input_ids, attention_mask, unfinished

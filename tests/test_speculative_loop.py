@@ -306,3 +306,35 @@ def test_prefix_dependent_processors_see_each_slots_prefix(monkeypatch):
     out = model.generate(ids, attention_mask=mask, max_new_tokens=20, use_mtp=True, **processors, **GREEDY)
     assert torch.equal(out, reference)
     assert model.speculation_stats.tokens_per_round > 3
+
+
+def test_scores_logits_and_streamer_follow_plain_decoding(monkeypatch):
+    """return_dict_in_generate with output_scores / output_logits gives one entry per new token, equal to plain
+    decoding's (within fp32 rounding: verification rows against one-token steps), and a streamer sees the prompt
+    then every new column."""
+    model = tiny_model()
+    ids, mask = left_padded(2, seed=6)
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True, repetition_penalty=1.3, **GREEDY)  # fmt: skip
+    plain = model.generate(ids, **kwargs)
+    use_drafter(monkeypatch, ScriptedDrafter(lambda length, k: plain.sequences[:, min(length + k, 20)], 4, 128))
+
+    class Collect:
+        def __init__(self):
+            self.chunks = []
+
+        def put(self, value):
+            self.chunks.append(value)
+
+        def end(self):
+            self.ended = True
+
+    streamer = Collect()
+    out = model.generate(ids, use_mtp=True, streamer=streamer, **kwargs)
+    assert torch.equal(out.sequences, plain.sequences)
+    for ours, theirs in ((out.scores, plain.scores), (out.logits, plain.logits)):
+        assert len(ours) == len(theirs) == 12
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert streamer.ended and torch.equal(streamer.chunks[0], ids)
+    assert torch.equal(torch.stack(streamer.chunks[1:], 1), out.sequences[:, ids.shape[1] :])
