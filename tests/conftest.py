@@ -78,6 +78,18 @@ def run_without_the_package(script: str, cwd, timeout: float = 300, **env) -> su
                           stdin=subprocess.DEVNULL)  # fmt: skip
 
 
+def left_padded_batch(lengths: list[int], vocab: int = 128, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of `lengths` tokens (ids from 3), left-padded to the longest with 0: `(ids, mask)` `[B, S]`."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = torch.randint(3, vocab, (length,), generator=generator)
+        mask[row, width - length :] = 1
+    return ids, mask
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """The tiny models have nothing to gain from intra-op threads, and on a shared 2-core machine OpenMP threads

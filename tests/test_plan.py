@@ -23,12 +23,7 @@ CONFIGS = ROOT / "tests" / "data" / "configs"
 GLM_UNREAD_FIELDS = ("mla_use_nope", "index_kpool_compress", "linear_attn_config")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def glm_converter_subset(tmp_path: Path) -> Path:

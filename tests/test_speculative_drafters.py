@@ -6,7 +6,7 @@ accept/reject pattern); the shipped, trained drafts are tested in test_checkpoin
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import left_padded_batch, tiny_model
 
 from modeling_kdsa import DSparkConfig, DSparkDraftModel
 
@@ -17,14 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def left_padded(batch, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    lengths = [13, 6, 21, 9][:batch]
-    width = max(lengths)
-    ids = torch.zeros(batch, width, dtype=torch.long)
-    mask = torch.zeros(batch, width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        ids[row, width - length :] = torch.randint(3, 128, (length,), generator=generator)
-        mask[row, width - length :] = 1
+    ids, mask = left_padded_batch([13, 6, 21, 9][:batch], seed=seed)
     return ids, (mask if batch > 1 else None)
 
 

@@ -5,6 +5,7 @@ GLM-5.3-Flash: their folders here carry one); DSpark runs with a random draft bo
 
 import pytest
 import torch
+from conftest import left_padded_batch
 from test_foreign_checkpoints import MTP_PREFIX, family, with_mtp  # noqa: F401  (family: a module fixture)
 from test_kimi_k3 import k3_config, k3_raw_config, perturbed_model, write_k3_folder
 
@@ -18,14 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def prompts(batch: int, vocab: int):
-    generator = torch.Generator().manual_seed(11)
-    lengths = [19, 7, 26, 12][:batch]
-    width = max(lengths)
-    ids = torch.zeros(batch, width, dtype=torch.long)
-    mask = torch.zeros(batch, width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        ids[row, width - length :] = torch.randint(3, vocab, (length,), generator=generator)
-        mask[row, width - length :] = 1
+    ids, mask = left_padded_batch([19, 7, 26, 12][:batch], vocab=vocab, seed=11)
     return ids, (mask if batch > 1 else None)
 
 

@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import left_padded_batch, tiny_model
 
 from modeling_kdsa import speculative
 from modeling_kdsa.cache import KDSACache
@@ -69,15 +69,7 @@ def use_drafter(monkeypatch, drafter):
 
 
 def left_padded(batch, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    lengths = [9, 17, 5, 12][:batch]
-    width = max(lengths)
-    ids = torch.zeros(batch, width, dtype=torch.long)
-    mask = torch.zeros(batch, width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        ids[row, width - length :] = torch.randint(3, 128, (length,), generator=generator)
-        mask[row, width - length :] = 1
-    return ids, mask
+    return left_padded_batch([9, 17, 5, 12][:batch], seed=seed)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
