@@ -64,15 +64,18 @@ def run_without_the_package(script: str, cwd, timeout: float = 300, **env) -> su
     finder stays out. Give a `cwd` outside the checkout. Two checks guard the hiding: before the script,
     `importlib.util.find_spec` finds none of `modeling_kdsa`, `quantization`, `parallel`, `aot`, `eval`; after it,
     no module in `sys.modules` was loaded from a file of the checkout outside the venv (remote code runs from the
-    copies transformers makes under `HF_MODULES_CACHE`). `env` adds variables (HF_HUB_OFFLINE=1 and
-    OMP_NUM_THREADS=1 are set)."""
+    copies transformers makes under `HF_MODULES_CACHE`). `env` adds variables. HF_HUB_OFFLINE=1 is set, and
+    OMP_NUM_THREADS is this process's `torch.get_num_threads()`: CPU reductions split by thread count, so a child
+    on other threads would not reproduce this process's logits bit for bit."""
     assert not os.path.abspath(cwd).startswith(CHECKOUT + "/"), cwd
     program = (
         _WITHOUT_THE_PACKAGE_HEAD.format(site_packages=_SITE_PACKAGES)
         + script
         + _WITHOUT_THE_PACKAGE_TAIL.format(checkout=CHECKOUT, site_packages=_SITE_PACKAGES)
     )
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in env.items()}}
+    threads = str(torch.get_num_threads())
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": threads}
+    environment.update({k: str(v) for k, v in env.items()})
     command = [sys.executable, "-I", "-S", "-c", program]
     return subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)  # fmt: skip
