@@ -1,7 +1,16 @@
 """CP × TP parallelism for KDSA prefill (docs/parallel.md): a (cp, tp) mesh, the Zigzag layout, KDA state passing,
-DSA with all-gathered keys, and a head / intermediate-dim tensor-parallel plan. See README "Parallelism"."""
+DSA with all-gathered keys, and a head / intermediate-dim tensor-parallel plan; expert parallelism over a (tp, ep)
+mesh with all-to-all dispatch and combine (docs/parallel.md §9). See README "Parallelism"."""
 
 from .context_parallel import MeshSequenceContext, PrefillOutput, PrefillStats, context_parallel_prefill
+from .expert_parallel import (
+    AllToAllTraffic,
+    ExpertParallelExperts,
+    ExpertParallelMesh,
+    apply_expert_parallel,
+    expert_parallel_errors,
+    init_expert_parallel_mesh,
+)
 from .mesh import CommLog, ParallelMesh, init_parallel_mesh, raise_on_all_ranks, single_process_mesh
 from .state_passing import SegmentSummary, fold_start_states, summarize_segment
 from .tensor_parallel import apply_tensor_parallel, tensor_parallel_errors
@@ -9,7 +18,10 @@ from .zigzag import LAYOUTS, Segment, SequenceLayout
 
 __all__ = [
     "LAYOUTS",
+    "AllToAllTraffic",
     "CommLog",
+    "ExpertParallelExperts",
+    "ExpertParallelMesh",
     "MeshSequenceContext",
     "ParallelMesh",
     "PrefillOutput",
@@ -17,9 +29,12 @@ __all__ = [
     "Segment",
     "SegmentSummary",
     "SequenceLayout",
+    "apply_expert_parallel",
     "apply_tensor_parallel",
     "context_parallel_prefill",
+    "expert_parallel_errors",
     "fold_start_states",
+    "init_expert_parallel_mesh",
     "init_parallel_mesh",
     "raise_on_all_ranks",
     "single_process_mesh",
