@@ -33,6 +33,7 @@ from .fp8_linear import KDSAFP8Linear
 from .hyper_connections import HyperConnectionStream, KDSAHyperConnection
 from .kda import KDSAKimiDeltaAttention
 from .linear import KDSALinear
+from .modeling_validation import check_forward_inputs, check_input_embeddings, check_sequence_parallel
 from .moe import KDSAMLP, KDSAExperts, KDSAMoE, KDSATopkRouter, load_balancing_loss
 from .mtp import KDSAMultiTokenPredictor
 from .norms import KDSARMSNorm
@@ -419,59 +420,21 @@ class KDSAModel(KDSAPreTrainedModel):
         output_router_logits = (
             self.config.output_router_logits if output_router_logits is None else output_router_logits
         )
-        if output_router_logits and "sparse" not in self.config.mlp_layer_types:
-            raise ValueError(
-                "output_router_logits=True but the model has no MoE layer (mlp_layer_types has no 'sparse' entry): "
-                "there are no router logits"
-            )
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is not None:
             # The backward pass replays each layer: a cache would be written twice (transformers drops it likewise).
             logger.warning_once("a cache is incompatible with gradient checkpointing in training: using cache=None")
             cache, use_cache = None, False
-        if output_attentions:
-            raise ValueError(
-                "output_attentions=True is not supported: KDA layers are linear attention (no attention matrix) and "
-                "DSA layers attend to index_topk selected keys per query without forming the [T, S] matrix"
-            )
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids or inputs_embeds")
+        check_forward_inputs(self.config, input_ids, inputs_embeds, cache, output_attentions, output_router_logits)
         if inputs_embeds is None:
-            # One host sync per forward (eager only: a compiled graph must not branch on data).
-            out_of_vocab = not torch.compiler.is_compiling() and bool(
-                ((input_ids < 0) | (input_ids >= self.config.vocab_size)).any()
-            )
-            if out_of_vocab:
-                raise ValueError(
-                    f"input_ids must lie in [0, vocab_size={self.config.vocab_size}); got ids from "
-                    f"{int(input_ids.min())} to {int(input_ids.max())}"
-                )
             inputs_embeds = self.embed_tokens(input_ids)
-        if inputs_embeds.dim() != 3:
-            raise ValueError(f"inputs_embeds must be [batch, seq, hidden], got shape {tuple(inputs_embeds.shape)}")
+        check_input_embeddings(inputs_embeds, cache)
         batch_size, seq_len, _ = inputs_embeds.shape
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if cache is not None and not isinstance(cache, KDSACache):
-            raise ValueError(
-                f"KDSA models need a KDSACache (paged DSA store, KDA states); got {type(cache).__name__}. "
-                "Pass `KDSACache(model.config)` or let generate() create it"
-            )
         if use_cache and cache is None:
             cache = KDSACache(self.config)
-        if seq_len == 0:
-            past_tokens = int(cache.get_seq_length()) if cache is not None else 0
-            raise ValueError(
-                "input has no tokens (sequence length 0)"
-                + (
-                    f"; the cache already holds {past_tokens} tokens: generate() feeds the model only the tokens after "
-                    "the cached ones, so a used KDSACache needs a prompt that extends them (or pass a fresh "
-                    "KDSACache, or call cache.reset())"
-                    if past_tokens
-                    else ""
-                )
-            )
         token_mask = None
         if sequence_parallel is not None:
-            self._check_sequence_parallel(sequence_parallel, seq_len, attention_mask, position_ids, cache)
+            check_sequence_parallel(sequence_parallel, seq_len, attention_mask, position_ids, cache)
             # Cache and positions count the whole sequence; KDA runs the padding slots as identity steps.
             token_mask = sequence_parallel.token_mask()[None].expand(batch_size, -1)
             position_ids = sequence_parallel.positions.clamp(min=0)[None].expand(batch_size, -1)  # padding: any
@@ -553,23 +516,6 @@ class KDSAModel(KDSAPreTrainedModel):
                 embeddings, block_size=self.config.attn_res_block_size, depth_attns=depth_attentions, two_phase=True
             )
         return PlainResidualStream(embeddings)
-
-    @staticmethod
-    def _check_sequence_parallel(sequence_parallel, local_len: int, attention_mask, position_ids, cache) -> None:
-        """What a sequence-parallel forward cannot take (docs/parallel.md §7): it starts a sequence without padding."""
-        if sequence_parallel.positions.numel() != local_len:
-            raise ValueError(
-                f"sequence_parallel holds {sequence_parallel.positions.numel()} local tokens, the input has {local_len}"
-            )
-        if attention_mask is not None or position_ids is not None:
-            raise ValueError(
-                "sequence_parallel takes no attention_mask or position_ids: positions and padding slots come from it"
-            )
-        if isinstance(cache, KDSAStaticCache) or (cache is not None and cache.get_seq_length() != 0):
-            raise ValueError(
-                "sequence_parallel needs an empty KDSACache or none (it starts a sequence; the fixed-capacity "
-                "KDSAStaticCache is not supported)"
-            )
 
     @staticmethod
     def _padding_mask(attention_mask: torch.Tensor | None, batch_size: int, total_len: int) -> torch.Tensor | None:

@@ -1,4 +1,4 @@
-"""Figures for docs/checkpoint-conversion.md §7: each family's tiny checkpoint (the test fixtures) loaded by
+"""Figures for docs/checkpoint-conversion.md §7: each family's tiny checkpoint (eval/family_fixtures.py) loaded by
 `KDSAForCausalLM.from_pretrained` against transformers' own class, and the FP8 copies against the unquantized model.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python scripts/foreign_checkpoint_figures.py
@@ -9,16 +9,13 @@ and select keys on near-tied scores, so any weight perturbation flips some choic
 """
 
 import copy
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from modeling_kdsa.eval.family_fixtures import LONG, SHORT, Family, fp8_copy, relative_error
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_foreign_checkpoints import LONG, SHORT, Family, fp8_copy, relative_error  # noqa: E402
-
-from modeling_kdsa import KDSAForCausalLM  # noqa: E402
+from modeling_kdsa import KDSAForCausalLM
 
 
 def top1(a: torch.Tensor, b: torch.Tensor) -> float:

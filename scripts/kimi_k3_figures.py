@@ -4,11 +4,7 @@ all positions and on those whose top-1 is not a near tie, next to what bf16 roun
     PYTHONPATH=$PWD .venv/bin/python scripts/kimi_k3_figures.py
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_kimi_k3 import mxfp4_top1_agreement  # noqa: E402
+from modeling_kdsa.eval.kimi_k3_fixtures import mxfp4_top1_agreement
 
 
 def main() -> None:
