@@ -2,7 +2,8 @@
 
 Importing this package registers the architecture with the Auto classes, so
 `AutoModelForCausalLM.from_pretrained(path)` works without `trust_remote_code`, and registers the "kdsa" quantization
-method (`modeling_kdsa.quantization`: `from_pretrained(..., quantization_config=KDSAQuantizationConfig())`).
+method (quantization_method.py; imported as `modeling_kdsa.quantization`:
+`from_pretrained(..., quantization_config=KDSAQuantizationConfig())`).
 `save_pretrained` also writes the model files as remote code (`auto_map`), for environments where this package is
 not installed; the shipped checkpoints/ folders hold no code.
 """
@@ -13,6 +14,7 @@ from .cache import KDSACache
 from .configuration_kdsa import KDSAConfig
 from .dspark import DSparkConfig, DSparkDraftModel
 from .modeling_kdsa import KDSAForCausalLM, KDSAModel, KDSAPreTrainedModel
+from .quantization_method import KDSAQuantizationConfig, register
 
 AutoConfig.register("kdsa", KDSAConfig, exist_ok=True)
 AutoModel.register(KDSAConfig, KDSAModel, exist_ok=True)
@@ -24,9 +26,8 @@ KDSAConfig.register_for_auto_class()
 KDSAModel.register_for_auto_class("AutoModel")
 KDSAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
-# After the model classes: quantization/ builds on them (docs/design.md §1); the model files never import it.
-from .quantization import KDSAQuantizationConfig, register  # noqa: E402
-
+# The "kdsa" quantization method; its public import path is modeling_kdsa.quantization (the quantization/ folder,
+# which builds on this package: nothing here imports it, docs/design.md §1).
 register()
 
 __all__ = [

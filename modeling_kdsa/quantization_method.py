@@ -1,4 +1,8 @@
-"""`KDSAQuantizationConfig` (`quant_method: "kdsa"`): which KDSA cache stores are quantized (docs/design.md §4).
+"""The `kdsa` quantization method of transformers (`quant_method: "kdsa"`, docs/design.md §4): its config
+(`KDSAQuantizationConfig`), its quantizer (`KDSAQuantizer`, transformers `quantizers/base.py: HfQuantizer`) and
+`register()`, which adds both to transformers' registries; `import modeling_kdsa` calls it. The public import path is
+`modeling_kdsa.quantization` (the `quantization/` folder), which builds on this file: the model package never imports
+that folder (docs/design.md §1).
 
     from modeling_kdsa.quantization import KDSAQuantizationConfig
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=KDSAQuantizationConfig())
@@ -16,11 +20,23 @@ quantized checkpoint's weights are the BF16 ones and only the run-time cache for
 
 The choices are carried in `config.json` under `quantization_config`; the model files read them
 (`numeric_formats.CacheFormats.from_config`) when a cache is built.
+
+What the quantizer quantizes is the cache, not the weights: indexer keys/queries (MXFP8) and the MLA latent cache (FP8
+tiles) are produced at run time by the model's own cache code (`numeric_formats.py`, `cache.py`), chosen from
+`config.quantization_config` when a `KDSACache` (or a cache-less forward's private store) is built. So loading swaps no
+module and converts no weight; the quantizer's jobs are:
+- check, before any weight is read, that the model's widths fit the chosen blocks (`index_head_dim % 32`,
+  `kv_lora_rank % kv_cache_tile_size`), with an error naming the field;
+- let transformers attach the config to `model.config` (`postprocess_model`), which `save_pretrained` writes into
+  `config.json` and `from_pretrained` reads back (`pre_quantized`), so the choice round-trips.
 """
 
+from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from modeling_kdsa.numeric_formats import FP8_TILE_SIZE, QUANT_METHOD, CacheFormats
+from .configuration_kdsa import KDSAConfig
+from .numeric_formats import FP8_TILE_SIZE, QUANT_METHOD, CacheFormats
 
 
 class KDSAQuantizationConfig(QuantizationConfigMixin):
@@ -65,4 +81,34 @@ class KDSAQuantizationConfig(QuantizationConfigMixin):
         }
 
 
-__all__ = ["KDSAQuantizationConfig"]
+class KDSAQuantizer(HfQuantizer):
+    requires_calibration = False  # dynamic scales: nothing to calibrate
+
+    def _process_model_before_weight_loading(self, model, **kwargs):
+        config = model.config
+        if not isinstance(config, KDSAConfig):
+            raise ValueError(f"quant_method 'kdsa' applies to KDSA models only, got a {type(config).__name__}")
+        self.quantization_config.cache_formats().check_shapes(config)
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        return model
+
+    def is_serializable(self) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        # Weights are untouched BF16 and training forwards use no cache.
+        return True
+
+
+def register() -> None:
+    """Register the config and quantizer under "kdsa" (idempotent: transformers refuses a second registration)."""
+    if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(QUANT_METHOD)(KDSAQuantizationConfig)
+    if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer(QUANT_METHOD)(KDSAQuantizer)
+
+
+__all__ = ["KDSAQuantizationConfig", "KDSAQuantizer", "register"]
