@@ -13,13 +13,15 @@ compiled step syncs on them or copies a weight.
 its fixed-shape decode path in a compiled step (instead of inductor's multiply-and-sum over the gathered weights,
 docs/graph-mode.md §4, §9). `cpu_extension` builds and loads the C++ source, over the row kernel's AVX512-BF16 or AVX2
 `gemv` (`cpu_extension.kernel_isa`); where the kernel cannot run (no AVX2, no compiler, not bf16, autograd, export, more
-than `cpu_extension.MAX_THREADS` threads) those paths keep their torch form.
+than `cpu_extension.MAX_THREADS` threads) those paths keep their torch form. `cpu_expert_linear` below is the `cpu`
+backend's `expert_linear`, and `expert_linear_applies` its `experts_in_place` (kernels.py).
 """
 
 import torch
 
 from .cpu_extension import PRELUDE, load_build, plain_tensor
 from .cpu_row_linear import GEMV_AVX2_SOURCE, GEMV_SOURCE, bf16_kernel_input
+from .linear_ops import expert_linear as expert_linear_reference
 
 # The op over either build's `gemv` (cpu_row_linear: GEMV_SOURCE or GEMV_AVX2_SOURCE).
 _OP_SOURCE = r"""
@@ -134,4 +136,13 @@ if not hasattr(torch.ops.kdsa, "expert_linear"):
     torch.library.register_fake("kdsa::expert_linear", _fake_expert_linear, lib=_LIBRARY)
 expert_linear = torch.ops.kdsa.expert_linear
 
-__all__ = ["expert_linear", "expert_linear_applies", "kernel_available"]
+
+def cpu_expert_linear(x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor | None) -> torch.Tensor:
+    """The `cpu` backend's `expert_linear`: `kdsa::expert_linear` where `expert_linear_applies` (stacked weights
+    and expert indices), else the torch reference `linear_ops.expert_linear` (same arguments and result)."""
+    if experts is not None and expert_linear_applies(x, weight):
+        return expert_linear(x, weight, experts)
+    return expert_linear_reference(x, weight, experts)
+
+
+__all__ = ["cpu_expert_linear", "expert_linear", "expert_linear_applies", "kernel_available"]

@@ -22,7 +22,8 @@ runs.
 import torch
 
 from .cpu_extension import PRELUDE, load_build
-from .cpu_row_linear import GEMV_AVX2_SOURCE, GEMV_SOURCE, few_bf16_rows
+from .cpu_row_linear import GEMV_AVX2_SOURCE, GEMV_SOURCE, cpu_row_linear, few_bf16_rows
+from .linear_ops import dequantize_tiles_torch
 
 # The AVX512-BF16 build's conversion, dequantization and fused-product reader (after PRELUDE and GEMV_SOURCE).
 _AVX512_CONVERSION = r"""
@@ -381,7 +382,27 @@ if not hasattr(torch.ops.kdsa, "dequantize_fp8_tiles"):
 dequantize_fp8_tiles = torch.ops.kdsa.dequantize_fp8_tiles
 fp8_row_linear = torch.ops.kdsa.fp8_row_linear
 
+
+def cpu_fp8_dequantize(values, scale_inv, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The `cpu` backend's `fp8_dequantize` (kernels.py): `kdsa::dequantize_fp8_tiles` where `kernel_applies`, else
+    the torch reference `linear_ops.dequantize_tiles_torch` (same arguments, bit-identical result)."""
+    if kernel_applies(values, scale_inv, dtype):
+        return dequantize_fp8_tiles_cpu(values, scale_inv, block, dtype)
+    return dequantize_tiles_torch(values, scale_inv, block, dtype)
+
+
+def cpu_fp8_row_linear(hidden_states, values, scale_inv, block: tuple[int, int], bias=None) -> torch.Tensor:
+    """The `cpu` backend's `fp8_row_linear` (kernels.py; reference `linear_ops.fp8_linear`): the fused
+    `kdsa::fp8_row_linear` where `fp8_row_linear_applies` (no bf16 copy of the weight written), else the weight
+    dequantized (`cpu_fp8_dequantize`) and multiplied by the backend's row product (`cpu_row_linear`)."""
+    if fp8_row_linear_applies(hidden_states, values, scale_inv, block, bias):
+        return fp8_row_linear(hidden_states.contiguous(), values, scale_inv, *block, bias)
+    return cpu_row_linear(hidden_states, cpu_fp8_dequantize(values, scale_inv, block, hidden_states.dtype), bias)
+
+
 __all__ = [
+    "cpu_fp8_dequantize",
+    "cpu_fp8_row_linear",
     "dequantize_fp8_tiles",
     "dequantize_fp8_tiles_cpu",
     "fp8_row_linear",

@@ -18,14 +18,16 @@ The weight may have any head stride (a slice of the heads' `[Dn + Dv, C]` blocks
 exact bf16 products in fp32 and round once, as a bf16 GEMM does (the summation order differs: results may differ from
 torch's in the last bit). `cpu_extension` builds and loads the C++ source, for AVX512-BF16 or, on CPUs without it, for
 AVX2 (`cpu_extension.kernel_isa`, docs/graph-mode.md §13); where the kernels cannot run (no AVX2, no compiler, not bf16,
-more than `MAX_ROWS` rows, autograd, export, more than `cpu_extension.MAX_THREADS` threads) the layer's einsums run on
-contiguous copies.
+more than `MAX_ROWS` rows, autograd, export, more than `cpu_extension.MAX_THREADS` threads) the torch reference runs
+(`linear_ops.per_head_matmul` / `per_head_linear`: einsums on contiguous copies). `cpu_head_matmul` and
+`cpu_head_linear` below are the `cpu` backend's `head_matmul` and `head_linear` (kernels.py).
 """
 
 import torch
 
 from .cpu_extension import PRELUDE, load_build, plain_tensor
 from .cpu_row_linear import GEMV_AVX2_SOURCE, GEMV_SOURCE, few_bf16_rows
+from .linear_ops import per_head_linear, per_head_matmul
 
 # `row_times_matrix` of the AVX512-BF16 build (after GEMV_SOURCE).
 _MATRIX_SOURCE = r"""
@@ -232,4 +234,21 @@ if not hasattr(torch.ops.kdsa, "head_matmul"):
 head_matmul = torch.ops.kdsa.head_matmul
 head_linear = torch.ops.kdsa.head_linear
 
-__all__ = ["head_linear", "head_matmul", "kernel_available", "kernels_apply"]
+
+def cpu_head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The `cpu` backend's `head_matmul`: `kdsa::head_matmul` where `kernels_apply`, else `linear_ops.per_head_matmul`
+    (same arguments and result)."""
+    if kernels_apply(x, weight):
+        return head_matmul(x.contiguous(), weight)
+    return per_head_matmul(x, weight)
+
+
+def cpu_head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The `cpu` backend's `head_linear`: `kdsa::head_linear` where `kernels_apply`, else `linear_ops.per_head_linear`
+    (same arguments and result)."""
+    if kernels_apply(x, weight):
+        return head_linear(x.contiguous(), weight)
+    return per_head_linear(x, weight)
+
+
+__all__ = ["cpu_head_linear", "cpu_head_matmul", "head_linear", "head_matmul", "kernel_available", "kernels_apply"]

@@ -8,19 +8,21 @@ this project's machines, and at 15-28 GB/s on two, against ~38 GB/s for a plain 
 after row (one sequential stream; with two threads, one block of rows each), with AVX512-BF16 dot products of element
 pairs (`vdpbf16ps`: fp32 sums of exact bf16 products, as a bf16 GEMM accumulates), adds the bias and rounds once.
 
-`modeling_kdsa.linear.linear` calls it for a bf16 product of up to `MAX_ROWS` rows where it applies, eagerly and in a
-compiled step, where it is one opaque op: there it also beat inductor's fused multiply-and-sum (docs/graph-mode.md
-§9), by 1.13x / 1.16x for the whole compiled step at 4k / 64k, although inductor fuses that sum with the ops around it.
+The `cpu` backend's `row_linear` (`cpu_row_linear` below, kernels.py) calls it for a bf16 product of up to `MAX_ROWS`
+rows where it applies, eagerly and in a compiled step, where it is one opaque op: there it also beat inductor's fused
+multiply-and-sum for the whole compiled step (docs/graph-mode.md §9, §10), although inductor fuses that sum with the
+ops around it.
 
 `cpu_extension` builds and loads the C++ source below, which implements the CPU kernel of the `torch.library` op
 `kdsa::row_linear` (schema and fake implementation registered here), or on a CPU without AVX512-BF16 its AVX2 build
 (`GEMV_AVX2_SOURCE`, docs/graph-mode.md §13). Where it cannot run (no AVX2, no compiler, another dtype, more than
-`MAX_ROWS` rows, more than `cpu_extension.MAX_THREADS` threads) `F.linear` runs.
+`MAX_ROWS` rows, more than `cpu_extension.MAX_THREADS` threads) the torch reference runs (`linear_ops.linear`).
 """
 
 import torch
 
 from .cpu_extension import PRELUDE, few_threads, kernels_traceable, load_build, plain_tensor
+from .linear_ops import linear
 
 # The product of 1 to 16 rows with a block of weight rows, shared with `cpu_head_products`, `cpu_expert_linear` and
 # `cpu_fp8_dequantize` (after PRELUDE).
@@ -312,4 +314,20 @@ if not hasattr(torch.ops.kdsa, "row_linear"):
     torch.library.register_fake("kdsa::row_linear", _fake_row_linear, lib=_LIBRARY)
 row_linear = torch.ops.kdsa.row_linear
 
-__all__ = ["bf16_kernel_input", "few_bf16_rows", "kernel_available", "row_linear", "row_linear_applies"]
+
+def cpu_row_linear(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The `cpu` backend's `row_linear` (kernels.py): the kernel where `row_linear_applies`, else the torch
+    reference `linear_ops.linear` (same arguments and result)."""
+    if row_linear_applies(hidden_states, weight, bias):
+        return row_linear(hidden_states.contiguous(), weight, bias)  # a batch's last-token slice is strided
+    return linear(hidden_states, weight, bias)
+
+
+__all__ = [
+    "bf16_kernel_input",
+    "cpu_row_linear",
+    "few_bf16_rows",
+    "kernel_available",
+    "row_linear",
+    "row_linear_applies",
+]

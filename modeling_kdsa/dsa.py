@@ -18,13 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KDSAPagedMLALayer, attention_store_class
-from .cpu_head_products import head_linear, head_matmul, kernels_apply
 from .dsa_ops import QUERY_BLOCK_SIZE
 from .kernels import kernel_set
-from .linear import KDSALinear, linear, product
+from .linear import KDSALinear
 from .norms import KDSARMSNorm
 from .rotary import apply_rotary_half, apply_rotary_interleaved
 from .sequence_parallel import SequenceParallelContext
+
+# Query rows (batch × tokens) up to which `absorbed_weights` hands out views: the most rows the CPU head kernels take
+# (`cpu_row_linear.MAX_ROWS`); more rows run the einsums of the reference on contiguous copies.
+FEW_QUERY_ROWS = 16
 
 
 def mla_softmax_scale(config) -> float:
@@ -38,22 +41,6 @@ def mla_softmax_scale(config) -> float:
         mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
         scale = scale * mscale * mscale
     return scale
-
-
-def per_head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x[..., h, :] @ weight[h]` for every head: x `[B, T, H, N]`, weight `[H, N, K]` → `[B, T, H, K]` (the
-    query's absorption, docs/dsa.md §3), through the CPU head kernel where it applies (docs/dsa.md §13)."""
-    if kernels_apply(x, weight):
-        return head_matmul(x.contiguous(), weight)
-    return product(partial(torch.einsum, "bthn,hnk->bthk"), x, weight)
-
-
-def per_head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x[..., h, :] @ weight[h]ᵀ` for every head: x `[B, T, H, K]`, weight `[H, N, K]` → `[B, T, H, N]` (the latent
-    output's expansion, docs/dsa.md §3), through the CPU head kernel where it applies (docs/dsa.md §13)."""
-    if kernels_apply(x, weight):
-        return head_linear(x.contiguous(), weight)
-    return product(partial(torch.einsum, "bthk,hnk->bthn"), x, weight)
 
 
 class KDSAIndexer(nn.Module):
@@ -72,14 +59,16 @@ class KDSAIndexer(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        self.kernel_backend = config.kernel_backend
+        projection = partial(KDSALinear, kernel_backend=config.kernel_backend)
         self.n_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         query_input_dim = config.hidden_size if config.q_lora_rank is None else config.q_lora_rank
-        self.wq_b = KDSALinear(query_input_dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = KDSALinear(config.hidden_size, self.head_dim, bias=False)
+        self.wq_b = projection(query_input_dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = projection(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = KDSALinear(config.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
+        self.weights_proj = projection(config.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
         self.index_kpool = config.index_kpool
         if self.index_kpool > 1:
             # GLM-5.3-Flash's names, so its checkpoints load by name.
@@ -121,7 +110,8 @@ class KDSAIndexer(nn.Module):
 
     def project_weights(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Head weights `[B, T, HI]` in fp32 (docs/dsa.md §1); the model keeps `weights_proj` in fp32 too."""
-        return linear(hidden_states.float(), self.weights_proj.weight.float())
+        row_linear = kernel_set(self.kernel_backend, hidden_states.device).row_linear
+        return row_linear(hidden_states.float(), self.weights_proj.weight.float())
 
     def project_key(self, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
         """`k_index` `[B, T, DI]` (k-pool indexer: `[B, T, 2·DI]`, the key then its gate scores)."""
@@ -138,7 +128,8 @@ class KDSAIndexer(nn.Module):
             cos, sin = position_embeddings
             k_index = self._rotate(k_index, cos, sin)
         if self.index_kpool > 1:
-            gate_scores = linear(hidden_states, self.index_kpool_compress_gate.to(hidden_states.dtype))
+            row_linear = kernel_set(self.kernel_backend, hidden_states.device).row_linear
+            gate_scores = row_linear(hidden_states, self.index_kpool_compress_gate.to(hidden_states.dtype))
             k_index = torch.cat([k_index, gate_scores], dim=-1)
         return k_index
 
@@ -170,6 +161,7 @@ class KDSAMultiLatentAttention(nn.Module):
         self.qk_head_dim = config.qk_head_dim
         self.v_head_dim = config.v_head_dim
         self.kernel_backend = config.kernel_backend
+        projection = partial(KDSALinear, kernel_backend=config.kernel_backend)
         # MLA rotates its rope slice unless the config keeps it unrotated (Kimi-Linear).
         self.rotates = self.qk_rope_head_dim > 0 and not config.mla_use_nope
         # Read when a store is built (`_store`): `quantization_config` is attached after __init__ on load.
@@ -180,23 +172,23 @@ class KDSAMultiLatentAttention(nn.Module):
         norm_eps = config.rms_norm_eps if config.mla_layernorm_eps is None else config.mla_layernorm_eps
 
         if self.q_lora_rank is None:
-            self.q_proj = KDSALinear(self.hidden_size, self.num_heads * self.qk_head_dim, bias=False)
+            self.q_proj = projection(self.hidden_size, self.num_heads * self.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = KDSALinear(self.hidden_size, self.q_lora_rank, bias=config.attention_bias)
+            self.q_a_proj = projection(self.hidden_size, self.q_lora_rank, bias=config.attention_bias)
             self.q_a_layernorm = KDSARMSNorm(self.q_lora_rank, eps=norm_eps)
-            self.q_b_proj = KDSALinear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = KDSALinear(
+            self.q_b_proj = projection(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = projection(
             self.hidden_size, self.kv_lora_rank + self.qk_rope_head_dim, bias=config.attention_bias
         )
         self.kv_a_layernorm = KDSARMSNorm(self.kv_lora_rank, eps=norm_eps)
         # No bias: absorbing W_UK / W_UV into the query / output needs a purely linear up-projection.
-        self.kv_b_proj = KDSALinear(
+        self.kv_b_proj = projection(
             self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
         )
-        self.o_proj = KDSALinear(self.num_heads * self.v_head_dim, self.hidden_size, bias=config.attention_bias)
+        self.o_proj = projection(self.num_heads * self.v_head_dim, self.hidden_size, bias=config.attention_bias)
         # Kimi K3's gated MLA (docs/kimi-k3.md §2): the attention output times sigmoid(g_proj(x)) before o_proj.
         self.g_proj = (
-            KDSALinear(self.hidden_size, self.num_heads * self.v_head_dim, bias=False)
+            projection(self.hidden_size, self.num_heads * self.v_head_dim, bias=False)
             if config.mla_use_output_gate
             else None
         )
@@ -246,11 +238,12 @@ class KDSAMultiLatentAttention(nn.Module):
 
     def absorbed_weights(self, q_nope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`W_UK` `[H, Dn, C]` and `W_UV` `[H, Dv, C]` from `kv_b_proj.weight` (docs/dsa.md §3), for the queries
-        `q_nope`: views where the CPU head kernels read them in place (a decode step, docs/dsa.md §13), else contiguous
-        copies (one per forward: the strided views make bf16 einsums ~100x slower on CPU)."""
+        `q_nope` `[B, T, H, Dn]`: views for up to `FEW_QUERY_ROWS` query rows (a decode step or a verification: the
+        backend's `head_matmul` / `head_linear` read them in place or copy them once, docs/dsa.md §13), else
+        contiguous copies, made once for all query blocks of the forward."""
         weight = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
         w_uk, w_uv = weight[:, : self.qk_nope_head_dim], weight[:, self.qk_nope_head_dim :]
-        if kernels_apply(q_nope, w_uk):
+        if q_nope.shape[0] * q_nope.shape[1] <= FEW_QUERY_ROWS:
             return w_uk, w_uv
         return w_uk.contiguous(), w_uv.contiguous()
 
@@ -333,16 +326,17 @@ class KDSAMultiLatentAttention(nn.Module):
         past_len = store.append(kv_rows)  # int, or a 0-d tensor in a static cache
 
         w_uk, w_uv = self.absorbed_weights(q_nope)
+        kernels = kernel_set(self.kernel_backend, q_nope.device)
         outputs = []
         for block, position, padding in self._query_blocks(seq_len, past_len, sequence_parallel):
             if block is None:  # padding slots of a sequence-parallel share: no query
                 outputs.append(q_nope.new_zeros(batch, padding, self.num_heads, self.v_head_dim))
                 continue
-            q_latent = per_head_matmul(q_nope[:, block], w_uk)
+            q_latent = kernels.head_matmul(q_nope[:, block], w_uk)
             out_latent = store.dense_attention(
                 q_latent, q_pe[:, block].contiguous(), position, self.softmax_scale, attention_mask
             )
-            outputs.append(per_head_linear(out_latent, w_uv))
+            outputs.append(kernels.head_linear(out_latent, w_uv))
         attn_output = torch.cat(outputs, dim=1).reshape(batch, seq_len, self.num_heads * self.v_head_dim)
         return self.output(attn_output, hidden_states)
 
@@ -461,6 +455,7 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
                 past_len = store.append(kv_rows, k_index)
 
         w_uk, w_uv = self.absorbed_weights(q_nope)
+        kernels = kernel_set(self.kernel_backend, q_nope.device)
         outputs, selections = [], []
         for block, position, padding in self._query_blocks(seq_len, past_len, sequence_parallel):
             if block is None:  # padding slots of a sequence-parallel share: no query, no selection
@@ -479,9 +474,9 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
                 indices = self._select_topk(
                     store, attention_mask, ape, q_index[:, block], index_weights[:, block], position
                 )
-            q_latent = per_head_matmul(q_nope[:, block], w_uk)
+            q_latent = kernels.head_matmul(q_nope[:, block], w_uk)
             out_latent = store.sparse_attention(q_latent, q_pe[:, block], indices, self.softmax_scale)
-            outputs.append(per_head_linear(out_latent, w_uv))
+            outputs.append(kernels.head_linear(out_latent, w_uv))
             if return_topk_indices:
                 selections.append(indices)
         attn_output = torch.cat(outputs, dim=1).reshape(batch, seq_len, self.num_heads * self.v_head_dim)

@@ -47,7 +47,7 @@ from .dsa_ops import (
     scaled_index_weights,
     sparse_mla_attention,
 )
-from .linear import product
+from .linear_ops import product
 from .numeric_formats import PLANAR_ROWS, stored_planes
 
 # Bound on what the indexer holds per key block and sequence, the gathered keys `[n, DI]` (none when the block's

@@ -17,7 +17,7 @@ import copy
 import torch
 from torch import nn
 
-from .linear import linear
+from .kernels import kernel_set
 
 
 def sinkhorn_normalize(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -42,6 +42,7 @@ class KDSAHyperConnection(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.hc_mult = config.hc_mult
+        self.kernel_backend = config.kernel_backend
         self.hc_eps = config.hc_eps
         self.sinkhorn_iters = config.hc_sinkhorn_iters
         # The flattened streams are normalised without a gain, with the model's RMSNorm eps (not hc_eps).
@@ -57,7 +58,7 @@ class KDSAHyperConnection(nn.Module):
         n = self.hc_mult
         flat = streams.reshape(*streams.shape[:2], -1).float()
         flat = flat * torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + self.norm_eps)
-        logits = linear(flat, self.fn.float())
+        logits = kernel_set(self.kernel_backend, flat.device).row_linear(flat, self.fn.float())
         pre_logit, post_logit, comb_logit = logits.split([n, n, n * n], dim=-1)
         pre_base, post_base, comb_base = self.base.float().split([n, n, n * n])
         pre_scale, post_scale, comb_scale = self.scale.float().unbind(0)

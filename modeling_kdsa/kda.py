@@ -6,6 +6,8 @@ recurrence (`kda_chunk` for prefill, `kda_recurrent` for decode: the kernel regi
 with a sigmoid output gate; `o_proj`.
 """
 
+from functools import partial
+
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
@@ -66,31 +68,32 @@ class KDSAKimiDeltaAttention(nn.Module):
         self.conv_kernel_size = config.linear_conv_kernel_dim
         self.key_dim = key_dim = self.num_heads * self.head_k_dim
         self.value_dim = value_dim = self.num_heads * self.head_v_dim
+        projection = partial(KDSALinear, bias=False, kernel_backend=config.kernel_backend)
 
-        self.q_proj = KDSALinear(self.hidden_size, key_dim, bias=False)
-        self.k_proj = KDSALinear(self.hidden_size, key_dim, bias=False)
-        self.v_proj = KDSALinear(self.hidden_size, value_dim, bias=False)
+        self.q_proj = projection(self.hidden_size, key_dim)
+        self.k_proj = projection(self.hidden_size, key_dim)
+        self.v_proj = projection(self.hidden_size, value_dim)
         self.q_conv1d = self._short_conv(key_dim)
         self.k_conv1d = self._short_conv(key_dim)
         self.v_conv1d = self._short_conv(value_dim)
         # Decay gate: low rank (rank K) projection, then -exp(A_log)·softplus(· + dt_bias), or with a lower bound
         # lb·sigmoid(exp(A_log)·(· + dt_bias)) (kda_ops.kda_gate); A_log and dt_bias kept in fp32.
         self.lower_bound = config.linear_lower_bound
-        self.f_a_proj = KDSALinear(self.hidden_size, self.head_k_dim, bias=False)
-        self.f_b_proj = KDSALinear(self.head_k_dim, key_dim, bias=False)
+        self.f_a_proj = projection(self.hidden_size, self.head_k_dim)
+        self.f_b_proj = projection(self.head_k_dim, key_dim)
         self.dt_bias = nn.Parameter(torch.empty(key_dim, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(1, 1, self.num_heads, 1, dtype=torch.float32))
-        self.b_proj = KDSALinear(self.hidden_size, self.num_heads, bias=False)
+        self.b_proj = projection(self.hidden_size, self.num_heads)
         # Output gate into the sigmoid of the gated norm: low rank (rank V, Kimi-Linear), or one full-rank projection
         # (Kimi K3's `use_full_rank_gate`, docs/kimi-k3.md §2).
         self.full_rank_gate = config.linear_use_full_rank_gate
         if self.full_rank_gate:
-            self.g_proj = KDSALinear(self.hidden_size, value_dim, bias=False)
+            self.g_proj = projection(self.hidden_size, value_dim)
         else:
-            self.g_a_proj = KDSALinear(self.hidden_size, self.head_v_dim, bias=False)
-            self.g_b_proj = KDSALinear(self.head_v_dim, value_dim, bias=False)
+            self.g_a_proj = projection(self.hidden_size, self.head_v_dim)
+            self.g_b_proj = projection(self.head_v_dim, value_dim)
         self.o_norm = KDSAGatedRMSNorm(self.head_v_dim, eps=config.rms_norm_eps)
-        self.o_proj = KDSALinear(value_dim, self.hidden_size, bias=False)
+        self.o_proj = projection(value_dim, self.hidden_size)
 
     def _short_conv(self, channels: int) -> nn.Conv1d:
         """Depthwise causal conv, weight `[channels, 1, W]`. Only its weight is used (`kda_ops.causal_short_conv`)."""

@@ -11,7 +11,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from .linear import product
+from .linear_ops import product
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

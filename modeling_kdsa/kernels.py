@@ -19,6 +19,13 @@ Kernels and their contracts:
   (`(formats, kv_rows, latent_width) -> stored rows`).
 - `dsa_decode_prolog`: the projections of a DSA decode step (`(layer, hidden_states, position_embeddings)`, the
   values of `KDSASparseAttention.project`), in order by default, on several streams on a device.
+- The products of the layers (signatures and references in `linear_ops`): `row_linear` (every linear layer,
+  `F.linear`'s arguments), `head_matmul` / `head_linear` (MLA's absorbed per-head products, docs/dsa.md §13),
+  `expert_linear` (each row through its routed expert's matrix, docs/graph-mode.md §12) with `experts_in_place`
+  (`(x, weight) -> bool`: whether `expert_linear` reads the experts' stacked weights in place for these rows, which
+  makes `KDSAExperts` take its gathered path), `fp8_dequantize` and `fp8_row_linear` (FP8-held weights,
+  docs/checkpoint-conversion.md §9). The `cpu` entries run the C++ kernels where they apply and the reference
+  elsewhere; so `torch` runs no `kdsa::` op anywhere.
 """
 
 import dataclasses
@@ -26,7 +33,11 @@ from collections.abc import Callable
 
 import torch
 
+from .cpu_expert_linear import cpu_expert_linear, expert_linear_applies
+from .cpu_fp8_dequantize import cpu_fp8_dequantize, cpu_fp8_row_linear
+from .cpu_head_products import cpu_head_linear, cpu_head_matmul
 from .cpu_kda_recurrent import cpu_recurrent_kda
+from .cpu_row_linear import cpu_row_linear
 from .dsa_paged_ops import (
     paged_dense_mla_compiled,
     paged_dense_mla_fused,
@@ -49,6 +60,15 @@ from .dsa_paged_ops import (
     static_sparse_mla_cpu,
 )
 from .kda_ops import chunk_kda, recurrent_kda
+from .linear_ops import (
+    dequantize_tiles_torch,
+    expert_linear,
+    experts_gathered,
+    fp8_linear,
+    linear,
+    per_head_linear,
+    per_head_matmul,
+)
 
 
 def rows_kv_store(formats, kv_rows: torch.Tensor, latent_width: int):
@@ -80,6 +100,13 @@ class KernelSet:
     static_dense_mla: Callable | None = static_dense_mla
     kv_store: Callable | None = rows_kv_store
     dsa_decode_prolog: Callable | None = in_order_prolog
+    row_linear: Callable | None = linear
+    head_matmul: Callable | None = per_head_matmul
+    head_linear: Callable | None = per_head_linear
+    expert_linear: Callable | None = expert_linear
+    experts_in_place: Callable | None = experts_gathered
+    fp8_dequantize: Callable | None = dequantize_tiles_torch
+    fp8_row_linear: Callable | None = fp8_linear
 
     def require(self, kernel: str) -> Callable:
         """The kernel named `kernel` (a field name); ValueError when this backend does not implement it."""
@@ -97,6 +124,16 @@ class KernelSet:
 KERNEL_NAMES = tuple(field.name for field in dataclasses.fields(KernelSet) if field.name != "name")
 
 TORCH_KERNELS = KernelSet("torch")
+# The layers' products on CPU: the C++ kernels where they apply (`cpu` and `compiled`).
+CPU_PRODUCTS = dict(
+    row_linear=cpu_row_linear,
+    head_matmul=cpu_head_matmul,
+    head_linear=cpu_head_linear,
+    expert_linear=cpu_expert_linear,
+    experts_in_place=expert_linear_applies,
+    fp8_dequantize=cpu_fp8_dequantize,
+    fp8_row_linear=cpu_fp8_row_linear,
+)
 CPU_KERNELS = KernelSet(
     "cpu",
     indexer_topk=paged_indexer_topk_fused,
@@ -107,6 +144,7 @@ CPU_KERNELS = KernelSet(
     static_kpool_indexer_topk=static_kpool_indexer_topk_cpu,
     static_sparse_mla=static_sparse_mla_cpu,
     kda_recurrent=cpu_recurrent_kda,
+    **CPU_PRODUCTS,
 )
 COMPILED_KERNELS = KernelSet(
     "compiled",
@@ -114,6 +152,7 @@ COMPILED_KERNELS = KernelSet(
     sparse_mla=paged_sparse_mla_compiled,
     kpool_indexer_topk=paged_kpool_indexer_topk_compiled,
     dense_mla=paged_dense_mla_compiled,
+    **CPU_PRODUCTS,
 )
 
 

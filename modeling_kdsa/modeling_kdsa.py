@@ -570,7 +570,9 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = KDSAModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = KDSALinear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = KDSALinear(
+            config.hidden_size, config.vocab_size, bias=False, kernel_backend=config.kernel_backend
+        )
         # The MTP layers (docs/checkpoint-conversion.md §10): draft layers the forward pass never runs; they share
         # the embedding and lm_head with the model (read at each call, saved once).
         self.mtp = KDSAMultiTokenPredictor(config) if config.num_mtp_layers > 0 else None

@@ -6,14 +6,16 @@ LatentMoE, SiTU activation and MXFP4 routed experts: docs/kimi-k3.md §3-§4. Pa
 names and layouts follow transformers' `DeepseekV3MoE` so that checkpoints map one to one.
 """
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .cpu_expert_linear import expert_linear, expert_linear_applies
 from .cpu_row_linear import MAX_ROWS
-from .linear import KDSALinear, fuses_on_cpu, linear, row_times_weight
+from .kernels import kernel_set
+from .linear import KDSALinear
 from .norms import KDSARMSNorm
 from .numeric_formats import mxfp4_dequantize
 
@@ -67,9 +69,10 @@ class KDSAMLP(nn.Module):
         super().__init__()
         hidden_size = config.hidden_size
         intermediate_size = config.intermediate_size if intermediate_size is None else intermediate_size
-        self.gate_proj = KDSALinear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = KDSALinear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = KDSALinear(intermediate_size, hidden_size, bias=False)
+        projection = partial(KDSALinear, bias=False, kernel_backend=config.kernel_backend)
+        self.gate_proj = projection(hidden_size, intermediate_size)
+        self.up_proj = projection(hidden_size, intermediate_size)
+        self.down_proj = projection(intermediate_size, hidden_size)
         self.activation = GatedActivation(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -89,6 +92,7 @@ class KDSATopkRouter(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.top_k = config.num_experts_per_tok
+        self.kernel_backend = config.kernel_backend
         self.norm_topk_prob = config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
         self.n_group = config.n_group
@@ -102,7 +106,8 @@ class KDSATopkRouter(nn.Module):
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The router logits `[N, E]` in fp32 (before the sigmoid): what `output_router_logits` returns."""
-        return linear(hidden_states.float(), self.weight.float())
+        row_linear = kernel_set(self.kernel_backend, hidden_states.device).row_linear
+        return row_linear(hidden_states.float(), self.weight.float())
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`router_logits: [N, E]` → `(topk_indices [N, k] int64, topk_weights [N, k] fp32)`."""
@@ -142,6 +147,7 @@ class KDSAExperts(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.num_experts = config.n_routed_experts
+        self.kernel_backend = config.kernel_backend
         width = config.hidden_size if config.routed_expert_hidden_size is None else config.routed_expert_hidden_size
         intermediate_size = config.moe_intermediate_size
         self.mxfp4 = config.routed_expert_weight_format == "mxfp4"
@@ -232,27 +238,28 @@ class KDSAExperts(nn.Module):
     def _run_expert(self, inputs: torch.Tensor, expert: int) -> torch.Tensor:
         """Expert `expert`'s gated MLP on `inputs: [n, D]` → `[n, D]`, in the inputs' dtype."""
         gate_up_weight, down_weight = self.expert_weights(expert, inputs.dtype)
-        gate, up = linear(inputs, gate_up_weight).chunk(2, dim=-1)
-        return linear(self.activation(gate, up), down_weight)
+        row_linear = kernel_set(self.kernel_backend, inputs.device).row_linear
+        gate, up = row_linear(inputs, gate_up_weight).chunk(2, dim=-1)
+        return row_linear(self.activation(gate, up), down_weight)
 
     def _reads_in_place(self, inputs: torch.Tensor) -> bool:
-        """Whether `kdsa::expert_linear` (`cpu_expert_linear`) runs each row through its expert's stacked weights."""
-        return not self.mxfp4 and expert_linear_applies(inputs, self.gate_up_proj)
+        """Whether the backend's `expert_linear` reads each row's expert in place from the stacked weights
+        (`experts_in_place`: on `cpu` the C++ kernel, `cpu_expert_linear`)."""
+        return not self.mxfp4 and kernel_set(self.kernel_backend, inputs.device).experts_in_place(
+            inputs, self.gate_up_proj
+        )
 
     def _expert_mlp(self, inputs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Each row of `inputs [n, D]` through its own expert `experts [n]`'s gated MLP → `[n, D]`."""
-        if self._reads_in_place(inputs):
-            # The C++ kernel reads each row's expert weights in place, as the row kernel reads a linear layer's.
-            gate, up = expert_linear(inputs, self.gate_up_proj, experts).chunk(2, dim=-1)
-            return expert_linear(self.activation(gate, up), self.down_proj, experts)
-        gate_up, down = self.expert_weights(experts, inputs.dtype)  # [n, 2I, D], [n, D, I]
-        if fuses_on_cpu(inputs, gate_up):
-            # Every row has its own weights, so none is reused: the fused multiply-and-sum reads each gathered weight
-            # once, with the gather folded into that read instead of a copy first (docs/graph-mode.md §9).
-            gate, up = row_times_weight(inputs, gate_up).chunk(2, dim=-1)
-            return row_times_weight(self.activation(gate, up), down)
-        gate, up = torch.matmul(gate_up, inputs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
-        return torch.matmul(down, self.activation(gate, up).unsqueeze(-1)).squeeze(-1)
+        """Each row of `inputs [n, D]` through its own expert `experts [n]`'s gated MLP → `[n, D]`, by the backend's
+        `expert_linear`: the stacked weights and the indices, or MXFP4 experts dequantized per row first."""
+        expert_linear = kernel_set(self.kernel_backend, inputs.device).expert_linear
+        if self.mxfp4:
+            gate_up, down = self.expert_weights(experts, inputs.dtype)  # [n, 2I, D], [n, D, I]
+            experts = None
+        else:
+            gate_up, down = self.gate_up_proj, self.down_proj
+        gate, up = expert_linear(inputs, gate_up, experts).chunk(2, dim=-1)
+        return expert_linear(self.activation(gate, up), down, experts)
 
     def _forward_gathered(
         self, hidden_states: torch.Tensor, topk_indices: torch.Tensor, topk_weights: torch.Tensor
@@ -308,8 +315,9 @@ class KDSAMoE(nn.Module):
         latent = config.routed_expert_hidden_size
         self.latent = latent is not None
         if self.latent:
-            self.routed_expert_down_proj = KDSALinear(config.hidden_size, latent, bias=False)
-            self.routed_expert_up_proj = KDSALinear(latent, config.hidden_size, bias=False)
+            projection = partial(KDSALinear, bias=False, kernel_backend=config.kernel_backend)
+            self.routed_expert_down_proj = projection(config.hidden_size, latent)
+            self.routed_expert_up_proj = projection(latent, config.hidden_size)
             self.routed_expert_norm = (
                 KDSARMSNorm(latent, eps=config.rms_norm_eps) if config.latent_moe_use_norm else None
             )

@@ -29,6 +29,7 @@ no compiler) are reported as such.
 """
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -49,12 +50,16 @@ from modeling_kdsa import (  # noqa: E402
     cpu_kda_recurrent,
     cpu_row_linear,
 )
+from modeling_kdsa import kernels as kernels_module  # noqa: E402
 from modeling_kdsa import moe as moe_module  # noqa: E402
 from modeling_kdsa.configuration_kdsa import KDSAConfig  # noqa: E402
-from modeling_kdsa.dsa import per_head_linear, per_head_matmul  # noqa: E402
-from modeling_kdsa.fp8_linear import KDSAFP8Linear, dequantize_tiles_torch  # noqa: E402
+from modeling_kdsa.fp8_linear import KDSAFP8Linear  # noqa: E402
 from modeling_kdsa.kda_ops import recurrent_kda  # noqa: E402
-from modeling_kdsa.linear import linear  # noqa: E402
+from modeling_kdsa.linear_ops import dequantize_tiles_torch  # noqa: E402
+
+# The cpu backend's products: the C++ kernels where they apply.
+linear = kernels_module.CPU_KERNELS.row_linear
+per_head_matmul, per_head_linear = kernels_module.CPU_KERNELS.head_matmul, kernels_module.CPU_KERNELS.head_linear
 
 DTYPE = torch.bfloat16
 EVICT_BYTES = 64 << 20  # written between rounds: more than this machine's caches
@@ -236,11 +241,12 @@ def bench_experts(num_experts: int, width: int, intermediate: int, top_k: int, t
         """`function` with `KDSAExperts` deciding that the expert kernel does not apply (compiled: traced so)."""
 
         def call(*args):
-            applies, moe_module.expert_linear_applies = moe_module.expert_linear_applies, never
+            cpu_kernels = kernels_module.CPU_KERNELS
+            kernels_module.CPU_KERNELS = dataclasses.replace(cpu_kernels, experts_in_place=never)
             try:
                 return function(*args)
             finally:
-                moe_module.expert_linear_applies = applies
+                kernels_module.CPU_KERNELS = cpu_kernels
 
         return call
 

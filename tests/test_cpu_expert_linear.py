@@ -3,6 +3,8 @@ docs/graph-mode.md §12): each pair's row against the row kernel on its expert's
 together, the two-thread split, the input checks, the compiled op, and the MoE paths that reach it (eager 1 to 4
 tokens, bit for bit the grouped loop; compiled decode)."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import (
@@ -16,7 +18,7 @@ from conftest import (
 )
 
 from modeling_kdsa import cpu_expert_linear, cpu_extension
-from modeling_kdsa import moe as moe_module
+from modeling_kdsa import kernels as kernels_module
 from modeling_kdsa.configuration_kdsa import KDSAConfig
 from modeling_kdsa.cpu_expert_linear import expert_linear, expert_linear_applies
 from modeling_kdsa.cpu_row_linear import kernel_available as row_kernel_available
@@ -24,6 +26,13 @@ from modeling_kdsa.cpu_row_linear import row_linear
 from modeling_kdsa.moe import KDSAExperts
 
 pytestmark = pytest.mark.usefixtures("kernels_at_this_thread_count", "no_grad")
+
+
+def experts_in_place(patch, answer) -> None:
+    """The `cpu` backend's `experts_in_place` replaced by `answer` (the layers look their KernelSet up per call), so
+    that `KDSAExperts` takes the paths it takes where the expert kernel does not apply."""
+    cpu_kernels = dataclasses.replace(kernels_module.CPU_KERNELS, experts_in_place=answer)
+    patch.setattr(kernels_module, "CPU_KERNELS", cpu_kernels)
 
 
 def case(experts=5, n=40, k=37, pairs=6, seed=0):
@@ -168,14 +177,14 @@ def test_one_token_runs_its_experts_through_the_kernel_without_a_host_sync(monke
         weights = torch.rand(2, top_k, generator=generator)
         grouped = experts(hidden, indices, weights)
         with monkeypatch.context() as patch:
-            calls = count_calls(patch, moe_module, "expert_linear")
+            calls = count_calls(patch, cpu_expert_linear, "expert_linear")
             patch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("a host sync in the one-token path"))
             alone = experts(hidden[:1], indices[:1], weights[:1])
         assert len(calls) == 2 and calls[0][0].shape == (top_k, 64)  # gate_up and down, all slots at once
         assert torch.equal(alone[0], grouped[0])
         with monkeypatch.context() as patch:
-            calls = count_calls(patch, moe_module, "expert_linear")
-            patch.setattr(moe_module, "expert_linear_applies", lambda *args: False)
+            calls = count_calls(patch, cpu_expert_linear, "expert_linear")
+            experts_in_place(patch, lambda *args: False)
             assert torch.equal(experts(hidden[:1], indices[:1], weights[:1]), alone)
         assert not calls
 
@@ -192,10 +201,10 @@ def test_up_to_sixteen_tokens_take_the_kernel_with_the_grouped_paths_bits(monkey
     indices = torch.stack([torch.randperm(6, generator=generator)[:3] for _ in range(tokens)])  # experts shared
     weights = torch.rand(tokens, 3, generator=generator)
     with monkeypatch.context() as patch:
-        patch.setattr(moe_module, "expert_linear_applies", lambda *args: False)
+        experts_in_place(patch, lambda *args: False)
         grouped = experts(hidden, indices, weights)
     with monkeypatch.context() as patch:
-        calls = count_calls(patch, moe_module, "expert_linear")
+        calls = count_calls(patch, cpu_expert_linear, "expert_linear")
         patch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("a host sync in the batch decode path"))
         batched = experts(hidden, indices, weights)
     assert len(calls) == 2 and calls[0][0].shape == (3 * tokens, 64)
@@ -223,7 +232,7 @@ def test_compiled_batch_of_four_takes_the_kernel_even_with_more_pairs_than_exper
 def test_seventeen_tokens_or_none_keep_the_grouped_loop(monkeypatch, tokens):
     """More tokens than the row kernel's 16 rows (a prefill) keep the grouped GEMMs; so does an empty batch."""
     experts = make_experts()
-    calls = count_calls(monkeypatch, moe_module, "expert_linear")
+    calls = count_calls(monkeypatch, cpu_expert_linear, "expert_linear")
     hidden = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
     assert experts(hidden, torch.randint(0, 16, (tokens, 1)), torch.rand(tokens, 1)).shape == (tokens, 64)
     assert not calls
@@ -235,7 +244,7 @@ def test_one_tokens_slots_are_summed_in_expert_order(monkeypatch, kernel):
     """The grouped loop adds a token's weighted expert outputs in expert order; the one-token paths must too, whatever
     order the router lists the slots in. Experts 2 and 9 made identical with weights -1e8 and +1e8 cancel exactly when
     added first (slot order 9, 2, 5), and lose expert 5's low bits when 5 comes between them (expert order 2, 5, 9)."""
-    monkeypatch.setattr(moe_module, "expert_linear_applies", lambda *args: kernel and expert_linear_applies(*args))
+    experts_in_place(monkeypatch, lambda *args: kernel and expert_linear_applies(*args))
     experts = make_experts()
     with torch.no_grad():
         experts.gate_up_proj[9] = experts.gate_up_proj[2]

@@ -18,9 +18,11 @@ from conftest import (
 )
 
 from modeling_kdsa import cpu_extension, cpu_fp8_dequantize
-from modeling_kdsa import fp8_linear as fp8_linear_module
-from modeling_kdsa.fp8_linear import KDSAFP8Linear, dequantize_tiles, dequantize_tiles_torch
-from modeling_kdsa.linear import linear
+from modeling_kdsa.fp8_linear import KDSAFP8Linear, dequantize_tiles
+from modeling_kdsa.kernels import CPU_KERNELS
+from modeling_kdsa.linear_ops import dequantize_tiles_torch
+
+linear = CPU_KERNELS.row_linear  # the row kernel where it applies, else the torch reference
 
 ALL_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)  # NaN included (0x7f, 0xff)
 
@@ -175,7 +177,7 @@ def dequantized_forward(layer: KDSAFP8Linear, x: torch.Tensor) -> torch.Tensor:
 def test_fused_row_product_is_the_dequantized_layers_product(monkeypatch, rows, cols, block, x_rows, bias):
     """A held layer's forward of 1 to 16 bf16 rows runs the fused kernel once and gives, bit for bit, the dequantized
     weight's row product (the same vectors in the same order); strided rows (a slice of wider activations) too."""
-    calls = count_calls(monkeypatch, fp8_linear_module, "fp8_row_linear")
+    calls = count_calls(monkeypatch, cpu_fp8_dequantize, "fp8_row_linear")
     layer = held_layer(rows, cols, block, bias)
     wide = torch.randn(*x_rows, cols + 8, generator=torch.Generator().manual_seed(2)).bfloat16()
     x = wide[..., :cols].contiguous()
@@ -232,7 +234,7 @@ def test_dequantized_product_where_the_fused_kernel_does_not_apply(monkeypatch):
     """17 rows, fp32 activations, tiles of 48 columns, an fp32 bias, strided values or scales, autograd, autocast,
     more threads than MAX_THREADS, export and an unavailable kernel: the layer dequantizes, then multiplies, as
     before."""
-    calls = count_calls(monkeypatch, fp8_linear_module, "fp8_row_linear")
+    calls = count_calls(monkeypatch, cpu_fp8_dequantize, "fp8_row_linear")
     layer = held_layer(32, 96, (16, 32))  # a 2 x 3 grid of scales
     x = torch.randn(1, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
     applies = cpu_fp8_dequantize.fp8_row_linear_applies

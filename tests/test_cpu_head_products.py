@@ -17,8 +17,11 @@ from conftest import (
 )
 
 from modeling_kdsa import KDSACache, KDSAForCausalLM, cpu_extension, cpu_head_products
-from modeling_kdsa import dsa as dsa_module
 from modeling_kdsa.cpu_head_products import head_linear, head_matmul, kernels_apply
+from modeling_kdsa.kernels import CPU_KERNELS
+
+# The `cpu` backend's per-head products: the kernels where they apply, else the torch reference's einsums.
+per_head_matmul, per_head_linear = CPU_KERNELS.head_matmul, CPU_KERNELS.head_linear
 
 pytestmark = pytest.mark.usefixtures("kernels_at_this_thread_count", "no_grad")
 
@@ -112,14 +115,14 @@ def test_two_threads_each_take_a_block_of_heads(monkeypatch):
 def test_strided_rows_reach_the_kernels_as_contiguous_copies(monkeypatch):
     """The layer's query block (`q_nope[:, block]`) and latent output may be strided views: the kernels get contiguous
     copies of them and give the exact products."""
-    query_calls = count_calls(monkeypatch, dsa_module, "head_matmul")
-    output_calls = count_calls(monkeypatch, dsa_module, "head_linear")
+    query_calls = count_calls(monkeypatch, cpu_head_products, "head_matmul")
+    output_calls = count_calls(monkeypatch, cpu_head_products, "head_linear")
     w_uk, w_uv, q, out_latent = kv_b_case(rows=(2, 3))
     q, out_latent = q[:, 1:2], out_latent[:, 1:2]  # the second of three tokens of two sequences
     assert not q.is_contiguous() and not out_latent.is_contiguous()
     expected_query, expected_output = expected(w_uk, w_uv, q, out_latent)
-    assert torch.equal(dsa_module.per_head_matmul(q, w_uk), expected_query)
-    assert torch.equal(dsa_module.per_head_linear(out_latent, w_uv), expected_output)
+    assert torch.equal(per_head_matmul(q, w_uk), expected_query)
+    assert torch.equal(per_head_linear(out_latent, w_uv), expected_output)
     assert len(query_calls) == len(output_calls) == 1
 
 
@@ -127,8 +130,8 @@ def test_strided_rows_reach_the_kernels_as_contiguous_copies(monkeypatch):
 def test_the_einsums_run_where_the_kernels_do_not_apply(monkeypatch):
     """17 rows, fp32, a weight whose rows are not contiguous, a weight subclass, autograd, autocast, more threads
     than MAX_THREADS and an unavailable kernel keep the einsums, with the same results."""
-    query_calls = count_calls(monkeypatch, dsa_module, "head_matmul")
-    output_calls = count_calls(monkeypatch, dsa_module, "head_linear")
+    query_calls = count_calls(monkeypatch, cpu_head_products, "head_matmul")
+    output_calls = count_calls(monkeypatch, cpu_head_products, "head_linear")
     w_uk, w_uv, q, out_latent = kv_b_case()
 
     class Subclass(torch.Tensor):
@@ -141,10 +144,10 @@ def test_the_einsums_run_where_the_kernels_do_not_apply(monkeypatch):
     for x, weight in cases:
         assert not kernels_apply(x, weight)
         reference = torch.einsum("bthn,hnk->bthk", x.float(), weight.float()).to(x.dtype)
-        assert torch.equal(dsa_module.per_head_matmul(x, weight), reference)
+        assert torch.equal(per_head_matmul(x, weight), reference)
     assert not kernels_apply(q.float(), w_uk) and not kernels_apply(q, w_uk.float())
     assert_refused_like_every_cpu_kernel(monkeypatch, kernels_apply, (out_latent, w_uv), cpu_head_products)
-    assert torch.equal(dsa_module.per_head_linear(out_latent, w_uv), expected(w_uk, w_uv, q, out_latent)[1])
+    assert torch.equal(per_head_linear(out_latent, w_uv), expected(w_uk, w_uv, q, out_latent)[1])
     assert not query_calls and not output_calls
 
 
@@ -181,7 +184,7 @@ def test_compiled_products_hold_the_kernels_as_ops():
     backend, graphs = graph_recorder()
 
     def products(q, w_uk, out_latent, w_uv):
-        return dsa_module.per_head_matmul(q, w_uk), dsa_module.per_head_linear(out_latent, w_uv)
+        return per_head_matmul(q, w_uk), per_head_linear(out_latent, w_uv)
 
     torch._dynamo.reset()
     compiled = torch.compile(products, fullgraph=True, dynamic=False, backend=backend)
@@ -211,9 +214,9 @@ def test_a_decode_step_reads_kv_b_proj_in_place_and_a_prefill_copies_it(monkeypa
     logits = {}
     for kernels in (True, False):
         if not kernels:
-            monkeypatch.setattr(dsa_module, "kernels_apply", lambda *args: False)
-        query_calls = count_calls(monkeypatch, dsa_module, "head_matmul")
-        output_calls = count_calls(monkeypatch, dsa_module, "head_linear")
+            monkeypatch.setattr(cpu_head_products, "kernels_apply", lambda *args: False)
+        query_calls = count_calls(monkeypatch, cpu_head_products, "head_matmul")
+        output_calls = count_calls(monkeypatch, cpu_head_products, "head_linear")
         cache = KDSACache(model.config)
         model(prompt, cache=cache, use_cache=True)
         assert not query_calls and not output_calls  # the prefill's 20 rows are more than MAX_ROWS

@@ -1,7 +1,7 @@
 """The hand-written CPU kernel of a single-row bf16 linear product (modeling_kdsa/cpu_row_linear.py, docs/graph-mode.md
-§10): its result against `F.linear` and the fp32 product, the cases `linear` routes to it and those it keeps on
-`F.linear`, the compiled op and its input checks — for the build this CPU runs, and on an AVX512-BF16 CPU again for the
-AVX2 build in a second process; its build: test_cpu_extension.py."""
+§10): its result against `F.linear` and the fp32 product, the cases the `cpu` backend's `row_linear` (`linear` here)
+routes to it and those it keeps on the torch reference, the compiled op and its input checks — for the build this CPU
+runs, and on an AVX512-BF16 CPU again for the AVX2 build in a second process; its build: test_cpu_extension.py."""
 
 import os
 
@@ -19,8 +19,9 @@ from conftest import (
 )
 
 from modeling_kdsa import cpu_extension, cpu_row_linear
-from modeling_kdsa import linear as linear_module
-from modeling_kdsa.linear import linear
+from modeling_kdsa.kernels import CPU_KERNELS
+
+linear = CPU_KERNELS.row_linear  # the kernel where it applies, else the torch reference
 
 pytestmark = pytest.mark.usefixtures("kernels_at_this_thread_count", "no_grad")
 
@@ -95,7 +96,7 @@ def test_random_bf16_rows_are_within_bf16_rounding_of_the_fp32_product():
 def test_linear_routes_only_up_to_sixteen_bf16_rows_without_autograd_to_the_kernel(monkeypatch):
     """`linear` sends 1 to 16 eager bf16 rows to the kernel; 17 rows, fp32, autograd, autocast, a non-contiguous
     weight, a weight subclass, more threads than MAX_THREADS and an unavailable kernel keep `F.linear`."""
-    calls = count_calls(monkeypatch, linear_module, "row_linear")
+    calls = count_calls(monkeypatch, cpu_row_linear, "row_linear")
     x, weight, b = integer_case(rows_out=8, width=64)
     linear(x, weight, b)
     assert len(calls) == 1
@@ -166,7 +167,7 @@ def test_an_exported_program_keeps_f_linear():
 def test_a_strided_slice_of_two_sequences_goes_through_the_kernel(monkeypatch):
     """The last position of each of 2 sequences (`hidden[:, -1:]`, what the lm_head sees in a decode step) is a
     strided view: `linear` passes a contiguous copy of those rows to the kernel."""
-    calls = count_calls(monkeypatch, linear_module, "row_linear")
+    calls = count_calls(monkeypatch, cpu_row_linear, "row_linear")
     hidden, weight, b = integer_case(rows_out=8, width=64, shape=(2, 5))
     last = hidden[:, -1:]
     assert not last.is_contiguous()

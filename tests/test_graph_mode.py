@@ -13,7 +13,6 @@ from conftest import count_calls, cpu_compile_config, needs_kernel_build, tiny_m
 from transformers import CompileConfig
 
 from modeling_kdsa import KDSAQuantizationConfig, cpu_kda_recurrent, cpu_row_linear, dsa_paged_ops, static_cache
-from modeling_kdsa import linear as linear_module
 from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer
 from modeling_kdsa.linear import KDSALinear
 from modeling_kdsa.static_cache import KDSAStaticCache, StaticKPoolLayer
@@ -337,7 +336,7 @@ def test_bf16_decode_steps_reach_the_cpu_kernels(monkeypatch, shape, batch):
     model = tiny_model(index_n_heads=8, num_attention_heads=8, **overrides).to(torch.bfloat16)
     with monkeypatch.context() as spies:  # undone before the compiled step, which traces the ops themselves
         calls = [count_calls(spies, dsa_paged_ops, name) for name in ("indexer_topk_decode", "sparse_mla_decode_cpu")]
-        row_calls = count_calls(spies, linear_module, "row_linear")
+        row_calls = count_calls(spies, cpu_row_linear, "row_linear")
         kda_calls = count_calls(spies, cpu_kda_recurrent, "kda_recurrent")
         expected = greedy(model, ids, mask, 8)
     # 7 decode steps (the first token comes from the prefill) x 2 DSA layers, of which the shared one has no indexer

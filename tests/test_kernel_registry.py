@@ -20,8 +20,18 @@ from test_dsa_paged_ops import left_padding, paged
 from modeling_kdsa import dsa_ops, kda_ops
 from modeling_kdsa.cache import KDSAPagedKPoolLayer
 from modeling_kdsa.configuration_kdsa import KERNEL_BACKENDS
+from modeling_kdsa.cpu_extension import kernel_isa
 from modeling_kdsa.dsa_paged_ops import read_pages
-from modeling_kdsa.kernels import BACKEND_NAMES, KERNEL_NAMES, TORCH_KERNELS, kernel_set, resolve_kernel_backend
+from modeling_kdsa.fp8_linear import KDSAFP8Linear
+from modeling_kdsa.kernels import (
+    BACKEND_NAMES,
+    CPU_KERNELS,
+    KERNEL_NAMES,
+    TORCH_KERNELS,
+    kernel_set,
+    resolve_kernel_backend,
+)
+from modeling_kdsa.linear import KDSALinear
 from modeling_kdsa.numeric_formats import CacheFormats
 from modeling_kdsa.static_cache import StaticKPoolLayer
 
@@ -111,7 +121,8 @@ def test_every_config_backend_is_registered_and_fields_default_to_the_torch_refe
     assert set(KERNEL_NAMES) == {
         "indexer_topk", "sparse_mla", "kpool_indexer_topk", "dense_mla", "kda_chunk", "kda_recurrent",
         "static_indexer_topk", "static_kpool_indexer_topk", "static_sparse_mla", "static_dense_mla", "kv_store",
-        "dsa_decode_prolog",
+        "dsa_decode_prolog", "row_linear", "head_matmul", "head_linear", "expert_linear", "experts_in_place",
+        "fp8_dequantize", "fp8_row_linear",
     }  # fmt: skip
     with pytest.raises(ValueError, match="unknown kernel_backend 'cuda'"):
         kernel_set("cuda")
@@ -392,3 +403,128 @@ def test_dsa_decode_prolog(kernels):
         got = run(kernels, "dsa_decode_prolog", layer, hidden, position_embeddings)
         for got_tensor, expected_tensor in zip([*got[:4], *got[4]], [*expected[:4], *expected[4]], strict=True):
             assert torch.equal(got_tensor, expected_tensor)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The layers' products (references in linear_ops; the C++ kernels of the cpu backend where they apply)
+
+# The `kdsa::` op each product runs on the cpu backend where its kernel applies.
+PRODUCT_OPS = {
+    "row_linear": "kdsa::row_linear",
+    "head_matmul": "kdsa::head_matmul",
+    "head_linear": "kdsa::head_linear",
+    "expert_linear": "kdsa::expert_linear",
+    "fp8_dequantize": "kdsa::dequantize_fp8_tiles",
+    "fp8_row_linear": "kdsa::fp8_row_linear",
+}
+CPU_KERNELS_BUILD = kernel_isa() is not None  # an x86 CPU with AVX2 (or better) and $KDSA_CPU_KERNELS not "off"
+
+
+def kdsa_ops_run(function):
+    """`function()` and the names of the `kdsa::` ops it ran (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        out = function()
+    return out, {event.name for event in profile.events() if event.name.startswith("kdsa::")}
+
+
+def fp8_weight(rows: int, cols: int, block: int, generator):
+    """E4M3 ternary values and power-of-two fp32 scales: every dequantized element and product is exact."""
+    values = ternary((rows, cols), generator).to(torch.float8_e4m3fn)
+    grid = (-(-rows // block), -(-cols // block))
+    scale_inv = 2.0 ** torch.randint(-3, 4, grid, generator=generator).float()
+    return values, scale_inv
+
+
+def product_args(name: str, rows: int, dtype: torch.dtype, generator) -> tuple:
+    """Arguments of product `name` for `rows` rows in `dtype`, ternary values: products and fp32 sums are exact, so
+    every backend must give the reference's bits. The head weights are strided slices, as `kv_b_proj`'s W_UK / W_UV."""
+
+    def values(*shape):
+        return ternary(shape, generator).to(dtype)
+
+    if name == "row_linear":
+        return values(rows, 96), values(80, 96), values(80)
+    if name == "head_matmul":
+        return values(1, rows, 4, 32), values(4, 48, 64)[:, :32]
+    if name == "head_linear":
+        return values(1, rows, 4, 64), values(4, 48, 64)[:, 32:]
+    if name == "expert_linear":
+        return values(rows, 64), values(5, 48, 64), torch.randint(0, 5, (rows,), generator=generator)
+    if name == "fp8_dequantize":
+        return (*fp8_weight(70, 96, 32, generator), (32, 32), dtype)
+    return (values(rows, 96), *fp8_weight(80, 96, 32, generator), (32, 32), values(80))  # fp8_row_linear
+
+
+@pytest.mark.parametrize(
+    ("rows", "dtype"),
+    [(1, torch.bfloat16), (3, torch.bfloat16), (16, torch.bfloat16), (20, torch.bfloat16), (3, torch.float32)],
+)
+@pytest.mark.parametrize("name", list(PRODUCT_OPS))
+@torch.no_grad()
+def test_products(kernels, name, rows, dtype):
+    """Each product of each backend equals the torch entry bit for bit (exact inputs), and runs its C++ kernel exactly
+    where the cpu backend's applies: bf16, 1 to 16 rows (the expert kernel: any number of rows; dequantization: any
+    E4M3 weight); elsewhere, and on every other backend, no `kdsa::` op at all."""
+    args = product_args(name, rows, dtype, torch.Generator().manual_seed(rows))
+    expected = getattr(TORCH_KERNELS, name)(*args)
+    got, ops = kdsa_ops_run(lambda: run(kernels, name, *args))
+    assert got.dtype == expected.dtype and torch.equal(got, expected)
+    applies = name == "fp8_dequantize" or (dtype == torch.bfloat16 and (rows <= 16 or name == "expert_linear"))
+    cpu_products = kernels.row_linear is CPU_KERNELS.row_linear
+    if not (cpu_products and CPU_KERNELS_BUILD):
+        assert ops == set()
+    elif applies:
+        assert ops == {PRODUCT_OPS[name]}
+    else:  # the FP8 weight dequantized by its kernel, then the reference product
+        assert ops == ({"kdsa::dequantize_fp8_tiles"} if name == "fp8_row_linear" else set())
+    if name == "expert_linear":
+        # The MoE layer takes its gathered path where `experts_in_place` says the kernel reads the stacked weights.
+        assert kernels.require("experts_in_place")(args[0], args[1]) == bool(ops)
+        assert torch.equal(run(kernels, name, args[0], args[1][args[2]], None), expected)  # pre-gathered (MXFP4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@torch.no_grad()
+def test_fp8_held_layer_follows_its_backend(backend):
+    """A `KDSAFP8Linear` (and `like`, which the model's FP8 loading uses) runs its backend's FP8 products."""
+    generator = torch.Generator().manual_seed(0)
+    values, scale_inv = fp8_weight(80, 96, 32, generator)
+    layer = KDSAFP8Linear(values, scale_inv, (32, 32), kernel_backend=backend)
+    assert (
+        KDSAFP8Linear.like(KDSALinear(96, 80, bias=False, kernel_backend=backend), (32, 32)).kernel_backend == backend
+    )
+    x = ternary((2, 96), generator).bfloat16()
+    got, ops = kdsa_ops_run(lambda: (layer(x), layer.dequantized_weight(torch.bfloat16)))
+    assert torch.equal(got[0], TORCH_KERNELS.fp8_row_linear(x, values, scale_inv, (32, 32)))
+    assert torch.equal(got[1], TORCH_KERNELS.fp8_dequantize(values, scale_inv, (32, 32), torch.bfloat16))
+    cpu_ops = {"kdsa::fp8_row_linear", "kdsa::dequantize_fp8_tiles"} if CPU_KERNELS_BUILD else set()
+    assert ops == (cpu_ops if backend == "cpu" else set())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_torch_backend_runs_no_cpu_kernel(dtype):
+    """kernel_backend='torch' is the pure torch reference: a forward and a generate (prefill, decode steps, a
+    left-padded batch) run no `kdsa::` op; the same on `cpu` runs the C++ kernels (where they build), so the check sees
+    them."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 120, (2, 12), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ops, logits = {}, {}
+    for backend in ("torch", "cpu"):
+        model = tiny_model(kernel_backend=backend).to(dtype)
+
+        def forward_and_generate(model=model):
+            out = model(input_ids=ids, attention_mask=mask).logits
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+            return out
+
+        logits[backend], ops[backend] = kdsa_ops_run(forward_and_generate)
+    assert ops["torch"] == set()
+    if dtype == torch.float32:  # the same model up to the order of sums (bf16: tests/test_bf16_model.py's bounds)
+        assert rel_fro(logits["cpu"], logits["torch"]) < 1e-6
+    if not CPU_KERNELS_BUILD:
+        pytest.skip("no C++ kernel builds on this machine: nothing to see on the cpu backend")
+    bf16_products = {"kdsa::row_linear", "kdsa::head_matmul", "kdsa::head_linear", "kdsa::expert_linear"}
+    assert {"kdsa::kda_recurrent"} | (bf16_products if dtype == torch.bfloat16 else set()) <= ops["cpu"]

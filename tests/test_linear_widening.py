@@ -1,5 +1,5 @@
 """On a CPU without native bf16 products, bf16 products run as fp32 products of the widened operands, rounded once
-(modeling_kdsa/linear.py, docs/graph-mode.md §13): `linear` for more than 4 rows (`widens_to_fp32`: the result, the
+(modeling_kdsa/linear_ops.py, docs/graph-mode.md §13): `linear` for more than 4 rows (`widens_to_fp32`: the result, the
 fp32 call, and every case that must keep the bf16 `F.linear`), `product` for the batched products and the convolution
 of a prefill (its fp32 call, and each call site reached in a tiny model's bf16 prefill). The CPU's answer is patched,
 so these run on any machine."""
@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from conftest import count_calls
 
-from modeling_kdsa import linear as linear_module
-from modeling_kdsa.linear import linear
+from modeling_kdsa import linear_ops as linear_module
+from modeling_kdsa.linear_ops import linear
 
 pytestmark = pytest.mark.usefixtures("no_grad")
 
@@ -29,8 +29,8 @@ def case(rows=8, width=100, out=12, seed=0):
 
 
 def test_more_than_four_rows_are_an_fp32_product_rounded_once(monkeypatch, without_bf16_products):
-    """Where the row kernel does not take them (no AVX2, or more than its 16 rows)."""
-    monkeypatch.setattr(linear_module, "row_linear_applies", lambda *args: False)
+    """The torch reference `linear` (which the `cpu` backend runs where its row kernel does not: no AVX2, or more
+    than 16 rows)."""
     x, weight, bias = case()
     calls = count_calls(monkeypatch, linear_module.F, "linear")
     got = linear(x, weight, bias)
@@ -70,16 +70,14 @@ def test_the_bf16_product_stays_where_widening_does_not_apply(monkeypatch, witho
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
     monkeypatch.setattr(linear_module, "cpu_has_bf16_products", lambda: True)
     assert not linear_module.widens_to_fp32(x, weight)
-    monkeypatch.setattr(linear_module, "row_linear_applies", lambda *args: False)  # 8 rows: else the row kernel's
     calls = count_calls(monkeypatch, linear_module.F, "linear")
     linear(x, weight, bias)
     assert [args[0].dtype for args in calls] == [torch.bfloat16]
 
 
 def test_four_rows_without_the_row_kernel_keep_the_bf16_f_linear(monkeypatch, without_bf16_products):
-    """Where the row kernel does not run (no AVX2), 4 rows keep torch's bf16 product: widening the weight would cost
-    more than one slow read of it; 5 rows are widened."""
-    monkeypatch.setattr(linear_module, "row_linear_applies", lambda *args: False)
+    """In the torch reference (where the row kernel does not run: no AVX2), 4 rows keep torch's bf16 product:
+    widening the weight would cost more than one slow read of it; 5 rows are widened."""
     calls = count_calls(monkeypatch, linear_module.F, "linear")
     generator = torch.Generator().manual_seed(2)
     weight = torch.randn(12, 100, generator=generator).bfloat16()
@@ -111,7 +109,7 @@ def test_a_bf16_prefill_widens_its_attention_and_convolution_products(monkeypatc
     through `product` (and run in fp32), and the logits stay within bf16 rounding of the unwidened forward's."""
     from conftest import tiny_config
 
-    from modeling_kdsa import KDSAForCausalLM, dsa, dsa_paged_ops, kda_ops
+    from modeling_kdsa import KDSAForCausalLM, dsa_paged_ops, kda_ops
 
     torch.manual_seed(0)
     model = KDSAForCausalLM(tiny_config()).bfloat16().eval()
@@ -119,7 +117,7 @@ def test_a_bf16_prefill_widens_its_attention_and_convolution_products(monkeypatc
     monkeypatch.setattr(linear_module, "cpu_has_bf16_products", lambda: True)
     expected = model(input_ids=ids).logits.float()
     monkeypatch.setattr(linear_module, "cpu_has_bf16_products", lambda: False)
-    calls = {module: count_calls(monkeypatch, module, "product") for module in (dsa, dsa_paged_ops, kda_ops)}
+    calls = {module: count_calls(monkeypatch, module, "product") for module in (linear_module, dsa_paged_ops, kda_ops)}
     got = model(input_ids=ids).logits.float()
     assert all(calls.values()), {module.__name__: len(c) for module, c in calls.items()}
     torch.testing.assert_close(got, expected, rtol=0, atol=0.05 * expected.abs().max().item())
