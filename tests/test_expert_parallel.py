@@ -4,7 +4,7 @@ Each group of processes runs once per module (a fixture) and writes what it saw 
 Every rank builds the same models (same seeds) and the same batch of prompts, runs its own share of the batch
 (`ExpertParallelMesh.batch_rows`, DeepSeek-V3's data-parallel layout outside the experts, docs/parallel.md §9) and
 compares with the single-process model on the whole batch. The packed / FP8 / checkpoint cases and the 4-process
-scenario take 20-45 s each (mostly the processes importing torch) and are marked slow.
+scenario are marked slow: each is one more group of processes that import torch, on top of the default ep = 2 one.
 
 Tolerance for logits, 1e-4 absolute (logits are O(1)), as in tests/test_parallel_distributed.py: each expert sees
 the same rows in the same order as in one process and the combine adds in the same order, so what differs is the
@@ -389,3 +389,23 @@ def test_tp2_ep2_bad_layouts_raise_on_every_rank(four_ranks, key, words):
     for rank, result in enumerate(four_ranks):
         assert result[key] is not None, f"rank {rank} did not raise for {key}"
         assert words in result[key], result[key]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (CHECKPOINT / "config.json").is_file(), reason="checkpoints/kdsa-tiny is not in this checkout")
+def test_ep_generate_script_under_torchrun(tmp_path):
+    """scripts/ep_generate.py as docs/parallel.md §9 launches it: 2 processes by torchrun, ep = 2, `--check`."""
+    import subprocess
+
+    root = CHECKPOINT.parent.parent
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()),
+               str(root / "scripts" / "ep_generate.py"), str(CHECKPOINT), "--ep", "2", "--batch", "3",
+               "--new-tokens", "8", "--check"]  # fmt: skip
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert [line.split(":")[0] for line in lines] == ["rank 0 (ep 0, tp 0)", "rank 1 (ep 1, tp 0)"], result.stdout
+    assert all(line.endswith("tokens equal to one process: True") for line in lines), lines
+    assert "rows 0-1" in lines[0] and "rows 2-2" in lines[1]
