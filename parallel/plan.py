@@ -11,8 +11,9 @@ MLA stores' `bytes_per_token` and the KDA layer's `memory_bytes` (modeling_kdsa/
 estimate whose formula is `ACTIVATION_FORMULA` (docs/memory-plan.md §4).
 
 The layouts are those the package plans for sharded loading (tp for heads and dense widths, ep for whole routed
-experts); the package itself shards only by tp today (docs/parallel.md §5), so a plan with ep > 1 describes a layout
-not yet runnable here.
+experts). The package runs these layouts for dense routed experts (`apply_expert_parallel`, docs/parallel.md §9) and
+ep alone for LatentMoE and packed MXFP4 experts; with tp > 1 their layout (whole experts over all tp × ep ranks) is
+planned here but not runnable yet.
 """
 
 import argparse
