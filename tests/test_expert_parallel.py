@@ -129,6 +129,16 @@ def _scenario_two(rank: int, results: dict) -> None:
     results["reference_bytes"], results["reference_expert_bytes"] = _model_bytes(reference), _expert_bytes(reference)
     results["local_expert_shape"] = tuple(sharded.model.layers[1].mlp.experts.local_experts.gate_up_proj.shape)
     results["first_expert"] = sharded.model.layers[1].mlp.experts.first_expert
+    # One MoE layer alone (top-3 of 8, so that the order of the additions matters), each rank on its consecutive share
+    # of 111 tokens (the grouped expert path in both).
+    top3 = dict(n_routed_experts=8, num_experts_per_tok=3)
+    layer, sharded_layer = tiny_model(**top3).model.layers[1].mlp, apply_expert_parallel(tiny_model(**top3), mesh)
+    tokens = torch.randn(BATCH * PROMPT_LEN, layer.gate.weight.shape[1], generator=torch.Generator().manual_seed(5))
+    share = mesh.batch_rows(tokens.shape[0])
+    with torch.no_grad():
+        expected = layer(tokens[None])[0, share]
+        output = sharded_layer.model.layers[1].mlp(tokens[None, share])[0]
+    results["moe_layer_error"] = (output - expected).abs().max().item()
 
     # Error paths: each must raise a ValueError on every rank, and return (no rank left waiting).
     results["error_experts"] = _expect_error(lambda: apply_expert_parallel(tiny_model(n_routed_experts=3), mesh))
@@ -286,6 +296,14 @@ def test_ep2_shipped_checkpoint(two_ranks_formats):
         assert result["ep2_checkpoint_error"] < LOGIT_TOLERANCE
         assert result["ep2_checkpoint_generated"] == GENERATE_STEPS
         assert result["ep2_checkpoint_generate_equal"]
+
+
+def test_ep2_moe_layer_is_bit_identical(two_ranks):
+    """With consecutive token shares each expert multiplies the same rows in the same order as one process, and each
+    token's k outputs are weighted and added in the same (expert) order: the MoE layer's output is the same bits
+    (top-3, where adding in slot order instead gives other bits)."""
+    for result in two_ranks:
+        assert result["moe_layer_error"] == 0.0
 
 
 def test_ep2_all_to_all_volume_is_the_routed_pairs(two_ranks):
