@@ -703,7 +703,8 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
 
     def _prepare_generation_config(self, generation_config, **kwargs):
         """transformers' preparation, plus KDSA's drafting options (`SPECULATION_OPTIONS`: `mtp_draft_tokens`,
-        `dspark_confidence_threshold`), taken from `generate()`'s keywords onto the call's generation config."""
+        `dspark_confidence_threshold`, `draft_schedule`), taken from `generate()`'s keywords onto the call's
+        generation config."""
         options = {name: kwargs.pop(name) for name in SPECULATION_OPTIONS if name in kwargs}
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
         for name, value in options.items():
@@ -724,9 +725,10 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
                 "speculation_type='dspark' needs assistant_model=<a DSparkDraftModel> "
                 "(modeling_kdsa.DSparkDraftModel.from_pretrained(folder))"
             )
-        drafters = {"mtp_draft_tokens": ("use_mtp=True", bool(generation_config.use_mtp)),
-                    "dspark_confidence_threshold": ("speculation_type='dspark'",
-                                                    generation_config.speculation_type == "dspark")}  # fmt: skip
+        mtp, dspark = bool(generation_config.use_mtp), generation_config.speculation_type == "dspark"
+        drafters = {"mtp_draft_tokens": ("use_mtp=True", mtp),
+                    "dspark_confidence_threshold": ("speculation_type='dspark'", dspark),
+                    "draft_schedule": ("use_mtp=True and speculation_type='dspark'", mtp or dspark)}  # fmt: skip
         for name, (flag, active) in drafters.items():
             if getattr(generation_config, name, None) is not None and not active:
                 raise ValueError(f"{name} applies to {flag} only")

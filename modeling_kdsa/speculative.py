@@ -22,9 +22,14 @@ One round, for a batch of B left-padded rows (docs/speculative.md):
 5. Batch: every row commits the same count a + 1, a = the fewest drafts any unfinished row accepted. A row that
    accepted more emits its accepted draft at slot a (itself a valid target sample), so nothing is lost but drafts.
 6. The target cache is cropped to the committed length; the drafter takes the target's hidden states at the
-   committed positions (no extra target pass).
+   committed positions (no extra target pass). It reads them lazily: all the positions committed since its last
+   round are fed in one call right before it drafts again.
+
+Whether a round drafts at all is `DraftSchedule`'s choice: "adaptive" (the default) drafts only while drafting
+rounds commit more tokens per second than plain steps, measured as decoding goes; "always" drafts every round.
 """
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -36,10 +41,13 @@ from .cache import ROLLBACK_TOKENS, KDSACache
 @dataclass
 class SpeculationStats:
     """What the last speculative `generate()` did: `rounds` target verify forwards (the prefill not counted),
-    `drafted` draft tokens verified, `accepted` draft tokens committed, `emitted` tokens appended per row."""
+    `drafted` draft tokens verified, `accepted` draft tokens committed, `emitted` tokens appended per row,
+    `plain_rounds` of the rounds decoded one token without drafting (the adaptive schedule's choice, or no room
+    left before `max_length`)."""
 
     method: str
     rounds: int = 0
+    plain_rounds: int = 0
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
@@ -206,6 +214,83 @@ class DSparkDrafter:
         return tokens[:, :num_tokens], logits[:, :num_tokens]
 
 
+class DraftSchedule:
+    """Decides, before each round, whether it drafts. "always": every round. "adaptive": the round drafts while
+    drafting pays, i.e. while drafting rounds commit at least as many tokens per second as plain one-token rounds:
+
+        tokens per drafting round / seconds per drafting round  >=  1 / seconds per plain round,
+
+    each side an exponential moving average of the rounds measured so far (wall clock: the costs of the drafter,
+    of a verify forward over several tokens and of a plain step are this machine's and this batch's, and no model of
+    them holds across CPUs and GPUs; the same trade as the hardware-aware pruning of the DSpark paper, arXiv
+    2607.05147, Alg. 1, made per round). The first round drafts and the second is plain, so that both sides are
+    measured. While drafting does not pay, a probe round drafts after `probe_interval` plain rounds, to notice when
+    the text turns predictable; each probe that leaves drafting unprofitable doubles the interval (up to
+    `max_probe_interval`), and a profitable one resets it to 1. The choice changes only how many target forwards
+    decoding takes, never the tokens: every committed token is a sample of the target's distribution."""
+
+    SCHEDULES = ("adaptive", "always")
+
+    def __init__(self, schedule: str = "adaptive", smoothing: float = 0.3, max_probe_interval: int = 32):
+        if schedule not in self.SCHEDULES:
+            raise ValueError(f"draft_schedule must be one of {self.SCHEDULES}, got {schedule!r}")
+        self.adaptive = schedule == "adaptive"
+        self.smoothing = smoothing
+        self.max_probe_interval = max_probe_interval
+        self.draft_tokens: float | None = None  # moving averages; None until measured
+        self.draft_seconds: float | None = None
+        self.plain_seconds: float | None = None
+        self.probe_interval = 1
+        self.plain_streak = 0
+
+    def drafting_pays(self) -> bool:
+        return self.draft_tokens * self.plain_seconds >= self.draft_seconds
+
+    def should_draft(self) -> bool:
+        if not self.adaptive or self.draft_seconds is None:
+            return True
+        if self.plain_seconds is None:
+            return False
+        return self.drafting_pays() or self.plain_streak >= self.probe_interval
+
+    def record(self, drafted: bool, tokens: int, seconds: float) -> None:
+        """A finished round: whether it drafted, how many tokens each row committed, its wall time."""
+        if not drafted:
+            self.plain_seconds = self._average(self.plain_seconds, seconds)
+            self.plain_streak += 1
+            return
+        self.draft_tokens = self._average(self.draft_tokens, float(tokens))
+        self.draft_seconds = self._average(self.draft_seconds, seconds)
+        self.plain_streak = 0
+        if self.plain_seconds is not None:
+            pays = self.drafting_pays()
+            self.probe_interval = 1 if pays else min(2 * self.probe_interval, self.max_probe_interval)
+
+    def _average(self, average: float | None, value: float) -> float:
+        return value if average is None else (1 - self.smoothing) * average + self.smoothing * value
+
+
+class PendingContext:
+    """The target's hidden states at committed positions that the drafter has not read yet, kept in order and fed
+    in one `observe` call when the drafter next drafts (a plain round then costs the drafter nothing)."""
+
+    def __init__(self):
+        self.parts: list[tuple] = []
+
+    def add(self, hidden_states, next_ids, attention_mask, position_ids) -> None:
+        self.parts.append((hidden_states, next_ids, attention_mask, position_ids))
+
+    def flush_into(self, drafter) -> None:
+        if not self.parts:
+            return
+        hidden_states = tuple(torch.cat(layer, dim=1) for layer in zip(*(part[0] for part in self.parts), strict=True))
+        next_ids = torch.cat([part[1] for part in self.parts], dim=1)
+        position_ids = torch.cat([part[3] for part in self.parts], dim=1)
+        # The latest mask covers every committed pair, the pending ones last.
+        drafter.observe(hidden_states, next_ids, self.parts[-1][2], position_ids)
+        self.parts.clear()
+
+
 def _stack(tokens: list, logits: list, anchor: torch.Tensor):
     if not tokens:
         return anchor.new_zeros(anchor.shape[0], 0), None
@@ -213,9 +298,11 @@ def _stack(tokens: list, logits: list, anchor: torch.Tensor):
 
 
 # generate() keywords (or GenerationConfig attributes) of KDSA's drafters: the draft tokens the MTP layer chains per
-# round (default 1, transformers' use_mtp count), and the DSpark pruning threshold (default: transformers'
-# `assistant_confidence_threshold`).
-SPECULATION_OPTIONS = ("mtp_draft_tokens", "dspark_confidence_threshold")
+# round (default 1, transformers' use_mtp count), the DSpark pruning threshold (default: transformers'
+# `assistant_confidence_threshold`), and whether rounds draft always or while it pays (`DraftSchedule`, default
+# "adaptive").
+SPECULATION_OPTIONS = ("mtp_draft_tokens", "dspark_confidence_threshold", "draft_schedule")
+DEFAULT_DRAFT_SCHEDULE = "adaptive"
 
 
 def _drafter(model, generation_config, batch_size: int, assistant_model):
@@ -279,6 +366,7 @@ def speculative_generate(
         )
     batch_size = input_ids.shape[0]
     drafter = _drafter(model, generation_config, batch_size, assistant_model)
+    schedule = DraftSchedule(getattr(generation_config, "draft_schedule", None) or DEFAULT_DRAFT_SCHEDULE)
     sampler = Sampler(logits_processor, bool(generation_config.do_sample))
     pad = generation_config._pad_token_tensor
     attention_mask = model_kwargs.get("attention_mask")
@@ -300,21 +388,28 @@ def speculative_generate(
     input_ids, attention_mask = output.append(input_ids, attention_mask, sampler.draw(processed)[:, None],
                                               processed[:, None], out.logits[:, -1:])  # fmt: skip
     stats.emitted += 1
+    pending = PendingContext()
     if output.unfinished_rows():
         pairs_mask = None if attention_mask is None else attention_mask[:, :prompt_len]
-        drafter.observe(out.hidden_states, input_ids[:, past + 1 :], pairs_mask, positions)
+        pending.add(out.hidden_states, input_ids[:, past + 1 :], pairs_mask, positions)
     # Every committed token is real (left padding sits before the prompt): the anchor's position is the last
     # prompt position + 1, and each round's tokens follow it one by one.
     anchor_position = positions[:, -1] + 1
 
     max_length = generation_config.max_length
     while output.unfinished_rows() and input_ids.shape[1] < max_length:
+        start = time.perf_counter()
         anchor = input_ids[:, -1]
         past = cache.get_seq_length()  # == input_ids.shape[1] - 1: every committed token but the anchor
-        n = min(drafter.num_draft_tokens, max_length - input_ids.shape[1] - 1)
-        draft_tokens, draft_logits = drafter.propose(
-            n, anchor, anchor_position, attention_mask, sampler.drafting(input_ids)
-        )
+        room = min(drafter.num_draft_tokens, max_length - input_ids.shape[1] - 1)
+        drafting = room > 0 and schedule.should_draft()
+        if drafting:
+            pending.flush_into(drafter)
+            draft_tokens, draft_logits = drafter.propose(
+                room, anchor, anchor_position, attention_mask, sampler.drafting(input_ids)
+            )
+        else:
+            draft_tokens, draft_logits = anchor.new_zeros(batch_size, 0), None
         n = draft_tokens.shape[1]
         verify_mask = None
         if attention_mask is not None:
@@ -333,6 +428,7 @@ def speculative_generate(
         accepted = int(torch.where(output.unfinished, accepted_rows, n).min())
         emit = next_tokens[:, : accepted + 1]
         stats.rounds += 1
+        stats.plain_rounds += int(not drafting)
         stats.drafted += n
         stats.accepted += accepted
         stats.accepted_per_round.append(accepted)
@@ -344,7 +440,9 @@ def speculative_generate(
         if output.unfinished_rows():
             kept = tuple(h[:, : accepted + 1] for h in out.hidden_states)
             pairs_mask = None if attention_mask is None else attention_mask[:, : past + accepted + 1]
-            drafter.observe(kept, emit, pairs_mask, positions[:, : accepted + 1])
+            pending.add(kept, emit, pairs_mask, positions[:, : accepted + 1])
+        if room:  # a round with no room left before max_length measures neither side
+            schedule.record(drafting, accepted + 1, time.perf_counter() - start)
     return output.result(input_ids, cache, generation_config)
 
 

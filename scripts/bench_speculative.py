@@ -9,7 +9,9 @@ each method, batch 1, greedy, a fixed number of new tokens (no early stop), afte
   - τ = new tokens per target forward (the prefill included), acceptance rate = accepted draft tokens / drafted
     tokens (from the target's forward calls: each verification forward sees the drafted tokens plus one);
   - peak memory of the KDA rollback records (checkpoints + per-token replay inputs) during generation, and the bytes
-    one pending token adds.
+    one pending token adds;
+  - for MTP and DSpark, the rounds that did not draft: `mtp` / `dspark` run generate()'s default adaptive schedule
+    (a round drafts while drafting pays), `mtp_always` / `dspark_always` draft every round (docs/speculative.md §2a).
 
 Models: the shipped tiny checkpoint (`checkpoints/kdsa-tiny`, with its MTP layer: `use_mtp=True`), its small draft
 model (`checkpoints/kdsa-tiny-draft`, trained by `scripts/train_tiny.py --model draft`) and its DSpark draft
@@ -24,7 +26,7 @@ ceiling of any drafter) and the replay share of a round are `scripts/bench_verif
 it after the table with its own defaults.
 
 Usage:  .venv/bin/python scripts/bench_speculative.py [--quick] [--tasks copy recall_mid repetitive] [--threads 1]
-        [--methods plain prompt_lookup assisted mtp dspark] [--verify-cost] [--out PATH]
+        [--methods plain prompt_lookup assisted mtp dspark mtp_always dspark_always] [--verify-cost] [--out PATH]
 Writes JSON (default runs/bench_speculative.json) and prints a table.
 """
 
@@ -53,7 +55,7 @@ from bench_verify_cost import cpu_name  # noqa: E402  (the CPU's model name, one
 CHECKPOINT = REPO_ROOT / "checkpoints" / "kdsa-tiny"
 DRAFT = REPO_ROOT / "checkpoints" / "kdsa-tiny-draft"
 DSPARK = REPO_ROOT / "checkpoints" / "kdsa-tiny-dspark"
-METHODS = ("plain", "prompt_lookup", "assisted", "mtp", "dspark")
+METHODS = ("plain", "prompt_lookup", "assisted", "mtp", "dspark", "mtp_always", "dspark_always")
 # The copy target is the whole source; recall answers are one word, so generate on past them.
 NEW_TOKENS = {"copy": synthetic.EVAL_COPY_LENGTH, "repetitive": synthetic.EVAL_COPY_LENGTH}
 FREE_PROMPT_WORDS = 12
@@ -128,10 +130,13 @@ def method_kwargs(method: str, drafts: dict, lookup_tokens: int) -> dict:
         return {"prompt_lookup_num_tokens": lookup_tokens}
     if method == "assisted":
         return {"assistant_model": drafts["assisted"]}
-    if method == "mtp":
-        return {"use_mtp": True}
-    if method == "dspark":
-        return {"assistant_model": drafts["dspark"], "speculation_type": "dspark"}
+    # "mtp" / "dspark": generate()'s default draft schedule (adaptive: a round drafts while drafting pays, measured as
+    # decoding goes); "*_always": every round drafts (docs/speculative.md §2a).
+    schedule = {"draft_schedule": "always"} if method.endswith("_always") else {}
+    if method.startswith("mtp"):
+        return {"use_mtp": True, **schedule}
+    if method.startswith("dspark"):
+        return {"assistant_model": drafts["dspark"], "speculation_type": "dspark", **schedule}
     return {}
 
 
@@ -145,7 +150,7 @@ def bench_task(target, drafts, tokenizer, task, prompts, new_tokens, lookup_toke
     for method in methods:
         extra = method_kwargs(method, drafts, lookup_tokens)
         target.generate(encoded[0], **greedy, **extra)  # warm-up
-        seconds, identical, rounds, drafted, peak, per_token = 0.0, True, 0, 0, 0, 0
+        seconds, identical, rounds, drafted, peak, per_token, plain_rounds = 0.0, True, 0, 0, 0, 0, 0
         for i, ids in enumerate(encoded):
             counter.reset(ids.shape[1])
             start = time.perf_counter()
@@ -155,6 +160,8 @@ def bench_task(target, drafts, tokenizer, task, prompts, new_tokens, lookup_toke
                 plain_outputs.append(out)
             identical &= torch.equal(out, plain_outputs[i])
             rounds, drafted = rounds + counter.rounds, drafted + counter.drafted
+            if method.startswith(("mtp", "dspark")):  # KDSA's loop: rounds that chose not to draft
+                plain_rounds += target.speculation_stats.plain_rounds
             peak, per_token = max(peak, counter.peak_rollback), max(per_token, counter.per_token)
             progress.update(1)
         generated = new_tokens * len(encoded)
@@ -162,7 +169,7 @@ def bench_task(target, drafts, tokenizer, task, prompts, new_tokens, lookup_toke
         rows.append({
             "task": task, "method": method, "prompts": len(encoded), "new_tokens": new_tokens,
             "tokens_per_s": generated / seconds, "identical_to_plain": identical, "verify_rounds": rounds,
-            "tokens_per_round": generated / rounds, "drafted": drafted,
+            "tokens_per_round": generated / rounds, "drafted": drafted, "undrafted_rounds": plain_rounds,
             "acceptance_rate": accepted / drafted if drafted else None,
             "peak_rollback_bytes": peak, "rollback_bytes_per_pending_token": per_token,
         })  # fmt: skip
@@ -175,15 +182,16 @@ def bench_task(target, drafts, tokenizer, task, prompts, new_tokens, lookup_toke
 def format_table(rows: list[dict], source: str) -> str:
     lines = [
         f"models: {source}",
-        "| task | method | tok/s | speed-up | = plain | target forwards | τ (tok/forward) | accepted | rollback KiB "
-        "| B/pending tok |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| task | method | tok/s | speed-up | = plain | target forwards | undrafted | τ (tok/forward) | accepted "
+        "| rollback KiB | B/pending tok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         acceptance = "—" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         lines.append(
             f"| {r['task']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
-            f"{'yes' if r['identical_to_plain'] else 'NO'} | {r['verify_rounds']} | {r['tokens_per_round']:.2f} | "
+            f"{'yes' if r['identical_to_plain'] else 'NO'} | {r['verify_rounds']} | {r['undrafted_rounds']} | "
+            f"{r['tokens_per_round']:.2f} | "
             f"{acceptance} | {r['peak_rollback_bytes'] / 1024:.1f} | {r['rollback_bytes_per_pending_token']} |"
         )
     return "\n".join(lines)

@@ -301,7 +301,7 @@ def test_speculative_bench_quick_run(tmp_path):
     assert report["date"] and report["cpu_model"] and report["command"].endswith("--quick --out " + str(out))
     rows = report["rows"]
     tasks = ("copy", "recall_mid", "free", "repetitive")
-    methods = ("plain", "prompt_lookup", "assisted", "mtp", "dspark")
+    methods = ("plain", "prompt_lookup", "assisted", "mtp", "dspark", "mtp_always", "dspark_always")
     assert {(r["task"], r["method"]) for r in rows} == {(task, method) for task in tasks for method in methods}
     for row in rows:
         assert row["identical_to_plain"], row
@@ -315,6 +315,8 @@ def test_speculative_bench_quick_run(tmp_path):
             if row["drafted"]:
                 assert 0.0 <= row["acceptance_rate"] <= 1.0
             assert row["rollback_bytes_per_pending_token"] > 0
+        if row["method"].endswith("_always"):  # every round drafts but a last one with no room before the limit
+            assert row["undrafted_rounds"] <= row["prompts"]
 
 
 def test_verify_cost_bench_quick_run(tmp_path, capsys):

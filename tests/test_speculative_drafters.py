@@ -8,12 +8,19 @@ import pytest
 import torch
 from conftest import left_padded_batch, tiny_model
 
-from modeling_kdsa import DSparkConfig, DSparkDraftModel
+from modeling_kdsa import DSparkConfig, DSparkDraftModel, speculative
 
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def every_round_drafts(monkeypatch):
+    """These tests check the drafting mechanics round by round: every round drafts (test_draft_schedule.py tests
+    the adaptive schedule)."""
+    monkeypatch.setattr(speculative, "DEFAULT_DRAFT_SCHEDULE", "always")
 
 
 def left_padded(batch, seed=0):

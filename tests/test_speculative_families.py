@@ -9,13 +9,20 @@ from conftest import left_padded_batch
 from test_foreign_checkpoints import MTP_PREFIX, family, with_mtp  # noqa: F401  (family: a module fixture)
 from test_kimi_k3 import k3_config, k3_raw_config, perturbed_model, write_k3_folder
 
-from modeling_kdsa import DSparkConfig, DSparkDraftModel, KDSAForCausalLM
+from modeling_kdsa import DSparkConfig, DSparkDraftModel, KDSAForCausalLM, speculative
 
 STEPS = 32
 GREEDY = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, pad_token_id=0)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def every_round_drafts(monkeypatch):
+    """These tests check the drafting mechanics round by round: every round drafts (test_draft_schedule.py tests
+    the adaptive schedule)."""
+    monkeypatch.setattr(speculative, "DEFAULT_DRAFT_SCHEDULE", "always")
 
 
 def prompts(batch: int, vocab: int):

@@ -24,6 +24,13 @@ GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.fixture(autouse=True)
+def every_round_drafts(monkeypatch):
+    """These tests check the drafting mechanics round by round: every round drafts (test_draft_schedule.py tests
+    the adaptive schedule)."""
+    monkeypatch.setattr(speculative, "DEFAULT_DRAFT_SCHEDULE", "always")
+
+
 class ScriptedDrafter:
     """Drafts `script(length, k)` at slot k of a round that starts with `length` committed tokens (prompt + emitted),
     by handing the loop's sampler logits that favour that token by `margin` (a large margin makes it the draw).
