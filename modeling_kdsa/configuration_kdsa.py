@@ -97,8 +97,15 @@ class KDSAConfig(PreTrainedConfig):
 
     model_type = "kdsa"
     keys_to_ignore_at_inference = ["past_key_values"]
-    # No `base_model_tp_plan` / `base_model_pp_plan`: transformers' tensor and pipeline parallelism cannot drive these
-    # layers; tensor parallelism is modeling_kdsa.parallel.apply_tensor_parallel (docs/parallel.md §6).
+    # transformers' tensor parallelism (`from_pretrained(..., tp_plan="auto")`): one KDSA style per module kind, which
+    # modeling_kdsa.parallel registers (parallel/hf_plans.py; docs/parallel.md §10). Embeddings stay whole. No
+    # `base_model_pp_plan`: a decoder layer passes a residual-stream object, not named tensors (docs/parallel.md §6).
+    base_model_tp_plan = {
+        "embed_tokens": "replicate",
+        "layers.*.linear_attn": "kdsa_kda_heads",
+        "layers.*.self_attn": "kdsa_mla_heads",
+        "layers.*.mlp": "kdsa_feed_forward",
+    }
     attribute_map = {"num_local_experts": "n_routed_experts"}
 
     vocab_size: int = 32000

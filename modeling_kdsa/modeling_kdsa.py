@@ -561,6 +561,36 @@ class KDSAModel(KDSAPreTrainedModel):
         return torch.nn.functional.pad(attention_mask.bool(), (0, capacity - attention_mask.shape[1]))
 
 
+def _tensor_parallel_loading(cls, path, kwargs: dict):
+    """modeling_kdsa.parallel.hf_plans when from_pretrained's arguments ask for tensor parallelism over more than one
+    rank, after its layout checks against the checkpoint's config; None otherwise. Imported here, on demand: these
+    model files also ship as remote code, without the parallel package (docs/parallel.md §10)."""
+    if all(kwargs.get(name) is None for name in ("tp_plan", "tp_size", "distributed_config")):
+        return None
+    try:
+        from modeling_kdsa.parallel import hf_plans
+    except ImportError as error:
+        raise ValueError(
+            "tensor-parallel loading needs the kdsa package installed: its parallel styles are "
+            "modeling_kdsa.parallel (docs/parallel.md §10)"
+        ) from error
+    config = kwargs.get("config")
+    if not isinstance(config, KDSAConfig):
+        config_file = os.path.join(str(path), "config.json")
+        model_type = None
+        if os.path.isfile(config_file):  # foreign families load from local folders only (conversion.py)
+            with open(config_file) as f:
+                model_type = json.load(f).get("model_type")
+        if model_type in FOREIGN_MODEL_TYPES:
+            raise ValueError(
+                f"tensor-parallel loading of a {model_type!r} folder is not supported; load it in one process, "
+                "save_pretrained it (the native KDSA layout), then load that folder with tp_plan='auto'"
+            )
+        fields = {name: value for name, value in kwargs.items() if name in KDSAConfig.__dataclass_fields__}
+        config = KDSAConfig.from_pretrained(path, **fields)
+    return hf_plans if hf_plans.check_tensor_parallel_load(config, kwargs) else None
+
+
 class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # module name -> FP8 block: layers built as KDSAFP8Linear (docs/checkpoint-conversion.md §9); set by load_foreign.
@@ -587,13 +617,17 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         """Also loads a local folder of a published family checkpoint (config.json `model_type` `deepseek_v32`,
         `kimi_linear`, `glm5_next` or `kimi_k3`), converting config and weights at load (conversion.py,
         docs/checkpoint-conversion.md §1); any field or tensor KDSA cannot reproduce is a ValueError.
-        transformers' `tp_plan` is refused: tensor parallelism is `apply_tensor_parallel` (docs/parallel.md §6)."""
-        if kwargs.get("tp_plan") is not None:
-            raise ValueError(
-                f"tp_plan={kwargs['tp_plan']!r} is not supported: transformers' tensor-parallel styles cannot cut the "
-                "KDA layers by head, and the MLA layers read their head count from the config. Load the model whole, "
-                "then shard it with modeling_kdsa.parallel.apply_tensor_parallel(model, mesh) (docs/parallel.md §6)"
-            )
+        Tensor parallelism through transformers (`tp_plan="auto"` or `distributed_config=DistributedConfig(tp_size=N)`,
+        one process per rank) loads each rank's shard only, cut by modeling_kdsa.parallel's styles; a bad layout is a
+        ValueError on every rank before the load starts (docs/parallel.md §10)."""
+        tensor_parallel = _tensor_parallel_loading(cls, pretrained_model_name_or_path, kwargs)
+        loaded = cls._load_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        if tensor_parallel is not None:
+            tensor_parallel.finish_tensor_parallel_load(loaded[0] if isinstance(loaded, tuple) else loaded)
+        return loaded
+
+    @classmethod
+    def _load_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         config_file = os.path.join(str(pretrained_model_name_or_path), "config.json")
         if kwargs.get("config") is None and os.path.isfile(config_file):
             with open(config_file) as f:
@@ -622,7 +656,13 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Refused for a model holding FP8 weights (`fp8_weights="hold"`): KDSA's native format has no FP8 weight
-        layout (docs/checkpoint-conversion.md §9)."""
+        layout (docs/checkpoint-conversion.md §9); and for a tensor-parallel load, whose ranks hold plain local pieces
+        (docs/parallel.md §10)."""
+        if (self._tp_size or 1) > 1:
+            raise ValueError(
+                f"save_pretrained of a model loaded with tp_size={self._tp_size} is not supported: each rank holds "
+                "only its shard. Load the checkpoint in one process to save it"
+            )
         if any(isinstance(module, KDSAFP8Linear) for module in self.modules()):
             raise ValueError(
                 "save_pretrained of a model loaded with fp8_weights='hold' is not supported: the native KDSA format "

@@ -1,6 +1,7 @@
 """CP × TP parallelism for KDSA prefill (docs/parallel.md): a (cp, tp) mesh, the Zigzag layout, KDA state passing,
 DSA with all-gathered keys, and a head / intermediate-dim tensor-parallel plan; expert parallelism over a (tp, ep)
-mesh with all-to-all dispatch and combine (docs/parallel.md §9). See README "Parallelism"."""
+mesh with all-to-all dispatch and combine (docs/parallel.md §9); KDSA's styles for transformers' own tensor-parallel
+loading, `from_pretrained(..., tp_plan="auto")` (docs/parallel.md §10). See README "Parallelism"."""
 
 from .context_parallel import MeshSequenceContext, PrefillOutput, PrefillStats, context_parallel_prefill
 from .expert_parallel import (
@@ -11,6 +12,7 @@ from .expert_parallel import (
     expert_parallel_errors,
     init_expert_parallel_mesh,
 )
+from .hf_plans import check_tensor_parallel_load, finish_tensor_parallel_load, tensor_parallel_mesh
 from .mesh import CommLog, ParallelMesh, init_parallel_mesh, raise_on_all_ranks, single_process_mesh
 from .state_passing import SegmentSummary, fold_start_states, summarize_segment
 from .tensor_parallel import apply_tensor_parallel, tensor_parallel_errors
@@ -31,8 +33,10 @@ __all__ = [
     "SequenceLayout",
     "apply_expert_parallel",
     "apply_tensor_parallel",
+    "check_tensor_parallel_load",
     "context_parallel_prefill",
     "expert_parallel_errors",
+    "finish_tensor_parallel_load",
     "fold_start_states",
     "init_expert_parallel_mesh",
     "init_parallel_mesh",
@@ -40,4 +44,5 @@ __all__ = [
     "single_process_mesh",
     "summarize_segment",
     "tensor_parallel_errors",
+    "tensor_parallel_mesh",
 ]

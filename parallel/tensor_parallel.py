@@ -24,6 +24,9 @@ indices (context_parallel.py). Each layer's head counts (`num_heads`, `key_dim`,
 values, so the model's own forward (and `generate`) runs unchanged on every rank; forward hooks do the all-reduces.
 """
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -57,85 +60,146 @@ def tensor_parallel_errors(config, tp_size: int) -> str | None:
     return None
 
 
-def _slice_param(parameter: nn.Parameter, dim: int, start: int, end: int) -> nn.Parameter:
-    return nn.Parameter(parameter.detach().narrow(dim, start, end - start).clone(), requires_grad=False)
+@dataclass(frozen=True)
+class ParameterCut:
+    """One parameter split over the tp ranks: `owner.<name>` is cut along `dim` into `tp` equal pieces and rank r keeps
+    piece r. With `blocks` > 1, `dim` holds `blocks` equal consecutive blocks (a stacked `gate_up_proj`: the gate rows,
+    then the up rows) and rank r keeps piece r of every block, concatenated in block order. The one description of the
+    cut serves both the in-place slicing (`apply_tensor_parallel`) and transformers' shard-on-read loading, whose
+    DTensor placement is `placement()` (parallel/hf_plans.py)."""
+
+    owner: nn.Module
+    name: str
+    dim: int
+    blocks: int = 1
+
+    def local(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        """Rank `rank`'s piece of the whole tensor `full`."""
+        pieces = full.chunk(self.blocks, dim=self.dim)
+        return torch.cat([piece.chunk(size, dim=self.dim)[rank] for piece in pieces], dim=self.dim)
+
+    def placement(self):
+        """The torch DTensor placement of this cut over a 1-D tp mesh: `Shard(dim)`, or `_StridedShard` for blocks."""
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        return Shard(self.dim) if self.blocks == 1 else _StridedShard(self.dim, split_factor=self.blocks)
 
 
-def _column_parallel(linear: nn.Linear, start: int, end: int) -> None:
-    """Keep output features `[start, end)`."""
-    linear.weight = _slice_param(linear.weight, 0, start, end)
-    if linear.bias is not None:
-        linear.bias = _slice_param(linear.bias, 0, start, end)
-    linear.out_features = end - start
+@dataclass
+class ShardPlan:
+    """How one token mixer or feed-forward of a decoder layer is cut over tp ranks (docs/parallel.md §5).
+
+    `cuts`: the split parameters (everything else in the module stays whole on every rank); `summed_biases`: the
+    row-parallel linears whose bias is added once, on tp rank 0 (their outputs are summed over the ranks);
+    `reduced`: the module whose output is all-reduced over the tp group (`tag` names it in the byte log);
+    `localize(size)` sets the module's head counts and layer widths to one rank's share, so its own forward runs
+    unchanged on the local pieces."""
+
+    cuts: list[ParameterCut]
+    summed_biases: list[nn.Module]
+    reduced: nn.Module
+    tag: str
+    localize: Callable[[int], None]
 
 
-def _row_parallel(linear: nn.Linear, start: int, end: int, keeps_bias: bool) -> None:
-    """Keep input features `[start, end)`; the bias is added once (on tp rank 0) since the outputs are summed."""
-    linear.weight = _slice_param(linear.weight, 1, start, end)
-    if linear.bias is not None and not keeps_bias:
-        linear.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
-    linear.in_features = end - start
+def _column(linear: nn.Module) -> list[ParameterCut]:
+    """Output features split (weight rows, and the bias with them)."""
+    return [ParameterCut(linear, name, 0) for name in ("weight", "bias") if getattr(linear, name, None) is not None]
 
 
-def _all_reduce_output(mesh: ParallelMesh, tag: str):
+def _narrow_linears(size: int, columns: list[nn.Module], rows: list[nn.Module]) -> None:
+    for linear in columns:
+        linear.out_features //= size
+    for linear in rows:
+        linear.in_features //= size
+
+
+def kda_shard_plan(attn: KDSAKimiDeltaAttention) -> ShardPlan:
+    """KDA heads: q/k/v projections and short convs, the decay's `f_b_proj`, `dt_bias`, `A_log` `[1, 1, H, 1]`,
+    `b_proj`, the output gate's `g_b_proj` (or full-rank `g_proj`) by head; `o_proj` by input column."""
+    gate = attn.g_proj if attn.full_rank_gate else attn.g_b_proj
+    columns = [attn.q_proj, attn.k_proj, attn.v_proj, attn.f_b_proj, attn.b_proj, gate]
+    convs = [attn.q_conv1d, attn.k_conv1d, attn.v_conv1d]
+    cuts = [cut for linear in columns for cut in _column(linear)]
+    cuts += [ParameterCut(conv, "weight", 0) for conv in convs]
+    cuts += [ParameterCut(attn, "dt_bias", 0), ParameterCut(attn, "A_log", 2), ParameterCut(attn.o_proj, "weight", 1)]
+
+    def localize(size: int) -> None:
+        _narrow_linears(size, columns, [attn.o_proj])
+        for conv in convs:
+            conv.in_channels //= size
+            conv.out_channels //= size
+            conv.groups //= size
+        attn.num_heads //= size
+        attn.key_dim //= size
+        attn.value_dim //= size
+
+    return ShardPlan(cuts, [attn.o_proj], attn.o_proj, "tp.kda_o_proj", localize)
+
+
+def mla_shard_plan(attn) -> ShardPlan:
+    """MLA heads (DSA and dense MLA layers): `q_b_proj` (or `q_proj`), `kv_b_proj` and the per-head output gate
+    `g_proj` by head, `o_proj` by input column; the latent projections and the indexer stay whole."""
+    query = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj
+    columns = [query, attn.kv_b_proj] + ([attn.g_proj] if attn.g_proj is not None else [])
+    cuts = [cut for linear in columns for cut in _column(linear)] + [ParameterCut(attn.o_proj, "weight", 1)]
+
+    def localize(size: int) -> None:
+        _narrow_linears(size, columns, [attn.o_proj])
+        attn.num_heads //= size
+
+    return ShardPlan(cuts, [attn.o_proj], attn.o_proj, "tp.mla_o_proj", localize)
+
+
+def _mlp_cuts(mlp: KDSAMLP) -> tuple[list[ParameterCut], Callable[[int], None]]:
+    columns = [mlp.gate_proj, mlp.up_proj]
+    cuts = [cut for linear in columns for cut in _column(linear)] + [ParameterCut(mlp.down_proj, "weight", 1)]
+    return cuts, lambda size: _narrow_linears(size, columns, [mlp.down_proj])
+
+
+def feed_forward_shard_plan(mlp: KDSAMLP | KDSAMoE) -> ShardPlan:
+    """The intermediate dim of a dense MLP, of every routed expert (`gate_up_proj` `[E, 2I, D]` in gate and up blocks,
+    `down_proj` `[E, D, I]`) and of the shared experts; the router stays whole. One all-reduce after the whole MLP."""
+    if getattr(mlp, "experts", None) is None:  # by attribute: remote-code copies of the classes shard too
+        cuts, localize = _mlp_cuts(mlp)
+        return ShardPlan(cuts, [mlp.down_proj], mlp, "tp.mlp", localize)
+    experts = mlp.experts
+    cuts = [ParameterCut(experts, "gate_up_proj", 1, blocks=2), ParameterCut(experts, "down_proj", 2)]
+    summed, localize_shared = [], lambda size: None
+    if mlp.shared_experts is not None:
+        shared_cuts, localize_shared = _mlp_cuts(mlp.shared_experts)
+        cuts += shared_cuts
+        summed.append(mlp.shared_experts.down_proj)
+    return ShardPlan(cuts, summed, mlp, "tp.mlp", localize_shared)
+
+
+def layer_shard_plans(layer) -> list[ShardPlan]:
+    """The plans of one decoder layer: its token mixer, then its feed-forward."""
+    mixer = kda_shard_plan(layer.linear_attn) if hasattr(layer, "linear_attn") else mla_shard_plan(layer.self_attn)
+    return [mixer, feed_forward_shard_plan(layer.mlp)]
+
+
+def shard_in_place(plan: ShardPlan, rank: int, size: int) -> None:
+    """Replace every cut parameter by tp rank `rank`'s piece (a copy), zero the summed biases off rank 0 and set the
+    local sizes. No hooks, no communication."""
+    for cut in plan.cuts:
+        full = getattr(cut.owner, cut.name).detach()
+        setattr(cut.owner, cut.name, nn.Parameter(cut.local(full, rank, size).clone(), requires_grad=False))
+    if rank != 0:
+        for linear in plan.summed_biases:
+            if linear.bias is not None:
+                linear.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
+    plan.localize(size)
+
+
+def all_reduce_output_hook(mesh: ParallelMesh, tag: str):
+    """A forward hook that sums the module's output over the mesh's tp group (in place) and counts the bytes."""
+
     def hook(module, inputs, output):
         return mesh.all_reduce(output, "tp", tag)
 
     return hook
-
-
-def _shard_kda(attn: KDSAKimiDeltaAttention, rank: int, size: int) -> None:
-    heads = attn.num_heads // size
-    h0, h1 = rank * heads, (rank + 1) * heads
-    k0, k1 = h0 * attn.head_k_dim, h1 * attn.head_k_dim
-    v0, v1 = h0 * attn.head_v_dim, h1 * attn.head_v_dim
-    for linear, (start, end) in (
-        (attn.q_proj, (k0, k1)), (attn.k_proj, (k0, k1)), (attn.v_proj, (v0, v1)),
-        (attn.f_b_proj, (k0, k1)), (attn.b_proj, (h0, h1)),
-        (attn.g_proj if attn.full_rank_gate else attn.g_b_proj, (v0, v1)),
-    ):  # fmt: skip
-        _column_parallel(linear, start, end)
-    for conv, (start, end) in ((attn.q_conv1d, (k0, k1)), (attn.k_conv1d, (k0, k1)), (attn.v_conv1d, (v0, v1))):
-        conv.weight = _slice_param(conv.weight, 0, start, end)
-        conv.in_channels = conv.out_channels = conv.groups = end - start
-    attn.dt_bias = _slice_param(attn.dt_bias, 0, k0, k1)
-    attn.A_log = _slice_param(attn.A_log, 2, h0, h1)
-    _row_parallel(attn.o_proj, v0, v1, keeps_bias=rank == 0)
-    attn.num_heads, attn.key_dim, attn.value_dim = heads, k1 - k0, v1 - v0
-
-
-def _shard_mla(attn, rank: int, size: int) -> None:
-    heads = attn.num_heads // size
-    h0, h1 = rank * heads, (rank + 1) * heads
-    query_proj = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj
-    _column_parallel(query_proj, h0 * attn.qk_head_dim, h1 * attn.qk_head_dim)
-    per_head = attn.qk_nope_head_dim + attn.v_head_dim
-    _column_parallel(attn.kv_b_proj, h0 * per_head, h1 * per_head)
-    if attn.g_proj is not None:  # the output gate is per head like the attention output it multiplies
-        _column_parallel(attn.g_proj, h0 * attn.v_head_dim, h1 * attn.v_head_dim)
-    _row_parallel(attn.o_proj, h0 * attn.v_head_dim, h1 * attn.v_head_dim, keeps_bias=rank == 0)
-    attn.num_heads = heads
-
-
-def _shard_mlp(mlp: KDSAMLP, rank: int, size: int) -> None:
-    width = mlp.gate_proj.out_features // size
-    i0, i1 = rank * width, (rank + 1) * width
-    _column_parallel(mlp.gate_proj, i0, i1)
-    _column_parallel(mlp.up_proj, i0, i1)
-    _row_parallel(mlp.down_proj, i0, i1, keeps_bias=rank == 0)
-
-
-def _shard_moe(moe: KDSAMoE, rank: int, size: int) -> None:
-    experts = moe.experts
-    intermediate = experts.down_proj.shape[-1]
-    width = intermediate // size
-    i0, i1 = rank * width, (rank + 1) * width
-    gate_up = experts.gate_up_proj.detach()  # [E, 2I, D]: gate rows, then up rows
-    local = torch.cat([gate_up[:, i0:i1], gate_up[:, intermediate + i0 : intermediate + i1]], dim=1)
-    experts.gate_up_proj = nn.Parameter(local.clone(), requires_grad=False)
-    experts.down_proj = _slice_param(experts.down_proj, 2, i0, i1)
-    if moe.shared_experts is not None:
-        _shard_mlp(moe.shared_experts, rank, size)
 
 
 def apply_tensor_parallel(model, mesh: ParallelMesh):
@@ -157,18 +221,21 @@ def apply_tensor_parallel(model, mesh: ParallelMesh):
     base = getattr(model, "model", model)
     rank, size = mesh.tp_rank, mesh.tp_size
     for layer in base.layers:
-        if hasattr(layer, "linear_attn"):
-            _shard_kda(layer.linear_attn, rank, size)
-            layer.linear_attn.o_proj.register_forward_hook(_all_reduce_output(mesh, "tp.kda_o_proj"))
-        else:
-            _shard_mla(layer.self_attn, rank, size)
-            layer.self_attn.o_proj.register_forward_hook(_all_reduce_output(mesh, "tp.mla_o_proj"))
-        if isinstance(layer.mlp, KDSAMoE):
-            _shard_moe(layer.mlp, rank, size)
-        else:
-            _shard_mlp(layer.mlp, rank, size)
-        layer.mlp.register_forward_hook(_all_reduce_output(mesh, "tp.mlp"))
+        for plan in layer_shard_plans(layer):
+            shard_in_place(plan, rank, size)
+            plan.reduced.register_forward_hook(all_reduce_output_hook(mesh, plan.tag))
     return model
 
 
-__all__ = ["apply_tensor_parallel", "tensor_parallel_errors"]
+__all__ = [
+    "ParameterCut",
+    "ShardPlan",
+    "all_reduce_output_hook",
+    "apply_tensor_parallel",
+    "feed_forward_shard_plan",
+    "kda_shard_plan",
+    "layer_shard_plans",
+    "mla_shard_plan",
+    "shard_in_place",
+    "tensor_parallel_errors",
+]

@@ -67,13 +67,17 @@ def test_generate_with_new_tokens_only_and_the_full_mask(model):
     assert torch.equal(out[:, -4:], expected[:, -4:])
 
 
-def test_transformers_tp_plan_is_refused_and_no_plan_is_declared():
-    """transformers' tp_plan cannot shard KDSA (docs/parallel.md §6): a clear error, not a failure in the forward."""
-    with pytest.raises(ValueError, match="tp_plan='auto' is not supported.*apply_tensor_parallel"):
-        KDSAForCausalLM.from_pretrained(CHECKPOINT, tp_plan="auto")
-    config = KDSAForCausalLM.config_class()
-    assert config.base_model_tp_plan is None and config.base_model_pp_plan is None
-    assert KDSAForCausalLM._tp_plan is None and KDSAForCausalLM._pp_plan is None
+def test_transformers_tp_plan_in_one_process_loads_the_whole_model(monkeypatch):
+    """`tp_plan="auto"` without a launcher is tp = 1 (transformers derives tp from WORLD_SIZE): the whole model, equal
+    to a plain load. Sharded loading under torchrun is tests/test_distributed_loading.py (docs/parallel.md §10). No
+    pipeline plan is declared (docs/parallel.md §6)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model = KDSAForCausalLM.from_pretrained(CHECKPOINT, tp_plan="auto")
+    plain = KDSAForCausalLM.from_pretrained(CHECKPOINT)
+    assert model.state_dict().keys() == plain.state_dict().keys()
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in plain.state_dict().items())
+    assert model.model.layers[0].linear_attn.num_heads == model.config.linear_num_heads
+    assert KDSAForCausalLM.config_class.base_model_pp_plan is None and KDSAForCausalLM._pp_plan is None
 
 
 def test_continuous_batching_is_a_clear_error(model):

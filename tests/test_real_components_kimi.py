@@ -475,13 +475,13 @@ def test_tensor_parallel_head_sharding_of_a_dense_layer_sums_to_the_whole():
     all-reduce hook adds) sum to the unsharded layer's output, prefill and decode."""
     import copy
 
-    from modeling_kdsa.parallel.tensor_parallel import _shard_mla
+    from modeling_kdsa.parallel.tensor_parallel import mla_shard_plan, shard_in_place
 
     config = mla_config(kernel_backend="cpu")
     whole = our_attention_from(kimi_attention_for(config, seed=23), config)
     shards = [copy.deepcopy(whole) for _ in range(2)]
     for rank, shard in enumerate(shards):
-        _shard_mla(shard, rank, 2)
+        shard_in_place(mla_shard_plan(shard), rank, 2)
     hidden = torch.randn(2, 30, config.hidden_size, generator=torch.Generator().manual_seed(24))
     with torch.no_grad():
         caches = [KDSACache(config) for _ in range(3)]

@@ -1,0 +1,269 @@
+"""Tensor parallelism through transformers' own loading (`from_pretrained(path, tp_plan="auto")` /
+`distributed_config=DistributedConfig(tp_size=2)`, docs/parallel.md §10), on gloo with 2 processes spawned by
+torch.multiprocessing (the launcher's `env://` variables set as torchrun sets them).
+
+Each group of processes runs once per module (a fixture) and writes what it saw to disk; the tests read it. The
+single-process reference is the same checkpoint loaded whole in each rank. Tolerance for logits 1e-4 absolute, as in
+tests/test_parallel_distributed.py (fp32; only the partial sums over the tp ranks differ in summation order). The
+generated tokens must be equal, on both ranks.
+"""
+
+import os
+import resource
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "kdsa-tiny")
+LOGIT_TOLERANCE = 1e-4
+GREEDY_STEPS = 32
+SPAWN_TIMEOUT_S = 150
+
+
+def _prompts(vocab: int) -> torch.Tensor:
+    return torch.randint(3, vocab, (2, 19), generator=torch.Generator().manual_seed(1))
+
+
+def _parameter_bytes(model) -> int:
+    return sum(param.numel() * param.element_size() for param in model.parameters())
+
+
+def _expect_error(action) -> str | None:
+    try:
+        action()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _tiny_with_biases():
+    """The tiny fixture with MLA biases, non-zero: `o_proj`'s bias must be added once over the summed tp ranks."""
+    from conftest import tiny_model
+
+    model = tiny_model(attention_bias=True)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("proj.bias"):
+                param.normal_(0.0, 0.5, generator=generator)
+    return model
+
+
+def _compare(results: dict, name: str, sharded, reference, vocab: int) -> None:
+    """Logits, greedy, seeded sampling and a left-padded batch: sharded against the single-process model."""
+    from conftest import left_padded_batch
+
+    ids = _prompts(vocab)
+    with torch.no_grad():
+        results[f"{name}_logits_error"] = (sharded(ids).logits - reference(ids).logits).abs().max().item()
+    runs = {
+        "greedy": dict(input_ids=ids, max_new_tokens=GREEDY_STEPS, do_sample=False),
+        "sampled": dict(input_ids=ids, max_new_tokens=12, do_sample=True, temperature=0.9, top_k=20),
+    }
+    padded, mask = left_padded_batch([7, 16, 11], vocab=vocab, seed=3)
+    runs["left_padded"] = dict(input_ids=padded, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    for run, arguments in runs.items():
+        tokens = []
+        for model in (sharded, reference):
+            torch.manual_seed(7)
+            # min_new_tokens: no early end of sequence, every run decodes all its steps
+            tokens.append(model.generate(**arguments, min_new_tokens=arguments["max_new_tokens"], pad_token_id=0))
+        results[f"{name}_{run}_tokens"] = tokens[0]
+        results[f"{name}_{run}_equal"] = bool(torch.equal(tokens[0], tokens[1]))
+
+
+def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
+    import torch.distributed as dist
+    from conftest import tiny_config
+    from modeling_kdsa.parallel import apply_tensor_parallel, init_parallel_mesh, tensor_parallel_mesh
+    from transformers.distributed import DistributedConfig
+
+    from modeling_kdsa import KDSAForCausalLM
+
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    sharded = KDSAForCausalLM.from_pretrained(CHECKPOINT, tp_plan="auto", dtype=torch.float32)
+    results["rss_growth_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
+    results["sharded_bytes"] = _parameter_bytes(sharded)
+    results["sharded_state"] = {name: value.clone() for name, value in sharded.state_dict().items()}
+    reference = KDSAForCausalLM.from_pretrained(CHECKPOINT, dtype=torch.float32)
+    results["full_bytes"] = _parameter_bytes(reference)
+    # The same model cut in place by apply_tensor_parallel: what each rank must hold, tensor for tensor.
+    expected = apply_tensor_parallel(KDSAForCausalLM.from_pretrained(CHECKPOINT, dtype=torch.float32),
+                                     init_parallel_mesh(cp_size=1, tp_size=2))  # fmt: skip
+    results["expected_state"] = {name: value.clone() for name, value in expected.state_dict().items()}
+    results["expected_bytes"] = _parameter_bytes(expected)
+    results["local_kda_heads"] = sharded.model.layers[0].linear_attn.num_heads
+    results["local_mla_heads"] = sharded.model.layers[1].self_attn.num_heads
+    mesh = tensor_parallel_mesh(sharded)
+    _compare(results, "checkpoint", sharded, reference, sharded.config.vocab_size)
+    results["comm_tags"] = dict(mesh.comm.bytes_by_tag)
+    results["error_save"] = _expect_error(lambda: sharded.save_pretrained(tempfile.mkdtemp()))
+
+    # The tiny fixture (tests/conftest.py), saved by rank 0 (transformers saves on rank 0 only), loaded with
+    # DistributedConfig.
+    tiny_folder, odd_folder = os.path.join(out_dir, "tiny"), os.path.join(out_dir, "odd_heads")
+    if rank == 0:
+        _tiny_with_biases().save_pretrained(tiny_folder)
+        tiny_config(linear_num_heads=3).save_pretrained(odd_folder)  # the config alone: the check reads nothing else
+    dist.barrier()
+    config = DistributedConfig(tp_size=2)
+    tiny_sharded = KDSAForCausalLM.from_pretrained(tiny_folder, distributed_config=config, dtype=torch.float32)
+    results["tiny_bytes"] = (_parameter_bytes(tiny_sharded), _parameter_bytes(_tiny_with_biases()))
+    results["tiny_o_proj_bias_norm"] = tiny_sharded.model.layers[1].self_attn.o_proj.bias.norm().item()
+    _compare(results, "tiny", tiny_sharded, _tiny_with_biases(), 128)
+
+    # Bad layouts: the same ValueError on every rank, before the load starts.
+    results["error_heads"] = _expect_error(
+        lambda: KDSAForCausalLM.from_pretrained(odd_folder, distributed_config=DistributedConfig(tp_size=2))
+    )
+    results["error_world_size"] = _expect_error(
+        lambda: KDSAForCausalLM.from_pretrained(CHECKPOINT, distributed_config=DistributedConfig(tp_size=4))
+    )
+    own_plan = DistributedConfig(tp_size=2, tp_plan={"layers.*.mlp.up_proj": "colwise"})
+    results["error_own_plan"] = _expect_error(
+        lambda: KDSAForCausalLM.from_pretrained(CHECKPOINT, distributed_config=own_plan)
+    )
+    results["error_ep"] = _expect_error(
+        lambda: KDSAForCausalLM.from_pretrained(CHECKPOINT, distributed_config=DistributedConfig(tp_size=2, ep_size=2))
+    )
+    # Ranks launched with different sizes: rank 1 alone asks for 4, both raise rank 1's message.
+    results["error_mixed"] = _expect_error(
+        lambda: KDSAForCausalLM.from_pretrained(CHECKPOINT, tp_size=2 if rank == 0 else 4, tp_plan="auto")
+    )
+
+
+def _worker(rank: int, world_size: int, port: int, scenario: str, out_dir: str, tests_dir: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    sys.path.insert(0, tests_dir)
+    torch.set_num_threads(1)
+    results = {}
+    try:
+        {"two": _scenario_two}[scenario](rank, results, out_dir)
+    except Exception:
+        results["worker_exception"] = traceback.format_exc()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn(scenario: str, world_size: int) -> list[dict]:
+    """Run `scenario` on `world_size` processes; kill them and fail after SPAWN_TIMEOUT_S (a hang is a failure)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = (world_size, _free_port(), scenario, out_dir, os.path.dirname(__file__))
+        context = mp.start_processes(_worker, args=args, nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + SPAWN_TIMEOUT_S
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail(f"scenario {scenario!r} on {world_size} processes did not finish in {SPAWN_TIMEOUT_S} s")
+        results = [torch.load(os.path.join(out_dir, f"rank{rank}.pt")) for rank in range(world_size)]
+    failures = [f"rank {rank} failed:\n{result['worker_exception']}" for rank, result in enumerate(results)
+                if "worker_exception" in result]  # fmt: skip
+    assert not failures, "\n".join(failures)
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return _spawn("two", 2)
+
+
+# ------------------------------------------------------------------------------------------------ distributed
+
+
+def test_each_rank_loads_exactly_the_apply_tensor_parallel_shard(two_ranks):
+    """Shard-on-read gives every rank the tensors `apply_tensor_parallel` cuts from the whole model, bit for bit,
+    and nothing more: half of every sharded tensor, the replicated ones whole."""
+    for rank, result in enumerate(two_ranks):
+        loaded, expected = result["sharded_state"], result["expected_state"]
+        assert loaded.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(loaded[name], tensor), f"rank {rank}: {name}"
+        assert result["sharded_bytes"] == result["expected_bytes"] < result["full_bytes"]
+        assert (result["local_kda_heads"], result["local_mla_heads"]) == (1, 2)
+    # The ranks hold different halves of a sharded tensor.
+    name = "model.layers.0.linear_attn.q_proj.weight"
+    assert not torch.equal(two_ranks[0]["sharded_state"][name], two_ranks[1]["sharded_state"][name])
+
+
+@pytest.mark.parametrize("name", ["checkpoint", "tiny"])
+def test_forward_and_generate_match_the_single_process(two_ranks, name):
+    for result in two_ranks:
+        assert result[f"{name}_logits_error"] < LOGIT_TOLERANCE
+        for run in ("greedy", "sampled", "left_padded"):
+            assert result[f"{name}_{run}_equal"], f"{name} {run}"
+    assert two_ranks[0][f"{name}_greedy_tokens"].shape[1] == 19 + GREEDY_STEPS
+    for run in ("greedy", "sampled", "left_padded"):
+        assert torch.equal(two_ranks[0][f"{name}_{run}_tokens"], two_ranks[1][f"{name}_{run}_tokens"])
+
+
+def test_tiny_fixture_is_sharded_through_distributed_config(two_ranks):
+    """Fewer bytes per rank; the row-parallel `o_proj` bias is kept on rank 0 only (the outputs are summed)."""
+    for result in two_ranks:
+        sharded, whole = result["tiny_bytes"]
+        assert sharded < whole
+    assert two_ranks[0]["tiny_o_proj_bias_norm"] > 0 and two_ranks[1]["tiny_o_proj_bias_norm"] == 0
+
+
+def test_all_reduces_run_after_each_sharded_module(two_ranks):
+    for result in two_ranks:
+        tags = result["comm_tags"]
+        assert tags["tp.kda_o_proj"] > 0 and tags["tp.mla_o_proj"] > 0 and tags["tp.mlp"] > 0
+
+
+@pytest.mark.parametrize(
+    "key, words",
+    [
+        ("error_heads", "linear_num_heads=3"),
+        ("error_world_size", "tp_size=4 but the world size is 2"),
+        ("error_own_plan", "KDSA shards by its own plan"),
+        ("error_ep", "only tensor parallelism"),
+        ("error_mixed", "rank 1: tp_size=4 but the world size is 2"),
+        ("error_save", "each rank holds only its shard"),
+    ],
+)
+def test_bad_layouts_raise_the_same_error_on_every_rank(two_ranks, key, words):
+    for rank, result in enumerate(two_ranks):
+        assert result[key] is not None, f"rank {rank} did not raise for {key}"
+        assert words in result[key], result[key]
+    assert two_ranks[0][key] == two_ranks[1][key]
+
+
+# ------------------------------------------------------------------------------------------------ one process
+
+
+def test_plan_is_declared_and_its_styles_registered():
+    from modeling_kdsa.parallel import hf_plans
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    from modeling_kdsa import KDSAConfig
+
+    plan = KDSAConfig.base_model_tp_plan
+    assert set(plan.values()) - {"replicate"} == set(hf_plans.STYLE_PLANS)
+    assert all(style in ALL_PARALLEL_STYLES for style in plan.values())
+    assert KDSAConfig.base_model_pp_plan is None
+
+
+def test_tp_size_without_a_launcher_is_refused(monkeypatch):
+    from modeling_kdsa import KDSAForCausalLM
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="tp_size=2 but the world size is 1.*torchrun --nproc-per-node 2"):
+        KDSAForCausalLM.from_pretrained(CHECKPOINT, tp_size=2, tp_plan="auto")
