@@ -1,6 +1,7 @@
 """CP × TP parallelism for KDSA prefill (docs/parallel.md): a (cp, tp) mesh, the Zigzag layout, KDA state passing,
 DSA with all-gathered keys, and a head / intermediate-dim tensor-parallel plan; expert parallelism over a (tp, ep)
-mesh with all-to-all dispatch and combine (docs/parallel.md §9); KDSA's styles for transformers' own tensor-parallel
+mesh with all-to-all dispatch and combine (docs/parallel.md §9); the hand-over from a (cp, tp) prefill to a (tp, ep)
+decode on the same ranks (docs/parallel.md §11); KDSA's styles for transformers' own tensor-parallel
 loading, `from_pretrained(..., tp_plan="auto")` (docs/parallel.md §10). See README "Parallelism"."""
 
 from .context_parallel import MeshSequenceContext, PrefillOutput, PrefillStats, context_parallel_prefill
@@ -12,6 +13,7 @@ from .expert_parallel import (
     expert_parallel_errors,
     init_expert_parallel_mesh,
 )
+from .handover import DecodeHandOver, hand_over_errors, hand_over_to_decode
 from .hf_plans import check_tensor_parallel_load, finish_tensor_parallel_load, tensor_parallel_mesh
 from .mesh import CommLog, ParallelMesh, init_parallel_mesh, raise_on_all_ranks, single_process_mesh
 from .state_passing import SegmentSummary, fold_start_states, summarize_segment
@@ -22,6 +24,7 @@ __all__ = [
     "LAYOUTS",
     "AllToAllTraffic",
     "CommLog",
+    "DecodeHandOver",
     "ExpertParallelExperts",
     "ExpertParallelMesh",
     "MeshSequenceContext",
@@ -38,6 +41,8 @@ __all__ = [
     "expert_parallel_errors",
     "finish_tensor_parallel_load",
     "fold_start_states",
+    "hand_over_errors",
+    "hand_over_to_decode",
     "init_expert_parallel_mesh",
     "init_parallel_mesh",
     "raise_on_all_ranks",

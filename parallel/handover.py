@@ -1,0 +1,195 @@
+"""Context-parallel prefill, then decoding over a `(tp, ep)` mesh on the same ranks: the hand-over of the weights and
+of the cache from the prefill layout to the decode layout (docs/parallel.md §11).
+
+A long prompt is prefilled over a `(cp, tp)` mesh (`context_parallel_prefill`, §8), then the same `cp·tp` ranks
+regroup into `(ep, tp')` with `tp'·ep = cp·tp` and decode with `generate()` (§5, §9). What a rank holds after the
+prefill (context_parallel.py): the whole batch's DSA / MLA latent rows and indexer keys for the whole sequence (they
+are all-gathered over cp, and not cut by head), and the final KDA conv window and recurrent state of its tp shard of
+heads (every cp rank folds the same start states, §3). So no token moves, only what a decode rank keeps changes:
+- `tp' = tp` (e.g. cp 2 × tp 2 → tp 2 × ep 2). Rank `r` is `cp_rank·tp + tp_rank` in the prefill mesh and
+  `ep_rank·tp + tp_rank` in the decode mesh (tp innermost in both): it keeps its tp rank, so its attention, KDA and
+  expert slices and its KDA states are already the decode's; with ep > 1 it keeps the routed experts of its ep
+  block (`ep_rank = cp_rank`), and nothing of the model is ever whole on a rank when tp > 1.
+- `tp = 1` (e.g. cp 2 → tp 2): every rank prefilled with the whole model; it cuts the model for its decode
+  `(tp', ep)` rank (`apply_expert_parallel`, or `apply_tensor_parallel` when ep = 1) and keeps the KDA states of its
+  tp' heads (the same contiguous head blocks `kda_shard_plan` cuts the projections by).
+Moving head shards between ranks (a prefill tp other than 1 or the decode's) is refused. With ep > 1 each ep rank
+then decodes its own consecutive share of the batch (`ExpertParallelMesh.batch_rows`, §9), so the cache keeps those
+rows only.
+
+Exactness: the cache a decode rank holds is, value for value, the slice of the single-process prefill cache that
+rank would have built for its heads and rows, up to the fp32 summation order of the CP prefill (§8); the decode then
+runs the TP / EP forward of §5 and §9 unchanged.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from modeling_kdsa.cache import KDAReplayLayer, KDSACache
+from modeling_kdsa.configuration_kdsa import KDA_LAYER
+from modeling_kdsa.moe import KDSAMoE
+
+from .expert_parallel import (
+    ExpertParallelExperts,
+    ExpertParallelMesh,
+    _keep_experts,
+    apply_expert_parallel,
+    expert_parallel_errors,
+)
+from .mesh import ParallelMesh, default_device_and_backend, raise_on_all_ranks
+from .tensor_parallel import apply_tensor_parallel, tensor_parallel_errors
+
+
+@dataclass
+class DecodeHandOver:
+    """What a rank decodes with after `hand_over_to_decode`: the `model` cut for its decode rank (the prefill's
+    model, changed in place), the `cache` holding its heads and batch rows (the prefill's cache, changed in place),
+    the decode `mesh` and `rows`, this rank's share of the batch (`input_ids[rows]` is what it generates from)."""
+
+    model: object
+    cache: KDSACache
+    mesh: ExpertParallelMesh
+    rows: slice
+
+
+def _cache_batch_size(cache) -> int | None:
+    for layer in getattr(cache, "layers", ()):
+        if isinstance(layer, KDAReplayLayer) and layer.has_previous_state[0]:
+            return layer.recurrent_states[0].shape[0]
+        if getattr(layer, "is_initialized", False) and hasattr(layer, "block_table"):
+            return layer.batch_size
+    return None
+
+
+def _model_tp_size(model) -> int:
+    """How many ways the model's token mixers are cut (1: whole), from the first layer's head count."""
+    config, layer = model.config, getattr(model, "model", model).layers[0]
+    if layer.layer_type == KDA_LAYER:
+        return config.linear_num_heads // layer.linear_attn.num_heads
+    return config.num_attention_heads // layer.self_attn.num_heads
+
+
+def hand_over_errors(model, cache, prefill_mesh: ParallelMesh, tp_size: int, ep_size: int) -> str | None:
+    """Why this rank cannot hand `model` and `cache` from `prefill_mesh` over to a `(tp_size, ep_size)` decode mesh,
+    or None."""
+    world = prefill_mesh.cp_size * prefill_mesh.tp_size
+    if tp_size < 1 or ep_size < 1:
+        return f"tp and ep must be >= 1, got tp={tp_size}, ep={ep_size}"
+    if tp_size * ep_size != world:
+        return (
+            f"the decode mesh tp·ep = {tp_size}·{ep_size} = {tp_size * ep_size} must hold the prefill's "
+            f"cp·tp = {prefill_mesh.cp_size}·{prefill_mesh.tp_size} = {world} ranks"
+        )
+    if prefill_mesh.tp_size not in (1, tp_size):
+        return (
+            f"the prefill's tp={prefill_mesh.tp_size} must be 1 or the decode's tp={tp_size}: a decode rank keeps the "
+            "heads it prefilled (same tp rank) or cuts them from the whole model (tp=1); moving head shards between "
+            "ranks is not implemented"
+        )
+    if _model_tp_size(model) != prefill_mesh.tp_size:
+        return (
+            f"the model is cut {_model_tp_size(model)} ways but the prefill mesh has tp={prefill_mesh.tp_size}: pass "
+            "the model context_parallel_prefill ran"
+        )
+    if not isinstance(cache, KDSACache) or cache.get_seq_length() == 0:
+        return "cache must be the KDSACache that context_parallel_prefill filled (a non-empty KDSACache)"
+    if any(isinstance(layer, KDAReplayLayer) and layer.pending_tokens for layer in cache.layers):
+        return "the cache holds KDA replay records (a forward after the prefill): hand it over right after the prefill"
+    batch_size = _cache_batch_size(cache)
+    if ep_size > batch_size:
+        return (
+            f"ep={ep_size} > the batch of {batch_size} sequence(s): each ep rank decodes its own share of the batch "
+            "(docs/parallel.md §9) and needs at least one sequence"
+        )
+    if prefill_mesh.tp_size == 1:
+        return expert_parallel_errors(model, tp_size, ep_size)
+    # The model is cut by the prefill's tp already, as the decode wants it: only the experts' split remains.
+    moes = [layer.mlp for layer in getattr(model, "model", model).layers if isinstance(layer.mlp, KDSAMoE)]
+    if any(isinstance(moe.experts, ExpertParallelExperts) for moe in moes):
+        return "the model's experts are already sharded by apply_expert_parallel"
+    if ep_size > 1 and not moes:
+        return f"ep={ep_size}: the model has no routed experts (mlp_layer_types has no 'sparse' layer)"
+    if model.config.n_routed_experts % ep_size:
+        return f"ep={ep_size} must divide n_routed_experts={model.config.n_routed_experts} (whole experts per rank)"
+    return tensor_parallel_errors(model.config, tp_size)
+
+
+def _decode_mesh(prefill_mesh: ParallelMesh, tp_size: int, ep_size: int) -> ExpertParallelMesh:
+    """The `(ep, tp)` mesh over the prefill's ranks, tp innermost (parallel/expert_parallel.py's order)."""
+    device_type, _ = default_device_and_backend()
+    device_mesh = init_device_mesh(device_type, (ep_size, tp_size), mesh_dim_names=("ep", "tp"))
+    tp = ParallelMesh(
+        cp_size=1,
+        tp_size=tp_size,
+        cp_rank=0,
+        tp_rank=device_mesh.get_local_rank("tp"),
+        cp_group=None,
+        tp_group=device_mesh.get_group("tp"),
+        device=prefill_mesh.device,
+    )
+    return ExpertParallelMesh(ep_size, device_mesh.get_local_rank("ep"), device_mesh.get_group("ep"), tp)
+
+
+def _kda_head_slice(layer: KDAReplayLayer, attn, rank: int, size: int) -> None:
+    """Keep tp rank `rank`'s contiguous block of the KDA heads of `attn` (whole, `H` heads) in `layer`'s live state:
+    the conv window's q, k and v channel blocks (`[B, 2·H·K + H·V, W]`, q | k | v as kda.py concatenates them) and
+    the fp32 state `[B, H, K, V]`."""
+    heads = attn.num_heads // size
+    key_dim, head_k, head_v = attn.key_dim, attn.head_k_dim, attn.head_v_dim
+    conv = layer.conv_states[0]
+    q_k_v = (
+        conv[:, rank * heads * head_k : (rank + 1) * heads * head_k],
+        conv[:, key_dim + rank * heads * head_k : key_dim + (rank + 1) * heads * head_k],
+        conv[:, 2 * key_dim + rank * heads * head_v : 2 * key_dim + (rank + 1) * heads * head_v],
+    )
+    layer.conv_states[0] = torch.cat(q_k_v, dim=1).contiguous()
+    layer.recurrent_states[0] = layer.recurrent_states[0][:, rank * heads : (rank + 1) * heads].contiguous()
+
+
+def _split_experts(model, mesh: ExpertParallelMesh) -> None:
+    """Each MoE layer keeps the routed experts of its ep block (already cut by the mesh's tp) and routes through
+    `ExpertParallelExperts`, as `apply_expert_parallel` leaves them."""
+    num_experts = model.config.n_routed_experts
+    per_rank = num_experts // mesh.ep_size
+    for layer in getattr(model, "model", model).layers:
+        if isinstance(layer.mlp, KDSAMoE):
+            _keep_experts(layer.mlp.experts, mesh.ep_rank * per_rank, (mesh.ep_rank + 1) * per_rank)
+            layer.mlp.experts = ExpertParallelExperts(layer.mlp.experts, num_experts, mesh)
+
+
+@torch.no_grad()
+def hand_over_to_decode(model, cache: KDSACache, prefill_mesh: ParallelMesh, tp_size: int, ep_size: int = 1):
+    """Regroup the ranks of `prefill_mesh` into a `(tp_size, ep_size)` decode mesh after `context_parallel_prefill`
+    filled `cache` with `model`, and return a `DecodeHandOver`. `model` and `cache` are changed in place.
+
+    Then every rank continues with `model.generate(input_ids[rows], cache=cache, synced_gpus=ep_size > 1, ...)`: for
+    generate() to equal the single-process call on the same prompts, prefill all but each prompt's last token
+    (generate() feeds the tokens the cache does not hold yet). Bad sizes raise the same `ValueError` on every rank
+    before anything is changed or sent (a collective over the default process group: every rank must call)."""
+    error = hand_over_errors(model, cache, prefill_mesh, tp_size, ep_size)
+    if dist.is_initialized():
+        raise_on_all_ranks(error)
+    elif error is not None:
+        raise ValueError(error)
+    mesh = _decode_mesh(prefill_mesh, tp_size, ep_size)
+    if prefill_mesh.tp_size == 1 and tp_size > 1:
+        base = getattr(model, "model", model)
+        for layer, layer_cache in zip(base.layers, cache.layers, strict=True):
+            if isinstance(layer_cache, KDAReplayLayer):
+                _kda_head_slice(layer_cache, layer.linear_attn, mesh.tp.tp_rank, tp_size)
+    if prefill_mesh.tp_size == 1 and ep_size > 1:
+        apply_expert_parallel(model, mesh)
+    elif prefill_mesh.tp_size == 1:
+        apply_tensor_parallel(model, mesh.tp)
+    elif ep_size > 1:
+        _split_experts(model, mesh)
+    rows = mesh.batch_rows(_cache_batch_size(cache))
+    if ep_size > 1:
+        cache.batch_select_indices(torch.arange(rows.start, rows.stop, device=prefill_mesh.device))
+    return DecodeHandOver(model, cache, mesh, rows)
+
+
+__all__ = ["DecodeHandOver", "hand_over_errors", "hand_over_to_decode"]

@@ -1,0 +1,226 @@
+"""Context-parallel prefill, then tensor × expert-parallel decode on the same ranks (parallel/handover.py,
+docs/parallel.md §11), on real process groups (gloo, CPU) spawned as in tests/test_parallel_distributed.py.
+
+Every rank builds the same model (same seed, or the shipped checkpoint) and the same prompts, prefills all but each
+prompt's last token over the (cp, tp) mesh, hands the model and the cache over to the (tp, ep) decode mesh and
+generates 32 greedy tokens with `generate()` from that cache; the reference is the single-process `generate()` on the
+same prompts (with its own cache). Tolerance for the logits of every decode step, 1e-4 absolute, as in
+tests/test_parallel_distributed.py (fp32; the CP prefill, the tp partial sums and the per-rank batch shapes change
+the summation order only). A KDA state given to the wrong heads, or a cache row to the wrong sequence, changes the
+logits by > 1e-2.
+"""
+
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_parallel_distributed import SPAWN_TIMEOUT_S, _expect_error, _free_port, _prompt
+
+LOGIT_TOLERANCE = 1e-4
+PROMPT_LEN = 37  # the prefill takes 36 tokens: 4 zigzag chunks of 9 at cp = 2
+GENERATE_STEPS = 32
+CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "kdsa-tiny"
+
+
+def _parameter_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def _prefill_then_decode(results: dict, name: str, make_model, ids, cp: int, tp: int, decode_tp: int, ep: int):
+    """Prefill `ids[:, :-1]` over (cp, tp), hand over to (decode_tp, ep), generate; record tokens and logits against
+    the single-process generate() on this rank's rows."""
+    from modeling_kdsa.parallel import apply_tensor_parallel, context_parallel_prefill, init_parallel_mesh
+    from modeling_kdsa.parallel.handover import hand_over_to_decode
+
+    from modeling_kdsa.cache import KDSACache
+
+    options = dict(max_new_tokens=GENERATE_STEPS, min_new_tokens=GENERATE_STEPS, do_sample=False,
+                   return_dict_in_generate=True, output_logits=True)  # fmt: skip
+    reference = make_model().generate(ids, **options)
+    full_bytes = _parameter_bytes(make_model())
+
+    mesh = init_parallel_mesh(cp_size=cp, tp_size=tp)
+    model = apply_tensor_parallel(make_model(), mesh)
+    cache = KDSACache(model.config)
+    prefill_bytes = _parameter_bytes(model)
+    context_parallel_prefill(model, ids[:, :-1], mesh, cache=cache, last_token_only=True)
+    handed = hand_over_to_decode(model, cache, mesh, tp_size=decode_tp, ep_size=ep)
+    rows = handed.rows
+    out = handed.model.generate(ids[rows], cache=handed.cache, synced_gpus=ep > 1, **options)
+    results[f"{name}_generated"] = out.sequences.shape[1] - ids.shape[1]
+    results[f"{name}_tokens_equal"] = bool(torch.equal(out.sequences, reference.sequences[rows]))
+    errors = [
+        (mine - theirs[rows]).abs().max().item() for mine, theirs in zip(out.logits, reference.logits, strict=True)
+    ]
+    results[f"{name}_logits_error"] = max(errors)
+    results[f"{name}_bytes"] = (prefill_bytes, _parameter_bytes(handed.model), full_bytes)
+    first_kda = next(layer for layer in handed.model.model.layers if hasattr(layer, "linear_attn"))
+    results[f"{name}_local_kda_heads"] = first_kda.linear_attn.num_heads
+    results[f"{name}_rows"] = rows
+
+
+def _scenario_two(rank: int, results: dict) -> None:
+    """2 processes: cp 2 → tp 2 on the tiny fixture and the shipped checkpoint; error paths."""
+    from conftest import tiny_model
+    from modeling_kdsa.parallel import context_parallel_prefill, init_parallel_mesh
+    from modeling_kdsa.parallel.handover import hand_over_to_decode
+
+    from modeling_kdsa import KDSAForCausalLM
+    from modeling_kdsa.cache import KDSACache
+
+    ids = _prompt(PROMPT_LEN, batch=2)
+    _prefill_then_decode(results, "tiny", tiny_model, ids, cp=2, tp=1, decode_tp=2, ep=1)
+
+    def load():
+        return KDSAForCausalLM.from_pretrained(CHECKPOINT, dtype=torch.float32).eval()
+
+    _prefill_then_decode(
+        results, "checkpoint", load, _prompt(PROMPT_LEN, batch=2, seed=3), cp=2, tp=1, decode_tp=2, ep=1
+    )
+    # cp 2 → ep 2 (tp 1): each rank decodes one of the two sequences with half the experts.
+    _prefill_then_decode(results, "ep2", tiny_model, ids, cp=2, tp=1, decode_tp=1, ep=2)
+
+    # Error paths: each must raise a ValueError on every rank (the verdicts are exchanged), before any change.
+    mesh = init_parallel_mesh(cp_size=2, tp_size=1)
+
+    def prefilled(batch: int = 2, model=None):
+        model = model or tiny_model()
+        cache = KDSACache(model.config)
+        context_parallel_prefill(model, ids[:batch, :-1], mesh, cache=cache)
+        return model, cache
+
+    model, cache = prefilled()
+    results["error_world"] = _expect_error(lambda: hand_over_to_decode(model, cache, mesh, tp_size=2, ep_size=2))
+    model, cache = prefilled(batch=1)
+    results["error_batch"] = _expect_error(lambda: hand_over_to_decode(model, cache, mesh, tp_size=1, ep_size=2))
+    model, cache = prefilled()
+    given = KDSACache(model.config) if rank == 1 else cache  # rank 1 passes an empty cache
+    results["error_empty_cache_only_rank1"] = _expect_error(lambda: hand_over_to_decode(model, given, mesh, 2))
+    results["error_experts"] = _expect_error(
+        lambda: hand_over_to_decode(*prefilled(model=tiny_model(n_routed_experts=3)), mesh, tp_size=1, ep_size=2)
+    )
+
+
+def _scenario_four(rank: int, results: dict) -> None:
+    """4 processes: cp 2 × tp 2 → tp 2 × ep 2 (no rank ever holds the whole model), and refusals."""
+    from conftest import tiny_model
+    from modeling_kdsa.parallel import apply_tensor_parallel, context_parallel_prefill, init_parallel_mesh
+    from modeling_kdsa.parallel.handover import hand_over_to_decode
+
+    from modeling_kdsa.cache import KDSACache
+
+    ids = _prompt(PROMPT_LEN, batch=3)
+    _prefill_then_decode(results, "cp2tp2_tp2ep2", tiny_model, ids, cp=2, tp=2, decode_tp=2, ep=2)
+    mesh = init_parallel_mesh(cp_size=2, tp_size=2)
+    model = apply_tensor_parallel(tiny_model(), mesh)
+    cache = KDSACache(model.config)
+    context_parallel_prefill(model, ids[:, :-1], mesh, cache=cache)
+    results["error_move_heads"] = _expect_error(lambda: hand_over_to_decode(model, cache, mesh, tp_size=4))
+
+
+SCENARIOS = {"two": _scenario_two, "four": _scenario_four}
+
+
+def _worker(rank: int, world_size: int, port: int, scenario: str, out_dir: str, tests_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    sys.path.insert(0, tests_dir)
+    torch.set_num_threads(1)
+    results = {}
+    try:
+        SCENARIOS[scenario](rank, results)
+    except Exception:
+        results["worker_exception"] = traceback.format_exc()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _spawn(scenario: str, world_size: int) -> list[dict]:
+    """Run `scenario` on `world_size` processes; kill them and fail after SPAWN_TIMEOUT_S (a hang is a failure)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = (world_size, _free_port(), scenario, out_dir, os.path.dirname(__file__))
+        context = mp.start_processes(_worker, args=args, nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + SPAWN_TIMEOUT_S
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail(f"scenario {scenario!r} on {world_size} processes did not finish in {SPAWN_TIMEOUT_S} s")
+        results = [
+            torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False) for rank in range(world_size)
+        ]
+    for rank, result in enumerate(results):
+        assert "worker_exception" not in result, f"rank {rank} failed:\n{result['worker_exception']}"
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return _spawn("two", 2)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    return _spawn("four", 4)
+
+
+# ------------------------------------------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("name", ["tiny", "checkpoint"])
+def test_cp2_prefill_then_tp2_decode_matches_single_process(two_ranks, name):
+    """32 greedy tokens equal the single-process generate() on both ranks; every step's logits within 1e-4; each
+    rank decodes with half the KDA heads and fewer parameter bytes than the whole model."""
+    for result in two_ranks:
+        assert result[f"{name}_generated"] == GENERATE_STEPS
+        assert result[f"{name}_tokens_equal"]
+        assert result[f"{name}_logits_error"] < LOGIT_TOLERANCE
+        assert result[f"{name}_local_kda_heads"] == 1  # of 2
+        prefill_bytes, decode_bytes, full_bytes = result[f"{name}_bytes"]
+        assert prefill_bytes == full_bytes > decode_bytes
+
+
+def test_cp2_prefill_then_ep2_decode_matches_single_process(two_ranks):
+    """ep = 2 after cp = 2: each rank keeps its own sequence's cache rows and decodes it with half the experts."""
+    assert [result["ep2_rows"] for result in two_ranks] == [slice(0, 1), slice(1, 2)]
+    for result in two_ranks:
+        assert result["ep2_generated"] == GENERATE_STEPS
+        assert result["ep2_tokens_equal"]
+        assert result["ep2_logits_error"] < LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "key, words",
+    [
+        ("error_world", "must hold the prefill's cp·tp = 2·1 = 2 ranks"),
+        ("error_batch", "ep=2 > the batch of 1 sequence"),
+        ("error_empty_cache_only_rank1", "rank 1: cache must be the KDSACache that context_parallel_prefill filled"),
+        ("error_experts", "must divide n_routed_experts=3"),
+    ],
+)
+def test_bad_hand_overs_raise_on_every_rank(two_ranks, key, words):
+    for rank, result in enumerate(two_ranks):
+        assert result[key] is not None, f"rank {rank} did not raise for {key}"
+        assert words in result[key], result[key]
+
+
+@pytest.mark.slow
+def test_cp2_tp2_prefill_then_tp2_ep2_decode(four_ranks):
+    """4 processes: each rank keeps its tp rank's heads and slices from the prefill and the routed experts of its ep
+    block (ep rank = cp rank); no rank ever holds the whole model; each ep rank decodes its share of 3 sequences."""
+    assert [result["cp2tp2_tp2ep2_rows"] for result in four_ranks] == [slice(0, 2)] * 2 + [slice(2, 3)] * 2
+    for result in four_ranks:
+        assert result["cp2tp2_tp2ep2_generated"] == GENERATE_STEPS
+        assert result["cp2tp2_tp2ep2_tokens_equal"]
+        assert result["cp2tp2_tp2ep2_logits_error"] < LOGIT_TOLERANCE
+        prefill_bytes, decode_bytes, full_bytes = result["cp2tp2_tp2ep2_bytes"]
+        assert decode_bytes < prefill_bytes < full_bytes
+        assert "moving head shards between ranks is not implemented" in result["error_move_heads"]
