@@ -27,7 +27,14 @@ from transformers.utils.deprecation import deprecate_kwarg
 from .attn_res import BlockAttnResStream, KDSADepthAttention
 from .cache import ROLLBACK_TOKENS, KDSACache
 from .configuration_kdsa import DSA_LAYER, KDA_LAYER, MLA_LAYER, KDSAConfig
-from .conversion import FOREIGN_MODEL_TYPES, REGISTRATION_LOCK, load_foreign
+from .conversion import (
+    _KDSA_ONLY_FIELDS,
+    FOREIGN_MODEL_TYPES,
+    REGISTRATION_LOCK,
+    checkpoint_keys,
+    load_foreign,
+    plan_foreign_load,
+)
 from .dsa import KDSAIndexer, KDSAMultiLatentAttention, KDSASparseAttention
 from .fp8_linear import KDSAFP8Linear
 from .hyper_connections import HyperConnectionStream, KDSAHyperConnection
@@ -577,18 +584,38 @@ def _tensor_parallel_loading(cls, path, kwargs: dict):
     config = kwargs.get("config")
     if not isinstance(config, KDSAConfig):
         config_file = os.path.join(str(path), "config.json")
-        model_type = None
+        raw_config = {}
         if os.path.isfile(config_file):  # foreign families load from local folders only (conversion.py)
             with open(config_file) as f:
-                model_type = json.load(f).get("model_type")
+                raw_config = json.load(f)
+        model_type = raw_config.get("model_type")
         if model_type in FOREIGN_MODEL_TYPES:
-            raise ValueError(
-                f"tensor-parallel loading of a {model_type!r} folder is not supported; load it in one process, "
-                "save_pretrained it (the native KDSA layout), then load that folder with tp_plan='auto'"
-            )
-        fields = {name: value for name, value in kwargs.items() if name in KDSAConfig.__dataclass_fields__}
-        config = KDSAConfig.from_pretrained(path, **fields)
+            config = _foreign_tensor_parallel_config(str(path), raw_config, kwargs)
+        else:
+            fields = {name: value for name, value in kwargs.items() if name in KDSAConfig.__dataclass_fields__}
+            config = KDSAConfig.from_pretrained(path, **fields)
     return hf_plans if hf_plans.check_tensor_parallel_load(config, kwargs) else None
+
+
+# Converted families whose tensors transformers can read shard by shard (tests/test_distributed_loading.py); the others
+# reshape or dequantize tensors at load in ways the shard-on-read slicing does not follow.
+TENSOR_PARALLEL_FOREIGN_TYPES = ("deepseek_v32", "kimi_linear")
+
+
+def _foreign_tensor_parallel_config(path: str, raw_config: dict, kwargs: dict) -> KDSAConfig:
+    """The translated config of a foreign folder that loads tensor-parallel, or a ValueError (the same on every rank:
+    it depends on the folder alone)."""
+    model_type = raw_config["model_type"]
+    overrides = {name: kwargs[name] for name in _KDSA_ONLY_FIELDS if name in kwargs}
+    plan = plan_foreign_load(raw_config, checkpoint_keys(path), overrides)
+    if model_type not in TENSOR_PARALLEL_FOREIGN_TYPES or plan.fp8_block is not None:
+        kind = "FP8 " if plan.fp8_block is not None else ""
+        raise ValueError(
+            f"tensor-parallel loading of a {kind}{model_type!r} folder is not supported (only non-FP8 "
+            f"{' / '.join(TENSOR_PARALLEL_FOREIGN_TYPES)}); load it in one process, save_pretrained it (the native "
+            "KDSA layout), then load that folder with tp_plan='auto' (docs/parallel.md §10)"
+        )
+    return plan.config
 
 
 class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):

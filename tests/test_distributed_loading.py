@@ -118,6 +118,23 @@ def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
     results["tiny_o_proj_bias_norm"] = tiny_sharded.model.layers[1].self_attn.o_proj.bias.norm().item()
     _compare(results, "tiny", tiny_sharded, _tiny_with_biases(), 128)
 
+    # Converted families: the folder converts at load (conversion.py) and each rank reads its shards.
+    from modeling_kdsa.eval import family_fixtures
+
+    for family in ("kimi_linear", "deepseek_v32", "glm5_next"):
+        if rank == 0:
+            getattr(family_fixtures, f"{family}_model")().save_pretrained(os.path.join(out_dir, family))
+    dist.barrier()
+    for family in ("kimi_linear", "deepseek_v32"):
+        folder = os.path.join(out_dir, family)
+        family_sharded = KDSAForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32)
+        family_whole = KDSAForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        results[f"{family}_bytes"] = (_parameter_bytes(family_sharded), _parameter_bytes(family_whole))
+        _compare(results, family, family_sharded, family_whole, 100)
+    results["error_glm5_next"] = _expect_error(
+        lambda: KDSAForCausalLM.from_pretrained(os.path.join(out_dir, "glm5_next"), tp_plan="auto")
+    )
+
     # Bad layouts: the same ValueError on every rank, before the load starts.
     results["error_heads"] = _expect_error(
         lambda: KDSAForCausalLM.from_pretrained(odd_folder, distributed_config=DistributedConfig(tp_size=2))
@@ -203,7 +220,7 @@ def test_each_rank_loads_exactly_the_apply_tensor_parallel_shard(two_ranks):
     assert not torch.equal(two_ranks[0]["sharded_state"][name], two_ranks[1]["sharded_state"][name])
 
 
-@pytest.mark.parametrize("name", ["checkpoint", "tiny"])
+@pytest.mark.parametrize("name", ["checkpoint", "tiny", "kimi_linear", "deepseek_v32"])
 def test_forward_and_generate_match_the_single_process(two_ranks, name):
     for result in two_ranks:
         assert result[f"{name}_logits_error"] < LOGIT_TOLERANCE
@@ -222,6 +239,13 @@ def test_tiny_fixture_is_sharded_through_distributed_config(two_ranks):
     assert two_ranks[0]["tiny_o_proj_bias_norm"] > 0 and two_ranks[1]["tiny_o_proj_bias_norm"] == 0
 
 
+@pytest.mark.parametrize("family", ["kimi_linear", "deepseek_v32"])
+def test_converted_families_load_sharded(two_ranks, family):
+    for result in two_ranks:
+        sharded, whole = result[f"{family}_bytes"]
+        assert sharded < whole
+
+
 def test_all_reduces_run_after_each_sharded_module(two_ranks):
     for result in two_ranks:
         tags = result["comm_tags"]
@@ -237,6 +261,7 @@ def test_all_reduces_run_after_each_sharded_module(two_ranks):
         ("error_ep", "only tensor parallelism"),
         ("error_mixed", "rank 1: tp_size=4 but the world size is 2"),
         ("error_save", "each rank holds only its shard"),
+        ("error_glm5_next", "tensor-parallel loading of a 'glm5_next' folder is not supported"),
     ],
 )
 def test_bad_layouts_raise_the_same_error_on_every_rank(two_ranks, key, words):
