@@ -89,6 +89,8 @@ class KDSAHeadShardStyle(TensorParallelLayer):
         plan.reduced.register_forward_hook(all_reduce_output_hook(parallel_mesh, plan.tag))
         module._kdsa_shard_plan = plan
         module._kdsa_parallel_mesh = parallel_mesh
+        # A load that does not go through KDSAForCausalLM.from_pretrained (AutoModel: `KDSAModel`) finishes here.
+        module.register_forward_pre_hook(lambda module, args: _localize(module))
         return module
 
 
@@ -96,20 +98,31 @@ for _name, _plan_of in STYLE_PLANS.items():
     ALL_PARALLEL_STYLES.register(_name, KDSAHeadShardStyle(_plan_of))
 
 
-def finish_tensor_parallel_load(model: nn.Module) -> nn.Module:
-    """After transformers loaded the shards: every DTensor parameter becomes its local piece (a plain parameter over
-    the same storage) and the row-parallel biases are kept on tp rank 0 only (the ranks' outputs are summed)."""
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
+def _localize(module: nn.Module) -> None:
+    """Once per planned module, after the load: its DTensor parameters become their local pieces (plain parameters
+    over the same storage) and its row-parallel biases are kept on tp rank 0 only (the ranks' outputs are summed)."""
+    if module.__dict__.get("_kdsa_localized"):
+        return
+    for submodule in module.modules():
+        for name, param in list(submodule._parameters.items()):
             if isinstance(param, DTensor):
-                module._parameters[name] = nn.Parameter(param.to_local().detach(), requires_grad=param.requires_grad)
+                local = param.to_local().detach()
+                submodule._parameters[name] = nn.Parameter(local, requires_grad=param.requires_grad)
+    if module._kdsa_parallel_mesh.tp_rank != 0:
+        with torch.no_grad():
+            for linear in module._kdsa_shard_plan.summed_biases:
+                if linear.bias is not None:
+                    linear.bias.zero_()
+    module._kdsa_localized = True
+
+
+def finish_tensor_parallel_load(model: nn.Module) -> nn.Module:
+    """After transformers loaded the shards: every planned module's parameters become plain local tensors
+    (`_localize`); KDSAForCausalLM.from_pretrained calls this, and each planned module does it before its first
+    forward otherwise."""
     for module in model.modules():
-        plan = module.__dict__.get("_kdsa_shard_plan")
-        if plan is not None and module._kdsa_parallel_mesh.tp_rank != 0:
-            with torch.no_grad():
-                for linear in plan.summed_biases:
-                    if linear.bias is not None:
-                        linear.bias.zero_()
+        if "_kdsa_shard_plan" in module.__dict__:
+            _localize(module)
     return model
 
 

@@ -81,7 +81,13 @@ def _compare(results: dict, name: str, sharded, reference, vocab: int) -> None:
 def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
     import torch.distributed as dist
     from conftest import tiny_config
-    from modeling_kdsa.parallel import apply_tensor_parallel, init_parallel_mesh, tensor_parallel_mesh
+    from modeling_kdsa.parallel import (
+        apply_tensor_parallel,
+        context_parallel_prefill,
+        init_parallel_mesh,
+        tensor_parallel_mesh,
+    )
+    from transformers import AutoModel
     from transformers.distributed import DistributedConfig
 
     from modeling_kdsa import KDSAForCausalLM
@@ -104,6 +110,18 @@ def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
     _compare(results, "checkpoint", sharded, reference, sharded.config.vocab_size)
     results["comm_tags"] = dict(mesh.comm.bytes_by_tag)
     results["error_save"] = _expect_error(lambda: sharded.save_pretrained(tempfile.mkdtemp()))
+    # The context-parallel code path with cp = 1 over the loaded model's tp group: the indexer's queries split over tp.
+    ids = _prompts(sharded.config.vocab_size)
+    with torch.no_grad():
+        split = context_parallel_prefill(sharded, ids, mesh).logits
+        results["cp_path_error"] = (split - reference(ids).logits).abs().max().item()
+    results["indexer_indices_bytes"] = mesh.comm.bytes_by_tag["tp.indexer_indices"]
+    # AutoModel loads the base model; its planned modules finish the load before their first forward.
+    base = AutoModel.from_pretrained(CHECKPOINT, tp_plan="auto", dtype=torch.float32)
+    with torch.no_grad():
+        hidden = base(ids).last_hidden_state
+        results["base_model_error"] = (hidden - reference.model(ids).last_hidden_state).abs().max().item()
+    results["base_model_heads"] = base.layers[0].linear_attn.num_heads
 
     # The tiny fixture (tests/conftest.py), saved by rank 0 (transformers saves on rank 0 only), loaded with
     # DistributedConfig.
@@ -244,6 +262,15 @@ def test_converted_families_load_sharded(two_ranks, family):
     for result in two_ranks:
         sharded, whole = result[f"{family}_bytes"]
         assert sharded < whole
+
+
+def test_context_parallel_path_and_base_model_over_the_loaded_shards(two_ranks):
+    """`context_parallel_prefill` with cp = 1 on the loaded model's mesh splits the indexer's queries over tp (as for
+    `apply_tensor_parallel`, docs/parallel.md §8); `AutoModel` (the base model) finishes its load before its first
+    forward."""
+    for result in two_ranks:
+        assert result["cp_path_error"] < LOGIT_TOLERANCE and result["indexer_indices_bytes"] > 0
+        assert result["base_model_error"] < LOGIT_TOLERANCE and result["base_model_heads"] == 1
 
 
 def test_all_reduces_run_after_each_sharded_module(two_ranks):
