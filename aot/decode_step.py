@@ -34,17 +34,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from modeling_kdsa import (
-    cpu_expert_linear,
-    cpu_fp8_dequantize,
-    cpu_head_products,
-    cpu_indexer,
-    cpu_kda_recurrent,
-    cpu_row_linear,
-    cpu_sparse_mla,
-)
-from modeling_kdsa.cache import _map_planes, _planes
+from modeling_kdsa import kernels
+from modeling_kdsa.cache import map_planes
 from modeling_kdsa.cpu_extension import kernels_in_export
+from modeling_kdsa.numeric_formats import stored_planes
 from modeling_kdsa.static_cache import KDSAStaticCache, StaticKDALayer
 
 # Inductor's joint-graph constant folding treats every buffer as a constant: it would evaluate the token counts'
@@ -52,21 +45,6 @@ from modeling_kdsa.static_cache import KDSAStaticCache, StaticKDALayer
 # The cache's buffers change every step, so that folding is off (docs/graph-mode.md §14).
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False, "joint_graph_constant_folding": False}
 _METADATA_KEY = "kdsa_decode_step"
-
-# The module whose `kernel_available()` builds (or finds on disk) and registers the CPU kernel of each `kdsa::` op.
-# The package calls them through the dispatcher, and a process registers a kernel only when it first needs it: a
-# process that loads a package registers the package's kernels first.
-KERNEL_MODULES = {
-    "row_linear": cpu_row_linear,
-    "fp8_row_linear": cpu_fp8_dequantize,
-    "dequantize_fp8_tiles": cpu_fp8_dequantize,
-    "head_linear": cpu_head_products,
-    "head_matmul": cpu_head_products,
-    "expert_linear": cpu_expert_linear,
-    "indexer_topk_decode": cpu_indexer,
-    "kda_recurrent": cpu_kda_recurrent,
-    "sparse_mla_decode": cpu_sparse_mla,
-}
 
 
 def _cache_slots(cache: KDSAStaticCache) -> list[tuple[object, object]]:
@@ -123,7 +101,7 @@ class DecodeStepModule(nn.Module):
         self.cache = cache
         self.buffer_names = []
         for container, key in _cache_slots(cache):
-            for plane in _planes(_get(container, key)):
+            for plane in stored_planes(_get(container, key)):
                 name = f"cache_{len(self.buffer_names)}"
                 self.register_buffer(name, plane, persistent=False)
                 self.buffer_names.append(name)
@@ -133,7 +111,7 @@ class DecodeStepModule(nn.Module):
         buffers = iter([getattr(self, name) for name in self.buffer_names])
         # The slots are looked up anew each time: torch.export replaces the containers held in a module's attributes.
         for container, key in _cache_slots(self.cache):
-            _set(container, key, _map_planes(_get(container, key), lambda _: next(buffers)))
+            _set(container, key, map_planes(_get(container, key), lambda _: next(buffers)))
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
@@ -203,13 +181,15 @@ def kernel_ops(program: torch.export.ExportedProgram) -> list[str]:
 
 
 def register_kernels(ops: list[str]) -> None:
-    """Build (or find) and register the CPU kernels of `ops` in this process (`KERNEL_MODULES`); a ValueError names
-    one that cannot be registered here."""
+    """Build (or find) and register the CPU kernels of `ops` in this process (the kernel registry's
+    `kernels.CPU_KERNEL_OPS`); a ValueError names one that cannot be registered here. The package calls its ops through
+    the dispatcher, and a process registers a kernel only when it first needs it: a process that loads a package
+    registers the package's kernels first."""
     for op in ops:
-        module = KERNEL_MODULES.get(op)
-        if module is None:
+        kernel_available = kernels.CPU_KERNEL_OPS.get(op)
+        if kernel_available is None:
             raise ValueError(f"the package calls kdsa::{op}, an op this version of modeling_kdsa does not define")
-        if not module.kernel_available():
+        if not kernel_available():
             raise ValueError(
                 f"the package calls kdsa::{op}, whose CPU kernel cannot be built or loaded in this process (see the "
                 "warning above): load the package where the kernels build, or decode without it"
@@ -218,7 +198,7 @@ def register_kernels(ops: list[str]) -> None:
 
 def _check_compilable(cache: KDSAStaticCache) -> None:
     """What AOTInductor cannot compile, refused before the minute a compile takes."""
-    planes = [plane for container, key in _cache_slots(cache) for plane in _planes(_get(container, key))]
+    planes = [plane for container, key in _cache_slots(cache) for plane in stored_planes(_get(container, key))]
     if any(plane.dtype == torch.float8_e8m0fnu for plane in planes):
         raise ValueError(
             "the cache holds MXFP8 indexer keys (E8M0 scales, quantization_config indexer='mxfp8'), which "

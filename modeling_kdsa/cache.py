@@ -14,8 +14,9 @@
   A shared-indexer DSA layer (`indexer_types`) keeps the same latent-only store and reads it sparsely at the
   selection of the layer before it (docs/dsa.md §10). The k-pool indexer (`index_kpool > 1`) adds a plane of pooled
   keys to the DSA store (`KDSAPagedKPoolLayer`, docs/dsa.md §9). `attention_store_class` picks the store of a layer.
-- The store, not the layer, calls the kernels that read it (`dsa_paged_ops`): the fused indexer/top-k and the sparse
-  attention over the selected entries, from the registry's set for `config.kernel_backend` (kernels.py).
+- The store, not the layer, calls the kernels that read it (the paged DSA kernels, `dsa_paged_*.py`): the indexer /
+  top-k and the sparse attention over the selected entries, from the registry's set for `config.kernel_backend`
+  (kernels.py).
 - Formats (docs/design.md §4, `numeric_formats.CacheFormats`, chosen from `config.quantization_config` when the cache is
   built): each store holds either model-dtype pages or quantized pages (`QuantizedRows`: FP8 latent tiles + fp32
   scales + the RoPE part unquantized; MXFP8 indexer keys + E8M0 scales). One code path for both: rows are encoded
@@ -32,16 +33,12 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from .configuration_kdsa import DSA_LAYER, MLA_LAYER
-from .cpu_kda_recurrent import cpu_recurrent_kda, kernel_applies
 from .dsa_ops import kpool_keys
-from .dsa_paged_ops import read_rows
+from .dsa_paged_common import read_rows
 from .kernels import KernelSet, kernel_set
 from .numeric_formats import PLANAR_ROWS, CacheFormats, stored_planes
 
 PAGE_SIZE = 64  # tokens per page: the CUDA DSA kernels' block size (docs/dsa.md §4)
-
-
-_planes = stored_planes  # the tensors a store is made of
 
 
 def _bytes_view(plane: torch.Tensor) -> torch.Tensor:
@@ -50,8 +47,9 @@ def _bytes_view(plane: torch.Tensor) -> torch.Tensor:
     return plane.view(torch.uint8) if plane.element_size() == 1 and plane.is_floating_point() else plane
 
 
-def _map_planes(pages, function):
-    """`function` applied to every plane, same container type back."""
+def map_planes(pages, function):
+    """`function` applied to every plane of a store (`numeric_formats.stored_planes`: the tensors it is made of), same
+    container type back."""
     return pages.map(function) if isinstance(pages, PLANAR_ROWS) else function(pages)
 
 
@@ -130,7 +128,7 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         return tuple(getattr(self, name) for name in self.store_names)
 
     def _all_planes(self) -> tuple[torch.Tensor, ...]:
-        return tuple(plane for name in self.paged_store_names for plane in _planes(getattr(self, name)))
+        return tuple(plane for name in self.paged_store_names for plane in stored_planes(getattr(self, name)))
 
     def _encode(self, kv_rows: torch.Tensor) -> tuple:
         """Rows `[..., C + R]` in the stored format (a tensor or `QuantizedRows`), one entry per store."""
@@ -184,7 +182,7 @@ class KDSAPagedMLALayer(CacheLayerMixin):
             return larger
 
         for name in self.paged_store_names:
-            setattr(self, name, _map_planes(getattr(self, name), grown))
+            setattr(self, name, map_planes(getattr(self, name), grown))
         self.page_refcount.extend([0] * (new - old))
         self.free_pages.extend(range(new - 1, old - 1, -1))  # pop() hands out low page ids first
 
@@ -250,7 +248,7 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         slots = self.physical_slots(torch.arange(past, past + new_tokens, device=self.device).expand(batch_size, -1))
         slots = slots.reshape(-1)
         for store, encoded in zip(self._stores(), self._encode(*rows), strict=True):
-            for plane, new in zip(_planes(store), _planes(encoded), strict=True):
+            for plane, new in zip(stored_planes(store), stored_planes(encoded), strict=True):
                 _bytes_view(plane).flatten(0, 1)[slots] = _bytes_view(new).flatten(0, 1)
         self.num_tokens = past + new_tokens
         return past
@@ -291,7 +289,7 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Dense causal absorbed-form attention over every cached token (queries at `query_start + i`); see
-        dsa_paged_ops.paged_dense_mla_*."""
+        dsa_paged_reference.paged_dense_mla_reference."""
         return self.dense_kernel(
             q_latent, q_pe, self.kv_pages, self.block_table, self.num_tokens, query_start, softmax_scale,
             key_padding_mask,
@@ -301,7 +299,7 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         self, q_latent: torch.Tensor, q_pe: torch.Tensor, indices: torch.Tensor, softmax_scale: float
     ) -> torch.Tensor:
         """Absorbed-form attention over exactly the cached entries at `indices` `[B, T, K]` (-1 = none); see
-        dsa_paged_ops."""
+        dsa_paged_reference.py."""
         return self.sparse_kernel(q_latent, q_pe, self.kv_pages, self.block_table, indices, softmax_scale)
 
     # -------------------------------------------------------------------------- transformers CacheLayerMixin API
@@ -416,8 +414,8 @@ class KDSAPagedLayer(KDSAPagedMLALayer):
         index_topk: int,
         key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Top-`index_topk` cached positions per query (fused indexer over the pages); see dsa_paged_ops. With MXFP8
-        keys, the queries `[B, T, HI, DI]` are MXFP8-rounded first (dynamic, per block of 32)."""
+        """Top-`index_topk` cached positions per query (fused indexer over the pages); see dsa_paged_reference.py. With
+        MXFP8 keys, the queries `[B, T, HI, DI]` are MXFP8-rounded first (dynamic, per block of 32)."""
         q_index = self.formats.quantize_index_queries(q_index)
         return self.indexer_kernel(
             q_index, weights, self.index_pages, self.block_table, self.num_tokens, index_topk, query_start,
@@ -585,8 +583,9 @@ class KDSAPagedKPoolLayer(KDSAPagedLayer):
         ape: torch.Tensor,
         select_tail: bool,
     ) -> torch.Tensor:
-        """k-pool indexer top-k over the stored pools (docs/dsa.md §9); see dsa_paged_ops. Returns token positions
-        `[B, T, K]`, -1 = none. The kernel takes the origin the store keeps (checked when written), not the mask's."""
+        """k-pool indexer top-k over the stored pools (docs/dsa.md §9); see dsa_paged_reference.py. Returns token
+        positions `[B, T, K]`, -1 = none. The kernel takes the origin the store keeps (checked when written), not the
+        mask's."""
         return self.kpool_kernel(
             q_index, weights, self.index_pages, self.pool_pages, self.block_table, self.num_tokens, index_topk,
             query_start, key_padding_mask, ape, select_tail, self.pool_origin,
@@ -819,11 +818,12 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
             conv, state = self.checkpoint
             if replayed:
                 steps = KDAReplayRecord.concat(self.records)
-                kda_recurrent = kernel_set(self.kernel_backend, state.device).require("kda_recurrent")
+                kernels = kernel_set(self.kernel_backend, state.device)
+                kda_recurrent = kernels.require("kda_recurrent")
                 kept = steps.tokens(0, replayed)
-                if kda_recurrent is cpu_recurrent_kda and kernel_applies(kept.k, kept.v):
-                    # The CPU kernel steps every token of a call as a one-token call does (the state goes through the
-                    # same fp32 buffer): one call over the kept tokens is bit for bit the stepped state.
+                if kernels.kda_recurrent_stepwise(kept.k, kept.v):
+                    # The kernel steps every token of a call as a one-token call does (the CPU kernel: the state goes
+                    # through the same fp32 buffer): one call over the kept tokens is bit for bit the stepped state.
                     _, state = kda_recurrent(
                         kept.k, kept.k, kept.v, kept.g, kept.beta, initial_state=state, output_final_state=True
                     )
@@ -1021,4 +1021,5 @@ __all__ = [
     "PAGE_SIZE",
     "ROLLBACK_TOKENS",
     "attention_store_class",
+    "map_planes",
 ]

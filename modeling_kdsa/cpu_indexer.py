@@ -153,7 +153,7 @@ void score_rows(const Sequence* rows, TopK* best, int64_t count, int64_t end) {
 
 // For each of `batch` rows: the `top_k` best of its first `num_keys` keys under
 // score = sum_h weights[h] * relu(q[h] . key), best first, into out [batch, width] (-1 past the last found).
-// Consecutive rows with the same block table (the queries of one sequence, `dsa_paged_ops._queries_topk_cpu`) are
+// Consecutive rows with the same block table (the queries of one sequence, `dsa_paged_cpu._queries_topk_cpu`) are
 // scored in one pass over the keys.
 void topk_decode(
     const uint16_t* pages, int64_t page_size, int64_t dim, const int64_t* table, int64_t table_stride,

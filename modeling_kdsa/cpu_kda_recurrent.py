@@ -148,15 +148,10 @@ def kernel_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 # The most tokens after a cached state that the KDA layer steps through this kernel in one call instead of the chunked
-# form (`steps_tokens_applies`): a verification of up to 15 drafted tokens and the anchor.
+# form (kda.py, where `kda_recurrent_stepwise`, this backend's `kernel_applies`, holds): a verification of up to 15
+# drafted tokens and the anchor. Each token's steps are those of a one-token call (the state goes through the same fp32
+# buffer), so the final state is bit for bit that of T one-token calls.
 MAX_STEPPED_TOKENS = 16
-
-
-def steps_tokens_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """The kernel steps this continuation of a cached state (q `[B, T, H, K]`, v `[B, T, H, V]`) in one call: at most
-    `MAX_STEPPED_TOKENS` tokens and `kernel_applies`. Each token's steps are those of a one-token call (the state goes
-    through the same fp32 buffer), so the final state is bit for bit that of T one-token calls."""
-    return q.dim() == 4 and q.shape[1] <= MAX_STEPPED_TOKENS and kernel_applies(q, v)
 
 
 def cpu_recurrent_kda(
@@ -210,5 +205,4 @@ __all__ = [
     "kda_recurrent",
     "kernel_applies",
     "kernel_available",
-    "steps_tokens_applies",
 ]

@@ -298,7 +298,7 @@ _SCHEMA = "row_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
 # 1024 to the 32000 x 1024 lm_head (docs/graph-mode.md §10). More rows: `F.linear` (a GEMM, no longer one read).
 # Up to 16 rows (a verification of up to 15 drafted tokens and the anchor) in groups of 4 over blocks of weight rows
 # that stay in L1: the weight is still read from memory once, where the fp32 GEMM that more rows fall back to on a CPU
-# without native bf16 products first widens the whole weight (`linear.widens_to_fp32`).
+# without native bf16 products first widens the whole weight (`linear_ops.widens_to_fp32`).
 MAX_ROWS = 16
 
 

@@ -1,7 +1,7 @@
 """Sparse absorbed MLA of a decode step on x86 CPUs as one hand-written kernel (docs/dsa.md §12).
 
 One query per sequence attends to the K rows `[c | k_pe]` its indexer selected. Written with torch ops (`_attend` in
-dsa_paged_ops) that is a gather of the K rows from the pages, two small bf16 GEMMs (`rows @ queryᵀ` with only H
+dsa_paged_fused.py) that is a gather of the K rows from the pages, two small bf16 GEMMs (`rows @ queryᵀ` with only H
 columns, then `probs @ rows`) and a softmax in between: in a compiled 64k decode step of one DSA layer ~0.25 ms cold,
 mostly the gather's scattered reads and the GEMMs' fixed costs. This kernel reads each selected row in place
 through the block table with software prefetch, scores it against the heads with AVX512-BF16 dot products
@@ -18,7 +18,7 @@ the softmax and the division: the output is as close or closer to the fp32 refer
 is built for AVX2 (docs/graph-mode.md §13: the scores' `vdpbf16ps` as two FMAs, the weighted sum as FMAs of widened rows
 with the probabilities kept in fp32). Where it cannot run — no AVX2, no compiler, another dtype, geometry or page
 format — the callers keep the torch path. Several queries per sequence (a verification) are rows of their own, each with
-its sequence's block table (`dsa_paged_ops.paged_sparse_mla_fused`).
+its sequence's block table (`dsa_paged_cpu.paged_sparse_mla_cpu`).
 """
 
 import torch
@@ -240,7 +240,7 @@ def decode_kernel_applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_pages) 
 
 
 def sparse_mla_decode_cpu(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale: float) -> torch.Tensor:
-    """`kdsa::sparse_mla_decode` with the shapes of `dsa_paged_ops.paged_sparse_mla_fused` (q_latent `[B, 1, H, C]`,
+    """`kdsa::sparse_mla_decode` with the shapes of `dsa_paged_cpu.paged_sparse_mla_cpu` (q_latent `[B, 1, H, C]`,
     q_pe `[B, 1, H, R]`, indices `[B, 1, K]`, -1 = none): `[B, 1, H, C]` in bf16."""
     out = sparse_mla_decode(
         q_latent[:, 0].contiguous(), q_pe[:, 0].contiguous(), kv_pages, block_table.long().contiguous(),

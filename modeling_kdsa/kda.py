@@ -14,7 +14,7 @@ from transformers.cache_utils import Cache
 
 from .cache import KDSACache
 from .configuration_kdsa import KDA_LAYER
-from .cpu_kda_recurrent import cpu_recurrent_kda, steps_tokens_applies
+from .cpu_kda_recurrent import MAX_STEPPED_TOKENS
 from .kda_ops import causal_short_conv, causal_short_conv_step, kda_gate, l2norm
 from .kernels import kernel_set
 from .linear import KDSALinear
@@ -211,10 +211,10 @@ class KDSAKimiDeltaAttention(nn.Module):
         kernels = kernel_set(self.kernel_backend, v.device)
         kernel = kernels.require("kda_recurrent" if decoding else "kda_chunk")
         if not decoding and recurrent_state is not None and sequence_parallel is None:
-            # A few tokens after a cached state (a verification of drafted tokens): the CPU recurrent kernel steps
-            # them all in one call, reading and writing the state once (docs/kda.md §9), where the chunked form's
-            # many small ops cost more than the recurrence itself.
-            if kernels.kda_recurrent is cpu_recurrent_kda and steps_tokens_applies(q, v):
+            # A few tokens after a cached state (a verification of drafted tokens): a recurrent kernel that steps
+            # them all in one call (`kda_recurrent_stepwise`: the CPU kernel), reading and writing the state once
+            # (docs/kda.md §9), where the chunked form's many small ops cost more than the recurrence itself.
+            if q.shape[1] <= MAX_STEPPED_TOKENS and kernels.kda_recurrent_stepwise(q, v):
                 kernel = kernels.kda_recurrent
         if sequence_parallel is not None:
             o, final_state = sequence_parallel.kda_recurrence(q, k, v, g, beta, kda_chunk=kernel)

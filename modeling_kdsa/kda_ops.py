@@ -158,6 +158,13 @@ SUB_CHUNK_SIZE = 4
 MIN_LOG_DECAY = -60.0
 
 
+def recurrent_kda_stepwise(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """`kda_recurrent_stepwise` of the torch reference: False. One T-token call of `recurrent_kda` runs its batched ops
+    over strided per-token slices, which take other matmul kernels and can round differently from T one-token calls;
+    so a verification runs the chunked form and a replay steps token by token (cache.py)."""
+    return False
+
+
 def _decay(log_decay: torch.Tensor) -> torch.Tensor:
     """`exp(clamp(log_decay, MIN_LOG_DECAY, 0))`: a decay factor in (0, 1]. The upper clamp turns the positive
     exponents of masked (acausal) pairs into 1, finite in the forward and backward, instead of masking them to

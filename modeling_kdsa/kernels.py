@@ -7,14 +7,17 @@ ValueError naming the backend and the kernel. The `npu` and `triton` sets are bu
 them imports torch_npu / triton (and fla), which the other backends never need.
 
 Kernels and their contracts:
-- `indexer_topk`, `sparse_mla`, `kpool_indexer_topk`, `dense_mla`: read the paged DSA / MLA store
-  (signatures of `dsa_paged_ops.paged_*_reference`, docs/dsa.md §4, §8, §9).
+- `indexer_topk`, `sparse_mla`, `kpool_indexer_topk`, `dense_mla`: read the paged DSA / MLA store (signatures of
+  `dsa_paged_reference.paged_*_reference`, docs/dsa.md §4, §8, §9; one file per backend: dsa_paged_reference.py,
+  dsa_paged_cpu.py over dsa_paged_fused.py, dsa_paged_compiled.py).
 - `kda_chunk` (prefill) and `kda_recurrent` (decode, and the replay of a rollback): the KDA delta rule (signatures of
-  `kda_ops.chunk_kda` / `kda_ops.recurrent_kda`, docs/kda.md §3, §5).
+  `kda_ops.chunk_kda` / `kda_ops.recurrent_kda`, docs/kda.md §3, §5); `kda_recurrent_stepwise` (`(q, v) -> bool`):
+  whether `kda_recurrent` computes a call of these T tokens bit for bit as T one-token calls, so that a verification
+  of a few drafted tokens and a rollback's replay make one call (the cpu kernel, docs/kda.md §9).
 - `static_indexer_topk`, `static_kpool_indexer_topk`, `static_sparse_mla`, `static_dense_mla`: the fixed-shape reads
-  of a compiled static-cache step (`dsa_paged_ops.static_*`, docs/graph-mode.md §3); the torch ones for every backend,
-  except that the cpu backend's `static_indexer_topk`, `static_kpool_indexer_topk` and `static_sparse_mla` run a
-  decode step through the C++ kernels (docs/dsa.md §11, §12), as does its `kda_recurrent` (docs/kda.md §9).
+  of a compiled static-cache step (`dsa_paged_static.static_*`, docs/graph-mode.md §3); the torch ones for every
+  backend, except that the cpu backend's `static_indexer_topk`, `static_kpool_indexer_topk` and `static_sparse_mla`
+  run a decode step through the C++ kernels (docs/dsa.md §11, §12), as does its `kda_recurrent` (docs/kda.md §9).
 - `kv_store`: the layout the paged store keeps kv rows in, the one its attention kernels read
   (`(formats, kv_rows, latent_width) -> stored rows`).
 - `dsa_decode_prolog`: the projections of a DSA decode step (`(layer, hidden_states, position_embeddings)`, the
@@ -34,32 +37,41 @@ from collections.abc import Callable
 import torch
 
 from .cpu_expert_linear import cpu_expert_linear, expert_linear_applies
+from .cpu_expert_linear import kernel_available as expert_linear_available
 from .cpu_fp8_dequantize import cpu_fp8_dequantize, cpu_fp8_row_linear
+from .cpu_fp8_dequantize import kernel_available as fp8_kernels_available
 from .cpu_head_products import cpu_head_linear, cpu_head_matmul
+from .cpu_head_products import kernel_available as head_products_available
+from .cpu_indexer import kernel_available as indexer_available
 from .cpu_kda_recurrent import cpu_recurrent_kda
+from .cpu_kda_recurrent import kernel_applies as kda_recurrent_kernel_applies
+from .cpu_kda_recurrent import kernel_available as kda_recurrent_available
 from .cpu_row_linear import cpu_row_linear
-from .dsa_paged_ops import (
+from .cpu_row_linear import kernel_available as row_linear_available
+from .cpu_sparse_mla import kernel_available as sparse_mla_available
+from .dsa_paged_compiled import (
     paged_dense_mla_compiled,
-    paged_dense_mla_fused,
-    paged_dense_mla_reference,
     paged_indexer_topk_compiled,
-    paged_indexer_topk_fused,
-    paged_indexer_topk_reference,
     paged_kpool_indexer_topk_compiled,
-    paged_kpool_indexer_topk_fused,
-    paged_kpool_indexer_topk_reference,
     paged_sparse_mla_compiled,
-    paged_sparse_mla_fused,
-    paged_sparse_mla_reference,
-    static_dense_mla,
-    static_indexer_topk,
+)
+from .dsa_paged_cpu import (
+    paged_indexer_topk_cpu,
+    paged_kpool_indexer_topk_cpu,
+    paged_sparse_mla_cpu,
     static_indexer_topk_cpu,
-    static_kpool_indexer_topk,
     static_kpool_indexer_topk_cpu,
-    static_sparse_mla,
     static_sparse_mla_cpu,
 )
-from .kda_ops import chunk_kda, recurrent_kda
+from .dsa_paged_fused import paged_dense_mla_fused
+from .dsa_paged_reference import (
+    paged_dense_mla_reference,
+    paged_indexer_topk_reference,
+    paged_kpool_indexer_topk_reference,
+    paged_sparse_mla_reference,
+)
+from .dsa_paged_static import static_dense_mla, static_indexer_topk, static_kpool_indexer_topk, static_sparse_mla
+from .kda_ops import chunk_kda, recurrent_kda, recurrent_kda_stepwise
 from .linear_ops import (
     dequantize_tiles_torch,
     expert_linear,
@@ -94,6 +106,7 @@ class KernelSet:
     dense_mla: Callable | None = paged_dense_mla_reference
     kda_chunk: Callable | None = chunk_kda
     kda_recurrent: Callable | None = recurrent_kda
+    kda_recurrent_stepwise: Callable | None = recurrent_kda_stepwise
     static_indexer_topk: Callable | None = static_indexer_topk
     static_kpool_indexer_topk: Callable | None = static_kpool_indexer_topk
     static_sparse_mla: Callable | None = static_sparse_mla
@@ -136,16 +149,31 @@ CPU_PRODUCTS = dict(
 )
 CPU_KERNELS = KernelSet(
     "cpu",
-    indexer_topk=paged_indexer_topk_fused,
-    sparse_mla=paged_sparse_mla_fused,
-    kpool_indexer_topk=paged_kpool_indexer_topk_fused,
+    indexer_topk=paged_indexer_topk_cpu,
+    sparse_mla=paged_sparse_mla_cpu,
+    kpool_indexer_topk=paged_kpool_indexer_topk_cpu,
     dense_mla=paged_dense_mla_fused,
     static_indexer_topk=static_indexer_topk_cpu,
     static_kpool_indexer_topk=static_kpool_indexer_topk_cpu,
     static_sparse_mla=static_sparse_mla_cpu,
     kda_recurrent=cpu_recurrent_kda,
+    kda_recurrent_stepwise=kda_recurrent_kernel_applies,
     **CPU_PRODUCTS,
 )
+# The `kdsa::` ops the cpu set's kernels call (the `cpu_*.py` C++ kernels, docs/backends.md §7), each with the function
+# that builds (or finds on disk) and registers its CPU kernel in this process, True when it is registered: what a
+# program calling these ops needs first (aot/decode_step.py).
+CPU_KERNEL_OPS: dict[str, Callable[[], bool]] = {
+    "row_linear": row_linear_available,
+    "fp8_row_linear": fp8_kernels_available,
+    "dequantize_fp8_tiles": fp8_kernels_available,
+    "head_linear": head_products_available,
+    "head_matmul": head_products_available,
+    "expert_linear": expert_linear_available,
+    "indexer_topk_decode": indexer_available,
+    "kda_recurrent": kda_recurrent_available,
+    "sparse_mla_decode": sparse_mla_available,
+}
 COMPILED_KERNELS = KernelSet(
     "compiled",
     indexer_topk=paged_indexer_topk_compiled,
@@ -239,6 +267,7 @@ __all__ = [
     "BACKEND_NAMES",
     "COMPILED_KERNELS",
     "CPU_KERNELS",
+    "CPU_KERNEL_OPS",
     "KERNEL_NAMES",
     "KernelSet",
     "TORCH_KERNELS",

@@ -20,7 +20,7 @@ Public sources for the op contracts (Ascend/op-plugin, docs/zh/custom_APIs/torch
 How vllm-ascend drives the same ops for DeepSeek-V3.2 (vllm_ascend/attention/sfa_v1.py): PA_BSND caches, int32 block
 tables, per-request key lengths, `sparse_mode=3` for the indexer, `attention_mode=2` for the attention.
 
-Our side of the contract (same signatures and results as dsa_paged_ops' `cpu` kernels):
+Our side of the contract (same signatures and results as the `cpu` backend's kernels, dsa_paged_cpu.py):
 - Indexer: `index_pages` `[N, P, DI]` viewed as `[N, P, 1, DI]` (a free view, contiguous), the block table cast to
   int32, `Lq = T`, `Lk = query_start + T`, so that rightDownCausal gives exactly "query at `query_start + i` sees
   `s <= query_start + i`". The head weights are pre-multiplied by `HI^-0.5 · DI^-0.5` (docs/dsa.md §1; the op has no
@@ -54,11 +54,11 @@ import functools
 import torch
 
 from .dsa_ops import kpool_expand, kpool_origin, scaled_index_weights
-from .dsa_paged_ops import (
-    _check_dense_inputs,
-    _check_indexer_inputs,
-    _check_kpool_inputs,
-    _check_sparse_inputs,
+from .dsa_paged_common import (
+    check_dense_inputs,
+    check_indexer_inputs,
+    check_kpool_inputs,
+    check_sparse_inputs,
     page_geometry,
 )
 from .numeric_formats import PackedKVRows, QuantizedRows, SplitRows
@@ -148,9 +148,9 @@ def paged_indexer_topk_npu(
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Lightning Indexer top-k through `torch_npu.npu_lightning_indexer` (module doc), same signature and result
-    as `dsa_paged_ops.paged_indexer_topk_fused` (indices as a set per row: the op leaves the order of equal scores
+    as `dsa_paged_fused.paged_indexer_topk_fused` (indices as a set per row: the op leaves the order of equal scores
     unspecified). Returns int64 `[B, T, min(index_topk, S')]`, -1 = no key."""
-    _check_indexer_inputs(
+    check_indexer_inputs(
         q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask
     )
     _check_indexer_op(q_index, index_pages, num_keys, query_start)
@@ -292,8 +292,8 @@ def paged_sparse_mla_npu(
     softmax_scale: float,
 ) -> torch.Tensor:
     """Sparse absorbed MLA through `torch_npu.npu_sparse_flash_attention` (MLA-absorb mode, module doc), same
-    signature and result as `dsa_paged_ops.paged_sparse_mla_fused`. Returns `[B, T, H, C]` in q_latent's dtype."""
-    _check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices)
+    signature and result as `dsa_paged_fused.paged_sparse_mla_fused`. Returns `[B, T, H, C]` in q_latent's dtype."""
+    check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices)
     page_size = _check_attention_shapes(q_latent, q_pe, kv_pages)
     batch, num_queries, num_selected = indices.shape
     if num_selected == 0:
@@ -326,13 +326,13 @@ def paged_dense_mla_npu(
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense causal absorbed MLA through `torch_npu.npu_sparse_flash_attention` selecting every key, same signature
-    and result as `dsa_paged_ops.paged_dense_mla_fused`.
+    and result as `dsa_paged_fused.paged_dense_mla_fused`.
 
     rightDownCausal (`sparse_mode=3`, `Lq = T`, `Lkv = query_start + T`) limits query `i` to the keys
     `<= query_start + i`. Without padding the selection is every page as one block (`sparse_block_size` = page size,
     the op clips the last block at the causal limit): `ceil(Lkv / P)` indices per query. With a padding mask it is
     every real key, one token per index, in ascending order (the op has no mask of its own)."""
-    _check_dense_inputs(q_latent, q_pe, kv_pages, block_table, num_keys, query_start, key_padding_mask)
+    check_dense_inputs(q_latent, q_pe, kv_pages, block_table, num_keys, query_start, key_padding_mask)
     page_size = _check_attention_shapes(q_latent, q_pe, kv_pages)
     batch, num_queries = q_latent.shape[:2]
     num_visible = query_start + num_queries
@@ -372,7 +372,7 @@ def paged_kpool_indexer_topk_npu(
     key_padding_mask=None, ape=None, select_tail=True, origin=None,
 ) -> torch.Tensor:  # fmt: skip
     """k-pool indexer (docs/dsa.md §9) through `torch_npu.npu_lightning_indexer` over the stored pooled keys, same
-    signature and result as `dsa_paged_ops.paged_kpool_indexer_topk_fused` (pools as a set per row).
+    signature and result as `dsa_paged_fused.paged_kpool_indexer_topk_fused` (pools as a set per row).
 
     The pooled-key plane `[N, P / kp, DI]` is the op's PA_BSND pool with block size `P / kp` and our block table:
     its logical slot `j` of sequence `b` holds the pool ending at token `j·kp + phase_b` (pools start at the first
@@ -381,7 +381,7 @@ def paged_kpool_indexer_topk_npu(
     query is its own batch entry (`Lq = 1`, `Lk` = its visible slots, the block table repeated). Slots before the
     first pool hold no pool: the op is asked for that many more and they are dropped, as the padded keys of
     `paged_indexer_topk_npu`. Selected slots become pool ends, then tokens and the tail (`dsa_ops.kpool_expand`)."""
-    _check_kpool_inputs(
+    check_kpool_inputs(
         q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
         key_padding_mask, ape,
     )  # fmt: skip

@@ -35,14 +35,14 @@ from .cache import (
     KDSAPagedLayer,
     KDSAPagedMLALayer,
     _bytes_view,
-    _map_planes,
-    _planes,
     attention_store_class,
+    map_planes,
     slid_conv_window,
 )
 from .configuration_kdsa import DSA_LAYER, MLA_LAYER
-from .dsa_paged_ops import static_kpool_origin
+from .dsa_paged_static import static_kpool_origin
 from .kernels import KernelSet, kernel_set
+from .numeric_formats import stored_planes
 
 
 def _compiling() -> bool:
@@ -154,9 +154,9 @@ class _StaticPagedMixin:
         pools = self._encode(*(row.new_zeros(num_pages, self.page_size, width) for row, width in widths))
         for name, store in zip(self.store_names, pools, strict=True):
             # Own contiguous planes (an encoding may return views): the kernels read rows by flat slot id.
-            setattr(self, name, _map_planes(store, lambda plane: plane.contiguous().clone()))
+            setattr(self, name, map_planes(store, lambda plane: plane.contiguous().clone()))
         # Sequence b owns pages b·n … b·n + n - 1, in order: the fixed-shape reads take the pool in that order, in
-        # place (block table None, dsa_paged_ops.sequence_rows); the table serves the eager kernels and the writes.
+        # place (block table None, dsa_paged_common.sequence_rows); the table serves the eager kernels and the writes.
         self.block_table = torch.arange(num_pages, device=self.device).view(batch_size, self.pages_per_sequence)
         self.num_tokens = torch.zeros((), dtype=torch.long, device=self.device)
         for tensor in (*self._all_planes(), self.block_table, self.num_tokens):
@@ -183,7 +183,7 @@ class _StaticPagedMixin:
         positions = past + torch.arange(new_tokens, device=self.device)
         slots = self.physical_slots(positions.expand(batch_size, -1)).reshape(-1)
         for store, encoded in zip(self._stores(), self._encode(*rows), strict=True):
-            for plane, new in zip(_planes(store), _planes(encoded), strict=True):
+            for plane, new in zip(stored_planes(store), stored_planes(encoded), strict=True):
                 _bytes_view(plane).flatten(0, 1).index_copy_(0, slots, _bytes_view(new).flatten(0, 1))
         self.num_tokens.add_(new_tokens)
         return past

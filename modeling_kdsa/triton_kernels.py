@@ -19,7 +19,7 @@ sparse absorbed MLA that read `KDSACache` pages directly through the block table
 import torch
 
 from .dsa_ops import scaled_index_weights
-from .dsa_paged_ops import _check_indexer_inputs, _check_sparse_inputs, page_geometry
+from .dsa_paged_common import check_indexer_inputs, check_sparse_inputs, page_geometry
 from .numeric_formats import QuantizedRows
 
 try:  # optional: only the "triton" backend needs it (remote code must import without it)
@@ -188,8 +188,8 @@ def paged_indexer_topk_triton(
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged indexer logits in Triton, then `torch.topk`; same signature and result as
-    `dsa_paged_ops.paged_indexer_topk_fused` (indices as a set per row: equal scores in any order)."""
-    _check_indexer_inputs(
+    `dsa_paged_fused.paged_indexer_topk_fused` (indices as a set per row: equal scores in any order)."""
+    check_indexer_inputs(
         q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask
     )
     _require_plain(index_pages, "index_cache")
@@ -223,8 +223,8 @@ def paged_sparse_mla_triton(
     softmax_scale: float,
 ) -> torch.Tensor:
     """Sparse absorbed MLA in one Triton kernel reading the selected rows from the pages; same signature and result
-    as `dsa_paged_ops.paged_sparse_mla_fused`. Returns `[B, T, H, C]` in q_latent's dtype."""
-    _check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices)  # kv_pages contiguous: read by flat slot
+    as `dsa_paged_fused.paged_sparse_mla_fused`. Returns `[B, T, H, C]` in q_latent's dtype."""
+    check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices)  # kv_pages contiguous: read by flat slot
     _require_plain(kv_pages, "kv_cache")
     require_triton()
     batch, num_queries, num_heads, latent_width = q_latent.shape

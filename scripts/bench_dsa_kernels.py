@@ -1,4 +1,4 @@
-"""Microbenchmark of the paged DSA kernels (modeling_kdsa/dsa_paged_ops.py): reference vs fused vs compiled.
+"""Microbenchmark of the paged DSA kernels (modeling_kdsa/dsa_paged_*.py): reference vs fused vs compiled.
 
 What it measures, in one run, with the default KDSAConfig dims (H 16, C 256, R 32, HI 8, DI 64, index_topk 512,
 pages of 64 tokens), bf16, batch 1, `torch.inference_mode()`, median of `--repeats` timed calls after warm-up:

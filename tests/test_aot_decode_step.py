@@ -14,7 +14,7 @@ from modeling_kdsa.aot import DecodeStepModule, compile_decode_step, export_deco
 from modeling_kdsa.aot import decode_step as aot_decode_step
 from modeling_kdsa.quantization import KDSAQuantizationConfig
 
-from modeling_kdsa import cpu_extension
+from modeling_kdsa import cpu_extension, kernels
 from modeling_kdsa.cache import KDSACache
 from modeling_kdsa.static_cache import KDSAStaticCache
 
@@ -206,13 +206,14 @@ def test_a_new_process_only_loads_the_package(fp32_package):
 
 
 def test_kernels_a_package_calls_are_registered_or_refused(monkeypatch):
-    """Every `kdsa::` op this package defines has the kernel module that registers it (a package calling an op missing
-    from `KERNEL_MODULES` could not be loaded); an unknown op, or one whose kernel does not build, is refused."""
+    """Every `kdsa::` op this package defines has the function that registers it (a package calling an op missing
+    from the kernel registry's `CPU_KERNEL_OPS` could not be loaded); an unknown op, or one whose kernel does not
+    build, is refused."""
     defined = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("kdsa::")}
-    assert defined == set(aot_decode_step.KERNEL_MODULES)
+    assert defined == set(kernels.CPU_KERNEL_OPS)
     with pytest.raises(ValueError, match="kdsa::no_such_op, an op this version of modeling_kdsa does not define"):
         aot_decode_step.register_kernels(["no_such_op"])
-    monkeypatch.setattr(aot_decode_step.cpu_kda_recurrent, "kernel_available", lambda: False)
+    monkeypatch.setitem(kernels.CPU_KERNEL_OPS, "kda_recurrent", lambda: False)
     with pytest.raises(ValueError, match="kdsa::kda_recurrent, whose CPU kernel cannot be built or loaded"):
         aot_decode_step.register_kernels(["kda_recurrent"])
 

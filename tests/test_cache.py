@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from modeling_kdsa import dsa_ops
 from modeling_kdsa.cache import PAGE_SIZE, ROLLBACK_TOKENS, KDSACache, KDSAPagedLayer
-from modeling_kdsa.dsa_paged_ops import gather_pages
+from modeling_kdsa.dsa_paged_reference import gather_pages
 
 
 def ids(batch, length, seed=0):

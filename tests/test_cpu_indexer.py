@@ -6,13 +6,10 @@ import pytest
 import torch
 from conftest import assert_avx2_builds_pass, count_calls, needs_kernel_build, runs_avx512_builds
 
-from modeling_kdsa import cpu_extension, cpu_indexer, dsa_paged_ops
-from modeling_kdsa.dsa_paged_ops import (
-    paged_indexer_topk_fused,
-    paged_indexer_topk_reference,
-    static_indexer_topk,
-    static_indexer_topk_cpu,
-)
+from modeling_kdsa import cpu_extension, cpu_indexer, dsa_paged_cpu, dsa_paged_static
+from modeling_kdsa.dsa_paged_cpu import paged_indexer_topk_cpu, static_indexer_topk_cpu
+from modeling_kdsa.dsa_paged_reference import paged_indexer_topk_reference
+from modeling_kdsa.dsa_paged_static import static_indexer_topk
 
 pytestmark = pytest.mark.usefixtures("kernels_at_this_thread_count")
 
@@ -55,7 +52,7 @@ def test_kernel_selects_exactly_the_references_keys(batch, heads, dim, num_keys,
     expected = paged_indexer_topk_reference(q_index, weights, pages, table, num_keys, top_k, num_keys - 1, mask)
     q16, pages16 = q_index.bfloat16(), pages.bfloat16()
     assert cpu_indexer.decode_kernel_applies(q16, pages16)
-    got = paged_indexer_topk_fused(q16, weights, pages16, table, num_keys, top_k, num_keys - 1, mask)
+    got = paged_indexer_topk_cpu(q16, weights, pages16, table, num_keys, top_k, num_keys - 1, mask)
     assert torch.equal(got, expected)
 
 
@@ -73,7 +70,7 @@ def test_several_queries_select_exactly_the_references_keys(monkeypatch, batch, 
     """Up to MAX_KERNEL_QUERIES queries per sequence (a verification) go through one kernel call, each query a row
     that sees the keys up to its own position (the later ones masked like padding): the reference's selection for
     every query, -1 where it sees fewer keys than the width."""
-    calls = count_calls(monkeypatch, dsa_paged_ops, "indexer_topk_decode")
+    calls = count_calls(monkeypatch, dsa_paged_cpu, "indexer_topk_decode")
     q_index, weights, pages, table = exact_case(batch, num_keys=num_keys)
     generator = torch.Generator().manual_seed(queries)
     q_index = torch.randint(-2, 3, (batch, queries, 16, 64), generator=generator).float()
@@ -81,7 +78,7 @@ def test_several_queries_select_exactly_the_references_keys(monkeypatch, batch, 
     mask = padding_mask(batch, num_keys, pads=(0, 5)) if padded else None
     start = num_keys - queries
     expected = paged_indexer_topk_reference(q_index, weights, pages, table, num_keys, top_k, start, mask)
-    got = paged_indexer_topk_fused(q_index.bfloat16(), weights, pages.bfloat16(), table, num_keys, top_k, start, mask)
+    got = paged_indexer_topk_cpu(q_index.bfloat16(), weights, pages.bfloat16(), table, num_keys, top_k, start, mask)
     assert len(calls) == 1 and calls[0][0].shape[0] == batch * queries
     assert got.shape == expected.shape == (batch, queries, min(top_k, num_keys))
     assert torch.equal(got, expected)
@@ -90,11 +87,11 @@ def test_several_queries_select_exactly_the_references_keys(monkeypatch, batch, 
 @needs_kernel_build
 def test_more_queries_than_the_kernel_takes_keep_the_blocked_path(monkeypatch):
     """17 queries (a prefill block) keep the blocked torch path, which reads each key once for all of them."""
-    calls = count_calls(monkeypatch, dsa_paged_ops, "indexer_topk_decode")
+    calls = count_calls(monkeypatch, dsa_paged_cpu, "indexer_topk_decode")
     q_index, weights, pages, table = exact_case(batch=1, num_keys=200)
     q_index, weights = q_index.expand(1, 17, 16, 64), weights.expand(1, 17, 16)
     expected = paged_indexer_topk_reference(q_index, weights, pages, table, 200, 32, 183)
-    assert torch.equal(paged_indexer_topk_fused(q_index.bfloat16(), weights, pages.bfloat16(), table, 200, 32, 183),
+    assert torch.equal(paged_indexer_topk_cpu(q_index.bfloat16(), weights, pages.bfloat16(), table, 200, 32, 183),
                        expected)  # fmt: skip
     assert not calls
 
@@ -124,7 +121,7 @@ def test_bf16_scores_are_the_fp32_products_of_the_bf16_inputs():
     q_index = torch.randn(1, 1, 8, 64, generator=generator).bfloat16()
     weights = torch.randn(1, 1, 8, generator=generator)
     expected = paged_indexer_topk_reference(q_index.float(), weights, pages.float(), table, 1270, 128, 1269)
-    got = paged_indexer_topk_fused(q_index, weights, pages, table, 1270, 128, 1269)
+    got = paged_indexer_topk_cpu(q_index, weights, pages, table, 1270, 128, 1269)
     assert torch.equal(got, expected)
 
 
@@ -138,7 +135,7 @@ def test_static_cpu_indexer_uses_the_kernel_and_equals_the_torch_static_indexer(
     mask = padding_mask(2, 256, pads=(0, 9))
     args = (torch.tensor(200), 64, torch.tensor(150), mask)  # the query at 150 sees keys 0 … 150 of 200
     expected = static_indexer_topk(q_index, weights, pages, None, *args)
-    calls = count_calls(monkeypatch, dsa_paged_ops, "indexer_topk_decode")
+    calls = count_calls(monkeypatch, dsa_paged_cpu, "indexer_topk_decode")
     got = static_indexer_topk_cpu(q_index.bfloat16(), weights, pages.bfloat16(), None, *args)
     assert len(calls) == 1 and torch.equal(got, expected)
 
@@ -174,9 +171,9 @@ def test_callers_keep_the_torch_path_where_the_kernel_does_not_apply(monkeypatch
     assert not cpu_indexer.decode_kernel_applies(q16, pages16.transpose(1, 2).contiguous().transpose(1, 2))
     monkeypatch.setattr(cpu_indexer, "kernel_available", lambda: False)
     assert not cpu_indexer.decode_kernel_applies(q16, pages16)
-    monkeypatch.setattr(dsa_paged_ops, "indexer_topk_decode", None)  # would raise if called
+    monkeypatch.setattr(dsa_paged_cpu, "indexer_topk_decode", None)  # would raise if called
     expected = paged_indexer_topk_reference(q_index, weights, pages, table, 200, 32, 199)
-    assert torch.equal(paged_indexer_topk_fused(q16, weights, pages16, table, 200, 32, 199), expected)
+    assert torch.equal(paged_indexer_topk_cpu(q16, weights, pages16, table, 200, 32, 199), expected)
 
 
 @needs_kernel_build
@@ -232,9 +229,9 @@ def test_kpool_decode_step_selects_the_pools_the_torch_path_selects(monkeypatch,
     on the upcast inputs, the query's own incomplete pool (the tail) included."""
     q_index, weights, index_pages, pool_pages, table, mask, ape = kpool_case()
     args = (table, 300, 32, 299 - query_back, mask, ape)
-    expected = dsa_paged_ops.paged_kpool_indexer_topk_fused(q_index, weights, index_pages, pool_pages, *args)
-    calls = count_calls(monkeypatch, dsa_paged_ops, "indexer_topk_decode")
-    got = dsa_paged_ops.paged_kpool_indexer_topk_fused(
+    expected = dsa_paged_cpu.paged_kpool_indexer_topk_cpu(q_index, weights, index_pages, pool_pages, *args)
+    calls = count_calls(monkeypatch, dsa_paged_cpu, "indexer_topk_decode")
+    got = dsa_paged_cpu.paged_kpool_indexer_topk_cpu(
         q_index.bfloat16(), weights, index_pages.bfloat16(), pool_pages.bfloat16(), *args
     )
     assert len(calls) == 1 and torch.equal(got, expected)
@@ -248,9 +245,9 @@ def test_static_kpool_decode_step_uses_the_kernel_and_equals_the_torch_static_on
     q_index, weights, index_pages, pool_pages, _, mask, ape = kpool_case(num_keys=256)
     pool_pages, index_pages = pool_pages[:12], index_pages[:12]  # 3 sequences x 4 pages in sequence order
     args = (None, torch.tensor(200), 32, torch.tensor(150), mask, ape)
-    expected = dsa_paged_ops.static_kpool_indexer_topk(q_index, weights, index_pages, pool_pages, *args)
-    calls = count_calls(monkeypatch, dsa_paged_ops, "indexer_topk_decode")
-    got = dsa_paged_ops.static_kpool_indexer_topk_cpu(
+    expected = dsa_paged_static.static_kpool_indexer_topk(q_index, weights, index_pages, pool_pages, *args)
+    calls = count_calls(monkeypatch, dsa_paged_cpu, "indexer_topk_decode")
+    got = dsa_paged_cpu.static_kpool_indexer_topk_cpu(
         q_index.bfloat16(), weights, index_pages.bfloat16(), pool_pages.bfloat16(), *args
     )
     assert len(calls) == 1 and torch.equal(got, expected)
@@ -270,8 +267,8 @@ def test_kpool_decode_step_never_reads_a_pool_that_ends_after_the_query():
     q_index, weights = torch.ones_like(q_index), torch.ones_like(weights)
     for query in range(290, 294):
         args = (table, 300, 32, query, mask, ape)
-        expected = dsa_paged_ops.paged_kpool_indexer_topk_fused(q_index, weights, index_pages, pool_pages, *args)
-        got = dsa_paged_ops.paged_kpool_indexer_topk_fused(
+        expected = dsa_paged_cpu.paged_kpool_indexer_topk_cpu(q_index, weights, index_pages, pool_pages, *args)
+        got = dsa_paged_cpu.paged_kpool_indexer_topk_cpu(
             q_index.bfloat16(), weights, index_pages.bfloat16(), pool_pages.bfloat16(), *args
         )
         assert torch.equal(got, expected) and int(got.max()) == query

@@ -5,6 +5,7 @@ rollback's replay is one call with the stepped state's bits; that a decode step 
 test_graph_mode.py."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from conftest import assert_avx2_builds_pass, count_calls, needs_kernel_build, runs_avx512_builds, tiny_config
 
 from modeling_kdsa import cpu_extension, cpu_kda_recurrent
-from modeling_kdsa import kda as kda_module
+from modeling_kdsa import kernels as kernels_module
 from modeling_kdsa.cache import KDAReplayRecord, KDSACache
 from modeling_kdsa.cpu_kda_recurrent import MAX_STEPPED_TOKENS, cpu_recurrent_kda, kernel_applies
 from modeling_kdsa.kda import KDSAKimiDeltaAttention
@@ -117,7 +118,8 @@ def test_a_verification_is_stepped_in_one_kernel_call(monkeypatch, tokens, padde
     calls = count_calls(monkeypatch, cpu_kda_recurrent, "kda_recurrent")
     got = run_layer(layer, x[:, 10:], cache, mask)
     assert len(calls) == 1 and calls[0][0].shape[1] == tokens
-    monkeypatch.setattr(kda_module, "steps_tokens_applies", lambda *args: False)
+    cpu_kernels = dataclasses.replace(kernels_module.CPU_KERNELS, kda_recurrent_stepwise=lambda *args: False)
+    monkeypatch.setattr(kernels_module, "CPU_KERNELS", cpu_kernels)
     expected = run_layer(layer, x[:, 10:], chunked_cache, mask)
     assert len(calls) == 1  # the chunked form ran
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -6,13 +6,11 @@ import pytest
 import torch
 from conftest import assert_avx2_builds_pass, count_calls, needs_kernel_build, runs_avx512_builds
 
-from modeling_kdsa import cpu_extension, cpu_sparse_mla, dsa_paged_ops
-from modeling_kdsa.dsa_paged_ops import (
-    paged_sparse_mla_fused,
-    paged_sparse_mla_reference,
-    static_sparse_mla,
-    static_sparse_mla_cpu,
-)
+from modeling_kdsa import cpu_extension, cpu_sparse_mla, dsa_paged_cpu
+from modeling_kdsa.dsa_paged_cpu import paged_sparse_mla_cpu, static_sparse_mla_cpu
+from modeling_kdsa.dsa_paged_fused import attend_selected
+from modeling_kdsa.dsa_paged_reference import paged_sparse_mla_reference
+from modeling_kdsa.dsa_paged_static import static_sparse_mla
 from modeling_kdsa.numeric_formats import CacheFormats
 
 pytestmark = pytest.mark.usefixtures("kernels_at_this_thread_count")
@@ -57,8 +55,8 @@ def test_kernel_is_as_close_to_the_fp32_reference_as_the_torch_path(batch, heads
     q_latent, q_pe, pages, table, indices, scale = sparse_case(batch, heads, latent, rope, selected=selected)
     assert cpu_sparse_mla.decode_kernel_applies(q_latent, q_pe, pages)
     expected = fp32_reference(q_latent, q_pe, pages, table, indices, scale)
-    got = paged_sparse_mla_fused(q_latent, q_pe, pages, table, indices, scale)
-    torch_path = dsa_paged_ops._attend(q_latent, q_pe, pages, table, indices, scale)
+    got = paged_sparse_mla_cpu(q_latent, q_pe, pages, table, indices, scale)
+    torch_path = attend_selected(q_latent, q_pe, pages, table, indices, scale)
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
     error, torch_error = (got.float() - expected).abs().max(), (torch_path.float() - expected).abs().max()
     assert error <= 2**-8 * expected.abs().max()
@@ -71,7 +69,7 @@ def test_several_queries_are_rows_of_one_kernel_call(monkeypatch, batch, queries
     """Up to MAX_KERNEL_QUERIES queries per sequence (a verification), each with its own selection: one kernel call,
     each query's output the kernel's output for that query alone, and as close to the fp32 reference as the torch
     path."""
-    calls = count_calls(monkeypatch, dsa_paged_ops, "sparse_mla_decode_cpu")
+    calls = count_calls(monkeypatch, dsa_paged_cpu, "sparse_mla_decode_cpu")
     q_latent, q_pe, pages, table, indices, scale = sparse_case(batch)
     generator = torch.Generator().manual_seed(queries)
     q_latent = torch.randn(batch, queries, 16, 256, generator=generator).bfloat16()
@@ -79,15 +77,15 @@ def test_several_queries_are_rows_of_one_kernel_call(monkeypatch, batch, queries
     indices = torch.stack([torch.stack([torch.randperm(1000, generator=generator)[:61] for _ in range(queries)])
                            for _ in range(batch)])  # fmt: skip
     indices[:, :, 5] = -1
-    got = paged_sparse_mla_fused(q_latent, q_pe, pages, table, indices, scale)
+    got = paged_sparse_mla_cpu(q_latent, q_pe, pages, table, indices, scale)
     assert len(calls) == 1 and got.shape == q_latent.shape
     monkeypatch.undo()
     for t in range(queries):
-        alone = paged_sparse_mla_fused(q_latent[:, t : t + 1], q_pe[:, t : t + 1], pages, table, indices[:, t : t + 1],
+        alone = paged_sparse_mla_cpu(q_latent[:, t : t + 1], q_pe[:, t : t + 1], pages, table, indices[:, t : t + 1],
                                        scale)  # fmt: skip
         assert torch.equal(got[:, t : t + 1], alone)
     expected = fp32_reference(q_latent, q_pe, pages, table, indices, scale)
-    torch_path = dsa_paged_ops._attend(q_latent, q_pe, pages, table, indices, scale)
+    torch_path = attend_selected(q_latent, q_pe, pages, table, indices, scale)
     error, torch_error = (got.float() - expected).abs().max(), (torch_path.float() - expected).abs().max()
     assert error <= torch_error * 1.01
 
@@ -98,7 +96,7 @@ def test_a_sequence_without_keys_gets_zeros():
     unaffected."""
     q_latent, q_pe, pages, table, indices, scale = sparse_case(batch=2)
     indices[1] = -1
-    got = paged_sparse_mla_fused(q_latent, q_pe, pages, table, indices, scale)
+    got = paged_sparse_mla_cpu(q_latent, q_pe, pages, table, indices, scale)
     expected = fp32_reference(q_latent, q_pe, pages, table, indices, scale)
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     assert (got[0].float() - expected[0]).abs().max() <= 2**-8 * expected[0].abs().max()
@@ -109,7 +107,7 @@ def test_static_cpu_sparse_mla_uses_the_kernel(monkeypatch):
     """The cpu backend's fixed-shape sparse attention (a compiled step's) goes through the kernel and is as close to
     the fp32 reference as the torch one."""
     q_latent, q_pe, pages, table, indices, scale = sparse_case()
-    calls = count_calls(monkeypatch, dsa_paged_ops, "sparse_mla_decode_cpu")
+    calls = count_calls(monkeypatch, dsa_paged_cpu, "sparse_mla_decode_cpu")
     got = static_sparse_mla_cpu(q_latent, q_pe, pages, table, indices, scale)
     assert len(calls) == 1
     expected = fp32_reference(q_latent, q_pe, pages, table, indices, scale)
@@ -154,9 +152,9 @@ def test_callers_keep_the_torch_path_where_the_kernel_does_not_apply(monkeypatch
     monkeypatch.undo()
     monkeypatch.setattr(cpu_sparse_mla, "kernel_available", lambda: False)
     assert not cpu_sparse_mla.decode_kernel_applies(q_latent, q_pe, pages)
-    monkeypatch.setattr(dsa_paged_ops, "sparse_mla_decode_cpu", None)  # would raise if called
-    expected = dsa_paged_ops._attend(q_latent, q_pe, pages, table, indices, scale)
-    assert torch.equal(paged_sparse_mla_fused(q_latent, q_pe, pages, table, indices, scale), expected)
+    monkeypatch.setattr(dsa_paged_cpu, "sparse_mla_decode_cpu", None)  # would raise if called
+    expected = attend_selected(q_latent, q_pe, pages, table, indices, scale)
+    assert torch.equal(paged_sparse_mla_cpu(q_latent, q_pe, pages, table, indices, scale), expected)
     assert torch.equal(static_sparse_mla_cpu(q_latent, q_pe, pages, table, indices, scale), expected)
 
 

@@ -13,7 +13,8 @@ import torch
 
 from modeling_kdsa.kernels import kernel_set
 
-BACKENDS = ["torch", "cpu"]  # the compiled backend runs the same `_score_block` / `_attend` code (test_dsa_paged_ops)
+# The compiled backend runs the same `score_block` / `attend_selected` code (test_dsa_paged_ops).
+BACKENDS = ["torch", "cpu"]
 FP32_UNIT_ROUNDOFF = 2.0**-24
 
 

@@ -1,4 +1,4 @@
-"""Paged DSA kernels (modeling_kdsa/dsa_paged_ops.py): the fused and compiled paths against the reference (gather the
+"""Paged DSA kernels (modeling_kdsa/dsa_paged_*.py): the fused and compiled paths against the reference (gather the
 pages, then dsa_ops), on pages placed in shuffled order with unused pages, -1 padding entries and NaN in every
 slot that no sequence owns, so that reading a wrong slot poisons the result."""
 
@@ -12,16 +12,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from modeling_kdsa import dsa_ops, dsa_paged_ops
-from modeling_kdsa.dsa_paged_ops import (
-    gather_pages,
-    paged_indexer_topk_compiled,
-    paged_indexer_topk_fused,
-    paged_indexer_topk_reference,
-    paged_sparse_mla_compiled,
-    paged_sparse_mla_fused,
-    paged_sparse_mla_reference,
-)
+from modeling_kdsa import dsa_ops, dsa_paged_compiled, dsa_paged_fused
+from modeling_kdsa.dsa_paged_compiled import paged_indexer_topk_compiled, paged_sparse_mla_compiled
+from modeling_kdsa.dsa_paged_fused import paged_indexer_topk_fused, paged_sparse_mla_fused
+from modeling_kdsa.dsa_paged_reference import gather_pages, paged_indexer_topk_reference, paged_sparse_mla_reference
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,7 +63,7 @@ def left_padding(batch: int, num_keys: int, pad: int) -> torch.Tensor:
 @pytest.fixture
 def one_page_blocks(monkeypatch):
     """Makes the fused indexer read one page per key block, so that short contexts cross many block boundaries."""
-    monkeypatch.setattr(dsa_paged_ops, "KEY_BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(dsa_paged_fused, "KEY_BLOCK_ELEMENTS", 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -192,9 +186,9 @@ def test_packed_top_k_orders_like_the_reference_stable_sort():
     specials = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.5e-38, -2.5e-38, 3e38, -3e38, float("-inf")])
     scores = specials[torch.randint(0, len(specials), (3, 5, 300), generator=generator)]
     scores[0] = torch.randn(5, 300, generator=generator)
-    packed = dsa_paged_ops._pack_scores(scores, torch.arange(300))
+    packed = dsa_paged_fused.pack_scores(scores, torch.arange(300))
     for k in (1, 7, 300):
-        got = dsa_paged_ops._unpack_indices(packed.topk(k, dim=-1).values)
+        got = dsa_paged_fused.unpack_indices(packed.topk(k, dim=-1).values)
         assert torch.equal(got, dsa_ops.select_topk(scores, k))
 
 
@@ -269,7 +263,7 @@ def largest_tensor(function, *args) -> int:
 
 def test_fused_indexer_memory_does_not_grow_with_the_context(monkeypatch):
     # A budget of 8k elements per key block (the default 2M would need a 16k+ context to be visible here).
-    monkeypatch.setattr(dsa_paged_ops, "KEY_BLOCK_ELEMENTS", 1 << 13)
+    monkeypatch.setattr(dsa_paged_fused, "KEY_BLOCK_ELEMENTS", 1 << 13)
     num_queries, index_topk = 32, 16
 
     def peak(function, num_keys):
@@ -321,7 +315,7 @@ def sparse_inputs(num_keys, num_queries, index_topk, seed, heads=4, latent_dim=3
 @pytest.mark.parametrize(("num_keys", "num_queries", "index_topk"), [(63, 1, 16), (65, 65, 2000), (200, 7, 64)])
 def test_fused_sparse_attention_equals_reference_fp32(num_keys, num_queries, index_topk, chunks, monkeypatch):
     if chunks == "one_query":
-        monkeypatch.setattr(dsa_paged_ops, "ATTENTION_ROWS_ELEMENTS", 1)
+        monkeypatch.setattr(dsa_paged_fused, "ATTENTION_ROWS_ELEMENTS", 1)
     q_latent, q_pe, rows, kv_pages, block_table, indices = sparse_inputs(num_keys, num_queries, index_topk, seed=5)
     scale = 40**-0.5
     expected = paged_sparse_mla_reference(q_latent, q_pe, kv_pages, block_table, indices, scale)
@@ -441,9 +435,9 @@ def test_compiled_equals_reference_and_does_not_recompile_as_the_context_grows()
 
 def test_compile_cache_dir_default_and_override(monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    assert dsa_paged_ops.compile_cache_dir() == os.path.expanduser("~/.cache/kdsa/torchinductor")
+    assert dsa_paged_compiled.compile_cache_dir() == os.path.expanduser("~/.cache/kdsa/torchinductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
-    assert dsa_paged_ops.compile_cache_dir() == "/somewhere/else"
+    assert dsa_paged_compiled.compile_cache_dir() == "/somewhere/else"
 
 
 @pytest.mark.slow
@@ -452,7 +446,7 @@ def test_second_process_hits_the_on_disk_compile_cache(tmp_path):
         """
         import torch
         from torch._dynamo.utils import counters
-        from modeling_kdsa.dsa_paged_ops import paged_sparse_mla_compiled
+        from modeling_kdsa.dsa_paged_compiled import paged_sparse_mla_compiled
         pages = torch.randn(4, 16, 40)
         table = torch.tensor([[2, 0]])
         indices = torch.tensor([[[0, 5, 17, -1]]])

@@ -12,7 +12,7 @@ import torch._dynamo.utils
 from conftest import count_calls, cpu_compile_config, needs_kernel_build, tiny_model
 from transformers import CompileConfig
 
-from modeling_kdsa import KDSAQuantizationConfig, cpu_kda_recurrent, cpu_row_linear, dsa_paged_ops, static_cache
+from modeling_kdsa import KDSAQuantizationConfig, cpu_kda_recurrent, cpu_row_linear, dsa_paged_cpu, static_cache
 from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer
 from modeling_kdsa.linear import KDSALinear
 from modeling_kdsa.static_cache import KDSAStaticCache, StaticKPoolLayer
@@ -335,7 +335,7 @@ def test_bf16_decode_steps_reach_the_cpu_kernels(monkeypatch, shape, batch):
     overrides, (ids, mask) = (KPOOL_MODEL, kpool_prompt()) if shape == "kpool" else ({}, prompt(batch, length=30))
     model = tiny_model(index_n_heads=8, num_attention_heads=8, **overrides).to(torch.bfloat16)
     with monkeypatch.context() as spies:  # undone before the compiled step, which traces the ops themselves
-        calls = [count_calls(spies, dsa_paged_ops, name) for name in ("indexer_topk_decode", "sparse_mla_decode_cpu")]
+        calls = [count_calls(spies, dsa_paged_cpu, name) for name in ("indexer_topk_decode", "sparse_mla_decode_cpu")]
         row_calls = count_calls(spies, cpu_row_linear, "row_linear")
         kda_calls = count_calls(spies, cpu_kda_recurrent, "kda_recurrent")
         expected = greedy(model, ids, mask, 8)
@@ -519,7 +519,8 @@ def test_paged_cache_graph_breaks_only_in_the_page_allocator(features):
                 mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
             explanation = torch._dynamo.explain(model)(step, attention_mask=mask, cache=cache)
             assert explanation.break_reasons
-            layer_files = ("dsa.py", "kda.py", "moe.py", "attn_res.py", "hyper_connections.py", "dsa_paged_ops.py")
+            layer_files = ("dsa.py", "kda.py", "moe.py", "attn_res.py", "hyper_connections.py")
+            layer_files += tuple(f"dsa_paged_{kind}.py" for kind in ("common", "reference", "fused", "cpu", "static"))
             for reason in explanation.break_reasons:
                 frames = [(frame.filename.rsplit("/", 1)[-1], frame.name) for frame in reason.user_stack]
                 assert frames[-1] == ("cache.py", "_prepare_pages"), frames

@@ -21,7 +21,7 @@ from modeling_kdsa import dsa_ops, kda_ops
 from modeling_kdsa.cache import KDSAPagedKPoolLayer
 from modeling_kdsa.configuration_kdsa import KERNEL_BACKENDS
 from modeling_kdsa.cpu_extension import kernel_isa
-from modeling_kdsa.dsa_paged_ops import read_pages
+from modeling_kdsa.dsa_paged_common import read_pages
 from modeling_kdsa.fp8_linear import KDSAFP8Linear
 from modeling_kdsa.kernels import (
     BACKEND_NAMES,
@@ -51,6 +51,7 @@ NPU_OPS = {
     "kda_recurrent": "npu_recurrent_gated_delta_rule",
 }
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+CPU_KERNELS_BUILD = kernel_isa() is not None  # an x86 CPU with AVX2 (or better) and $KDSA_CPU_KERNELS not "off"
 
 
 @pytest.fixture(params=BACKENDS)
@@ -120,6 +121,7 @@ def test_every_config_backend_is_registered_and_fields_default_to_the_torch_refe
     assert TORCH_KERNELS.kda_chunk is kda_ops.chunk_kda and TORCH_KERNELS.kda_recurrent is kda_ops.recurrent_kda
     assert set(KERNEL_NAMES) == {
         "indexer_topk", "sparse_mla", "kpool_indexer_topk", "dense_mla", "kda_chunk", "kda_recurrent",
+        "kda_recurrent_stepwise",
         "static_indexer_topk", "static_kpool_indexer_topk", "static_sparse_mla", "static_dense_mla", "kv_store",
         "dsa_decode_prolog", "row_linear", "head_matmul", "head_linear", "expert_linear", "experts_in_place",
         "fp8_dequantize", "fp8_row_linear",
@@ -311,6 +313,30 @@ def test_kda_kernels(kernels, name, seq_len):
         assert run(kernels, name, q, k, v, g, beta)[1] is None  # no final state unless asked
 
 
+
+@torch.no_grad()
+def test_kda_recurrent_stepwise(kernels):
+    """Where a backend says its `kda_recurrent` steps a T-token call as T one-token calls (then a verification and a
+    rollback's replay make one call), outputs and final state are those of the one-token calls bit for bit; the cpu
+    kernel says so (where it builds), the torch reference does not."""
+    q, k, v, g, beta, state = kda_case(5, seed=3)
+    v = v.float()
+    stepwise = kernels.require("kda_recurrent_stepwise")(q, v)
+    if kernels.name in ("cpu", "torch"):
+        assert stepwise == (kernels.name == "cpu" and CPU_KERNELS_BUILD)
+    if not stepwise:
+        pytest.skip(f"{kernels.name}'s kda_recurrent does not step a call token by token")
+    recurrent = kernels.require("kda_recurrent")
+    out, final = recurrent(q, k, v, g, beta, None, state, True)
+    steps, step_state = [], state
+    for t in range(q.shape[1]):
+        token = slice(t, t + 1)
+        step_out, step_state = recurrent(q[:, token], k[:, token], v[:, token], g[:, token], beta[:, token], None,
+                                         step_state, True)  # fmt: skip
+        steps.append(step_out)
+    assert torch.equal(out, torch.cat(steps, dim=1)) and torch.equal(final, step_state)
+
+
 def test_static_kernels(kernels):
     """The fixed-shape kernels a compiled static-cache step runs (docs/graph-mode.md §3) score / attend over every slot
     of the block table under a mask (0-d tensor lengths, a mask as wide as the capacity); they select what the paged
@@ -417,7 +443,6 @@ PRODUCT_OPS = {
     "fp8_dequantize": "kdsa::dequantize_fp8_tiles",
     "fp8_row_linear": "kdsa::fp8_row_linear",
 }
-CPU_KERNELS_BUILD = kernel_isa() is not None  # an x86 CPU with AVX2 (or better) and $KDSA_CPU_KERNELS not "off"
 
 
 def kdsa_ops_run(function):

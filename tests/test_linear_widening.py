@@ -109,7 +109,7 @@ def test_a_bf16_prefill_widens_its_attention_and_convolution_products(monkeypatc
     through `product` (and run in fp32), and the logits stay within bf16 rounding of the unwidened forward's."""
     from conftest import tiny_config
 
-    from modeling_kdsa import KDSAForCausalLM, dsa_paged_ops, kda_ops
+    from modeling_kdsa import KDSAForCausalLM, dsa_paged_fused, kda_ops
 
     torch.manual_seed(0)
     model = KDSAForCausalLM(tiny_config()).bfloat16().eval()
@@ -117,7 +117,8 @@ def test_a_bf16_prefill_widens_its_attention_and_convolution_products(monkeypatc
     monkeypatch.setattr(linear_module, "cpu_has_bf16_products", lambda: True)
     expected = model(input_ids=ids).logits.float()
     monkeypatch.setattr(linear_module, "cpu_has_bf16_products", lambda: False)
-    calls = {module: count_calls(monkeypatch, module, "product") for module in (linear_module, dsa_paged_ops, kda_ops)}
+    modules = (linear_module, dsa_paged_fused, kda_ops)
+    calls = {module: count_calls(monkeypatch, module, "product") for module in modules}
     got = model(input_ids=ids).logits.float()
     assert all(calls.values()), {module.__name__: len(c) for module, c in calls.items()}
     torch.testing.assert_close(got, expected, rtol=0, atol=0.05 * expected.abs().max().item())

@@ -18,7 +18,8 @@ from test_dsa_paged_ops import left_padding, paged
 
 from modeling_kdsa import dsa_ops, kda_device_ops, kda_ops, kernels, npu_kernels, triton_kernels
 from modeling_kdsa.cache import KDSACache, KDSAPagedLayer
-from modeling_kdsa.dsa_paged_ops import gather_pages, paged_indexer_topk_fused
+from modeling_kdsa.dsa_paged_fused import paged_indexer_topk_fused
+from modeling_kdsa.dsa_paged_reference import gather_pages
 from modeling_kdsa.kernels import kernel_set
 from modeling_kdsa.npu_kernels import (
     paged_dense_mla_npu,

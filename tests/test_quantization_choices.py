@@ -11,7 +11,7 @@ from conftest import tiny_model
 
 from modeling_kdsa import KDSAQuantizationConfig, kernels
 from modeling_kdsa.cache import KDSACache, KDSAPagedLayer
-from modeling_kdsa.dsa_paged_ops import gather_pages
+from modeling_kdsa.dsa_paged_reference import gather_pages
 from modeling_kdsa.numeric_formats import CacheFormats, fp8_tile_quantize, mxfp8_dequantize, mxfp8_quantize
 
 QUANTIZABLE = dict(index_head_dim=32, kv_lora_rank=128)

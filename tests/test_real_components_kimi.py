@@ -22,10 +22,10 @@ from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Mo
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention, KimiLinearTopkRouter
 
-from modeling_kdsa import KDSAConfig, KDSAForCausalLM, KDSAQuantizationConfig, dsa_paged_ops
+from modeling_kdsa import KDSAConfig, KDSAForCausalLM, KDSAQuantizationConfig, dsa_paged_fused
 from modeling_kdsa.cache import ROLLBACK_TOKENS, KDSACache, KDSAPagedMLALayer
 from modeling_kdsa.dsa import KDSAMultiLatentAttention
-from modeling_kdsa.dsa_paged_ops import paged_dense_mla_fused
+from modeling_kdsa.dsa_paged_fused import paged_dense_mla_fused
 from modeling_kdsa.kernels import kernel_set
 from modeling_kdsa.moe import KDSAMoE, KDSATopkRouter
 from modeling_kdsa.rotary import KDSARotaryEmbedding
@@ -175,7 +175,7 @@ def test_nope_slice_and_latent_norm_eps_matter():
 def test_fused_dense_kernel_equals_reference_over_many_blocks(backend, monkeypatch):
     """Tiny blocks force many query chunks and key blocks (online softmax across pages), scattered pages, padding,
     a query_start inside the context and a fully padded query row (gives 0)."""
-    monkeypatch.setattr(dsa_paged_ops, "DENSE_BLOCK_ELEMENTS", 256)
+    monkeypatch.setattr(dsa_paged_fused, "DENSE_BLOCK_ELEMENTS", 256)
     generator = torch.Generator().manual_seed(6)
     page_size, num_pages = 4, 12
     kv_pages = torch.randn(num_pages, page_size, 20, generator=generator)
@@ -196,7 +196,7 @@ def test_fused_dense_kernel_equals_reference_over_many_blocks(backend, monkeypat
 def test_fused_dense_kernel_never_builds_the_score_matrix(monkeypatch):
     """A 512-query prefill over 2048 keys with the block bound at 64K elements: no tensor exceeds it, so none is as
     large as one head's `[T, S]` scores (1M), let alone all heads' (4M). The output `[T, H, C]` is the bound here."""
-    monkeypatch.setattr(dsa_paged_ops, "DENSE_BLOCK_ELEMENTS", 1 << 16)
+    monkeypatch.setattr(dsa_paged_fused, "DENSE_BLOCK_ELEMENTS", 1 << 16)
     generator = torch.Generator().manual_seed(7)
     heads, num_keys, queries, page_size = 4, 2048, 512, 64
     kv_pages = torch.randn(num_keys // page_size, page_size, 40, generator=generator)
@@ -219,7 +219,7 @@ def test_fused_dense_decode_reads_bounded_row_blocks(monkeypatch):
     q_pe = torch.randn(1, 1, heads, 8, generator=generator)
     args = (q_latent, q_pe, kv_pages, block_table, num_keys, num_keys - 1, 0.2)
     whole = paged_dense_mla_fused(*args)  # one block: 2048 rows are within the default bound
-    monkeypatch.setattr(dsa_paged_ops, "DENSE_BLOCK_ELEMENTS", 4 * page_size * width)
+    monkeypatch.setattr(dsa_paged_fused, "DENSE_BLOCK_ELEMENTS", 4 * page_size * width)
     with LargestTensor() as probe:
         blocked = paged_dense_mla_fused(*args)
     assert probe.max_numel == 4 * page_size * width  # a block of 4 pages' rows is the largest tensor

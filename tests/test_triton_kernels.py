@@ -16,7 +16,8 @@ if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRE
     pytest.skip("needs triton and TRITON_INTERPRET=1 (scripts/test_triton_interpret.sh)", allow_module_level=True)
 
 from modeling_kdsa import kernels  # noqa: E402
-from modeling_kdsa.dsa_paged_ops import paged_sparse_mla_fused, paged_sparse_mla_reference  # noqa: E402
+from modeling_kdsa.dsa_paged_fused import paged_sparse_mla_fused  # noqa: E402
+from modeling_kdsa.dsa_paged_reference import paged_sparse_mla_reference  # noqa: E402
 from modeling_kdsa.triton_kernels import paged_sparse_mla_triton  # noqa: E402
 
 
