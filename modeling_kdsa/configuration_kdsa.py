@@ -76,11 +76,13 @@ class KDSAConfig(PreTrainedConfig):
     routed_expert_weight_format (`str`): `"dense"` (weights in the model dtype) or `"mxfp4"` (OCP MX FP4: E2M1 codes
         two per byte, one E8M0 scale per 32 input columns, kept packed and dequantized per expert at use,
         docs/kimi-k3.md §4).
-    kernel_backend (`str`): which kernels read the paged DSA cache: `"torch"` (the readable reference),
-        `"cpu"` (fused, memory-bounded), `"compiled"` (the fused kernels under torch.compile), `"npu"` (torch_npu's
-        fused Lightning Indexer and Sparse Flash Attention; contract-tested on CPU, not run on Ascend hardware,
-        docs/backends.md §2), `"triton"` (Triton kernels reading the pages; tested under Triton's interpreter, not
-        run on a GPU, docs/backends.md §4; opt-in), or `"auto"` (`"cpu"` on CPU, `"npu"` on an NPU, the reference
+    kernel_backend (`str`): which kernels the model runs (the kernel registry, docs/backends.md §1: the paged DSA
+        cache's readers, KDA, the layers' products): `"torch"` (the readable reference; no C++ kernel), `"cpu"`
+        (fused, memory-bounded, with the C++ kernels of docs/backends.md §7 where they apply), `"compiled"` (the
+        fused kernels under torch.compile), `"npu"` (torch_npu's fused Lightning Indexer and Sparse Flash
+        Attention; contract-tested on CPU, not run on Ascend hardware, docs/backends.md §2), `"triton"` (Triton
+        kernels reading the pages; tested under Triton's interpreter, not run on a GPU, docs/backends.md §4;
+        opt-in), or `"auto"` (`"cpu"` on CPU, `"npu"` on an NPU, the reference
         elsewhere). These are the eager kernels; a compiled decode step with `KDSAStaticCache`
         (`generate(cache_implementation="static", compile_config=...)`) runs fixed-shape kernels whatever the backend
         (docs/graph-mode.md §2, §3).

@@ -126,7 +126,9 @@ def kernel_isa() -> str | None:
     """The instruction set whose kernel builds this process uses: "avx512_bf16" where `cpu_has_bf16_products`, else
     "avx2" where ATen's own AVX2 kernels run (AVX2 and FMA), else None; every kernel has an AVX2 build.
     $KDSA_CPU_KERNELS overrides the choice for the process: "avx2" takes the AVX2 builds also on an AVX512-BF16 CPU
-    (to test or compare them), "off" no kernel at all (the torch paths); "auto", the default, as above."""
+    (to test or compare them), "off" no kernel at all (the `cpu` backend's entries then run their torch fallbacks);
+    "auto", the default, as above. It picks the build only: which kernels a model runs is its `kernel_backend`'s
+    KernelSet (kernels.py; `torch` runs none of these)."""
     choice = os.environ.get("KDSA_CPU_KERNELS", "auto")
     if choice not in ("auto", "avx2", "off"):
         raise ValueError(f"KDSA_CPU_KERNELS must be 'auto', 'avx2' or 'off', got {choice!r}")
