@@ -27,12 +27,15 @@ One round, for a batch of B left-padded rows (docs/speculative.md):
 
 Whether a round drafts at all is `DraftSchedule`'s choice: "adaptive" (the default) drafts only while drafting
 rounds commit more tokens per second than plain steps, measured as decoding goes; "always" drafts every round.
+On a model cut by tensor parallelism the ranks of its group run every forward together, so they must make the same
+choice: each round's seconds are the slowest rank's (one all-reduce per round), docs/parallel.md §12.
 """
 
 import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import ROLLBACK_TOKENS, KDSACache
@@ -328,6 +331,27 @@ def _drafter(model, generation_config, batch_size: int, assistant_model):
     return DSparkDrafter(model, assistant_model, batch_size, float(threshold))
 
 
+def sharded_group(model):
+    """The process group whose ranks run every forward of `model` together on the same tokens, or None when the model
+    is whole in this process: the tp group of a model cut by `parallel.apply_tensor_parallel` (its
+    `tensor_parallel_group`) or loaded with transformers' `tp_plan` (`_tp_size` > 1, the "tp" mesh of its
+    `_mesh_manager`)."""
+    group = getattr(model, "tensor_parallel_group", None)
+    if group is not None:
+        return group
+    manager = getattr(model, "_mesh_manager", None)
+    if (getattr(model, "_tp_size", None) or 1) > 1 and manager is not None:
+        return manager.get_mesh("tp").get_group()
+    return None
+
+
+def slowest_seconds(seconds: float, group, device) -> float:
+    """The largest of every rank's `seconds` over `group` (a collective: every rank of the group calls it)."""
+    measured = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
+    return float(measured.item())
+
+
 def _check_supported(generation_config) -> None:
     if generation_config.num_return_sequences not in (None, 1):
         raise ValueError("speculative decoding (use_mtp / dspark) needs num_return_sequences=1")
@@ -356,6 +380,12 @@ def speculative_generate(
     """generate()'s decoding loop for `use_mtp=True` and `speculation_type="dspark"` (called from
     `KDSAForCausalLM._assisted_decoding` with generate()'s own processors, stopping criteria and cache)."""
     _check_supported(generation_config)
+    if getattr(model, "expert_parallel_group", None) is not None:
+        raise ValueError(
+            "speculative decoding (use_mtp / dspark) is not supported under expert parallelism: the ep ranks decode "
+            "different sequences, accept different numbers of drafts and would call the expert all-to-alls a "
+            "different number of times (docs/parallel.md §12)"
+        )
     if assistant_tokenizer is not None:
         raise ValueError("DSpark and MTP drafts share the target's vocabulary: pass no assistant_tokenizer")
     cache = model_kwargs.get("cache")
@@ -367,6 +397,9 @@ def speculative_generate(
     batch_size = input_ids.shape[0]
     drafter = _drafter(model, generation_config, batch_size, assistant_model)
     schedule = DraftSchedule(getattr(generation_config, "draft_schedule", None) or DEFAULT_DRAFT_SCHEDULE)
+    # The ranks of a sharded model must draft in the same rounds: they agree on the measured seconds. A model whole in
+    # this process syncs nothing (independent processes run their own numbers of rounds).
+    sync_group = sharded_group(model) if schedule.adaptive else None
     sampler = Sampler(logits_processor, bool(generation_config.do_sample))
     pad = generation_config._pad_token_tensor
     attention_mask = model_kwargs.get("attention_mask")
@@ -442,7 +475,10 @@ def speculative_generate(
             pairs_mask = None if attention_mask is None else attention_mask[:, : past + accepted + 1]
             pending.add(kept, emit, pairs_mask, positions[:, : accepted + 1])
         if room:  # a round with no room left before max_length measures neither side
-            schedule.record(drafting, accepted + 1, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            if sync_group is not None:
+                seconds = slowest_seconds(seconds, sync_group, input_ids.device)
+            schedule.record(drafting, accepted + 1, seconds)
     return output.result(input_ids, cache, generation_config)
 
 

@@ -270,6 +270,8 @@ def apply_expert_parallel(model, group_or_mesh):
     apply_tensor_parallel(model, mesh.tp)
     for moe in moes:
         moe.experts = ExpertParallelExperts(moe.experts, num_experts, mesh)
+    if mesh.ep_size > 1:  # the ep ranks run different sequences: speculative decoding refuses such a model
+        model.expert_parallel_group = mesh.ep_group
     return model
 
 

@@ -158,6 +158,7 @@ def _split_experts(model, mesh: ExpertParallelMesh) -> None:
         if isinstance(layer.mlp, KDSAMoE):
             _keep_experts(layer.mlp.experts, mesh.ep_rank * per_rank, (mesh.ep_rank + 1) * per_rank)
             layer.mlp.experts = ExpertParallelExperts(layer.mlp.experts, num_experts, mesh)
+    model.expert_parallel_group = mesh.ep_group
 
 
 @torch.no_grad()

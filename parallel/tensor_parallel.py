@@ -224,6 +224,8 @@ def apply_tensor_parallel(model, mesh: ParallelMesh):
         for plan in layer_shard_plans(layer):
             shard_in_place(plan, rank, size)
             plan.reduced.register_forward_hook(all_reduce_output_hook(mesh, plan.tag))
+    # The group whose ranks run every forward together: speculative decoding agrees on its drafting rounds over it.
+    model.tensor_parallel_group = mesh.tp_group
     return model
 
 
