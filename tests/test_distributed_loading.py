@@ -319,3 +319,21 @@ def test_tp_size_without_a_launcher_is_refused(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="tp_size=2 but the world size is 1.*torchrun --nproc-per-node 2"):
         KDSAForCausalLM.from_pretrained(CHECKPOINT, tp_size=2, tp_plan="auto")
+
+
+@pytest.mark.slow
+def test_tp_generate_script_under_torchrun():
+    """scripts/tp_generate.py as docs/parallel.md §10 launches it: 2 processes started by torchrun, `--check`."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    torchrun = Path(sys.executable).with_name("torchrun")
+    script, checkpoint = root / "scripts" / "tp_generate.py", root / "checkpoints" / "kdsa-tiny"
+    command = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(_free_port()), str(script), str(checkpoint)]
+    command.append("--check")
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 2 and all("tokens equal to one process: True" in line for line in lines), result.stdout
