@@ -49,17 +49,17 @@ STYLE_PLANS = {
     "kdsa_feed_forward": feed_forward_shard_plan,
 }
 
-_PARALLEL_MESHES: dict[int, ParallelMesh] = {}
+_PARALLEL_MESHES: dict[int, tuple[object, ParallelMesh]] = {}
 
 
 def _parallel_mesh(device_mesh) -> ParallelMesh:
-    """One `ParallelMesh` (tp = the 1-D device mesh, cp = 1) per device mesh, so its byte log covers every layer."""
+    """One `ParallelMesh` (tp = the 1-D device mesh, cp = 1) per device mesh, so its byte log covers every layer. The
+    device mesh is kept with it, so its id is not reused by another mesh."""
     key = id(device_mesh)
     if key not in _PARALLEL_MESHES:
-        device = torch.device(device_mesh.device_type) if device_mesh.device_type == "cpu" else None
-        if device is None:
-            device = torch.device(device_mesh.device_type, int(os.environ.get("LOCAL_RANK", 0)))
-        _PARALLEL_MESHES[key] = ParallelMesh(
+        kind = device_mesh.device_type
+        device = torch.device(kind) if kind == "cpu" else torch.device(kind, int(os.environ.get("LOCAL_RANK", 0)))
+        mesh = ParallelMesh(
             cp_size=1,
             tp_size=device_mesh.size(),
             cp_rank=0,
@@ -68,7 +68,8 @@ def _parallel_mesh(device_mesh) -> ParallelMesh:
             tp_group=device_mesh.get_group(),
             device=device,
         )
-    return _PARALLEL_MESHES[key]
+        _PARALLEL_MESHES[key] = (device_mesh, mesh)
+    return _PARALLEL_MESHES[key][1]
 
 
 class KDSAHeadShardStyle(TensorParallelLayer):
