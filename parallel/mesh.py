@@ -145,11 +145,37 @@ def init_parallel_mesh(cp_size: int, tp_size: int, backend: str | None = None) -
     )
 
 
+def mesh_from_device_mesh(device_mesh: DeviceMesh) -> ParallelMesh:
+    """The `ParallelMesh` of a torch `DeviceMesh` that has a "cp" and / or a "tp" dim and no other dim of size > 1, e.g.
+    the one accelerate's `ParallelismConfig(cp_size=..., tp_size=...).build_device_mesh(device_type)` builds (dims
+    `dp_replicate, dp_shard, cp, sp, tp` in that order, tp innermost, as `init_parallel_mesh`; docs/parallel.md §11).
+    Raises `ValueError` (the same on every rank: the mesh is the same everywhere) for another layout."""
+    names = device_mesh.mesh_dim_names or ()
+    others = [name for name in names if name not in ("cp", "tp") and device_mesh[name].size() > 1]
+    if others or not set(names) & {"cp", "tp"}:
+        sizes = dict(zip(names, device_mesh.shape, strict=True))
+        raise ValueError(f"a (cp, tp) mesh needs 'cp' / 'tp' dims and no other dim of size > 1, got {sizes}")
+
+    def dim(name: str):
+        if name not in names:
+            return 1, 0, None
+        sub = device_mesh[name]
+        return sub.size(), sub.get_local_rank(), sub.get_group()
+
+    (cp_size, cp_rank, cp_group), (tp_size, tp_rank, tp_group) = dim("cp"), dim("tp")
+    device = torch.device("cpu")
+    if device_mesh.device_type != "cpu":
+        device_module = getattr(torch, device_mesh.device_type)
+        device = torch.device(device_mesh.device_type, device_module.current_device())
+    return ParallelMesh(cp_size, tp_size, cp_rank, tp_rank, cp_group, tp_group, device, device_mesh)
+
+
 __all__ = [
     "CommLog",
     "ParallelMesh",
     "default_device_and_backend",
     "init_parallel_mesh",
+    "mesh_from_device_mesh",
     "raise_on_all_ranks",
     "single_process_mesh",
 ]

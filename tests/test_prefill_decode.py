@@ -224,3 +224,26 @@ def test_cp2_tp2_prefill_then_tp2_ep2_decode(four_ranks):
         prefill_bytes, decode_bytes, full_bytes = result["cp2tp2_tp2ep2_bytes"]
         assert decode_bytes < prefill_bytes < full_bytes
         assert "moving head shards between ranks is not implemented" in result["error_move_heads"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_prefill_decode_script(tmp_path, launcher):
+    """scripts/prefill_decode.py as docs/parallel.md §11 launches it, on 2 processes: cp 2 → tp 2 with `--check`;
+    under `accelerate launch` the prefill mesh is accelerate's `ParallelismConfig(cp_size=2)` device mesh."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    binaries = Path(sys.executable).parent
+    script = [str(root / "scripts" / "prefill_decode.py"), str(CHECKPOINT), "--cp", "2", "--decode-tp", "2", "--check"]
+    if launcher == "torchrun":
+        command = [str(binaries / "torchrun"), "--nproc_per_node", "2", "--master_port", str(_free_port()), *script]
+    else:
+        command = [str(binaries / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+                   "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+                   str(_free_port()), *script, "--mesh", "accelerate"]  # fmt: skip
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 2 and all(line.endswith("tokens equal to one process: True") for line in lines), lines
