@@ -80,3 +80,24 @@ def check_sequence_parallel(sequence_parallel, local_len: int, attention_mask, p
             "sequence_parallel needs an empty KDSACache or none (it starts a sequence; the fixed-capacity "
             "KDSAStaticCache is not supported)"
         )
+
+
+def padding_mask(attention_mask: torch.Tensor | None, batch_size: int, total_len: int) -> torch.Tensor | None:
+    """Validate the 2-D padding mask `[B, past + T]`; return it as bool, or None when nothing is padded."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            f"KDSA takes a 2-D padding mask [batch, past + new tokens]; got shape {tuple(attention_mask.shape)}"
+        )
+    if attention_mask.shape != (batch_size, total_len):
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} does not match [batch={batch_size}, "
+            f"past + new tokens={total_len}]"
+        )
+    attention_mask = attention_mask.bool()
+    if torch.compiler.is_compiling():
+        # `all()` would be a host sync and a data-dependent branch: a compiled forward keeps the mask (an all-True
+        # mask changes no value; docs/graph-mode.md §1).
+        return attention_mask
+    return None if bool(attention_mask.all()) else attention_mask

@@ -20,7 +20,9 @@ from transformers.cache_utils import Cache
 
 from .cache import KDSACache, attention_store_class
 from .configuration_kdsa import KDSAConfig
+from .decoder_layer import KDSADecoderLayer, PlainResidualStream
 from .linear import KDSALinear
+from .modeling_validation import padding_mask
 from .norms import KDSARMSNorm
 from .rotary import KDSARotaryEmbedding
 
@@ -107,8 +109,6 @@ class KDSAMTPLayer(nn.Module):
 
     def __init__(self, mtp_config: KDSAConfig, layer_idx: int):
         super().__init__()
-        from .modeling_kdsa import KDSADecoderLayer  # the decoder layer's module builds the MTP: imported late
-
         hidden = mtp_config.hidden_size
         self.enorm = KDSARMSNorm(hidden, eps=mtp_config.rms_norm_eps)
         self.hnorm = KDSARMSNorm(hidden, eps=mtp_config.rms_norm_eps)
@@ -168,7 +168,6 @@ class KDSAMultiTokenPredictor(nn.Module):
         real; past = the pairs this layer's cache store holds) or None, `position_ids [B, T]` (i; default past ..
         past + T - 1), `cache` a `KDSAMTPCache` from `new_cache` or None (a forward over the whole sequence). Returns
         the block output `[B, T, D]` before the final norm (`logits` applies it)."""
-        from .modeling_kdsa import KDSAModel, PlainResidualStream
 
         mtp_layer = self._check_layer(layer)
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.mtp_config.hidden_size:
@@ -193,9 +192,9 @@ class KDSAMultiTokenPredictor(nn.Module):
         if cache is not None:
             past = cache.get_seq_length(layer)
             # Validated before any page is reserved (the DSA layer checks it again against its store).
-            KDSAModel._padding_mask(attention_mask, batch, past + seq_len)
+            padding_mask(attention_mask, batch, past + seq_len)
             cache.begin_forward(seq_len, like=projected, layer_idx=layer)
-        attention_mask = KDSAModel._padding_mask(attention_mask, batch, past + seq_len)
+        attention_mask = padding_mask(attention_mask, batch, past + seq_len)
         if position_ids is None:
             position_ids = (torch.arange(seq_len, device=projected.device) + past).unsqueeze(0).expand(batch, -1)
         position_embeddings = self.rotary_emb(projected, position_ids) if self.rotary_emb is not None else None
