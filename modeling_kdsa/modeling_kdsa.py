@@ -568,7 +568,14 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
     def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
         """`use_mtp=True` (the checkpoint's MTP layers) and `speculation_type="dspark"` (a `DSparkDraftModel` as
         `assistant_model`) run KDSA's own block-drafting loop (speculative.py, docs/speculative.md), batched;
-        assisted decoding with another model and prompt lookup stay transformers' own."""
+        assisted decoding with another model and prompt lookup stay transformers' own. None of them runs under
+        expert parallelism."""
+        if getattr(self, "expert_parallel_group", None) is not None:
+            raise ValueError(
+                "speculative decoding (use_mtp, dspark, prompt lookup, an assistant model) is not supported under "
+                "expert parallelism: the ep ranks decode different sequences, accept different numbers of drafts and "
+                "would call the expert all-to-alls a different number of times (docs/parallel.md §12)"
+            )
         if generation_config.use_mtp or generation_config.speculation_type == "dspark":
             return speculative_generate(
                 self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs

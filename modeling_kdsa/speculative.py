@@ -380,12 +380,6 @@ def speculative_generate(
     """generate()'s decoding loop for `use_mtp=True` and `speculation_type="dspark"` (called from
     `KDSAForCausalLM._assisted_decoding` with generate()'s own processors, stopping criteria and cache)."""
     _check_supported(generation_config)
-    if getattr(model, "expert_parallel_group", None) is not None:
-        raise ValueError(
-            "speculative decoding (use_mtp / dspark) is not supported under expert parallelism: the ep ranks decode "
-            "different sequences, accept different numbers of drafts and would call the expert all-to-alls a "
-            "different number of times (docs/parallel.md §12)"
-        )
     if assistant_tokenizer is not None:
         raise ValueError("DSpark and MTP drafts share the target's vocabulary: pass no assistant_tokenizer")
     cache = model_kwargs.get("cache")

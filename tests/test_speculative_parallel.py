@@ -87,6 +87,9 @@ def _scenario_tp2(rank: int, results: dict) -> None:
     # Expert parallelism: the ep ranks decode different sequences; speculative decoding is refused on every rank.
     ep_model = apply_expert_parallel(_load(), dist.group.WORLD)
     results["error_ep"] = _expect_error(lambda: ep_model.generate(ids[rank : rank + 1], use_mtp=True, **greedy))
+    results["error_ep_lookup"] = _expect_error(
+        lambda: ep_model.generate(ids[rank : rank + 1], prompt_lookup_num_tokens=3, **greedy)
+    )
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, tests_dir: str) -> None:
@@ -151,3 +154,4 @@ def test_whole_models_in_each_process_do_not_sync(two_ranks):
 def test_speculative_decoding_refused_under_expert_parallelism(two_ranks):
     for result in two_ranks:
         assert "not supported under expert parallelism" in result["error_ep"]
+        assert "not supported under expert parallelism" in result["error_ep_lookup"]
