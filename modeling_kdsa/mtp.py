@@ -112,7 +112,7 @@ class KDSAMTPLayer(nn.Module):
         hidden = mtp_config.hidden_size
         self.enorm = KDSARMSNorm(hidden, eps=mtp_config.rms_norm_eps)
         self.hnorm = KDSARMSNorm(hidden, eps=mtp_config.rms_norm_eps)
-        self.eh_proj = KDSALinear(2 * hidden, hidden, bias=False)
+        self.eh_proj = KDSALinear(2 * hidden, hidden, bias=False, kernel_backend=mtp_config.kernel_backend)
         self.block = KDSADecoderLayer(mtp_config, layer_idx)
         self.shared_head = KDSAMTPSharedHead(mtp_config)
 

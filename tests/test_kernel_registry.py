@@ -530,19 +530,21 @@ def test_fp8_held_layer_follows_its_backend(backend):
 @torch.no_grad()
 def test_torch_backend_runs_no_cpu_kernel(dtype):
     """kernel_backend='torch' is the pure torch reference: a forward and a generate (prefill, decode steps, a
-    left-padded batch) run no `kdsa::` op; the same on `cpu` runs the C++ kernels (where they build), so the check sees
-    them."""
+    left-padded batch, and MTP drafting with the model's MTP layer) run no `kdsa::` op; the same on `cpu` runs the C++
+    kernels (where they build), so the check sees them."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 120, (2, 12), generator=generator)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     ops, logits = {}, {}
     for backend in ("torch", "cpu"):
-        model = tiny_model(kernel_backend=backend).to(dtype)
+        model = tiny_model(kernel_backend=backend, num_mtp_layers=1).to(dtype)
 
         def forward_and_generate(model=model):
             out = model(input_ids=ids, attention_mask=mask).logits
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, use_mtp=True,
+                           draft_schedule="always")  # fmt: skip
             return out
 
         logits[backend], ops[backend] = kdsa_ops_run(forward_and_generate)
