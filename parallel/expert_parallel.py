@@ -25,7 +25,6 @@ gloo runs `all_to_all_single` with uneven split sizes on CPU tensors (its list f
 sizes), as do nccl and hccl.
 """
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from modeling_kdsa.fp8_linear import KDSAFP8Linear
 from modeling_kdsa.moe import KDSAExperts, KDSAMoE
 
-from .mesh import ParallelMesh, default_device_and_backend, raise_on_all_ranks, single_process_mesh
+from .mesh import ParallelMesh, join_process_group, raise_on_all_ranks, single_process_mesh
 from .tensor_parallel import apply_tensor_parallel, tensor_parallel_errors
 
 
@@ -89,25 +88,12 @@ def init_expert_parallel_mesh(tp_size: int, ep_size: int, backend: str | None = 
     """Join (or start, from torchrun's `env://` variables) the default process group and build the `(ep, tp)` mesh.
     Raises the same `ValueError` on every rank when `world size != tp · ep`, a size is not positive, or the ranks
     were started with different sizes; the verdicts are exchanged before the mesh's groups are created."""
-    device_type, default_backend = default_device_and_backend()
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend or default_backend)
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    error = None
-    if tp_size < 1 or ep_size < 1:
-        error = f"tp and ep must be >= 1, got tp={tp_size}, ep={ep_size}"
-    elif world_size != tp_size * ep_size:
-        error = f"world size {world_size} != tp·ep = {tp_size}·{ep_size} = {tp_size * ep_size}"
-    sizes = [None] * world_size
-    dist.all_gather_object(sizes, (tp_size, ep_size))
-    if error is None and len(set(sizes)) > 1:
-        error = f"ranks were started with different (tp, ep) sizes: {sizes}"
-    raise_on_all_ranks(error)
-    device = torch.device("cpu")
-    if device_type != "cpu":  # one accelerator per process, picked by the launcher's LOCAL_RANK
-        device_module = getattr(torch, device_type)
-        device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", rank % device_module.device_count())))
-        device_module.set_device(device)
+    device_type, device = join_process_group({"tp": tp_size, "ep": ep_size}, backend)
+    return expert_parallel_mesh(device_type, tp_size, ep_size, device)
+
+
+def expert_parallel_mesh(device_type: str, tp_size: int, ep_size: int, device: torch.device) -> ExpertParallelMesh:
+    """The `(ep, tp)` mesh over all ranks of the default process group, tp innermost; a collective."""
     device_mesh = init_device_mesh(device_type, (ep_size, tp_size), mesh_dim_names=("ep", "tp"))
     tp = ParallelMesh(
         cp_size=1,
@@ -281,5 +267,6 @@ __all__ = [
     "ExpertParallelMesh",
     "apply_expert_parallel",
     "expert_parallel_errors",
+    "expert_parallel_mesh",
     "init_expert_parallel_mesh",
 ]

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from modeling_kdsa.cache import KDAReplayLayer, KDSACache
 from modeling_kdsa.configuration_kdsa import KDA_LAYER
@@ -38,6 +37,7 @@ from .expert_parallel import (
     _keep_experts,
     apply_expert_parallel,
     expert_parallel_errors,
+    expert_parallel_mesh,
 )
 from .mesh import ParallelMesh, default_device_and_backend, raise_on_all_ranks
 from .tensor_parallel import apply_tensor_parallel, tensor_parallel_errors
@@ -117,22 +117,6 @@ def hand_over_errors(model, cache, prefill_mesh: ParallelMesh, tp_size: int, ep_
     return tensor_parallel_errors(model.config, tp_size)
 
 
-def _decode_mesh(prefill_mesh: ParallelMesh, tp_size: int, ep_size: int) -> ExpertParallelMesh:
-    """The `(ep, tp)` mesh over the prefill's ranks, tp innermost (parallel/expert_parallel.py's order)."""
-    device_type, _ = default_device_and_backend()
-    device_mesh = init_device_mesh(device_type, (ep_size, tp_size), mesh_dim_names=("ep", "tp"))
-    tp = ParallelMesh(
-        cp_size=1,
-        tp_size=tp_size,
-        cp_rank=0,
-        tp_rank=device_mesh.get_local_rank("tp"),
-        cp_group=None,
-        tp_group=device_mesh.get_group("tp"),
-        device=prefill_mesh.device,
-    )
-    return ExpertParallelMesh(ep_size, device_mesh.get_local_rank("ep"), device_mesh.get_group("ep"), tp)
-
-
 def _kda_head_slice(layer: KDAReplayLayer, attn, rank: int, size: int) -> None:
     """Keep tp rank `rank`'s contiguous block of the KDA heads of `attn` (whole, `H` heads) in `layer`'s live state:
     the conv window's q, k and v channel blocks (`[B, 2·H·K + H·V, W]`, q | k | v as kda.py concatenates them) and
@@ -175,7 +159,8 @@ def hand_over_to_decode(model, cache: KDSACache, prefill_mesh: ParallelMesh, tp_
         raise_on_all_ranks(error)
     elif error is not None:
         raise ValueError(error)
-    mesh = _decode_mesh(prefill_mesh, tp_size, ep_size)
+    # The (ep, tp) mesh over the prefill's ranks, tp innermost.
+    mesh = expert_parallel_mesh(default_device_and_backend()[0], tp_size, ep_size, prefill_mesh.device)
     if prefill_mesh.tp_size == 1 and tp_size > 1:
         base = getattr(model, "model", model)
         for layer, layer_cache in zip(base.layers, cache.layers, strict=True):

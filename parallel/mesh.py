@@ -12,6 +12,7 @@ not leave the others waiting in a collective. `raise_on_all_ranks` therefore exc
 small all-gather that all ranks reach) and raises the same `ValueError` everywhere when any rank failed.
 """
 
+import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -110,28 +111,40 @@ def single_process_mesh(device: torch.device | str = "cpu") -> ParallelMesh:
     return ParallelMesh(1, 1, 0, 0, None, None, torch.device(device))
 
 
-def init_parallel_mesh(cp_size: int, tp_size: int, backend: str | None = None) -> ParallelMesh:
-    """Join (or start, from the `env://` variables of torchrun / accelerate) the default process group and build the
-    (cp, tp) mesh. Raises `ValueError` on every rank when `world size != cp · tp` or a size is not positive."""
+def join_process_group(sizes: dict[str, int], backend: str | None = None) -> tuple[str, torch.device]:
+    """Join (or start, from the `env://` variables of torchrun / accelerate) the default process group for a mesh of
+    `sizes` (dim name -> size, in the order the error messages name them) and pick this process's device. Raises the
+    same `ValueError` on every rank when a size is not positive, the world size is not their product, or the ranks
+    were started with different sizes; the verdicts are exchanged before any mesh group is created. Returns the device
+    type (for `init_device_mesh`) and the device."""
     device_type, default_backend = default_device_and_backend()
     if not dist.is_initialized():
         dist.init_process_group(backend=backend or default_backend)
     world_size, rank = dist.get_world_size(), dist.get_rank()
+    names, values = list(sizes), tuple(sizes.values())
     error = None
-    if cp_size < 1 or tp_size < 1:
-        error = f"cp and tp must be >= 1, got cp={cp_size}, tp={tp_size}"
-    elif world_size != cp_size * tp_size:
-        error = f"world size {world_size} != cp·tp = {cp_size}·{tp_size} = {cp_size * tp_size}"
-    sizes = [None] * world_size
-    dist.all_gather_object(sizes, (cp_size, tp_size))
-    if error is None and len(set(sizes)) > 1:
-        error = f"ranks were started with different (cp, tp) sizes: {sizes}"
+    if min(values) < 1:
+        given = ", ".join(f"{name}={size}" for name, size in sizes.items())
+        error = f"{' and '.join(names)} must be >= 1, got {given}"
+    elif world_size != math.prod(values):
+        error = f"world size {world_size} != {'·'.join(names)} = {'·'.join(map(str, values))} = {math.prod(values)}"
+    all_sizes = [None] * world_size
+    dist.all_gather_object(all_sizes, values)
+    if error is None and len(set(all_sizes)) > 1:
+        error = f"ranks were started with different ({', '.join(names)}) sizes: {all_sizes}"
     raise_on_all_ranks(error)
     device = torch.device("cpu")
     if device_type != "cpu":  # one accelerator per process, picked by the launcher's LOCAL_RANK
         device_module = getattr(torch, device_type)
         device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", rank % device_module.device_count())))
         device_module.set_device(device)
+    return device_type, device
+
+
+def init_parallel_mesh(cp_size: int, tp_size: int, backend: str | None = None) -> ParallelMesh:
+    """Join (or start, from the `env://` variables of torchrun / accelerate) the default process group and build the
+    (cp, tp) mesh. Raises `ValueError` on every rank when `world size != cp · tp` or a size is not positive."""
+    device_type, device = join_process_group({"cp": cp_size, "tp": tp_size}, backend)
     device_mesh = init_device_mesh(device_type, (cp_size, tp_size), mesh_dim_names=("cp", "tp"))
     return ParallelMesh(
         cp_size=cp_size,
@@ -175,6 +188,7 @@ __all__ = [
     "ParallelMesh",
     "default_device_and_backend",
     "init_parallel_mesh",
+    "join_process_group",
     "mesh_from_device_mesh",
     "raise_on_all_ranks",
     "single_process_mesh",
