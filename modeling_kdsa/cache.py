@@ -30,7 +30,7 @@ attention mask the model passes to the kernels.
 from typing import NamedTuple
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin
 
 from .configuration_kdsa import DSA_LAYER, MLA_LAYER
 from .dsa_ops import kpool_keys
@@ -871,60 +871,11 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
         return {"states": states, "rollback": checkpoint + records, "per_pending_token": per_token}
 
 
-class KDSACache(Cache):
-    """The cache `generate()` uses for KDSA models: `KDAReplayLayer` for KDA layers, `KDSAPagedLayer` for DSA
-    layers (`KDSAPagedKPoolLayer` with the k-pool indexer), `KDSAPagedMLALayer` for dense MLA and shared-indexer DSA
-    layers (`attention_store_class`).
-
-    `max_cache_tokens`: optional capacity per sequence; a forward that would exceed it raises a `ValueError`
-    before anything is written, so the cache stays usable.
-    `rollback_tokens`: how many tokens since the last `crop` the KDA layers can roll back (see `KDAReplayLayer`).
-    The default 0 keeps no replay records (no cost; a KDA rollback raises), because most forwards never crop;
-    `generate()` passes `ROLLBACK_TOKENS` itself for assisted generation / prompt lookup and for draft models.
-    Pass it yourself to `crop` a cache you drive by hand.
-    DSA and dense MLA stores take their formats from `config.quantization_config`
-    (`numeric_formats.CacheFormats.from_config`).
-    Under `torch.compile` the page allocator is a graph break; `begin_forward` runs it for all layers before the
-    decoder layers (docs/graph-mode.md §1). For a compiled decode step use the fixed-capacity subclass
-    `static_cache.KDSAStaticCache` (`generate(cache_implementation="static")`, docs/graph-mode.md §2).
-    """
-
-    def __init__(
-        self,
-        config,
-        max_cache_tokens: int | None = None,
-        page_size: int = PAGE_SIZE,
-        rollback_tokens: int = 0,
-    ):
-        layers = []
-        for layer_idx, layer_type in enumerate(config.layer_types):
-            if layer_type in (DSA_LAYER, MLA_LAYER):
-                layers.append(attention_store_class(config, layer_idx).from_config(config, page_size))
-            else:
-                layers.append(KDAReplayLayer(config.linear_conv_kernel_dim, rollback_tokens, config.kernel_backend))
-        super().__init__(layers=layers)
-        if max_cache_tokens is not None and max_cache_tokens <= 0:
-            raise ValueError(f"max_cache_tokens must be > 0 or None, got {max_cache_tokens}")
-        self.max_cache_tokens = max_cache_tokens
-        self.rollback_tokens = rollback_tokens
-        self.num_tokens = 0
-
-    def begin_forward(self, new_tokens: int, like: torch.Tensor | None = None) -> int:
-        """Called by the model before its layers run: checks capacity and records the new tokens. With `like` (the
-        input embeddings `[B, T, D]`), the paged layers also prepare their pages now (`KDSAPagedMLALayer.reserve`).
-        Returns the number of tokens cached before them."""
-        past = self.num_tokens
-        if self.max_cache_tokens is not None and past + new_tokens > self.max_cache_tokens:
-            raise ValueError(
-                f"KDSACache capacity exceeded: {past} cached + {new_tokens} new tokens > max_cache_tokens="
-                f"{self.max_cache_tokens}; nothing was written, the cache still holds {past} tokens"
-            )
-        if like is not None:
-            for layer in self.layers:
-                if isinstance(layer, KDSAPagedMLALayer):
-                    layer.reserve(new_tokens, like)
-        self.num_tokens = past + new_tokens
-        return past
+class KDSACacheMixin:
+    """What the two KDSA caches share: the growing `KDSACache` (a transformers `DynamicCache`) and the fixed-capacity
+    `static_cache.KDSAStaticCache` (a transformers `StaticCache`). `isinstance(cache, KDSACacheMixin)` asks "is this
+    a cache a KDSA model can run on"; each subclass builds its own layers (`Cache.layers`) from the config and counts
+    the tokens (`begin_forward`)."""
 
     def record_kda_inputs(
         self,
@@ -938,46 +889,8 @@ class KDSACache(Cache):
         """The KDA layer hands over its per-token replay inputs (`KDAReplayRecord`) before its state update."""
         self.layers[layer_idx].record(conv_inputs, k, v, g, beta)
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.num_tokens
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        for layer in self.layers:
-            layer.reorder_cache(beam_idx)
-
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.reorder_cache(indices)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        batch_size = next((layer.batch_size for layer in self.layers if isinstance(layer, KDSAPagedMLALayer)), None)
-        if batch_size is None:
-            raise ValueError("batch_repeat_interleave needs a paged (DSA or dense MLA) layer that knows the batch size")
-        self.reorder_cache(torch.arange(batch_size).repeat_interleave(repeats))
-
-    @property
-    def is_croppable(self) -> bool:
-        """True when `crop` is exact for every layer: DSA pages are truncated, KDA states replayed (needs
-        rollback_tokens > 0). The rollback reaches back to the last crop, at most `rollback_tokens` tokens."""
-        return all(layer.is_croppable for layer in self.layers if isinstance(layer, KDAReplayLayer))
-
-    def crop(self, max_length: int) -> None:
-        """Roll every layer back. `max_length < 0` removes `-max_length` tokens and `0` removes none (transformers
-        5.x, which calls `crop(-rejected)` after every verification); `max_length > 0` keeps that many tokens.
-        Commits the kept tokens (see `KDAReplayLayer`). Anything impossible raises before any layer changes."""
-        new_length = self.num_tokens + max_length if max_length <= 0 else max_length
-        if not 0 <= new_length <= self.num_tokens:
-            raise ValueError(f"cannot crop a KDSACache holding {self.num_tokens} tokens to {new_length} tokens")
-        for layer in self.layers:
-            if isinstance(layer, KDAReplayLayer):
-                layer.check_crop(new_length)
-        for layer in self.layers:
-            layer.crop(new_length)
-        self.num_tokens = new_length
-
-    def reset(self) -> None:
-        for layer in self.layers:
-            layer.reset()
-        self.num_tokens = 0
 
     def memory_bytes(self) -> dict[str, int | float]:
         """Exact bytes held: `dsa_allocated` (page pools of the DSA and dense MLA layers), `dsa_in_use` (referenced
@@ -1011,8 +924,106 @@ class KDSACache(Cache):
         }
 
 
+class KDSACache(KDSACacheMixin, DynamicCache):
+    """The cache `generate()` uses for KDSA models: a transformers `DynamicCache` (it grows with the sequence) whose
+    layers are ours: `KDAReplayLayer` for KDA layers, `KDSAPagedLayer` for DSA
+    layers (`KDSAPagedKPoolLayer` with the k-pool indexer), `KDSAPagedMLALayer` for dense MLA and shared-indexer DSA
+    layers (`attention_store_class`).
+
+    `max_cache_tokens`: optional capacity per sequence; a forward that would exceed it raises a `ValueError`
+    before anything is written, so the cache stays usable.
+    `rollback_tokens`: how many tokens since the last `crop` the KDA layers can roll back (see `KDAReplayLayer`).
+    The default 0 keeps no replay records (no cost; a KDA rollback raises), because most forwards never crop;
+    `generate()` passes `ROLLBACK_TOKENS` itself for assisted generation / prompt lookup and for draft models.
+    Pass it yourself to `crop` a cache you drive by hand.
+    DSA and dense MLA stores take their formats from `config.quantization_config`
+    (`numeric_formats.CacheFormats.from_config`).
+    Under `torch.compile` the page allocator is a graph break; `begin_forward` runs it for all layers before the
+    decoder layers (docs/graph-mode.md §1). For a compiled decode step use the fixed-capacity sibling
+    `static_cache.KDSAStaticCache` (a `StaticCache`) (`generate(cache_implementation="static")`, docs/graph-mode.md §2).
+    """
+
+    def __init__(
+        self,
+        config,
+        max_cache_tokens: int | None = None,
+        page_size: int = PAGE_SIZE,
+        rollback_tokens: int = 0,
+    ):
+        layers = []
+        for layer_idx, layer_type in enumerate(config.layer_types):
+            if layer_type in (DSA_LAYER, MLA_LAYER):
+                layers.append(attention_store_class(config, layer_idx).from_config(config, page_size))
+            else:
+                layers.append(KDAReplayLayer(config.linear_conv_kernel_dim, rollback_tokens, config.kernel_backend))
+        # `Cache.__init__`, not `DynamicCache.__init__`: the latter builds transformers' own layers from the config's
+        # layer types (cache_utils.DYNAMIC_LAYER_TYPE_MAPPING); these layers are ours.
+        Cache.__init__(self, layers=layers)
+        if max_cache_tokens is not None and max_cache_tokens <= 0:
+            raise ValueError(f"max_cache_tokens must be > 0 or None, got {max_cache_tokens}")
+        self.max_cache_tokens = max_cache_tokens
+        self.rollback_tokens = rollback_tokens
+        self.num_tokens = 0
+
+    def begin_forward(self, new_tokens: int, like: torch.Tensor | None = None) -> int:
+        """Called by the model before its layers run: checks capacity and records the new tokens. With `like` (the
+        input embeddings `[B, T, D]`), the paged layers also prepare their pages now (`KDSAPagedMLALayer.reserve`).
+        Returns the number of tokens cached before them."""
+        past = self.num_tokens
+        if self.max_cache_tokens is not None and past + new_tokens > self.max_cache_tokens:
+            raise ValueError(
+                f"KDSACache capacity exceeded: {past} cached + {new_tokens} new tokens > max_cache_tokens="
+                f"{self.max_cache_tokens}; nothing was written, the cache still holds {past} tokens"
+            )
+        if like is not None:
+            for layer in self.layers:
+                if isinstance(layer, KDSAPagedMLALayer):
+                    layer.reserve(new_tokens, like)
+        self.num_tokens = past + new_tokens
+        return past
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.num_tokens
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for layer in self.layers:
+            layer.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        batch_size = next((layer.batch_size for layer in self.layers if isinstance(layer, KDSAPagedMLALayer)), None)
+        if batch_size is None:
+            raise ValueError("batch_repeat_interleave needs a paged (DSA or dense MLA) layer that knows the batch size")
+        self.reorder_cache(torch.arange(batch_size).repeat_interleave(repeats))
+
+    @property
+    def is_croppable(self) -> bool:
+        """True when `crop` is exact for every layer: DSA pages are truncated, KDA states replayed (needs
+        rollback_tokens > 0). The rollback reaches back to the last crop, at most `rollback_tokens` tokens."""
+        return all(layer.is_croppable for layer in self.layers if isinstance(layer, KDAReplayLayer))
+
+    def crop(self, max_length: int) -> None:
+        """Roll every layer back. `max_length < 0` removes `-max_length` tokens and `0` removes none (transformers
+        5.x, which calls `crop(-rejected)` after every verification); `max_length > 0` keeps that many tokens.
+        Commits the kept tokens (see `KDAReplayLayer`). Anything impossible raises before any layer changes."""
+        new_length = self.num_tokens + max_length if max_length <= 0 else max_length
+        if not 0 <= new_length <= self.num_tokens:
+            raise ValueError(f"cannot crop a KDSACache holding {self.num_tokens} tokens to {new_length} tokens")
+        for layer in self.layers:
+            if isinstance(layer, KDAReplayLayer):
+                layer.check_crop(new_length)
+        for layer in self.layers:
+            layer.crop(new_length)
+        self.num_tokens = new_length
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+        self.num_tokens = 0
+
+
 __all__ = [
     "KDSACache",
+    "KDSACacheMixin",
     "KDSAPagedKPoolLayer",
     "KDSAPagedLayer",
     "KDSAPagedMLALayer",

@@ -3,7 +3,7 @@ with a `ValueError` that names the argument, instead of an error deep inside a l
 
 import torch
 
-from .cache import KDSACache
+from .cache import KDSACache, KDSACacheMixin
 from .configuration_kdsa import KDSAConfig
 from .static_cache import KDSAStaticCache
 
@@ -40,9 +40,10 @@ def check_forward_inputs(
                 f"input_ids must lie in [0, vocab_size={config.vocab_size}); got ids from "
                 f"{int(input_ids.min())} to {int(input_ids.max())}"
             )
-    if cache is not None and not isinstance(cache, KDSACache):
+    if cache is not None and not isinstance(cache, KDSACacheMixin):
         raise ValueError(
-            f"KDSA models need a KDSACache (paged DSA store, KDA states); got {type(cache).__name__}. "
+            f"KDSA models need a KDSACache or a KDSAStaticCache (paged DSA store, KDA states); got "
+            f"{type(cache).__name__}. "
             "Pass `KDSACache(model.config)` or let generate() create it"
         )
 

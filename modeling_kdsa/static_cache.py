@@ -25,12 +25,12 @@ cache refuses `crop` and `reorder_cache` with a ValueError.
 """
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, StaticCache
 
 from .cache import (
     PAGE_SIZE,
     KDAReplayLayer,
-    KDSACache,
+    KDSACacheMixin,
     KDSAPagedKPoolLayer,
     KDSAPagedLayer,
     KDSAPagedMLALayer,
@@ -345,9 +345,10 @@ class StaticKPoolLayer(_StaticPagedMixin, KDSAPagedKPoolLayer):
             self.pool_origin.zero_()
 
 
-class KDSAStaticCache(KDSACache):
-    """Fixed-capacity, compileable KDSA cache (docs/graph-mode.md §2): `max_cache_len` tokens per sequence, a batch
-    fixed by the first forward. `generate(cache_implementation="static")` builds it with capacity
+class KDSAStaticCache(KDSACacheMixin, StaticCache):
+    """Fixed-capacity, compileable KDSA cache (docs/graph-mode.md §2): a transformers `StaticCache` whose layers are
+    ours (`StaticKDALayer`, `StaticPagedLayer`, `StaticKPoolLayer`, `StaticPagedMLALayer`). `max_cache_len` tokens
+    per sequence, a batch fixed by the first forward. `generate(cache_implementation="static")` builds it with capacity
     `max(max_length, generation_config.max_cache_len)`; build it yourself as `KDSAStaticCache(config, max_cache_len)`.
 
     Refuses `crop` (speculative decoding), `reorder_cache` (beam search) and a 2-D padding mask wider than the
@@ -371,6 +372,8 @@ class KDSAStaticCache(KDSACache):
                 layers.append(StaticPagedLayer.from_config(config, max_cache_len, page_size))
             else:  # dense MLA, or a shared-indexer DSA layer: latent rows only
                 layers.append(StaticPagedMLALayer.from_config(config, max_cache_len, page_size))
+        # `Cache.__init__`, not `StaticCache.__init__`: the latter builds transformers' own layers from the config's
+        # layer types (cache_utils.STATIC_LAYER_TYPE_MAPPING); these layers are ours.
         Cache.__init__(self, layers=layers)
         self.max_cache_tokens = max_cache_len
         self.max_cache_len = max_cache_len
