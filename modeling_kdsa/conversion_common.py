@@ -173,28 +173,32 @@ def kda_key_mapping(layer_types: list[str]) -> dict[str, str]:
     return {rf"\.layers\.({'|'.join(kda)})\.self_attn\.": r".layers.\1.linear_attn."}
 
 
-class DecayToHeadShape(ConversionOps):
-    """GLM stores the KDA decay `A_log` as `[H]`; KDSA (like Kimi-Linear) keeps `[1, 1, H, 1]`."""
+# KDSA (like Kimi-Linear) keeps the KDA decay `A_log` as `[1, 1, H, 1]`.
+DECAY_SHAPE = (1, 1, -1, 1)
+
+
+def only_tensor(input_dict: dict):
+    """The one source tensor of a one-to-one conversion (transformers passes it alone or in a one-element list)."""
+    tensor = next(iter(input_dict.values()))
+    return tensor[0] if isinstance(tensor, list) else tensor
+
+
+class Reshape(ConversionOps):
+    """Reshapes the one source tensor to `shape`; the reverse op (used when saving) reshapes it back to
+    `source_shape`. GLM's flat KDA decay `[H]`, for instance, loads with `Reshape(DECAY_SHAPE, (-1,))`."""
+
+    def __init__(self, shape: tuple[int, ...], source_shape: tuple[int, ...]):
+        self.shape, self.source_shape = tuple(shape), tuple(source_shape)
+
+    def __repr__(self):
+        return f"Reshape({self.source_shape} -> {self.shape})"
 
     def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
-        tensor = next(iter(input_dict.values()))
-        tensor = tensor[0] if isinstance(tensor, list) else tensor
-        return {target_patterns[0]: tensor.reshape(1, 1, -1, 1)}
+        return {target_patterns[0]: only_tensor(input_dict).reshape(self.shape)}
 
     @property
     def reverse_op(self) -> ConversionOps:
-        return DecayToFlat()
-
-
-class DecayToFlat(ConversionOps):
-    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
-        tensor = next(iter(input_dict.values()))
-        tensor = tensor[0] if isinstance(tensor, list) else tensor
-        return {target_patterns[0]: tensor.reshape(-1)}
-
-    @property
-    def reverse_op(self) -> ConversionOps:
-        return DecayToHeadShape()
+        return Reshape(self.source_shape, self.shape)
 
 
 def build_plan(model_type: str, mapped: dict, overrides: dict, **plan) -> ForeignCheckpointPlan:

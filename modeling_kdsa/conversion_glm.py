@@ -5,9 +5,10 @@ from transformers.core_model_loading import Chunk, WeightConverter, WeightRenami
 
 from .configuration_kdsa import DSA_LAYER, KDA_LAYER
 from .conversion_common import (
+    DECAY_SHAPE,
     ConfigFields,
-    DecayToHeadShape,
     ForeignCheckpointPlan,
+    Reshape,
     build_plan,
     common_fields,
     kda_fields,
@@ -141,7 +142,7 @@ def glm5_next_plan(fields: ConfigFields, checkpoint_keys: list[str], overrides: 
             WeightConverter(
                 source_patterns="linear_attn.A_log",
                 target_patterns="linear_attn.A_log",
-                operations=[DecayToHeadShape()],
+                operations=[Reshape(DECAY_SHAPE, (-1,))],  # GLM stores A_log flat, [H]
             ),
             *stacked_experts("gate_proj", "up_proj", "down_proj"),
         ],

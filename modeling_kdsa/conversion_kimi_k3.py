@@ -6,12 +6,14 @@ from transformers import CONFIG_MAPPING
 from transformers.core_model_loading import Concatenate, ConversionOps, MergeModulelist, WeightConverter, WeightRenaming
 
 from .conversion_common import (
+    DECAY_SHAPE,
     METADATA_FIELDS,
     ConfigFields,
-    DecayToFlat,
     ForeignCheckpointPlan,
+    Reshape,
     build_plan,
     kda_key_mapping,
+    only_tensor,
     stacked_experts,
 )
 from .conversion_kimi import KIMI_LINEAR_ATTN_KEYS, kimi_mtp_plan, kimi_text_fields
@@ -25,30 +27,6 @@ _K3_SHARED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_e
 _K3_TOP_LEVEL_METADATA = METADATA_FIELDS | {"torch_dtype", "dtype"}
 
 
-class FlattenQuery(ConversionOps):
-    """K3 stores each AttnRes pseudo-query as a `[1, D]` linear weight; KDSADepthAttention keeps `query: [D]`."""
-
-    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
-        tensor = next(iter(input_dict.values()))
-        tensor = tensor[0] if isinstance(tensor, list) else tensor
-        return {target_patterns[0]: tensor.reshape(-1)}
-
-    @property
-    def reverse_op(self) -> ConversionOps:
-        return QueryToLinear()
-
-
-class QueryToLinear(ConversionOps):
-    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
-        tensor = next(iter(input_dict.values()))
-        tensor = tensor[0] if isinstance(tensor, list) else tensor
-        return {target_patterns[0]: tensor.reshape(1, -1)}
-
-    @property
-    def reverse_op(self) -> ConversionOps:
-        return FlattenQuery()
-
-
 class DecayFromPadded(ConversionOps):
     """K3 stores the KDA decay `A_log` flat with zero padding after the H logical values (96 of 128 in the release;
     engines read the first H). KDSA keeps `[1, 1, H, 1]`; a non-zero pad entry is refused (a layout not understood)."""
@@ -57,18 +35,17 @@ class DecayFromPadded(ConversionOps):
         self.num_heads = num_heads
 
     def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
-        tensor = next(iter(input_dict.values()))
-        tensor = (tensor[0] if isinstance(tensor, list) else tensor).reshape(-1)
+        tensor = only_tensor(input_dict).reshape(-1)
         if tensor.numel() < self.num_heads or bool(tensor[self.num_heads :].ne(0).any()):
             raise ValueError(
                 f"A_log has {tensor.numel()} values; expected the {self.num_heads} heads' values followed by zero "
                 "padding"
             )
-        return {target_patterns[0]: tensor[: self.num_heads].reshape(1, 1, -1, 1)}
+        return {target_patterns[0]: tensor[: self.num_heads].reshape(DECAY_SHAPE)}
 
     @property
     def reverse_op(self) -> ConversionOps:
-        return DecayToFlat()
+        return Reshape((-1,), DECAY_SHAPE)
 
 
 # compressed-tensors quantization_config keys (and per-group `weights` keys) whose values are checked below.
@@ -192,7 +169,8 @@ def kimi_k3_plan(raw: dict, checkpoint_keys: list[str], overrides: dict) -> Fore
     else:
         experts = stacked_experts("w1", "w3", "w2")
     attn_res = [
-        WeightConverter(f"{source}_proj.weight", f"{target}.query", operations=[FlattenQuery()])
+        # K3 stores each AttnRes pseudo-query as a `[1, D]` linear weight; KDSADepthAttention keeps `query: [D]`.
+        WeightConverter(f"{source}_proj.weight", f"{target}.query", operations=[Reshape((-1,), (1, -1))])
         for source, target in (("self_attention_res", "attention_res"), ("mlp_res", "mlp_res"),
                                ("output_attn_res", "output_attn_res"))
     ] + [
