@@ -3,11 +3,12 @@
 import pytest
 import torch
 from conftest import tiny_model
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from modeling_kdsa import dsa_ops
-from modeling_kdsa.cache import PAGE_SIZE, ROLLBACK_TOKENS, KDSACache, KDSAPagedLayer
+from modeling_kdsa.cache import PAGE_SIZE, ROLLBACK_TOKENS, KDAReplayLayer, KDSACache, KDSAPagedLayer
 from modeling_kdsa.dsa_paged_reference import gather_pages
+from modeling_kdsa.static_cache import KDSAStaticCache
 
 
 def ids(batch, length, seed=0):
@@ -141,6 +142,50 @@ def test_generate_uses_kdsa_cache_and_rejects_other_caches():
         model(ids(1, 10), cache=DynamicCache(config=model.config))
     with pytest.raises(ValueError, match="cache_implementation"):
         model.generate(ids(1, 10), max_new_tokens=3, cache_implementation="offloaded", pad_token_id=0)
+
+
+
+def test_caches_are_transformers_dynamic_and_static_caches():
+    """`KDSACache` is a `DynamicCache` and `KDSAStaticCache` a `StaticCache` (not a `DynamicCache`), each with our
+    layers, so code that asks transformers' cache classes (generate's static-cache checks, user code) sees what they
+    are. generate() builds each from `cache_implementation`; transformers' own caches are still refused, since their
+    layers hold no paged DSA store."""
+    model = tiny_model()
+    dynamic, static = KDSACache(model.config), KDSAStaticCache(model.config, max_cache_len=32)
+    assert isinstance(dynamic, DynamicCache) and not isinstance(dynamic, StaticCache)
+    assert isinstance(static, StaticCache) and not isinstance(static, (DynamicCache, KDSACache))
+    for cache in (dynamic, static):
+        kinds = [type(layer).__mro__ for layer in cache.layers]
+        assert [KDAReplayLayer in mro for mro in kinds] == [t == "linear_attention" for t in model.config.layer_types]
+        assert cache.is_linear == [t == "linear_attention" for t in model.config.layer_types]
+
+    kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    assert type(model.generate(ids(1, 10), **kwargs).cache) is KDSACache
+    static_out = model.generate(ids(1, 10), cache_implementation="static", disable_compile=True, **kwargs)
+    assert type(static_out.cache) is KDSAStaticCache
+    assert int(static_out.cache.get_seq_length()) == 12  # prompt + the new tokens but the last
+    assert torch.equal(static_out.sequences, model.generate(ids(1, 10), **kwargs).sequences)
+    with pytest.raises(ValueError, match="KDSACache or a KDSAStaticCache"):
+        model(ids(1, 10), cache=StaticCache(config=model.config, max_cache_len=32))
+
+
+def test_transformers_cache_queries_on_kdsa_caches():
+    """What transformers asks of a cache between forwards (cache_utils.Cache: lengths, mask sizes, the linear
+    layers' state flag, the batch size, the capacity), answered by both KDSA caches after a prefill and a step."""
+    model = tiny_model()
+    kda, dsa = model.config.layer_types.index("linear_attention"), model.config.layer_types.index("indexed_attention")
+    # The mask spans past + new tokens in the growing cache and the whole capacity (40 tokens in whole pages) in the
+    # static one; only the static cache has a maximum length.
+    caches = ((KDSACache(model.config), (6, 0), -1), (KDSAStaticCache(model.config, 40), (PAGE_SIZE, 0), 40))
+    for cache, mask_sizes, max_length in caches:
+        assert cache.get_seq_length() == 0 and cache.get_max_length() == max_length
+        model(ids(2, 4), cache=cache, use_cache=True)
+        model(ids(2, 1, seed=1), cache=cache, use_cache=True)
+        assert int(cache.get_seq_length()) == 5 and int(cache.get_seq_length(dsa)) == 5
+        assert cache.get_mask_sizes(1, dsa) == mask_sizes
+        assert cache.get_mask_sizes(1, kda) == cache.get_mask_sizes(1, dsa)  # a linear layer answers for the first DSA
+        assert cache.has_previous_state(kda) and cache.has_previous_state()
+        assert cache.batch_size == 2
 
 
 def test_capacity_error_is_raised_before_anything_is_written():
