@@ -19,7 +19,7 @@ backend's `expert_linear`, and `expert_linear_applies` its `experts_in_place` (k
 
 import torch
 
-from .cpu_extension import PRELUDE, load_build, plain_tensor
+from .cpu_extension import PRELUDE, kernel_availability, plain_tensor
 from .cpu_row_linear import GEMV_AVX2_SOURCE, GEMV_SOURCE, bf16_kernel_input
 from .linear_ops import expert_linear as expert_linear_reference
 
@@ -102,10 +102,7 @@ _SOURCE = PRELUDE + GEMV_SOURCE + _OP_SOURCE
 _AVX2_SOURCE = PRELUDE + GEMV_AVX2_SOURCE + _OP_SOURCE
 
 
-@torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
-def kernel_available() -> bool:
-    """The CPU supports the kernel and it is built and loaded (`cpu_extension.load`)."""
-    return load_build("expert_linear", "kdsa::expert_linear", _SOURCE, _AVX2_SOURCE)
+kernel_available = kernel_availability("expert_linear", "kdsa::expert_linear", _SOURCE, _AVX2_SOURCE)
 
 
 def expert_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ import os
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from functools import cache
 
@@ -260,6 +261,18 @@ def load_build(name: str, op: str, source: str, avx2_source: str | None = None) 
     return has_cpu_kernel(op) or load(build_name, build_source, op, compiler(), flags)
 
 
+def kernel_availability(name: str, op: str, source: str, avx2_source: str | None = None) -> Callable[[], bool]:
+    """The `kernel_available()` of a `cpu_*.py` kernel module: whether the CPU supports `op`'s kernel and its build
+    for this CPU (`kernel_isa`) is built and loaded (`load_build(name, op, source, avx2_source)`). A compiled step
+    takes the answer as a constant instead of tracing a build."""
+
+    @torch.compiler.assume_constant_result
+    def kernel_available() -> bool:
+        return load_build(name, op, source, avx2_source)
+
+    return kernel_available
+
+
 __all__ = [
     "AVX2_FLAGS",
     "AVX512_FLAGS",
@@ -270,6 +283,7 @@ __all__ = [
     "cpu_has_bf16_products",
     "few_threads",
     "has_cpu_kernel",
+    "kernel_availability",
     "kernel_isa",
     "kernels_in_export",
     "kernels_traceable",

@@ -21,7 +21,7 @@ runs.
 
 import torch
 
-from .cpu_extension import PRELUDE, load_build
+from .cpu_extension import PRELUDE, kernel_availability
 from .cpu_row_linear import GEMV_AVX2_SOURCE, GEMV_SOURCE, cpu_row_linear, few_bf16_rows
 from .linear_ops import dequantize_tiles_torch
 
@@ -309,11 +309,7 @@ _SOURCE = PRELUDE + GEMV_SOURCE + _AVX512_CONVERSION + _OP_SOURCE
 _AVX2_SOURCE = PRELUDE + GEMV_AVX2_SOURCE + _AVX2_CONVERSION + _OP_SOURCE
 
 
-@torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
-def kernel_available() -> bool:
-    """The CPU supports the kernels and their build for this CPU (`cpu_extension.kernel_isa`) is built and loaded
-    (`cpu_extension.load`)."""
-    return load_build("dequantize_fp8_tiles", "kdsa::dequantize_fp8_tiles", _SOURCE, _AVX2_SOURCE)
+kernel_available = kernel_availability("dequantize_fp8_tiles", "kdsa::dequantize_fp8_tiles", _SOURCE, _AVX2_SOURCE)
 
 
 def kernel_applies(values: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> bool:

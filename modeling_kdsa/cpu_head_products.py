@@ -25,7 +25,7 @@ more than `MAX_ROWS` rows, autograd, export, more than `cpu_extension.MAX_THREAD
 
 import torch
 
-from .cpu_extension import PRELUDE, load_build, plain_tensor
+from .cpu_extension import PRELUDE, kernel_availability, plain_tensor
 from .cpu_row_linear import GEMV_AVX2_SOURCE, GEMV_SOURCE, few_bf16_rows
 from .linear_ops import per_head_linear, per_head_matmul
 
@@ -192,11 +192,7 @@ _SOURCE = PRELUDE + GEMV_SOURCE + _MATRIX_SOURCE + _OP_SOURCE
 _AVX2_SOURCE = PRELUDE + GEMV_AVX2_SOURCE + _MATRIX_AVX2_SOURCE + _OP_SOURCE
 
 
-@torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
-def kernel_available() -> bool:
-    """The CPU supports the kernels and their build for this CPU (`cpu_extension.kernel_isa`) is built and loaded
-    (`cpu_extension.load`)."""
-    return load_build("head_products", "kdsa::head_matmul", _SOURCE, _AVX2_SOURCE)
+kernel_available = kernel_availability("head_products", "kdsa::head_matmul", _SOURCE, _AVX2_SOURCE)
 
 
 def kernels_apply(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ computed in fp32 from the bf16 inputs (the torch bf16 path rounds each head's pr
 
 import torch
 
-from .cpu_extension import PRELUDE, few_threads, load_build
+from .cpu_extension import PRELUDE, few_threads, kernel_availability
 
 _SOURCE = (
     PRELUDE
@@ -242,11 +242,8 @@ TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("indexer_topk_decode", TORCH_FN(indexe
 )
 
 
-@torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
-def kernel_available() -> bool:
-    """The CPU supports the kernel and it is built and loaded (`cpu_extension.load`)."""
-    # One source for both builds: `dot_bf16_pairs` (cpu_extension.PRELUDE) is what differs.
-    return load_build("indexer_topk_decode", "kdsa::indexer_topk_decode", _SOURCE, _SOURCE)
+# One source for both builds: `dot_bf16_pairs` (cpu_extension.PRELUDE) is what differs.
+kernel_available = kernel_availability("indexer_topk_decode", "kdsa::indexer_topk_decode", _SOURCE, _SOURCE)
 
 
 def decode_kernel_applies(q_index: torch.Tensor, index_pages) -> bool:

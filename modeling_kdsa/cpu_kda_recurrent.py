@@ -15,7 +15,7 @@ autograd, export, more than `cpu_extension.MAX_THREADS` threads) `kda_ops.recurr
 
 import torch
 
-from .cpu_extension import PRELUDE, few_threads, kernels_traceable, load_build
+from .cpu_extension import PRELUDE, few_threads, kernel_availability, kernels_traceable
 from .kda_ops import _check_kda_inputs, recurrent_kda
 
 _SOURCE = (
@@ -119,11 +119,8 @@ TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("kda_recurrent", TORCH_FN(kda_recurren
 )
 
 
-@torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
-def kernel_available() -> bool:
-    """The CPU supports the kernels and this one is built and loaded (`cpu_extension.load`)."""
-    # One source for both builds: ATen's `at::vec` is AVX512 or AVX2 code by the build's CPU_CAPABILITY.
-    return load_build("kda_recurrent", "kdsa::kda_recurrent", _SOURCE, _SOURCE)
+# One source for both builds: ATen's `at::vec` is AVX512 or AVX2 code by the build's CPU_CAPABILITY.
+kernel_available = kernel_availability("kda_recurrent", "kdsa::kda_recurrent", _SOURCE, _SOURCE)
 
 
 # The kernel takes the state 16 columns (one AVX512 fp32 vector, two AVX2 ones) at a time.

@@ -21,7 +21,7 @@ ops around it.
 
 import torch
 
-from .cpu_extension import PRELUDE, few_threads, kernels_traceable, load_build, plain_tensor
+from .cpu_extension import PRELUDE, few_threads, kernel_availability, kernels_traceable, plain_tensor
 from .linear_ops import linear
 
 # The product of 1 to 16 rows with a block of weight rows, shared with `cpu_head_products`, `cpu_expert_linear` and
@@ -247,11 +247,7 @@ _SOURCE = PRELUDE + GEMV_SOURCE + _OP_SOURCE
 _AVX2_SOURCE = PRELUDE + GEMV_AVX2_SOURCE + _OP_SOURCE
 
 
-@torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
-def kernel_available() -> bool:
-    """The CPU supports the kernel and its build for this CPU (`cpu_extension.kernel_isa`) is built and loaded
-    (`cpu_extension.load`)."""
-    return load_build("row_linear", "kdsa::row_linear", _SOURCE, _AVX2_SOURCE)
+kernel_available = kernel_availability("row_linear", "kdsa::row_linear", _SOURCE, _AVX2_SOURCE)
 
 
 def bf16_kernel_input(x: torch.Tensor) -> bool:

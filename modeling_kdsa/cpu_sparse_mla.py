@@ -23,7 +23,7 @@ its sequence's block table (`dsa_paged_cpu.paged_sparse_mla_cpu`).
 
 import torch
 
-from .cpu_extension import PRELUDE, few_threads, load_build
+from .cpu_extension import PRELUDE, few_threads, kernel_availability
 
 _SOURCE = (
     PRELUDE
@@ -212,11 +212,8 @@ TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("sparse_mla_decode", TORCH_FN(sparse_m
 )
 
 
-@torch.compiler.assume_constant_result  # a compiled step takes the answer as a constant instead of tracing a build
-def kernel_available() -> bool:
-    """The CPU supports the kernel and it is built and loaded (`cpu_extension.load`)."""
-    # One source for both builds: the scores' `dot_bf16_pairs` (cpu_extension.PRELUDE) and the weighted sum differ.
-    return load_build("sparse_mla_decode", "kdsa::sparse_mla_decode", _SOURCE, _SOURCE)
+# One source for both builds: the scores' `dot_bf16_pairs` (cpu_extension.PRELUDE) and the weighted sum differ.
+kernel_available = kernel_availability("sparse_mla_decode", "kdsa::sparse_mla_decode", _SOURCE, _SOURCE)
 
 
 def decode_kernel_applies(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_pages) -> bool:
