@@ -217,27 +217,24 @@ class KDSAConfig(PreTrainedConfig):
         # chosen blocks divide the cached widths (numeric_formats.CacheFormats.from_config raises naming the field).
         CacheFormats.from_config(self)
 
+    def _check_per_layer(self, name: str, allowed: tuple[str, ...], meanings: str = "") -> None:
+        """A per-layer list field (`layer_types`, ...) has one entry per layer, each one of `allowed`."""
+        values = getattr(self, name)
+        if len(values) != self.num_hidden_layers:
+            raise ValueError(f"{name} has {len(values)} entries but num_hidden_layers is {self.num_hidden_layers}")
+        for i, value in enumerate(values):
+            if value not in allowed:
+                raise ValueError(f"{name}[{i}] = {value!r} is not supported; use one of {allowed}{meanings}")
+
     def _check_consistency(self):
         """Raise a `ValueError` naming the offending field (docs/design.md §6). Runs before transformers' validators,
         whose errors are not `ValueError`s."""
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
-            )
-        for i, layer_type in enumerate(self.layer_types):
-            if layer_type not in SUPPORTED_LAYER_TYPES:
-                raise ValueError(
-                    f"layer_types[{i}] = {layer_type!r} is not supported; use one of {SUPPORTED_LAYER_TYPES} "
-                    f"('{KDA_LAYER}' = KDA, '{DSA_LAYER}' = DSA, '{MLA_LAYER}' = dense MLA)"
-                )
-        if len(self.mlp_layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"mlp_layer_types has {len(self.mlp_layer_types)} entries but num_hidden_layers is "
-                f"{self.num_hidden_layers}"
-            )
-        for i, mlp_type in enumerate(self.mlp_layer_types):
-            if mlp_type not in ("dense", "sparse"):
-                raise ValueError(f"mlp_layer_types[{i}] = {mlp_type!r} must be 'dense' or 'sparse'")
+        self._check_per_layer(
+            "layer_types",
+            SUPPORTED_LAYER_TYPES,
+            f" ('{KDA_LAYER}' = KDA, '{DSA_LAYER}' = DSA, '{MLA_LAYER}' = dense MLA)",
+        )
+        self._check_per_layer("mlp_layer_types", ("dense", "sparse"))
         positive = [
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "max_position_embeddings", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim",
@@ -408,13 +405,8 @@ class KDSAConfig(PreTrainedConfig):
                 f"index_kpool={self.index_kpool} needs NoPE (qk_rope_head_dim=0, as GLM-5.3-Flash): pooling keys "
                 f"rotated at different positions is not defined; got qk_rope_head_dim={self.qk_rope_head_dim}"
             )
-        if len(self.indexer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"indexer_types has {len(self.indexer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
-            )
+        self._check_per_layer("indexer_types", ("full", "shared"))
         for i, indexer_type in enumerate(self.indexer_types):
-            if indexer_type not in ("full", "shared"):
-                raise ValueError(f"indexer_types[{i}] = {indexer_type!r} must be 'full' or 'shared'")
             if indexer_type != "shared" or self.layer_types[i] != DSA_LAYER:
                 continue
             # transformers' Glm5Next hands a selection only from a full DSA layer to the layer right after it.
