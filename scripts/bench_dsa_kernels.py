@@ -74,6 +74,12 @@ def case_inputs(config: KDSAConfig, num_keys: int, num_queries: int, seed: int =
     }
 
 
+def indexer_args(config: KDSAConfig, inputs: dict, num_keys: int, num_queries: int) -> tuple:
+    """The paged indexer's arguments for `case_inputs`: its queries are the last `num_queries` of `num_keys`."""
+    return (inputs["q_index"], inputs["weights"], inputs["index_pages"], inputs["block_table"], num_keys,
+            config.index_topk, num_keys - num_queries)  # fmt: skip
+
+
 def median_ms(function, repeats: int) -> float:
     function()  # warm-up (and, for the compiled backend, the compile)
     times = []
@@ -96,15 +102,7 @@ def bench_case(config, kind: str, num_keys: int, num_queries: int, repeats: int)
     inputs = case_inputs(config, num_keys, num_queries, consecutive=kind == "decode-seq")
     query_start = num_keys - num_queries
     scale = mla_softmax_scale(config)
-    index_args = (
-        inputs["q_index"],
-        inputs["weights"],
-        inputs["index_pages"],
-        inputs["block_table"],
-        num_keys,
-        config.index_topk,
-        query_start,
-    )
+    index_args = indexer_args(config, inputs, num_keys, num_queries)
     reference_indices = TORCH_KERNELS.indexer_topk(*index_args)
     dense_args = (inputs["q_latent"], inputs["q_pe"], inputs["kv_pages"], inputs["block_table"], num_keys, query_start,
                   scale)  # fmt: skip
@@ -152,15 +150,7 @@ def compile_probe(quick: bool) -> None:
     with torch.inference_mode():
         for _, num_keys, num_queries in QUICK_CASES if quick else FULL_CASES[:1] + FULL_CASES[-1:]:
             inputs = case_inputs(config, num_keys, num_queries)
-            indices = indexer(
-                inputs["q_index"],
-                inputs["weights"],
-                inputs["index_pages"],
-                inputs["block_table"],
-                num_keys,
-                config.index_topk,
-                num_keys - num_queries,
-            )
+            indices = indexer(*indexer_args(config, inputs, num_keys, num_queries))
             sparse_mla(inputs["q_latent"], inputs["q_pe"], inputs["kv_pages"], inputs["block_table"], indices, scale)
     result = {
         "seconds": time.perf_counter() - start,
