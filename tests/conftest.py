@@ -12,6 +12,11 @@ from transformers import CompileConfig
 
 from modeling_kdsa import KDSAConfig, KDSAForCausalLM, cpu_extension
 
+# Under pytest-xdist (the README's test command) every core runs a worker: one torch thread each, unless the caller
+# chose a count (docs/testing.md §1).
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
+
 # The hand-written CPU kernels (modeling_kdsa/cpu_*.py) run in an AVX512-BF16 build or an AVX2 one
 # (cpu_extension.kernel_isa).
 needs_kernel_build = pytest.mark.skipif(cpu_extension.kernel_isa() is None, reason="no AVX512-BF16 and no AVX2")
