@@ -3,7 +3,8 @@ MTP layer vs a DSpark draft, all through `generate()` (docs/speculative.md; the 
 modeling_kdsa/cache.py).
 
 For each eval task's prompts (eval/tasks/data/<task>_test.jsonl: `copy` is copy-heavy, `recall_*` recall-heavy) and
-each method, batch 1, greedy, a fixed number of new tokens (no early stop), after one warm-up call per method:
+each method, batch 1, greedy, a fixed number of new tokens (no early stop), after one warm-up call per method, the
+methods taking turns prompt by prompt over `--repeats` passes (a slow spell of the machine hits them alike):
   - tokens/s (new tokens / wall time of `generate`) and the speed-up over plain greedy;
   - whether the output is token for token plain greedy's (it must be);
   - τ = new tokens per target forward (the prefill included), acceptance rate = accepted draft tokens / drafted
@@ -26,6 +27,7 @@ ceiling of any drafter) and the replay share of a round are `scripts/bench_verif
 it after the table with its own defaults.
 
 Usage:  .venv/bin/python scripts/bench_speculative.py [--quick] [--tasks copy recall_mid repetitive] [--threads 1]
+        [--prompts 4] [--repeats 2]
         [--methods plain prompt_lookup assisted mtp dspark mtp_always dspark_always] [--verify-cost] [--out PATH]
 Writes JSON (default runs/bench_speculative.json) and prints a table.
 """
@@ -142,36 +144,48 @@ def method_kwargs(method: str, drafts: dict, lookup_tokens: int) -> dict:
 
 @torch.inference_mode()
 def bench_task(target, drafts, tokenizer, task, prompts, new_tokens, lookup_tokens, counter, progress,
-               methods=METHODS) -> list[dict]:  # fmt: skip
+               methods=METHODS, repeats=1) -> list[dict]:  # fmt: skip
+    """One row per method. The methods take turns prompt by prompt (in a rotating order, `repeats` times over the
+    prompts), so that a slow spell of a shared machine falls on every method alike; a warm-up call per method first."""
     greedy = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
     encoded = [tokenizer(doc["context"], return_tensors="pt").input_ids for doc in prompts]
-    rows = []
-    plain_outputs = []
+    extras = {method: method_kwargs(method, drafts, lookup_tokens) for method in methods}
     for method in methods:
-        extra = method_kwargs(method, drafts, lookup_tokens)
-        target.generate(encoded[0], **greedy, **extra)  # warm-up
-        seconds, identical, rounds, drafted, peak, per_token, plain_rounds = 0.0, True, 0, 0, 0, 0, 0
+        target.generate(encoded[0], **greedy, **extras[method])  # warm-up
+    plain_outputs = [target.generate(ids, **greedy) for ids in encoded]
+    totals = {method: dict(seconds=0.0, identical=True, rounds=0, drafted=0, peak=0, per_token=0, undrafted=0)
+              for method in methods}  # fmt: skip
+    turn = 0
+    for _ in range(repeats):
         for i, ids in enumerate(encoded):
-            counter.reset(ids.shape[1])
-            start = time.perf_counter()
-            out = target.generate(ids, **greedy, **extra)
-            seconds += time.perf_counter() - start
-            if method == "plain":
-                plain_outputs.append(out)
-            identical &= torch.equal(out, plain_outputs[i])
-            rounds, drafted = rounds + counter.rounds, drafted + counter.drafted
-            if method.startswith(("mtp", "dspark")):  # KDSA's loop: rounds that chose not to draft
-                plain_rounds += target.speculation_stats.plain_rounds
-            peak, per_token = max(peak, counter.peak_rollback), max(per_token, counter.per_token)
-            progress.update(1)
-        generated = new_tokens * len(encoded)
-        accepted = generated - rounds  # each round yields its accepted draft tokens plus one token of its own
+            order = methods[turn % len(methods) :] + methods[: turn % len(methods)]
+            turn += 1
+            for method in order:
+                total = totals[method]
+                counter.reset(ids.shape[1])
+                start = time.perf_counter()
+                out = target.generate(ids, **greedy, **extras[method])
+                total["seconds"] += time.perf_counter() - start
+                total["identical"] &= torch.equal(out, plain_outputs[i])
+                total["rounds"] += counter.rounds
+                total["drafted"] += counter.drafted
+                if method.startswith(("mtp", "dspark")):  # KDSA's loop: rounds that chose not to draft
+                    total["undrafted"] += target.speculation_stats.plain_rounds
+                total["peak"] = max(total["peak"], counter.peak_rollback)
+                total["per_token"] = max(total["per_token"], counter.per_token)
+                progress.update(1)
+    rows = []
+    generated = new_tokens * len(encoded) * repeats
+    for method in methods:
+        total = totals[method]
+        accepted = generated - total["rounds"]  # each round yields its accepted draft tokens plus one of its own
         rows.append({
-            "task": task, "method": method, "prompts": len(encoded), "new_tokens": new_tokens,
-            "tokens_per_s": generated / seconds, "identical_to_plain": identical, "verify_rounds": rounds,
-            "tokens_per_round": generated / rounds, "drafted": drafted, "undrafted_rounds": plain_rounds,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "peak_rollback_bytes": peak, "rollback_bytes_per_pending_token": per_token,
+            "task": task, "method": method, "prompts": len(encoded), "repeats": repeats, "new_tokens": new_tokens,
+            "tokens_per_s": generated / total["seconds"], "identical_to_plain": total["identical"],
+            "verify_rounds": total["rounds"], "tokens_per_round": generated / total["rounds"],
+            "drafted": total["drafted"], "undrafted_rounds": total["undrafted"],
+            "acceptance_rate": accepted / total["drafted"] if total["drafted"] else None,
+            "peak_rollback_bytes": total["peak"], "rollback_bytes_per_pending_token": total["per_token"],
         })  # fmt: skip
     plain_speed = rows[0]["tokens_per_s"]
     for row in rows:
@@ -205,6 +219,7 @@ def main():
     parser.add_argument("--verify-cost", action="store_true",
                         help="then run scripts/bench_verify_cost.py (the verify-cost curve and the replay share)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per task (the first N test docs)")
+    parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts (methods take turns)")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads; 1 by default: the tiny models are overhead-bound, and on a shared "
@@ -219,7 +234,8 @@ def main():
     methods = ["plain"] + [m for m in args.methods if m != "plain"]
     counter = VerifyCounter(target)
     rows = []
-    total = len(args.tasks) * len(methods) * num_prompts
+    repeats = 1 if args.quick else args.repeats
+    total = len(args.tasks) * len(methods) * num_prompts * repeats
     with tqdm(total=total, desc="generate", dynamic_ncols=True) as progress:
         for task in args.tasks:
             new_tokens = 16 if args.quick else NEW_TOKENS.get(task, DEFAULT_NEW_TOKENS)
@@ -230,7 +246,7 @@ def main():
             else:
                 prompts = load_docs(task)[:num_prompts]
             rows += bench_task(target, drafts, tokenizer, task, prompts, new_tokens, args.lookup_tokens, counter,
-                               progress, methods)  # fmt: skip
+                               progress, methods, repeats)  # fmt: skip
     counter.remove()
 
     table = format_table(rows, source)
