@@ -11,7 +11,8 @@ Loads `checkpoints/kdsa-tiny` (trained here by scripts/train_tiny.py; no downloa
 4. decodes a copy and a recall prompt with plain greedy, prompt lookup (`prompt_lookup_num_tokens`), the
    checkpoint's MTP layer (`use_mtp=True`), the DSpark draft `checkpoints/kdsa-tiny-dspark`
    (`speculation_type="dspark"`) and the small draft model `checkpoints/kdsa-tiny-draft` (`assistant_model`), shows
-   that all give the same tokens, and prints tokens/s, the speed-up and tau (new tokens per target forward).
+   that all give the same tokens, and prints tokens/s, the speed-up, tau (new tokens per target forward) and, for
+   MTP and DSpark, how many rounds drafted.
 """
 
 import argparse
@@ -115,12 +116,13 @@ def main():
     print(f"  DSA bytes per cached token        {usage['per_token']:10d} B per sequence")
 
     # 4. Speculative decoding: the rollback (KDSACache.crop) is exact, so every method must return plain greedy's
-    # tokens; tau = new tokens per target forward.
+    # tokens; tau = new tokens per target forward; for MTP and DSpark, the rounds that drafted (the default adaptive
+    # schedule drafts while drafting pays, docs/speculative.md §2a).
     transformers.logging.set_verbosity_error()  # transformers' assistant loop warns about its own call on every run
     methods = speculative_methods(args, model)
     for name, prompt, steps in (("copy", prompts[:1], new_tokens), ("recall", ids, 32)):  # the prompts above
         print(f"\nspeculative decoding, {name} prompt ({prompt.shape[1]} tokens), batch 1, {steps} new tokens:")
-        print(f"  {'method':34s} {'tokens/s':>9s} {'speed-up':>8s} {'tau':>5s}")
+        print(f"  {'method':34s} {'tokens/s':>9s} {'speed-up':>8s} {'tau':>5s} {'drafted':>8s}")
         greedy = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=config.pad_token_id)
         plain, plain_seconds, differing = None, None, []
         for method, extra in methods.items():
@@ -130,8 +132,12 @@ def main():
             same = torch.equal(out, plain)
             if not same:
                 differing.append(method)
-            print(f"  {method:34s} {steps / seconds:9.1f} {plain_seconds / seconds:7.2f}x {steps / forwards:5.2f}  "
-                  f"{'same tokens as plain greedy' if same else 'DIFFERENT TOKENS'}")  # fmt: skip
+            drafted = "—"
+            if extra.get("use_mtp") or extra.get("speculation_type"):  # KDSA's drafting loop keeps its statistics
+                stats = model.speculation_stats
+                drafted = f"{stats.rounds - stats.plain_rounds}/{stats.rounds}"
+            print(f"  {method:34s} {steps / seconds:9.1f} {plain_seconds / seconds:7.2f}x {steps / forwards:5.2f} "
+                  f"{drafted:>8s}  {'same tokens as plain greedy' if same else 'DIFFERENT TOKENS'}")  # fmt: skip
         if differing:  # the rollback is exact, so this is a bug
             raise SystemExit(f"speculative output differs from plain greedy for: {', '.join(differing)}")
 
