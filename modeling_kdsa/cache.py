@@ -14,9 +14,11 @@
   A shared-indexer DSA layer (`indexer_types`) keeps the same latent-only store and reads it sparsely at the
   selection of the layer before it (docs/dsa.md §10). The k-pool indexer (`index_kpool > 1`) adds a plane of pooled
   keys to the DSA store (`KDSAPagedKPoolLayer`, docs/dsa.md §9). `attention_store_class` picks the store of a layer.
-- The store, not the layer, calls the kernels that read it (the paged DSA kernels, `dsa_paged_*.py`): the indexer /
-  top-k and the sparse attention over the selected entries, from the registry's set for `config.kernel_backend`
-  (kernels.py).
+- The store allocates, encodes, counts, crops and replays; it runs no read kernel. The attention layer picks the
+  paged DSA kernels (`dsa_paged_*.py`, from the registry's set for `config.kernel_backend`, kernels.py) and calls
+  them with the store's planes and its page view (`key_view`, `selection_view`: block table, token count, pool
+  origin), docs/dsa.md §14. The one thing the store takes from the registry is its storage layout (`kv_store`), and
+  the KDA replay runs the kernels the KDA layer hands over with its records.
 - Formats (docs/design.md §4, `numeric_formats.CacheFormats`, chosen from `config.quantization_config` when the cache is
   built): each store holds either model-dtype pages or quantized pages (`QuantizedRows`: FP8 latent tiles + fp32
   scales + the RoPE part unquantized; MXFP8 indexer keys + E8M0 scales). One code path for both: rows are encoded
@@ -39,6 +41,21 @@ from .kernels import KernelSet, kernel_set
 from .numeric_formats import PLANAR_ROWS, CacheFormats, stored_planes
 
 PAGE_SIZE = 64  # tokens per page: the CUDA DSA kernels' block size (docs/dsa.md §4)
+
+
+class PageView(NamedTuple):
+    """What a paged read kernel takes from a store besides its planes (docs/dsa.md §14): `block_table` `[B, pages]`
+    (None: a fixed-shape read takes the pool in sequence order, static_cache.py), `num_tokens` cached keys (an int,
+    or a 0-d tensor in a compiled static step), `query_start` and `key_padding_mask` as the read takes them,
+    `pool_origin` (the k-pool store's, else None) and `fixed_shape`: True when the read must use the registry's
+    fixed-shape `static_*` kernels (a static store inside a compiled region)."""
+
+    block_table: torch.Tensor | None
+    num_tokens: int | torch.Tensor
+    query_start: int | torch.Tensor | None = None
+    key_padding_mask: torch.Tensor | None = None
+    pool_origin: torch.Tensor | None = None
+    fixed_shape: bool = False
 
 
 def _bytes_view(plane: torch.Tensor) -> torch.Tensor:
@@ -140,10 +157,10 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         §2)."""
         return self.kv_store(self.formats, kv_rows.to(self.dtype), self.latent_width)
 
-    def _bind_kernels(self, kernels: KernelSet) -> None:
+    def _bind_layout(self, kernels: KernelSet) -> None:
+        """The storage layout the backend's read kernels expect (its `kv_store` encoder). The store keeps this one
+        entry of the registry's set and no kernel: the layer picks and runs those (docs/dsa.md §14)."""
         self.kv_store = kernels.require("kv_store")
-        self.dense_kernel = kernels.require("dense_mla")
-        self.sparse_kernel = kernels.require("sparse_mla")
 
     def _check_widths(self, rows: tuple[torch.Tensor, ...]) -> None:
         if tuple(row.shape[-1] for row in rows) != self.row_widths:
@@ -155,7 +172,7 @@ class KDSAPagedMLALayer(CacheLayerMixin):
     def lazy_initialization(self, *rows: torch.Tensor) -> None:
         batch_size = rows[0].shape[0]
         self.dtype, self.device = rows[0].dtype, rows[0].device
-        self._bind_kernels(kernel_set(self.kernel_backend, self.device))  # first: the kernels choose the layout
+        self._bind_layout(kernel_set(self.kernel_backend, self.device))  # first: the kernels choose the layout
         # Empty pools in the stored formats: encoding zero rows gives every plane its dtype and width.
         widths = zip(rows, self.row_widths, strict=True)
         empty = self._encode(*(row.new_zeros(0, self.page_size, width) for row, width in widths))
@@ -279,28 +296,20 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         pages = self.block_table.gather(1, positions // self.page_size)
         return pages * self.page_size + positions % self.page_size
 
-    # -------------------------------------------------------------------------------------------------- reads
-    def dense_attention(
-        self,
-        q_latent: torch.Tensor,
-        q_pe: torch.Tensor,
-        query_start: int,
-        softmax_scale: float,
-        key_padding_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Dense causal absorbed-form attention over every cached token (queries at `query_start + i`); see
-        dsa_paged_reference.paged_dense_mla_reference."""
-        return self.dense_kernel(
-            q_latent, q_pe, self.kv_pages, self.block_table, self.num_tokens, query_start, softmax_scale,
-            key_padding_mask,
-        )  # fmt: skip
+    # ----------------------------------------------------------------------------------------------- page views
+    def _view_origin(self) -> torch.Tensor | None:
+        """The k-pool store's `pool_origin` (`KDSAPagedKPoolLayer`); other stores have none (and no attribute:
+        aot/decode_step.py lists a store's tensors by the attributes it has)."""
+        return getattr(self, "pool_origin", None)
 
-    def sparse_attention(
-        self, q_latent: torch.Tensor, q_pe: torch.Tensor, indices: torch.Tensor, softmax_scale: float
-    ) -> torch.Tensor:
-        """Absorbed-form attention over exactly the cached entries at `indices` `[B, T, K]` (-1 = none); see
-        dsa_paged_reference.py."""
-        return self.sparse_kernel(q_latent, q_pe, self.kv_pages, self.block_table, indices, softmax_scale)
+    def key_view(self, query_start: int, key_padding_mask: torch.Tensor | None = None) -> PageView:
+        """The view of a read over every cached key (dense attention, indexer top-k) for queries at
+        `query_start + i`; the layer runs the kernel (dsa.py, docs/dsa.md §14)."""
+        return PageView(self.block_table, self.num_tokens, query_start, key_padding_mask, self._view_origin())
+
+    def selection_view(self) -> PageView:
+        """The view of a read at selected positions (sparse attention over indices `[B, T, K]`, -1 = none)."""
+        return PageView(self.block_table, self.num_tokens, pool_origin=self._view_origin())
 
     # -------------------------------------------------------------------------- transformers CacheLayerMixin API
     def update(self, key_states, value_states, *args, **kwargs):
@@ -397,30 +406,15 @@ class KDSAPagedLayer(KDSAPagedMLALayer):
         """Rows `[..., C + R]` and keys `[..., DI]` in the stored formats (tensors or `QuantizedRows`)."""
         return self._encode_kv(kv_rows), self.formats.encode_index_keys(index_keys.to(self.dtype))
 
-    def _bind_kernels(self, kernels: KernelSet) -> None:
-        super()._bind_kernels(kernels)
-        self.indexer_kernel = kernels.require("indexer_topk")
-
     def append(self, kv_rows: torch.Tensor, index_keys: torch.Tensor) -> int:
         """Store the current tokens: kv_rows `[B, T, C + R]`, index_keys `[B, T, DI]`. Returns the number of tokens
         cached before them (the position of the first new token)."""
         return self._write(kv_rows, index_keys)
 
-    def indexer_topk(
-        self,
-        q_index: torch.Tensor,
-        weights: torch.Tensor,
-        query_start: int,
-        index_topk: int,
-        key_padding_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Top-`index_topk` cached positions per query (fused indexer over the pages); see dsa_paged_reference.py. With
-        MXFP8 keys, the queries `[B, T, HI, DI]` are MXFP8-rounded first (dynamic, per block of 32)."""
-        q_index = self.formats.quantize_index_queries(q_index)
-        return self.indexer_kernel(
-            q_index, weights, self.index_pages, self.block_table, self.num_tokens, index_topk, query_start,
-            key_padding_mask,
-        )  # fmt: skip
+    def encode_index_queries(self, q_index: torch.Tensor) -> torch.Tensor:
+        """Indexer queries `[B, T, HI, DI]` in the format the stored keys are scored in: with MXFP8 keys they are
+        MXFP8-rounded (dynamic, per block of 32), else returned as they are."""
+        return self.formats.quantize_index_queries(q_index)
 
     def reset(self) -> None:
         self.__init__(
@@ -478,10 +472,6 @@ class KDSAPagedKPoolLayer(KDSAPagedLayer):
     def lazy_initialization(self, *rows: torch.Tensor) -> None:
         super().lazy_initialization(*rows)
         self.pool_pages = rows[0].new_zeros(0, self.page_size // self.index_kpool, self.index_width, dtype=self.dtype)
-
-    def _bind_kernels(self, kernels: KernelSet) -> None:
-        super()._bind_kernels(kernels)
-        self.kpool_kernel = kernels.require("kpool_indexer_topk")
 
     def append(
         self,
@@ -573,24 +563,6 @@ class KDSAPagedKPoolLayer(KDSAPagedLayer):
         current = plane.index_select(0, pool_slots).view_as(pooled)
         plane.index_copy_(0, pool_slots, torch.where(completed[..., None], pooled, current).flatten(0, 1))
 
-    def kpool_indexer_topk(
-        self,
-        q_index: torch.Tensor,
-        weights: torch.Tensor,
-        query_start: int,
-        index_topk: int,
-        key_padding_mask: torch.Tensor | None,
-        ape: torch.Tensor,
-        select_tail: bool,
-    ) -> torch.Tensor:
-        """k-pool indexer top-k over the stored pools (docs/dsa.md §9); see dsa_paged_reference.py. Returns token
-        positions `[B, T, K]`, -1 = none. The kernel takes the origin the store keeps (checked when written), not the
-        mask's."""
-        return self.kpool_kernel(
-            q_index, weights, self.index_pages, self.pool_pages, self.block_table, self.num_tokens, index_topk,
-            query_start, key_padding_mask, ape, select_tail, self.pool_origin,
-        )  # fmt: skip
-
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         if self.pool_origin is not None:
@@ -672,9 +644,9 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
     Rollback: a checkpoint (conv window, fp32 state) after `checkpoint_tokens` tokens, and one `KDAReplayRecord`
     run per forward since then — memory per pending token, never a state copy per token. `crop(n)` for any n in
     `[checkpoint_tokens, num_tokens]` replays the first `n - checkpoint_tokens` recorded steps from the checkpoint
-    with the decode kernel itself (`kda_recurrent` of `kernel_backend`'s KernelSet, the one the layer decodes with),
-    so the rebuilt state is bit for bit what stepping those recorded inputs gives; the conv window is the last W of
-    the checkpoint window followed by the recorded columns.
+    with the decode kernel itself (`kda_recurrent` of the KernelSet the KDA layer hands over with its records, the
+    one it decodes with), so the rebuilt state is bit for bit what stepping those recorded inputs gives; the conv
+    window is the last W of the checkpoint window followed by the recorded columns.
 
     When the checkpoint advances (it only ever moves to a state that is already exact):
     - every `crop` commits: the rolled-back (or, for `crop` to the current length, the live) state becomes the
@@ -688,13 +660,15 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
     `rollback_tokens = 0` keeps no records: no rollback, no overhead (what plain `generate()` uses).
     """
 
-    def __init__(self, conv_kernel_size: int, rollback_tokens: int, kernel_backend: str):
+    def __init__(self, conv_kernel_size: int, rollback_tokens: int):
         super().__init__()
         if rollback_tokens < 0:
             raise ValueError(f"rollback_tokens must be >= 0, got {rollback_tokens}")
         self.conv_kernel_size[0] = conv_kernel_size
         self.rollback_tokens = rollback_tokens
-        self.kernel_backend = kernel_backend
+        # The KernelSet the KDA layer ran the recorded tokens with (`record`); `crop` replays with it. None while
+        # nothing is recorded.
+        self.replay_kernels: KernelSet | None = None
         self.num_tokens = 0
         self.checkpoint_tokens = 0
         # (conv window, fp32 state) after `checkpoint_tokens` tokens; None while no record is kept, because then the
@@ -757,10 +731,18 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
 
     # ----------------------------------------------------------------------------------------------- rollback
     def record(
-        self, conv_inputs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+        self,
+        conv_inputs: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        kernels: KernelSet,
     ) -> None:
         """Called by the KDA layer for every forward, after its kernels ran and before the live state is updated
-        (so the live state is still the one before these tokens). Shapes as in `KDAReplayRecord`."""
+        (so the live state is still the one before these tokens). Shapes as in `KDAReplayRecord`; `kernels`: the
+        layer's KernelSet, whose `kda_chunk` folds a long forward here and whose `kda_recurrent` a later `crop`
+        replays with."""
         new_tokens = k.shape[1]
         if self.pending_tokens + new_tokens > self.rollback_tokens:
             self._commit()  # the live state, before these tokens, becomes the checkpoint
@@ -776,7 +758,7 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
                 # A forward longer than the window: its first steps can never be rolled back to, so fold them into
                 # the checkpoint in one pass of the chunked (prefill) kernel; q is unused, k stands in for it.
                 fold = KDAReplayRecord(conv_inputs, k, v, g, beta).tokens(0, folded)
-                kda_chunk = kernel_set(self.kernel_backend, k.device).require("kda_chunk")
+                kda_chunk = kernels.require("kda_chunk")
                 _, state = kda_chunk(
                     fold.k, fold.k, fold.v, fold.g, fold.beta, initial_state=state, output_final_state=True
                 )
@@ -784,6 +766,7 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
             self.checkpoint = (conv, state)
             self.checkpoint_tokens = self.num_tokens + folded
         self.records.append(KDAReplayRecord(conv_inputs, k, v, g, beta).tokens(folded))
+        self.replay_kernels = kernels
         self.num_tokens += new_tokens
 
     def commit_unrecorded(self, new_tokens: int) -> None:
@@ -795,6 +778,7 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
     def _commit(self) -> None:
         """The live state becomes the checkpoint (it is exact already): drop the records."""
         self.records.clear()
+        self.replay_kernels = None
         self.checkpoint = None
         self.checkpoint_tokens = self.num_tokens
 
@@ -818,7 +802,7 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
             conv, state = self.checkpoint
             if replayed:
                 steps = KDAReplayRecord.concat(self.records)
-                kernels = kernel_set(self.kernel_backend, state.device)
+                kernels = self.replay_kernels
                 kda_recurrent = kernels.require("kda_recurrent")
                 kept = steps.tokens(0, replayed)
                 if kernels.kda_recurrent_stepwise(kept.k, kept.v):
@@ -885,9 +869,11 @@ class KDSACacheMixin:
         v: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
+        kernels: KernelSet,
     ) -> None:
-        """The KDA layer hands over its per-token replay inputs (`KDAReplayRecord`) before its state update."""
-        self.layers[layer_idx].record(conv_inputs, k, v, g, beta)
+        """The KDA layer hands over its per-token replay inputs (`KDAReplayRecord`) and the KernelSet it ran them
+        with (what `crop` replays with) before its state update."""
+        self.layers[layer_idx].record(conv_inputs, k, v, g, beta, kernels)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.reorder_cache(indices)
@@ -955,7 +941,7 @@ class KDSACache(KDSACacheMixin, DynamicCache):
             if layer_type in (DSA_LAYER, MLA_LAYER):
                 layers.append(attention_store_class(config, layer_idx).from_config(config, page_size))
             else:
-                layers.append(KDAReplayLayer(config.linear_conv_kernel_dim, rollback_tokens, config.kernel_backend))
+                layers.append(KDAReplayLayer(config.linear_conv_kernel_dim, rollback_tokens))
         # `Cache.__init__`, not `DynamicCache.__init__`: the latter builds transformers' own layers from the config's
         # layer types (cache_utils.DYNAMIC_LAYER_TYPE_MAPPING); these layers are ours.
         Cache.__init__(self, layers=layers)

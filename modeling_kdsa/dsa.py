@@ -19,7 +19,7 @@ from torch import nn
 
 from .cache import KDSAPagedMLALayer, attention_store_class
 from .dsa_ops import QUERY_BLOCK_SIZE
-from .kernels import kernel_set
+from .kernels import KernelSet, kernel_set
 from .linear import KDSALinear
 from .norms import KDSARMSNorm
 from .rotary import apply_rotary_half, apply_rotary_interleaved
@@ -28,6 +28,88 @@ from .sequence_parallel import SequenceParallelContext
 # Query rows (batch × tokens) up to which `absorbed_weights` hands out views: the most rows the CPU head kernels take
 # (`cpu_row_linear.MAX_ROWS`); more rows run the einsums of the reference on contiguous copies.
 FEW_QUERY_ROWS = 16
+
+
+# ------------------------------------------------------------------------------------ paged reads (docs/dsa.md §14)
+# The layer picks the kernel (from its backend's KernelSet, kernels.py) and runs it over a store's planes and page
+# view; the store allocates, encodes and counts, and says only whether the read must take the fixed-shape `static_*`
+# kernels (a static store inside a compiled region, static_cache.py). Contracts: dsa_paged_reference.py.
+def paged_dense_attention(
+    kernels: KernelSet,
+    store: KDSAPagedMLALayer,
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    query_start,
+    softmax_scale: float,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense causal absorbed-form attention over every cached token of `store` (queries at `query_start + i`)."""
+    view = store.key_view(query_start, key_padding_mask)
+    kernel = kernels.require("static_dense_mla" if view.fixed_shape else "dense_mla")
+    return kernel(
+        q_latent, q_pe, store.kv_pages, view.block_table, view.num_tokens, view.query_start, softmax_scale,
+        view.key_padding_mask,
+    )  # fmt: skip
+
+
+def paged_sparse_attention(
+    kernels: KernelSet,
+    store: KDSAPagedMLALayer,
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Absorbed-form attention over exactly the cached entries of `store` at `indices` `[B, T, K]` (-1 = none)."""
+    view = store.selection_view()
+    kernel = kernels.require("static_sparse_mla" if view.fixed_shape else "sparse_mla")
+    return kernel(q_latent, q_pe, store.kv_pages, view.block_table, indices, softmax_scale)
+
+
+def paged_indexer_topk(
+    kernels: KernelSet,
+    store,
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    query_start,
+    index_topk: int,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Top-`index_topk` cached positions per query over the indexer keys of a DSA `store` (`KDSAPagedLayer`); the
+    queries are first encoded as the keys are stored (`encode_index_queries`: MXFP8-rounded with MXFP8 keys)."""
+    q_index = store.encode_index_queries(q_index)
+    view = store.key_view(query_start, key_padding_mask)
+    kernel = kernels.require("static_indexer_topk" if view.fixed_shape else "indexer_topk")
+    return kernel(
+        q_index, weights, store.index_pages, view.block_table, view.num_tokens, index_topk, view.query_start,
+        view.key_padding_mask,
+    )  # fmt: skip
+
+
+def paged_kpool_indexer_topk(
+    kernels: KernelSet,
+    store,
+    q_index: torch.Tensor,
+    weights: torch.Tensor,
+    query_start,
+    index_topk: int,
+    key_padding_mask: torch.Tensor | None,
+    ape: torch.Tensor,
+    select_tail: bool,
+) -> torch.Tensor:
+    """k-pool indexer top-k over the pools of a `KDSAPagedKPoolLayer` store (docs/dsa.md §9): token positions
+    `[B, T, K]`, -1 = none. The paged kernel takes the origin the store keeps (`view.pool_origin`, checked when
+    written), not the mask's; the fixed-shape one finds it from the capacity-padded mask."""
+    view = store.key_view(query_start, key_padding_mask)
+    if view.fixed_shape:
+        return kernels.require("static_kpool_indexer_topk")(
+            q_index, weights, store.index_pages, store.pool_pages, view.block_table, view.num_tokens, index_topk,
+            view.query_start, view.key_padding_mask, ape, select_tail,
+        )  # fmt: skip
+    return kernels.require("kpool_indexer_topk")(
+        q_index, weights, store.index_pages, store.pool_pages, view.block_table, view.num_tokens, index_topk,
+        view.query_start, view.key_padding_mask, ape, select_tail, view.pool_origin,
+    )  # fmt: skip
 
 
 def mla_softmax_scale(config) -> float:
@@ -308,7 +390,8 @@ class KDSAMultiLatentAttention(nn.Module):
     ) -> torch.Tensor:
         """hidden_states `[B, T, D]`; position_embeddings `(cos, sin)` `[B, T, R]` for the current tokens, or None
         when the layer rotates nothing; attention_mask `[B, S]` over past + current keys (1 = real, 0 = padding) or
-        None; cache: a `KDSACache` (its paged store for this layer runs the dense kernel), or None.
+        None; cache: a `KDSACache` (the layer runs its backend's dense kernel over the cache's paged store for this
+        layer), or None.
         Query `i` sits at cache position `past_len + i` and attends to every visible key `<= past_len + i`.
         sequence_parallel: the T tokens are this process's share of a sequence that starts here (docs/parallel.md
         §7): the keys of the whole sequence are gathered, the queries are the local ones at their own positions.
@@ -333,8 +416,8 @@ class KDSAMultiLatentAttention(nn.Module):
                 outputs.append(q_nope.new_zeros(batch, padding, self.num_heads, self.v_head_dim))
                 continue
             q_latent = kernels.head_matmul(q_nope[:, block], w_uk)
-            out_latent = store.dense_attention(
-                q_latent, q_pe[:, block].contiguous(), position, self.softmax_scale, attention_mask
+            out_latent = paged_dense_attention(
+                kernels, store, q_latent, q_pe[:, block].contiguous(), position, self.softmax_scale, attention_mask
             )
             outputs.append(kernels.head_linear(out_latent, w_uv))
         attn_output = torch.cat(outputs, dim=1).reshape(batch, seq_len, self.num_heads * self.v_head_dim)
@@ -415,7 +498,8 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """hidden_states `[B, T, D]`; position_embeddings `(cos, sin)` `[B, T, R]` for the current tokens or None
         (NoPE); attention_mask `[B, S]` over past + current keys (1 = real, 0 = padding) or None; cache: a
-        `KDSACache` (its paged store for this layer runs the indexer and sparse-attention kernels), or None.
+        `KDSACache` (the layer runs its backend's indexer and sparse-attention kernels over the cache's paged store
+        for this layer), or None.
         Query `i` sits at cache position `past_len + i`. Returns `[B, T, D]`.
 
         topk_indices `[B, T, K]`: the selection of the previous layer, required by (and only by) a shared-indexer
@@ -475,7 +559,7 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
                     store, attention_mask, ape, q_index[:, block], index_weights[:, block], position
                 )
             q_latent = kernels.head_matmul(q_nope[:, block], w_uk)
-            out_latent = store.sparse_attention(q_latent, q_pe[:, block], indices, self.softmax_scale)
+            out_latent = paged_sparse_attention(kernels, store, q_latent, q_pe[:, block], indices, self.softmax_scale)
             outputs.append(kernels.head_linear(out_latent, w_uv))
             if return_topk_indices:
                 selections.append(indices)
@@ -490,11 +574,22 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
 
     def _select_topk(self, store, attention_mask, ape, q_index, weights, position) -> torch.Tensor:
         """The indexer's top-k `[B, n, k]` for a block of `n` queries at cache positions `position …`."""
+        kernels = kernel_set(self.kernel_backend, q_index.device)
         if self.index_kpool > 1:
-            return store.kpool_indexer_topk(
-                q_index, weights, position, self.index_topk, attention_mask, ape, self.index_kpool_always_select_tail
-            )
-        return store.indexer_topk(q_index, weights, position, self.index_topk, attention_mask)
+            return paged_kpool_indexer_topk(
+                kernels, store, q_index, weights, position, self.index_topk, attention_mask, ape,
+                self.index_kpool_always_select_tail,
+            )  # fmt: skip
+        return paged_indexer_topk(kernels, store, q_index, weights, position, self.index_topk, attention_mask)
 
 
-__all__ = ["KDSAIndexer", "KDSAMultiLatentAttention", "KDSASparseAttention", "mla_softmax_scale"]
+__all__ = [
+    "KDSAIndexer",
+    "KDSAMultiLatentAttention",
+    "KDSASparseAttention",
+    "mla_softmax_scale",
+    "paged_dense_attention",
+    "paged_indexer_topk",
+    "paged_kpool_indexer_topk",
+    "paged_sparse_attention",
+]

@@ -233,7 +233,7 @@ class KDSAKimiDeltaAttention(nn.Module):
                 # Speculative decoding: the cache keeps these tokens' conv columns and recurrence inputs so that
                 # `crop` can replay them exactly. It must see the state from before this forward, so this comes
                 # before the two updates below.
-                cache.record_kda_inputs(self.layer_idx, qkv, k, v, g, beta)
+                cache.record_kda_inputs(self.layer_idx, qkv, k, v, g, beta, kernels)
             cache.update_conv_state(conv_window, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
             cache.update_recurrent_state(final_state, self.layer_idx)
             if isinstance(cache, KDSACache) and sequence_parallel is not None:

@@ -14,10 +14,10 @@ context, and lives at a fixed address, so one graph serves every step of a growi
   every group of `kp` tokens; a forward writes the pools it completes through a fixed number of candidates, the pool
   origin coming from the capacity-padded mask.
 - Reads inside a compiled region use the fixed-shape kernels (`static_*` of the kernel registry's set, kernels.py;
-  docs/graph-mode.md §3): the indexer scores all `L` slots under a mask (causal, end of the context, padding) and
-  keeps `min(index_topk, L)` with the -1 sentinel (the k-pool indexer: all `L / kp` pool slots); dense MLA attends
-  over all `L` slots under the same mask. Eager
-  forwards (prefill, or an uncompiled step) run the paged kernels of
+  docs/graph-mode.md §3; the attention layer runs them, the store's page views say which: `PageView.fixed_shape`):
+  the indexer scores all `L` slots under a mask (causal, end of the context, padding) and keeps
+  `min(index_topk, L)` with the -1 sentinel (the k-pool indexer: all `L / kp` pool slots); dense MLA attends over all
+  `L` slots under the same mask. Eager forwards (prefill, or an uncompiled step) run the paged kernels of
   `config.kernel_backend` over exactly the cached tokens, so an eager static cache computes what `KDSACache` does.
 
 Paging (growth, sharing, copy-on-write), rollback (`crop`) and beam reordering are what `KDSACache` is for; this
@@ -34,6 +34,7 @@ from .cache import (
     KDSAPagedKPoolLayer,
     KDSAPagedLayer,
     KDSAPagedMLALayer,
+    PageView,
     _bytes_view,
     attention_store_class,
     map_planes,
@@ -41,7 +42,7 @@ from .cache import (
 )
 from .configuration_kdsa import DSA_LAYER, MLA_LAYER
 from .dsa_paged_static import static_kpool_origin
-from .kernels import KernelSet, kernel_set
+from .kernels import kernel_set
 from .numeric_formats import stored_planes
 
 
@@ -72,8 +73,8 @@ class StaticKDALayer(KDAReplayLayer):
     is_compileable = True
     is_croppable = False
 
-    def __init__(self, conv_kernel_size: int, kernel_backend: str):
-        super().__init__(conv_kernel_size, rollback_tokens=0, kernel_backend=kernel_backend)
+    def __init__(self, conv_kernel_size: int):
+        super().__init__(conv_kernel_size, rollback_tokens=0)
 
     def record(self, *args) -> None:
         """Nothing to record: a static cache never rolls back (and a Python counter would recompile every step)."""
@@ -148,7 +149,7 @@ class _StaticPagedMixin:
     def lazy_initialization(self, *rows: torch.Tensor) -> None:
         batch_size = rows[0].shape[0]
         self.dtype, self.device = rows[0].dtype, rows[0].device
-        self._bind_kernels(kernel_set(self.kernel_backend, self.device))  # first: the kernels choose the layout
+        self._bind_layout(kernel_set(self.kernel_backend, self.device))  # first: the kernels choose the layout
         num_pages = batch_size * self.pages_per_sequence
         widths = zip(rows, self.row_widths, strict=True)
         pools = self._encode(*(row.new_zeros(num_pages, self.page_size, width) for row, width in widths))
@@ -163,11 +164,6 @@ class _StaticPagedMixin:
             _mark_static(tensor)
         self.page_refcount = [1] * num_pages
         self.is_initialized = True
-
-    def _bind_kernels(self, kernels: KernelSet) -> None:
-        super()._bind_kernels(kernels)
-        self.static_dense_kernel = kernels.require("static_dense_mla")
-        self.static_sparse_kernel = kernels.require("static_sparse_mla")
 
     def _write(self, *rows: torch.Tensor) -> torch.Tensor:
         """Store rows `[B, T, width]` at positions `num_tokens …` in place; returns the 0-d count before them."""
@@ -192,27 +188,20 @@ class _StaticPagedMixin:
         """Width of the 2-D padding mask the layer takes: the capacity (the model pads the mask to it)."""
         return self.capacity
 
-    def _eager_args(self, query_start, key_padding_mask):
-        """Eager reads run the paged kernels over the cached tokens only: ints and the mask cut to them."""
+    def key_view(self, query_start, key_padding_mask=None) -> PageView:
+        """Compiling: the fixed shapes (no block table: the pool in sequence order; the 0-d count, the
+        capacity-padded mask) for the `static_*` kernels. Eager: the paged kernels' arguments over the cached tokens
+        only (ints, the mask cut to them), so an eager static cache computes what `KDSACache` does."""
+        if _compiling():
+            return PageView(None, self.num_tokens, query_start, key_padding_mask, self._view_origin(), fixed_shape=True)
         num_keys = int(self.num_tokens)
         mask = None if key_padding_mask is None else key_padding_mask[:, :num_keys]
-        return num_keys, int(query_start), mask
+        return PageView(self.block_table, num_keys, int(query_start), mask, self._view_origin())
 
-    def dense_attention(self, q_latent, q_pe, query_start, softmax_scale, key_padding_mask=None):
-        if _compiling():
-            return self.static_dense_kernel(
-                q_latent, q_pe, self.kv_pages, None, self.num_tokens, query_start, softmax_scale,
-                key_padding_mask,
-            )  # fmt: skip
-        num_keys, start, mask = self._eager_args(query_start, key_padding_mask)
-        return self.dense_kernel(q_latent, q_pe, self.kv_pages, self.block_table, num_keys, start, softmax_scale, mask)
-
-    def sparse_attention(self, q_latent, q_pe, indices, softmax_scale: float) -> torch.Tensor:
-        """Attention at given positions: a DSA layer's own selection, or the previous layer's for a shared-indexer
-        layer (its store is the latent-only one)."""
-        if _compiling():
-            return self.static_sparse_kernel(q_latent, q_pe, self.kv_pages, self.block_table, indices, softmax_scale)
-        return super().sparse_attention(q_latent, q_pe, indices, softmax_scale)
+    def selection_view(self) -> PageView:
+        """Reads at given positions (a DSA layer's own selection, or the previous layer's for a shared-indexer layer)
+        take the block table either way; compiling, with the fixed-shape kernel."""
+        return PageView(self.block_table, self.num_tokens, pool_origin=self._view_origin(), fixed_shape=_compiling())
 
     def get_seq_length(self) -> torch.Tensor:
         return self.num_tokens
@@ -268,22 +257,6 @@ class StaticPagedLayer(_StaticPagedMixin, KDSAPagedLayer):
     def from_config(cls, config, max_cache_len: int, page_size: int = PAGE_SIZE) -> "StaticPagedLayer":
         return cls(max_cache_len, **KDSAPagedLayer.config_kwargs(config, page_size))
 
-    def _bind_kernels(self, kernels: KernelSet) -> None:
-        super()._bind_kernels(kernels)
-        self.static_indexer_kernel = kernels.require("static_indexer_topk")
-
-    def indexer_topk(self, q_index, weights, query_start, index_topk, key_padding_mask=None) -> torch.Tensor:
-        q_index = self.formats.quantize_index_queries(q_index)
-        if _compiling():
-            return self.static_indexer_kernel(
-                q_index, weights, self.index_pages, None, self.num_tokens, index_topk, query_start,
-                key_padding_mask,
-            )  # fmt: skip
-        num_keys, start, mask = self._eager_args(query_start, key_padding_mask)
-        return self.indexer_kernel(
-            q_index, weights, self.index_pages, self.block_table, num_keys, index_topk, start, mask
-        )
-
 
 class StaticKPoolLayer(_StaticPagedMixin, KDSAPagedKPoolLayer):
     """Fixed-capacity store of a DSA layer with the k-pool indexer (docs/dsa.md §9): the per-token `[key | gate]` rows
@@ -310,10 +283,6 @@ class StaticKPoolLayer(_StaticPagedMixin, KDSAPagedKPoolLayer):
         _mark_static(self.pool_origin)
         super().lazy_initialization(*rows)
 
-    def _bind_kernels(self, kernels: KernelSet) -> None:
-        super()._bind_kernels(kernels)
-        self.static_kpool_kernel = kernels.require("static_kpool_indexer_topk")
-
     def _forward_origin(self, key_padding_mask, batch_size: int, new_tokens: int, device) -> torch.Tensor:
         """The origin from the capacity-padded mask, with no host read; checked eagerly only (a compiled step trusts
         generate's mask)."""
@@ -324,18 +293,6 @@ class StaticKPoolLayer(_StaticPagedMixin, KDSAPagedKPoolLayer):
 
     def _keep_origin(self, origin: torch.Tensor) -> None:
         self.pool_origin.copy_(origin)  # in place: a compiled step keeps the address
-
-    def kpool_indexer_topk(self, q_index, weights, query_start, index_topk, key_padding_mask, ape, select_tail):
-        if _compiling():
-            return self.static_kpool_kernel(
-                q_index, weights, self.index_pages, self.pool_pages, None, self.num_tokens, index_topk,
-                query_start, key_padding_mask, ape, select_tail,
-            )  # fmt: skip
-        num_keys, start, mask = self._eager_args(query_start, key_padding_mask)
-        return self.kpool_kernel(
-            q_index, weights, self.index_pages, self.pool_pages, self.block_table, num_keys, index_topk, start, mask,
-            ape, select_tail, self.pool_origin,
-        )  # fmt: skip
 
     def reset(self) -> None:
         """Forget the tokens (addresses kept); stale pooled keys are never read: a slot is read only once the pool
@@ -365,7 +322,7 @@ class KDSAStaticCache(KDSACacheMixin, StaticCache):
         layers = []
         for layer_idx, layer_type in enumerate(config.layer_types):
             if layer_type not in (DSA_LAYER, MLA_LAYER):
-                layers.append(StaticKDALayer(config.linear_conv_kernel_dim, config.kernel_backend))
+                layers.append(StaticKDALayer(config.linear_conv_kernel_dim))
             elif attention_store_class(config, layer_idx) is KDSAPagedKPoolLayer:
                 layers.append(StaticKPoolLayer.from_config(config, max_cache_len, page_size))
             elif attention_store_class(config, layer_idx) is KDSAPagedLayer:

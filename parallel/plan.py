@@ -317,7 +317,7 @@ def kda_state_parts(model: KDSAForCausalLM, tp: int) -> dict[str, int]:
             continue
         heads = attn.num_heads // tp
         channels = heads * (2 * attn.head_k_dim + attn.head_v_dim)
-        cache_layer = KDAReplayLayer(attn.conv_kernel_size, 0, "torch")
+        cache_layer = KDAReplayLayer(attn.conv_kernel_size, 0)
         cache_layer.update_conv_state(torch.empty(1, channels, 1, dtype=torch.bfloat16, device="meta"))
         conv = cache_layer.memory_bytes()["states"]
         cache_layer.update_recurrent_state(

@@ -216,6 +216,14 @@ def tiny_model(seed: int = 0, **overrides) -> KDSAForCausalLM:
     return model
 
 
+def store_kernels(store):
+    """The KernelSet a layer would read `store` with (its backend's, kernels.py): the paged-read functions of dsa.py
+    take it with the store (docs/dsa.md §14)."""
+    from modeling_kdsa.kernels import kernel_set
+
+    return kernel_set(store.kernel_backend, store.device)
+
+
 @pytest.fixture(autouse=True)
 def _seed_global_rng():
     """Every test starts from the same global RNG state, whatever ran before it (or in which order): a test that

@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import store_kernels, tiny_model
 from transformers import DynamicCache, StaticCache
 
 from modeling_kdsa import dsa_ops
 from modeling_kdsa.cache import PAGE_SIZE, ROLLBACK_TOKENS, KDAReplayLayer, KDSACache, KDSAPagedLayer
+from modeling_kdsa.dsa import paged_indexer_topk, paged_sparse_attention
 from modeling_kdsa.dsa_paged_reference import gather_pages
 from modeling_kdsa.static_cache import KDSAStaticCache
 
@@ -101,12 +102,12 @@ def test_paged_kernels_equal_the_contiguous_reference(backend, context):
     query_start, num_queries = context - 9, 9
     q_index = torch.randn(2, num_queries, index_heads, index_dim)
     weights = torch.randn(2, num_queries, index_heads)
-    paged = store.indexer_topk(q_index, weights, query_start, topk, padding)
+    paged = paged_indexer_topk(store_kernels(store), store, q_index, weights, query_start, topk, padding)
     reference = dsa_ops.indexer_topk(q_index, weights, keys, topk, query_start, padding)
     assert torch.equal(paged, reference)
 
     q_latent, q_pe = torch.randn(2, num_queries, heads, latent), torch.randn(2, num_queries, heads, rope)
-    out = store.sparse_attention(q_latent, q_pe, paged, 0.3)
+    out = paged_sparse_attention(store_kernels(store), store, q_latent, q_pe, paged, 0.3)
     expected = dsa_ops.sparse_mla_attention(q_latent, q_pe, kv[..., :latent], kv[..., latent:], reference, 0.3)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 

@@ -12,7 +12,7 @@ import torch._dynamo.utils
 from conftest import count_calls, cpu_compile_config, needs_kernel_build, tiny_model
 from transformers import CompileConfig
 
-from modeling_kdsa import KDSAQuantizationConfig, cpu_kda_recurrent, cpu_row_linear, dsa_paged_cpu, static_cache
+from modeling_kdsa import KDSAQuantizationConfig, cpu_kda_recurrent, cpu_row_linear, dsa, dsa_paged_cpu, static_cache
 from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer
 from modeling_kdsa.linear import KDSALinear
 from modeling_kdsa.static_cache import KDSAStaticCache, StaticKPoolLayer
@@ -384,13 +384,12 @@ def test_static_kpool_fixed_shape_path_equals_the_paged_cache(monkeypatch):
     ids, mask = kpool_prompt()
     steps = torch.randint(3, 128, (3, 14), generator=torch.Generator().manual_seed(2))
     selections = {KDSAPagedKPoolLayer: [], StaticKPoolLayer: []}
-    for store_class, recorded in selections.items():
 
-        def recording(self, *args, _select=store_class.kpool_indexer_topk, _recorded=recorded):
-            _recorded.append(_select(self, *args))
-            return _recorded[-1]
+    def recording(kernels, store, *args, _select=dsa.paged_kpool_indexer_topk):
+        selections[type(store)].append(_select(kernels, store, *args))
+        return selections[type(store)][-1]
 
-        monkeypatch.setattr(store_class, "kpool_indexer_topk", recording)
+    monkeypatch.setattr(dsa, "paged_kpool_indexer_topk", recording)  # the layer's read of the store's pools
 
     def run(cache):
         with torch.no_grad():

@@ -8,13 +8,13 @@ Selections are compared as sets (transformers turns them into a mask; the order 
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_model
+from conftest import store_kernels, tiny_config, tiny_model
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention, Glm5NextTextIndexer
 
 from modeling_kdsa import KDSAConfig
 from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer, KDSAPagedMLALayer
-from modeling_kdsa.dsa import KDSAIndexer, KDSASparseAttention
+from modeling_kdsa.dsa import KDSAIndexer, KDSASparseAttention, paged_kpool_indexer_topk
 from modeling_kdsa.dsa_ops import ScoredPairs, kpool_indexer_topk, kpool_keys
 from modeling_kdsa.kernels import kernel_set
 from modeling_kdsa.numeric_formats import CacheFormats
@@ -117,7 +117,9 @@ def test_indexer_topk_matches_glm(seq_len, select_tail, backend):
     # Two query blocks, as the layer runs a long prefill.
     half = seq_len // 2
     selected = [
-        store.kpool_indexer_topk(q_index[:, block], weights[:, block], block.start, TOPK, mask, ape, select_tail)
+        paged_kpool_indexer_topk(
+            store_kernels(store), store, q_index[:, block], weights[:, block], block.start, TOPK, mask, ape, select_tail
+        )
         for block in (slice(0, half), slice(half, seq_len))
     ]
     assert as_sets(selected[0]) == as_sets(expected[:, :half])
@@ -352,7 +354,9 @@ def test_fused_kpool_kernel_reports_the_pooled_keys_it_scores():
     store.append(torch.zeros(2, num_keys, 8), torch.randn(2, num_keys, 2 * INDEX_DIM), None, ape)
     q_index, weights = torch.randn(2, num_queries, INDEX_HEADS, INDEX_DIM), torch.randn(2, num_queries, INDEX_HEADS)
     with ScoredPairs() as scored:
-        store.kpool_indexer_topk(q_index, weights, num_keys - num_queries, TOPK, None, ape, True)
+        paged_kpool_indexer_topk(
+            store_kernels(store), store, q_index, weights, num_keys - num_queries, TOPK, None, ape, True
+        )
     pages_read = -(-num_keys // page_size)
     assert scored.pairs == 2 * num_queries * pages_read * (page_size // KPOOL)
 

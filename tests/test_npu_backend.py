@@ -12,12 +12,13 @@ from pathlib import Path
 import fake_torch_npu
 import pytest
 import torch
-from conftest import tiny_config, tiny_model
+from conftest import store_kernels, tiny_config, tiny_model
 from modeling_kdsa.parallel import context_parallel_prefill, single_process_mesh
 from test_dsa_paged_ops import left_padding, paged
 
 from modeling_kdsa import dsa_ops, kda_device_ops, kda_ops, kernels, npu_kernels, triton_kernels
 from modeling_kdsa.cache import KDSACache, KDSAPagedLayer
+from modeling_kdsa.dsa import paged_dense_attention, paged_indexer_topk, paged_sparse_attention
 from modeling_kdsa.dsa_paged_fused import paged_indexer_topk_fused
 from modeling_kdsa.dsa_paged_reference import gather_pages
 from modeling_kdsa.kernels import kernel_set
@@ -302,7 +303,7 @@ def test_npu_backend_refuses_mxfp8_indexer_keys(npu):
     store.append(torch.randn(2, 20, LATENT + ROPE).to(torch.bfloat16), torch.randn(2, 20, INDEX_DIM).bfloat16())
     q_index, weights = torch.randn(2, 1, 4, INDEX_DIM).bfloat16(), torch.randn(2, 1, 4)
     with pytest.raises(ValueError, match="MXFP8 indexer keys.*per-token-head"):
-        store.indexer_topk(q_index, weights, 19, 8)
+        paged_indexer_topk(store_kernels(store), store, q_index, weights, 19, 8)
     assert fake_torch_npu.calls == []
 
 
@@ -340,9 +341,9 @@ def test_npu_fp8_cache_through_the_kv_quant_attention_op(npu):
         outputs = {}
         for backend, store in stores.items():
             if read == "sparse":
-                outputs[backend] = store.sparse_attention(q_latent, q_pe, indices, 0.1)
+                outputs[backend] = paged_sparse_attention(store_kernels(store), store, q_latent, q_pe, indices, 0.1)
             else:
-                outputs[backend] = store.dense_attention(q_latent, q_pe, 39, 0.1)
+                outputs[backend] = paged_dense_attention(store_kernels(store), store, q_latent, q_pe, 39, 0.1)
         assert fake_torch_npu.calls == ["npu_kv_quant_sparse_flash_attention"]
         seen = fake_torch_npu.inputs["npu_kv_quant_sparse_flash_attention"]
         assert _same_storage(seen["key"], packed.buffer) and seen["key"].dtype == torch.float8_e4m3fn
@@ -354,7 +355,9 @@ def test_npu_fp8_cache_refuses_nope(npu):
     stores = fp8_stores(0, torch.Generator().manual_seed(7))
     q_latent, q_pe = torch.randn(2, 1, 2, LATENT).bfloat16(), torch.randn(2, 1, 2, 0).bfloat16()
     with pytest.raises(ValueError, match="kv_cache='fp8' needs qk_rope_head_dim=64"):
-        stores["npu"].sparse_attention(q_latent, q_pe, torch.zeros(2, 1, 4, dtype=torch.long), 0.1)
+        paged_sparse_attention(
+            store_kernels(stores["npu"]), stores["npu"], q_latent, q_pe, torch.zeros(2, 1, 4, dtype=torch.long), 0.1
+        )
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -386,9 +389,9 @@ def test_npu_attention_reads_the_store_pages_in_place(npu, rope):
         outputs = {}
         for backend, store in stores.items():
             if read == "sparse":
-                outputs[backend] = store.sparse_attention(q_latent, q_pe, indices, 0.1)
+                outputs[backend] = paged_sparse_attention(store_kernels(store), store, q_latent, q_pe, indices, 0.1)
             else:
-                outputs[backend] = store.dense_attention(q_latent, q_pe, 39, 0.1)
+                outputs[backend] = paged_dense_attention(store_kernels(store), store, q_latent, q_pe, 39, 0.1)
         seen = fake_torch_npu.inputs["npu_sparse_flash_attention"]
         assert _same_storage(seen["key"], planes.latent) and _same_storage(seen["value"], planes.latent)
         if rope:
@@ -545,9 +548,9 @@ def test_generate_over_the_npu_ops_equals_cpu(npu_dsa_ops, layers):
         outputs[backend] = model.generate(prompt, cache=cache, **kwargs)
         if backend == "npu":
             assert {"npu_lightning_indexer", "npu_sparse_flash_attention"} <= set(fake_torch_npu.calls)
-            assert cache.layers[1].indexer_kernel is paged_indexer_topk_npu
-            assert all(cache.layers[i].sparse_kernel is paged_sparse_mla_npu for i in (1, 2))
-            assert cache.layers[2].dense_kernel is paged_dense_mla_npu
+            npu_set = store_kernels(cache.layers[1])  # what the DSA and dense MLA layers read the stores with
+            assert npu_set.indexer_topk is paged_indexer_topk_npu
+            assert npu_set.sparse_mla is paged_sparse_mla_npu and npu_set.dense_mla is paged_dense_mla_npu
     assert torch.equal(outputs["npu"], outputs["cpu"])
 
 
@@ -680,7 +683,7 @@ def test_generate_glm_shaped_model_over_the_npu_ops_equals_cpu(npu_dsa_ops):
         outputs[backend] = model.generate(prompt, cache=cache, **kwargs)
         if backend == "npu":
             assert {"npu_lightning_indexer", "npu_sparse_flash_attention"} <= set(fake_torch_npu.calls)
-            assert cache.layers[1].kpool_kernel is paged_kpool_indexer_topk_npu
+            assert store_kernels(cache.layers[1]).kpool_indexer_topk is paged_kpool_indexer_topk_npu
     assert torch.equal(outputs["npu"], outputs["cpu"])
 
 
