@@ -78,6 +78,38 @@ def _compare(results: dict, name: str, sharded, reference, vocab: int) -> None:
         results[f"{name}_{run}_equal"] = bool(torch.equal(tokens[0], tokens[1]))
 
 
+def _speculative_with_rank_clocks(rank: int, results: dict, sharded, reference) -> None:
+    """`generate(use_mtp=True)` under the adaptive schedule on the `tp_plan="auto"` load, each rank on its own fake
+    clock (tests/test_speculative_parallel.py's `_RankClock`): the round seconds are agreed over the load's tp mesh
+    (`sharded_group`, docs/parallel.md §12), so both ranks draft in the same rounds."""
+    import torch.distributed as dist
+    from test_parallel_distributed import _prompt
+    from test_speculative_parallel import NEW_TOKENS, _RankClock
+
+    import modeling_kdsa.speculative as speculative
+
+    group = speculative.sharded_group(sharded)
+    results["sharded_group_size"] = None if group is None else dist.get_world_size(group)
+    results["has_apply_tp_group"] = getattr(sharded, "tensor_parallel_group", None) is not None
+    results["whole_group"] = speculative.sharded_group(reference)
+    half = _prompt(12, batch=2, seed=4)
+    ids = torch.cat([half, half, half[:, :5]], dim=1)
+    greedy = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = reference.generate(ids, **greedy)
+    clock, real_time = _RankClock(per_drafted_token=10.0 * rank), speculative.time
+    speculative.time = clock
+    hook = sharded.register_forward_pre_hook(clock.forward_pre_hook, with_kwargs=True)
+    try:
+        tokens = sharded.generate(ids, use_mtp=True, **greedy)
+    finally:
+        hook.remove()
+        speculative.time = real_time
+    results["mtp_tokens"] = tokens
+    results["mtp_equal"] = bool(torch.equal(tokens, expected))
+    stats = sharded.speculation_stats
+    results["mtp_rounds"] = (stats.rounds, stats.plain_rounds, stats.drafted, stats.accepted)
+
+
 def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
     import torch.distributed as dist
     from conftest import tiny_config
@@ -122,6 +154,7 @@ def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
         hidden = base(ids).last_hidden_state
         results["base_model_error"] = (hidden - reference.model(ids).last_hidden_state).abs().max().item()
     results["base_model_heads"] = base.layers[0].linear_attn.num_heads
+    _speculative_with_rank_clocks(rank, results, sharded, reference)
 
     # The tiny fixture (tests/conftest.py), saved by rank 0 (transformers saves on rank 0 only), loaded with
     # DistributedConfig.
@@ -273,6 +306,21 @@ def test_context_parallel_path_and_base_model_over_the_loaded_shards(two_ranks):
         assert result["base_model_error"] < LOGIT_TOLERANCE and result["base_model_heads"] == 1
 
 
+def test_mtp_adaptive_schedule_on_the_loaded_shards_with_different_clocks(two_ranks):
+    """The `tp_plan="auto"` branch of `sharded_group` (transformers' tp mesh; the load sets no
+    `tensor_parallel_group`): plain greedy's tokens on both ranks, drafted in the same rounds although rank 0's
+    clock says drafting pays and rank 1's that it does not (docs/parallel.md §12)."""
+    rounds = [result["mtp_rounds"] for result in two_ranks]
+    assert rounds[0] == rounds[1]
+    total, plain, drafted, _ = rounds[0]
+    assert 0 < plain < total and drafted > 0
+    for result in two_ranks:
+        assert result["sharded_group_size"] == 2 and not result["has_apply_tp_group"]
+        assert result["whole_group"] is None
+        assert result["mtp_equal"]
+    assert torch.equal(two_ranks[0]["mtp_tokens"], two_ranks[1]["mtp_tokens"])
+
+
 def test_all_reduces_run_after_each_sharded_module(two_ranks):
     for result in two_ranks:
         tags = result["comm_tags"]
@@ -311,6 +359,14 @@ def test_plan_is_declared_and_its_styles_registered():
     assert set(plan.values()) - {"replicate"} == set(hf_plans.STYLE_PLANS)
     assert all(style in ALL_PARALLEL_STYLES for style in plan.values())
     assert KDSAConfig.base_model_pp_plan is None
+
+
+def test_sharded_group_is_none_for_a_whole_model():
+    """A model whole in its process syncs nothing in speculative decoding (docs/parallel.md §12)."""
+    from modeling_kdsa import KDSAForCausalLM
+    from modeling_kdsa.speculative import sharded_group
+
+    assert sharded_group(KDSAForCausalLM.from_pretrained(CHECKPOINT, dtype=torch.float32)) is None
 
 
 def test_tp_size_without_a_launcher_is_refused(monkeypatch):
