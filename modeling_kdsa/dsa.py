@@ -372,6 +372,11 @@ class KDSAMultiLatentAttention(nn.Module):
             if tuple(tensor.shape) != expected:
                 raise ValueError(f"position_embeddings {name} must have shape {expected}, got {tuple(tensor.shape)}")
 
+    def _require_read_kernels(self, kernels: KernelSet) -> None:
+        """The paged kernels this layer reads its store with, or the backend's ValueError: checked before the store
+        is written, so a backend without one leaves the cache as it was."""
+        kernels.require("dense_mla")
+
     @staticmethod
     def _check_attention_mask(attention_mask: torch.Tensor | None, batch: int, num_keys: int) -> None:
         if attention_mask is not None and tuple(attention_mask.shape) != (batch, num_keys):
@@ -404,12 +409,13 @@ class KDSAMultiLatentAttention(nn.Module):
         # Validate everything before the cache is written, so that bad input never leaves it half-updated.
         store = self._store(cache)
         self._check_attention_mask(attention_mask, batch, store.mask_width(seq_len))
+        kernels = kernel_set(self.kernel_backend, q_nope.device)
+        self._require_read_kernels(kernels)
         if sequence_parallel is not None:
             (kv_rows,) = sequence_parallel.gather_sequence([kv_rows], "mla_latent")
         past_len = store.append(kv_rows)  # int, or a 0-d tensor in a static cache
 
         w_uk, w_uv = self.absorbed_weights(q_nope)
-        kernels = kernel_set(self.kernel_backend, q_nope.device)
         outputs = []
         for block, position, padding in self._query_blocks(seq_len, past_len, sequence_parallel):
             if block is None:  # padding slots of a sequence-parallel share: no query
@@ -486,6 +492,11 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
         indexed = None if self.indexer is None else self.indexer(hidden_states, query_input, position_embeddings)
         return q_nope, q_pe, latent, k_pe, indexed
 
+    def _require_read_kernels(self, kernels: KernelSet) -> None:
+        kernels.require("sparse_mla")
+        if not self.shares_indexer:
+            kernels.require("kpool_indexer_topk" if self.index_kpool > 1 else "indexer_topk")
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -522,6 +533,8 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
         # Validate everything before the cache is written, so that bad input never leaves it half-updated.
         store = self._store(cache)
         self._check_attention_mask(attention_mask, batch, store.mask_width(seq_len))
+        kernels = kernel_set(self.kernel_backend, q_nope.device)
+        self._require_read_kernels(kernels)
         # `past_len`: an int, or a 0-d tensor in a static cache (docs/graph-mode.md §2).
         ape = None
         if self.shares_indexer:
@@ -539,7 +552,6 @@ class KDSASparseAttention(KDSAMultiLatentAttention):
                 past_len = store.append(kv_rows, k_index)
 
         w_uk, w_uv = self.absorbed_weights(q_nope)
-        kernels = kernel_set(self.kernel_backend, q_nope.device)
         outputs, selections = [], []
         for block, position, padding in self._query_blocks(seq_len, past_len, sequence_parallel):
             if block is None:  # padding slots of a sequence-parallel share: no query, no selection

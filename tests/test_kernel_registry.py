@@ -8,6 +8,7 @@ A kernel a backend does not implement (None) must be refused by name; a backend 
 (the fake records the torch_npu ops it runs)."""
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
 
@@ -17,8 +18,8 @@ import torch
 from conftest import tiny_model
 from test_dsa_paged_ops import left_padding, paged
 
-from modeling_kdsa import dsa_ops, kda_ops
-from modeling_kdsa.cache import KDSAPagedKPoolLayer
+from modeling_kdsa import dsa, dsa_ops, kda_ops
+from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer, KDSAPagedLayer, KDSAPagedMLALayer
 from modeling_kdsa.configuration_kdsa import KERNEL_BACKENDS
 from modeling_kdsa.cpu_extension import kernel_isa
 from modeling_kdsa.dsa_paged_common import read_pages
@@ -255,9 +256,12 @@ def test_static_kpool_indexer_topk(kernels, select_tail):
     store = StaticKPoolLayer(capacity, kv_width=8, index_width=INDEX_DIM, kernel_backend=kernels.name, page_size=64,
                              index_kpool=kpool)  # fmt: skip
     rows = torch.randn(3, capacity, 2 * INDEX_DIM, generator=generator)
-    if kernels.kpool_indexer_topk is None:  # a backend without the k-pool indexer refuses the store at its first write
+    if kernels.kpool_indexer_topk is None:  # a backend without the k-pool indexer: the read is refused by name
+        mask = torch.ones(3, capacity, dtype=torch.bool)
+        store.append(torch.zeros(3, 97, 8), rows[:, :97], mask, ape)
+        q_index, weights = torch.zeros(3, 1, 8, INDEX_DIM), torch.zeros(3, 1, 8)
         with pytest.raises(ValueError, match="does not implement the kpool_indexer_topk kernel"):
-            store.append(torch.zeros(3, 97, 8), rows[:, :97], torch.ones(3, capacity, dtype=torch.bool), ape)
+            dsa.paged_kpool_indexer_topk(kernels, store, q_index, weights, 96, index_topk, mask, ape, select_tail)
         return
     q_index = torch.randn(3, 40, 8, INDEX_DIM, generator=generator)
     weights = torch.randn(3, 40, 8, generator=generator)
@@ -555,3 +559,20 @@ def test_torch_backend_runs_no_cpu_kernel(dtype):
         pytest.skip("no C++ kernel builds on this machine: nothing to see on the cpu backend")
     bf16_products = {"kdsa::row_linear", "kdsa::head_matmul", "kdsa::head_linear", "kdsa::expert_linear"}
     assert {"kdsa::kda_recurrent"} | (bf16_products if dtype == torch.bfloat16 else set()) <= ops["cpu"]
+
+
+@pytest.mark.parametrize("missing", ["sparse_mla", "indexer_topk", "dense_mla"])
+def test_a_backend_without_a_read_kernel_is_refused_before_the_store_is_written(monkeypatch, missing):
+    """The attention layers pick their paged kernels from the registry; one the backend lacks is refused by name
+    before the layer appends its rows, so its paged store keeps what it had."""
+    layer_types = ["full_attention"] * 2 if missing == "dense_mla" else None
+    model = tiny_model(**({"layer_types": layer_types, "num_hidden_layers": 2} if layer_types else {}))
+    ids = torch.randint(3, 120, (1, 6), generator=torch.Generator().manual_seed(0))
+    cache = KDSACache(model.config)
+    model(input_ids=ids, cache=cache)
+    stores = [layer for layer in cache.layers if isinstance(layer, (KDSAPagedLayer, KDSAPagedMLALayer))]
+    lacking = dataclasses.replace(kernel_set("torch"), **{missing: None})
+    monkeypatch.setattr(dsa, "kernel_set", lambda *args, **kwargs: lacking)
+    with pytest.raises(ValueError, match=f"does not implement the {missing} kernel"):
+        model(input_ids=ids[:, :1], cache=cache)
+    assert stores and all(int(store.num_tokens) == ids.shape[1] for store in stores)
