@@ -8,22 +8,19 @@ tests/test_parallel_distributed.py (fp32; only the partial sums over the tp rank
 generated tokens must be equal, on both ranks.
 """
 
+import functools
 import os
 import resource
-import socket
 import sys
 import tempfile
-import time
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from gloo_ranks import free_port, run_on_ranks
 
 CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "kdsa-tiny")
 LOGIT_TOLERANCE = 1e-4
 GREEDY_STEPS = 32
-SPAWN_TIMEOUT_S = 150
 
 
 def _prompts(vocab: int) -> torch.Tensor:
@@ -206,51 +203,10 @@ def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
     )
 
 
-def _worker(rank: int, world_size: int, port: int, scenario: str, out_dir: str, tests_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
-    )
-    sys.path.insert(0, tests_dir)
-    torch.set_num_threads(1)
-    results = {}
-    try:
-        {"two": _scenario_two}[scenario](rank, results, out_dir)
-    except Exception:
-        results["worker_exception"] = traceback.format_exc()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _spawn(scenario: str, world_size: int) -> list[dict]:
-    """Run `scenario` on `world_size` processes; kill them and fail after SPAWN_TIMEOUT_S (a hang is a failure)."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        args = (world_size, _free_port(), scenario, out_dir, os.path.dirname(__file__))
-        context = mp.start_processes(_worker, args=args, nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + SPAWN_TIMEOUT_S
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail(f"scenario {scenario!r} on {world_size} processes did not finish in {SPAWN_TIMEOUT_S} s")
-        results = [torch.load(os.path.join(out_dir, f"rank{rank}.pt")) for rank in range(world_size)]
-    failures = [f"rank {rank} failed:\n{result['worker_exception']}" for rank, result in enumerate(results)
-                if "worker_exception" in result]  # fmt: skip
-    assert not failures, "\n".join(failures)
-    return results
-
-
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    return _spawn("two", 2)
+    with tempfile.TemporaryDirectory() as folder:  # where rank 0 saves the checkpoints both ranks load
+        return run_on_ranks(functools.partial(_scenario_two, out_dir=folder), 2)
 
 
 # ------------------------------------------------------------------------------------------------ distributed
@@ -386,7 +342,7 @@ def test_tp_generate_script_under_torchrun():
     root = Path(__file__).resolve().parent.parent
     torchrun = Path(sys.executable).with_name("torchrun")
     script, checkpoint = root / "scripts" / "tp_generate.py", root / "checkpoints" / "kdsa-tiny"
-    command = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(_free_port()), str(script), str(checkpoint)]
+    command = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), str(script), str(checkpoint)]
     command.append("--check")
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)

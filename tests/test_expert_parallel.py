@@ -14,15 +14,12 @@ ranks. A token sent to the wrong expert or weighted by the wrong slot changes lo
 
 import os
 import sys
-import tempfile
-import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from test_parallel_distributed import SPAWN_TIMEOUT_S, _expect_error, _free_port, _prompt
+from gloo_ranks import free_port, run_on_ranks
+from test_parallel_distributed import _expect_error, _prompt
 
 LOGIT_TOLERANCE = 1e-4
 PROMPT_LEN = 37
@@ -213,57 +210,19 @@ def _scenario_four(rank: int, results: dict) -> None:
     results["error_experts"] = _expect_error(lambda: apply_expert_parallel(tiny_model(n_routed_experts=6), ep4))
 
 
-SCENARIOS = {"two": _scenario_two, "two_formats": _scenario_two_formats, "four": _scenario_four}
-
-
-def _worker(rank: int, world_size: int, port: int, scenario: str, out_dir: str, tests_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    sys.path.insert(0, tests_dir)
-    torch.set_num_threads(1)
-    results = {}
-    try:
-        SCENARIOS[scenario](rank, results)
-    except Exception:
-        results["worker_exception"] = traceback.format_exc()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _spawn(scenario: str, world_size: int) -> list[dict]:
-    """Run `scenario` on `world_size` processes; kill them and fail after SPAWN_TIMEOUT_S (a hang is a failure)."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        args = (world_size, _free_port(), scenario, out_dir, os.path.dirname(__file__))
-        context = mp.start_processes(_worker, args=args, nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + SPAWN_TIMEOUT_S
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail(f"scenario {scenario!r} on {world_size} processes did not finish in {SPAWN_TIMEOUT_S} s")
-        results = [
-            torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False) for rank in range(world_size)
-        ]
-    for rank, result in enumerate(results):
-        assert "worker_exception" not in result, f"rank {rank} failed:\n{result['worker_exception']}"
-    return results
-
-
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    return _spawn("two", 2)
+    return run_on_ranks(_scenario_two, 2)
 
 
 @pytest.fixture(scope="module")
 def two_ranks_formats() -> list[dict]:
-    return _spawn("two_formats", 2)
+    return run_on_ranks(_scenario_two_formats, 2)
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
-    return _spawn("four", 4)
+    return run_on_ranks(_scenario_four, 4)
 
 
 # ------------------------------------------------------------------------------------------------------ tests
@@ -417,7 +376,7 @@ def test_ep_generate_script_under_torchrun(tmp_path):
 
     root = CHECKPOINT.parent.parent
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    command = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()),
                str(root / "scripts" / "ep_generate.py"), str(CHECKPOINT), "--ep", "2", "--batch", "3",
                "--new-tokens", "8", "--check"]  # fmt: skip
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}

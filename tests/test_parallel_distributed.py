@@ -10,22 +10,15 @@ ranks, matmul shapes), each ~1e-7 relative; measured max errors are 2.5e-7 to 3.
 (a wrong causal limit, start state or halo) change logits by > 1e-2.
 """
 
-import os
-import socket
-import sys
-import tempfile
-import time
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from gloo_ranks import run_on_ranks
 
 LOGIT_TOLERANCE = 1e-4
 PROMPT_LEN = 37  # not a multiple of 2·cp for cp = 2, 4; > index_topk (8) so the DSA layers are really sparse
 LONG_PROMPT_LEN = 130  # load balance at cp = 4: ~16 tokens per chunk, not a multiple of 8
 DECODE_STEPS = 4
-SPAWN_TIMEOUT_S = 150
 
 
 def _prompt(length: int, batch: int = 2, seed: int = 1) -> torch.Tensor:
@@ -196,53 +189,14 @@ def _scenario_four(rank: int, results: dict) -> None:
         results[f"cp4_{layout}_indexer_pairs"] = out.stats.indexer_pairs
 
 
-def _worker(rank: int, world_size: int, port: int, scenario: str, out_dir: str, tests_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    sys.path.insert(0, tests_dir)
-    torch.set_num_threads(1)
-    results = {}
-    try:
-        {"two": _scenario_two, "four": _scenario_four}[scenario](rank, results)
-    except Exception:
-        results["worker_exception"] = traceback.format_exc()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _spawn(scenario: str, world_size: int) -> list[dict]:
-    """Run `scenario` on `world_size` processes; kill them and fail after SPAWN_TIMEOUT_S (a hang is a failure)."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        args = (world_size, _free_port(), scenario, out_dir, os.path.dirname(__file__))
-        context = mp.start_processes(_worker, args=args, nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + SPAWN_TIMEOUT_S
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail(f"scenario {scenario!r} on {world_size} processes did not finish in {SPAWN_TIMEOUT_S} s")
-        results = [torch.load(os.path.join(out_dir, f"rank{rank}.pt")) for rank in range(world_size)]
-    for rank, result in enumerate(results):
-        assert "worker_exception" not in result, f"rank {rank} failed:\n{result['worker_exception']}"
-    return results
-
-
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    return _spawn("two", 2)
+    return run_on_ranks(_scenario_two, 2)
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
-    return _spawn("four", 4)
+    return run_on_ranks(_scenario_four, 4)
 
 
 # ------------------------------------------------------------------------------------------------------ tests

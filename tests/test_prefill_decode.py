@@ -12,15 +12,12 @@ logits by > 1e-2.
 
 import os
 import sys
-import tempfile
-import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from test_parallel_distributed import SPAWN_TIMEOUT_S, _expect_error, _free_port, _prompt
+from gloo_ranks import free_port, run_on_ranks
+from test_parallel_distributed import _expect_error, _prompt
 
 LOGIT_TOLERANCE = 1e-4
 PROMPT_LEN = 37  # the prefill takes 36 tokens: 4 zigzag chunks of 9 at cp = 2
@@ -124,52 +121,14 @@ def _scenario_four(rank: int, results: dict) -> None:
     results["error_move_heads"] = _expect_error(lambda: hand_over_to_decode(model, cache, mesh, tp_size=4))
 
 
-SCENARIOS = {"two": _scenario_two, "four": _scenario_four}
-
-
-def _worker(rank: int, world_size: int, port: int, scenario: str, out_dir: str, tests_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    sys.path.insert(0, tests_dir)
-    torch.set_num_threads(1)
-    results = {}
-    try:
-        SCENARIOS[scenario](rank, results)
-    except Exception:
-        results["worker_exception"] = traceback.format_exc()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _spawn(scenario: str, world_size: int) -> list[dict]:
-    """Run `scenario` on `world_size` processes; kill them and fail after SPAWN_TIMEOUT_S (a hang is a failure)."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        args = (world_size, _free_port(), scenario, out_dir, os.path.dirname(__file__))
-        context = mp.start_processes(_worker, args=args, nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + SPAWN_TIMEOUT_S
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail(f"scenario {scenario!r} on {world_size} processes did not finish in {SPAWN_TIMEOUT_S} s")
-        results = [
-            torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False) for rank in range(world_size)
-        ]
-    for rank, result in enumerate(results):
-        assert "worker_exception" not in result, f"rank {rank} failed:\n{result['worker_exception']}"
-    return results
-
-
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    return _spawn("two", 2)
+    return run_on_ranks(_scenario_two, 2)
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
-    return _spawn("four", 4)
+    return run_on_ranks(_scenario_four, 4)
 
 
 # ------------------------------------------------------------------------------------------------------ tests
@@ -237,11 +196,11 @@ def test_prefill_decode_script(tmp_path, launcher):
     binaries = Path(sys.executable).parent
     script = [str(root / "scripts" / "prefill_decode.py"), str(CHECKPOINT), "--cp", "2", "--decode-tp", "2", "--check"]
     if launcher == "torchrun":
-        command = [str(binaries / "torchrun"), "--nproc_per_node", "2", "--master_port", str(_free_port()), *script]
+        command = [str(binaries / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), *script]
     else:
         command = [str(binaries / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
                    "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-                   str(_free_port()), *script, "--mesh", "accelerate"]  # fmt: skip
+                   str(free_port()), *script, "--mesh", "accelerate"]  # fmt: skip
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -12,17 +12,12 @@ rounds. A model whole in each process (independent data-parallel processes) must
 its own prompt with its own number of rounds.
 """
 
-import os
-import sys
-import tempfile
-import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from test_parallel_distributed import SPAWN_TIMEOUT_S, _expect_error, _free_port, _prompt
+from gloo_ranks import run_on_ranks
+from test_parallel_distributed import _expect_error, _prompt
 
 CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "kdsa-tiny"
 NEW_TOKENS = 32
@@ -92,38 +87,10 @@ def _scenario_tp2(rank: int, results: dict) -> None:
     )
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, tests_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    sys.path.insert(0, tests_dir)
-    torch.set_num_threads(1)
-    results = {}
-    try:
-        _scenario_tp2(rank, results)
-    except Exception:
-        results["worker_exception"] = traceback.format_exc()
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    """Both ranks' results; a hang (ranks in different collectives) fails after SPAWN_TIMEOUT_S."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        args = (2, _free_port(), out_dir, os.path.dirname(__file__))
-        context = mp.start_processes(_worker, args=args, nprocs=2, join=False, start_method="spawn")
-        deadline = time.monotonic() + SPAWN_TIMEOUT_S
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail(f"the 2 processes did not finish in {SPAWN_TIMEOUT_S} s")
-        results = [torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False) for rank in range(2)]
-    for rank, result in enumerate(results):
-        assert "worker_exception" not in result, f"rank {rank} failed:\n{result['worker_exception']}"
-    return results
+    """Both ranks' results; a hang (ranks in different collectives) fails the test (gloo_ranks.SPAWN_TIMEOUT_S)."""
+    return run_on_ranks(_scenario_tp2, 2)
 
 
 def test_mtp_adaptive_schedule_under_tp2_with_different_clocks(two_ranks):
