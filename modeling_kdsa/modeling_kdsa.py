@@ -333,9 +333,9 @@ class KDSAModel(KDSAPreTrainedModel):
 
 
 def _tensor_parallel_loading(cls, path, kwargs: dict):
-    """modeling_kdsa.parallel.hf_plans when from_pretrained's arguments ask for tensor parallelism over more than one
-    rank, after its layout checks against the checkpoint's config; None otherwise. Imported here, on demand: these
-    model files also ship as remote code, without the parallel package (docs/parallel.md §10)."""
+    """modeling_kdsa.parallel.hf_plans when from_pretrained's arguments ask for tensor or expert parallelism over more
+    than one rank, after its layout checks against the checkpoint's config; None otherwise. Imported here, on demand:
+    these model files also ship as remote code, without the parallel package (docs/parallel.md §10)."""
     if all(kwargs.get(name) is None for name in ("tp_plan", "tp_size", "distributed_config")):
         return None
     try:
@@ -345,41 +345,21 @@ def _tensor_parallel_loading(cls, path, kwargs: dict):
             "tensor-parallel loading needs the kdsa package installed: its parallel styles are "
             "modeling_kdsa.parallel (docs/parallel.md §10)"
         ) from error
-    config = kwargs.get("config")
+    config, foreign_plan = kwargs.get("config"), None
     if not isinstance(config, KDSAConfig):
         config_file = os.path.join(str(path), "config.json")
         raw_config = {}
         if os.path.isfile(config_file):  # foreign families load from local folders only (conversion.py)
             with open(config_file) as f:
                 raw_config = json.load(f)
-        model_type = raw_config.get("model_type")
-        if model_type in FOREIGN_MODEL_TYPES:
-            config = _foreign_tensor_parallel_config(str(path), raw_config, kwargs)
+        if raw_config.get("model_type") in FOREIGN_MODEL_TYPES:
+            overrides = {name: kwargs[name] for name in _KDSA_ONLY_FIELDS if name in kwargs}
+            foreign_plan = plan_foreign_load(raw_config, checkpoint_keys(str(path)), overrides)
+            config = foreign_plan.config
         else:
             fields = {name: value for name, value in kwargs.items() if name in KDSAConfig.__dataclass_fields__}
             config = KDSAConfig.from_pretrained(path, **fields)
-    return hf_plans if hf_plans.check_tensor_parallel_load(config, kwargs) else None
-
-
-# Converted families whose tensors transformers can read shard by shard (tests/test_distributed_loading.py); the others
-# reshape or dequantize tensors at load in ways the shard-on-read slicing does not follow.
-TENSOR_PARALLEL_FOREIGN_TYPES = ("deepseek_v32", "kimi_linear")
-
-
-def _foreign_tensor_parallel_config(path: str, raw_config: dict, kwargs: dict) -> KDSAConfig:
-    """The translated config of a foreign folder that loads tensor-parallel, or a ValueError (the same on every rank:
-    it depends on the folder alone)."""
-    model_type = raw_config["model_type"]
-    overrides = {name: kwargs[name] for name in _KDSA_ONLY_FIELDS if name in kwargs}
-    plan = plan_foreign_load(raw_config, checkpoint_keys(path), overrides)
-    if model_type not in TENSOR_PARALLEL_FOREIGN_TYPES or plan.fp8_block is not None:
-        kind = "FP8 " if plan.fp8_block is not None else ""
-        raise ValueError(
-            f"tensor-parallel loading of a {kind}{model_type!r} folder is not supported (only non-FP8 "
-            f"{' / '.join(TENSOR_PARALLEL_FOREIGN_TYPES)}); load it in one process, save_pretrained it (the native "
-            "KDSA layout), then load that folder with tp_plan='auto' (docs/parallel.md §10)"
-        )
-    return plan.config
+    return hf_plans if hf_plans.check_tensor_parallel_load(config, kwargs, foreign_plan) else None
 
 
 class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
@@ -453,6 +433,11 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
             raise ValueError(
                 f"save_pretrained of a model loaded with tp_size={self._tp_size} is not supported: each rank holds "
                 "only its shard. Load the checkpoint in one process to save it"
+            )
+        if getattr(self, "expert_parallel_group", None) is not None:
+            raise ValueError(
+                "save_pretrained of an expert-parallel model is not supported: each rank holds only its experts. "
+                "Load the checkpoint in one process to save it"
             )
         if any(isinstance(module, KDSAFP8Linear) for module in self.modules()):
             raise ValueError(

@@ -14,7 +14,12 @@ from .expert_parallel import (
     init_expert_parallel_mesh,
 )
 from .handover import DecodeHandOver, hand_over_errors, hand_over_to_decode
-from .hf_plans import check_tensor_parallel_load, finish_tensor_parallel_load, tensor_parallel_mesh
+from .hf_plans import (
+    check_tensor_parallel_load,
+    expert_parallel_mesh_of,
+    finish_tensor_parallel_load,
+    tensor_parallel_mesh,
+)
 from .mesh import CommLog, ParallelMesh, init_parallel_mesh, raise_on_all_ranks, single_process_mesh
 from .state_passing import SegmentSummary, fold_start_states, summarize_segment
 from .tensor_parallel import apply_tensor_parallel, tensor_parallel_errors
@@ -39,6 +44,7 @@ __all__ = [
     "check_tensor_parallel_load",
     "context_parallel_prefill",
     "expert_parallel_errors",
+    "expert_parallel_mesh_of",
     "finish_tensor_parallel_load",
     "fold_start_states",
     "hand_over_errors",

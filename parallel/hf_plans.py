@@ -25,6 +25,8 @@ as transformers remote code and do not import this package at import time).
 """
 
 import os
+import threading
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,6 +35,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers.distributed import DistributedConfig
 from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
 
+from .expert_parallel import apply_expert_parallel, init_expert_parallel_mesh
 from .mesh import ParallelMesh, default_device_and_backend, raise_on_all_ranks
 from .tensor_parallel import (
     ShardPlan,
@@ -82,6 +85,8 @@ class KDSAHeadShardStyle(TensorParallelLayer):
     def install_forward(self, module: nn.Module, mesh) -> nn.Module:
         plan: ShardPlan = self.plan_of(module)
         for cut in plan.cuts:
+            if cut.read_whole:  # loaded whole, cut by `_localize`
+                continue
             placeholder = cut.owner._parameters[cut.name]
             sharded = distribute_tensor(placeholder, mesh, [cut.placement()], src_data_rank=None)
             cut.owner._parameters[cut.name] = nn.Parameter(sharded, requires_grad=placeholder.requires_grad)
@@ -109,22 +114,18 @@ def _localize(module: nn.Module) -> None:
             if isinstance(param, DTensor):
                 local = param.to_local().detach()
                 submodule._parameters[name] = nn.Parameter(local, requires_grad=param.requires_grad)
-    if module._kdsa_parallel_mesh.tp_rank != 0:
+    mesh = module._kdsa_parallel_mesh
+    for cut in module._kdsa_shard_plan.cuts:
+        if cut.read_whole:  # a copy: the whole tensor is freed
+            whole = cut.owner._parameters[cut.name]
+            local = cut.local(whole.detach(), mesh.tp_rank, mesh.tp_size).clone()
+            cut.owner._parameters[cut.name] = nn.Parameter(local, requires_grad=whole.requires_grad)
+    if mesh.tp_rank != 0:
         with torch.no_grad():
             for linear in module._kdsa_shard_plan.summed_biases:
                 if linear.bias is not None:
                     linear.bias.zero_()
     module._kdsa_localized = True
-
-
-def finish_tensor_parallel_load(model: nn.Module) -> nn.Module:
-    """After transformers loaded the shards: every planned module's parameters become plain local tensors
-    (`_localize`); KDSAForCausalLM.from_pretrained calls this, and each planned module does it before its first
-    forward otherwise."""
-    for module in model.modules():
-        if "_kdsa_shard_plan" in module.__dict__:
-            _localize(module)
-    return model
 
 
 def tensor_parallel_mesh(model: nn.Module) -> ParallelMesh | None:
@@ -135,52 +136,98 @@ def tensor_parallel_mesh(model: nn.Module) -> ParallelMesh | None:
     return None
 
 
-def _requested_config(kwargs: dict) -> tuple[DistributedConfig | None, str | None]:
-    """The `DistributedConfig` that from_pretrained's keyword arguments ask for (None: no parallelism), or an error."""
+@dataclass(frozen=True)
+class _Request:
+    """What from_pretrained's keyword arguments ask for: tensor parallelism over `tp` ranks, expert parallelism over
+    `ep` groups of them (world = tp·ep, docs/parallel.md §9), or why not (`error`)."""
+
+    tp: int = 1
+    ep: int = 1
+    error: str | None = None
+
+
+# The `DistributedConfig` fields KDSA reads; every other field must be unset or hold its default.
+_READ_FIELDS = ("tp_size", "tp_plan", "ep_size", "enable_expert_parallel")
+
+
+def _requested_layout(kwargs: dict) -> _Request | None:
+    """The layout from_pretrained's keyword arguments ask for (None: no parallelism). A `DistributedConfig` with
+    `ep_size` > 1 is read by KDSA, not by transformers (see `check_tensor_parallel_load`); a dict is read field by
+    field, because `DistributedConfig` itself refuses `ep_size` > `tp_size` without FSDP (`tp_size=1, ep_size=2`)."""
     distributed_config = kwargs.get("distributed_config")
     tp_plan, tp_size = kwargs.get("tp_plan"), kwargs.get("tp_size")
     if distributed_config is None and tp_plan is None and tp_size is None:
-        return None, None
+        return None
     if distributed_config is not None and (tp_plan is not None or tp_size is not None):
-        return None, "pass either distributed_config= or tp_plan= / tp_size=, not both"
-    try:
-        if distributed_config is None:
-            distributed_config = DistributedConfig(tp_plan=tp_plan, tp_size=tp_size)
-        elif isinstance(distributed_config, dict):
-            distributed_config = DistributedConfig.from_dict(distributed_config)
-    except ValueError as error:
-        return None, str(error)
-    return distributed_config, None
-
-
-def _layout_error(distributed_config: DistributedConfig, config, fp8_weights) -> str | None:
-    plan = distributed_config.tp_plan
+        return _Request(error="pass either distributed_config= or tp_plan= / tp_size=, not both")
+    if distributed_config is None:
+        fields = {"tp_plan": tp_plan, "tp_size": tp_size}
+    elif isinstance(distributed_config, dict):
+        fields = dict(distributed_config)
+    else:
+        fields = {name: getattr(distributed_config, name) for name in DistributedConfig.__dataclass_fields__}
+    unknown = sorted(set(fields) - set(DistributedConfig.__dataclass_fields__))
+    if unknown:
+        return _Request(error=f"distributed_config has fields DistributedConfig does not define: {unknown}")
+    plan = fields.get("tp_plan")
     if plan is not None and plan != "auto":
-        return (
-            f"tp_plan={plan!r}: KDSA shards by its own plan (KDA heads, MLA heads, MLP / expert intermediate dim, "
-            "docs/parallel.md §10); pass tp_plan='auto' or DistributedConfig(tp_size=N)"
+        return _Request(
+            error=f"tp_plan={plan!r}: KDSA shards by its own plan (KDA heads, MLA heads, MLP / expert intermediate "
+            "dim, docs/parallel.md §10); pass tp_plan='auto' or DistributedConfig(tp_size=N)"
         )
+    default = DistributedConfig()
     others = {
-        "ep_size": distributed_config.ep_size,
-        "fsdp_size": distributed_config.fsdp_size,
-        "dp_replicate_size": distributed_config.dp_replicate_size,
-        "pp_size": distributed_config.pp_size,
+        name: fields[name]
+        for name in DistributedConfig.__dataclass_fields__
+        if name not in _READ_FIELDS and fields.get(name) not in (None, getattr(default, name))
     }
-    if any(size != 1 for size in others.values()):
-        return (
-            f"only tensor parallelism loads through transformers here, got {others}; expert parallelism is "
-            "modeling_kdsa.parallel.apply_expert_parallel (docs/parallel.md §9)"
+    if others:
+        return _Request(
+            error=f"KDSA loads with tensor and expert parallelism only (tp_size, ep_size), got {others} "
+            "(docs/parallel.md §10)"
         )
-    tp_size = distributed_config.tp_size
+    ep = fields.get("ep_size") or 1
+    if fields.get("enable_expert_parallel") and ep == 1:
+        return _Request(error="enable_expert_parallel=True: pass ep_size (docs/parallel.md §10)")
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    if world_size != tp_size:
+    tp = fields.get("tp_size")
+    if tp is None:  # tp_plan="auto" alone: every rank is a tp rank (transformers' rule), or the ep groups' share
+        tp = max(world_size // ep, 1)
+    if tp < 1 or ep < 1:
+        return _Request(error=f"tp_size and ep_size must be >= 1, got tp_size={tp}, ep_size={ep}")
+    if world_size != tp * ep:
+        if ep == 1:
+            error = (
+                f"tp_size={tp} but the world size is {world_size}: launch one process per tp rank "
+                f"(torchrun --nproc-per-node {tp})"
+            )
+        else:
+            error = (
+                f"tp_size={tp} × ep_size={ep} = {tp * ep} but the world size is {world_size}: KDSA's ep ranks are "
+                f"data parallel outside the experts, each a group of tp ranks (torchrun --nproc-per-node {tp * ep}, "
+                "docs/parallel.md §9)"
+            )
+        return _Request(tp, ep, error)
+    return _Request(tp, ep)
+
+
+def _config_error(request: _Request, config, fp8_weights, foreign_plan) -> str | None:
+    """Why `config` (and the folder's conversion, `foreign_plan`) cannot load over `request`'s layout, or None."""
+    tp, ep = request.tp, request.ep
+    if foreign_plan is not None and foreign_plan.fp8_block is not None:
         return (
-            f"tp_size={tp_size} but the world size is {world_size}: launch one process per tp rank "
-            f"(torchrun --nproc-per-node {tp_size})"
+            f"sharded loading of an FP8 {foreign_plan.model_type!r} folder is not supported: the dequantizing "
+            "conversion needs each weight's whole block-scale grid next to the slice it reads; load it in one "
+            "process, save_pretrained it (the native KDSA layout), then load that folder sharded (docs/parallel.md §10)"
         )
-    if fp8_weights == "hold":
+    if ep > 1:
+        if "sparse" not in list(config.mlp_layer_types):
+            return f"ep_size={ep}: the model has no routed experts (mlp_layer_types has no 'sparse' layer)"
+        if config.n_routed_experts % ep:
+            return f"ep_size={ep} must divide n_routed_experts={config.n_routed_experts} (whole experts per rank)"
+    if tp > 1 and fp8_weights == "hold":
         return "tensor parallelism does not shard FP8-held weights (fp8_weights='hold'); use fp8_weights='dequantize'"
-    return tensor_parallel_errors(config, tp_size)
+    return tensor_parallel_errors(config, tp)
 
 
 def _agree(error: str | None) -> None:
@@ -197,23 +244,60 @@ def _agree(error: str | None) -> None:
         raise ValueError(error)
 
 
-def check_tensor_parallel_load(config, kwargs: dict) -> bool:
-    """Called by `KDSAForCausalLM.from_pretrained` before transformers sets up any mesh: whether tensor parallelism
-    was asked for (tp > 1), after checking the layout against `config` (the checkpoint's, with the call's overrides).
-    A bad layout raises the same ValueError on every rank, before any collective of the load."""
-    distributed_config, error = _requested_config(kwargs)
-    if distributed_config is None and error is None:
+# The expert-parallel layout of the load in progress on this thread, for `finish_tensor_parallel_load`.
+_PENDING = threading.local()
+
+
+def check_tensor_parallel_load(config, kwargs: dict, foreign_plan=None) -> bool:
+    """Called by `KDSAForCausalLM.from_pretrained` before transformers sets up any mesh: whether tensor or expert
+    parallelism was asked for (tp·ep > 1), after checking the layout against `config` (the checkpoint's, with the
+    call's overrides; `foreign_plan`: the conversion of a published family's folder). A bad layout raises the same
+    ValueError on every rank, before any collective of the load.
+
+    With ep > 1 the distributed arguments are taken out of `kwargs`: transformers loads the whole checkpoint on every
+    rank, and `finish_tensor_parallel_load` then keeps this rank's experts (`apply_expert_parallel`, which also cuts
+    the tp part). transformers' own expert parallelism cannot serve this layout (docs/parallel.md §10)."""
+    _PENDING.layout = None
+    request = _requested_layout(kwargs)
+    if request is None:
         return False
-    if error is None:
-        error = _layout_error(distributed_config, config, kwargs.get("fp8_weights"))
+    error = request.error or _config_error(request, config, kwargs.get("fp8_weights"), foreign_plan)
     _agree(error)
-    return distributed_config.tp_size > 1
+    if request.ep > 1:
+        for name in ("distributed_config", "tp_plan", "tp_size"):
+            kwargs.pop(name, None)
+        _PENDING.layout = (request.tp, request.ep)
+        return True
+    return request.tp > 1
+
+
+def finish_tensor_parallel_load(model: nn.Module) -> nn.Module:
+    """After transformers loaded the model. A tp load: every planned module's parameters become plain local tensors
+    (`_localize`; each planned module does it before its first forward otherwise, e.g. under `AutoModel`). An ep load:
+    the whole model is cut for this rank over the `(ep, tp)` mesh (`apply_expert_parallel`)."""
+    layout, _PENDING.layout = getattr(_PENDING, "layout", None), None
+    if layout is not None:
+        mesh = init_expert_parallel_mesh(tp_size=layout[0], ep_size=layout[1])
+        apply_expert_parallel(model, mesh)
+        model.__dict__["_kdsa_expert_parallel_mesh"] = mesh
+        return model
+    for module in model.modules():
+        if "_kdsa_shard_plan" in module.__dict__:
+            _localize(module)
+    return model
+
+
+def expert_parallel_mesh_of(model: nn.Module):
+    """The `ExpertParallelMesh` of a model loaded with `ep_size` > 1 (its `batch_rows(B)` is this rank's share of a
+    batch, its `traffic` counts the all-to-alls), or None."""
+    return model.__dict__.get("_kdsa_expert_parallel_mesh")
 
 
 __all__ = [
     "KDSAHeadShardStyle",
     "STYLE_PLANS",
     "check_tensor_parallel_load",
+    "expert_parallel_mesh_of",
     "finish_tensor_parallel_load",
     "tensor_parallel_mesh",
 ]

@@ -72,6 +72,9 @@ class ParameterCut:
     name: str
     dim: int
     blocks: int = 1
+    # Read whole by transformers' sharded load and cut right after it (parallel/hf_plans.py): small per-head tensors
+    # whose stored layout differs between checkpoint families, so that the family's conversion sees the whole tensor.
+    read_whole: bool = False
 
     def local(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
         """Rank `rank`'s piece of the whole tensor `full`."""
@@ -122,8 +125,11 @@ def kda_shard_plan(attn: KDSAKimiDeltaAttention) -> ShardPlan:
     columns = [attn.q_proj, attn.k_proj, attn.v_proj, attn.f_b_proj, attn.b_proj, gate]
     convs = [attn.q_conv1d, attn.k_conv1d, attn.v_conv1d]
     cuts = [cut for linear in columns for cut in _column(linear)]
-    cuts += [ParameterCut(conv, "weight", 0) for conv in convs]
-    cuts += [ParameterCut(attn, "dt_bias", 0), ParameterCut(attn, "A_log", 2), ParameterCut(attn.o_proj, "weight", 1)]
+    # The short convs (`[C, 1, W]`; one fused `[3C, 1, W]` in transformers' runtime layout) and `A_log` (`[H]` in
+    # GLM's files, zero-padded in Kimi K3's) are read whole by a sharded load (docs/parallel.md §10).
+    cuts += [ParameterCut(conv, "weight", 0, read_whole=True) for conv in convs]
+    cuts += [ParameterCut(attn, "dt_bias", 0), ParameterCut(attn, "A_log", 2, read_whole=True)]
+    cuts += [ParameterCut(attn.o_proj, "weight", 1)]
 
     def localize(size: int) -> None:
         _narrow_linears(size, columns, [attn.o_proj])

@@ -13,6 +13,7 @@ import os
 import resource
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,9 @@ from gloo_ranks import free_port, run_on_ranks
 CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "kdsa-tiny")
 LOGIT_TOLERANCE = 1e-4
 GREEDY_STEPS = 32
+# The published families' tiny folders loaded with tp_plan="auto", and the vocabulary their prompts draw from.
+FAMILIES = {"kimi_linear": 100, "deepseek_v32": 100, "glm5_next": 100, "glm5_next_runtime": 100, "kimi_k3": 200}
+EP_BATCH = 3  # not a multiple of ep: the ep ranks' shares differ (2 + 1 rows)
 
 
 def _prompts(vocab: int) -> torch.Tensor:
@@ -73,6 +77,71 @@ def _compare(results: dict, name: str, sharded, reference, vocab: int) -> None:
             tokens.append(model.generate(**arguments, min_new_tokens=arguments["max_new_tokens"], pad_token_id=0))
         results[f"{name}_{run}_tokens"] = tokens[0]
         results[f"{name}_{run}_equal"] = bool(torch.equal(tokens[0], tokens[1]))
+
+
+def _write_kimi_k3_folder(folder: Path) -> None:
+    """A Kimi K3 folder in K3's published layout (tests/test_kimi_k3.py: zero-padded `A_log`, per-expert `w1/w3/w2`,
+    AttnRes pseudo-queries as `[1, D]` weights) with unquantized experts and without LatentMoE, which tensor
+    parallelism refuses (docs/parallel.md §5)."""
+    from modeling_kdsa.eval.kimi_k3_fixtures import k3_raw_config, perturbed_model
+    from test_kimi_k3 import write_k3_folder
+
+    from modeling_kdsa.conversion import plan_foreign_load
+
+    raw = k3_raw_config(quantized=False)
+    for name in ("routed_expert_hidden_size", "latent_moe_use_norm"):
+        del raw["text_config"][name]
+    write_k3_folder(folder, perturbed_model(plan_foreign_load(raw, []).config), raw)
+
+
+def _expert_bytes(model) -> int:
+    from modeling_kdsa.moe import KDSAMoE
+
+    layers = [layer for layer in model.model.layers if isinstance(layer.mlp, KDSAMoE)]
+    return sum(_parameter_bytes(layer.mlp.experts) for layer in layers)
+
+
+def _compare_expert_parallel(results: dict, name: str, sharded, reference, vocab: int) -> None:
+    """An ep load against the single-process model: each ep rank runs its share of the batch (`batch_rows`);
+    logits on those rows, and 32 greedy steps (`synced_gpus`: no rank leaves the all-to-alls early)."""
+    from modeling_kdsa.parallel import expert_parallel_mesh_of
+
+    mesh = expert_parallel_mesh_of(sharded)
+    ids = torch.randint(3, vocab, (EP_BATCH, 19), generator=torch.Generator().manual_seed(2))
+    rows = mesh.batch_rows(EP_BATCH)
+    results[f"{name}_rows"] = (rows.start, rows.stop)
+    with torch.no_grad():
+        results[f"{name}_logits_error"] = (sharded(ids[rows]).logits - reference(ids).logits[rows]).abs().max().item()
+    greedy = dict(max_new_tokens=GREEDY_STEPS, min_new_tokens=GREEDY_STEPS, do_sample=False, pad_token_id=0)
+    tokens = sharded.generate(ids[rows], synced_gpus=True, **greedy)
+    results[f"{name}_greedy_tokens"] = tokens
+    results[f"{name}_greedy_equal"] = bool(torch.equal(tokens, reference.generate(ids, **greedy)[rows]))
+    whole_bytes, whole_expert_bytes = _parameter_bytes(reference), _expert_bytes(reference)
+    results[f"{name}_bytes"] = (_parameter_bytes(sharded), whole_bytes, whole_expert_bytes)
+    results[f"{name}_local_experts"] = [
+        layer.mlp.experts.local_experts.num_experts for layer in sharded.model.layers if hasattr(layer.mlp, "experts")
+    ]
+    results[f"{name}_traffic_calls"] = mesh.traffic.calls
+
+
+def _expert_parallel_checks(results: dict, layout: dict, tiny_folder: str, odd_experts_folder: str) -> None:
+    """`from_pretrained(distributed_config=layout)` with ep > 1 on the shipped checkpoint and the tiny fixture, and the
+    layouts it refuses (the same ValueError on every rank)."""
+    from modeling_kdsa import KDSAForCausalLM
+
+    prefix = f"tp{layout['tp_size']}_ep{layout['ep_size']}"
+    for name, folder, vocab in (("checkpoint", CHECKPOINT, 200), ("tiny", tiny_folder, 128)):
+        sharded = KDSAForCausalLM.from_pretrained(folder, distributed_config=layout, dtype=torch.float32)
+        reference = KDSAForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        _compare_expert_parallel(results, f"{prefix}_{name}", sharded, reference, vocab)
+        if name == "checkpoint":
+            results[f"{prefix}_error_save"] = _expect_error(lambda m=sharded: m.save_pretrained(tempfile.mkdtemp()))
+            results[f"{prefix}_error_mtp"] = _expect_error(
+                lambda m=sharded: m.generate(torch.tensor([[5, 6, 7]]), use_mtp=True, max_new_tokens=4)
+            )
+    results[f"{prefix}_error_experts"] = _expect_error(
+        lambda: KDSAForCausalLM.from_pretrained(odd_experts_folder, distributed_config=layout)
+    )
 
 
 def _speculative_with_rank_clocks(rank: int, results: dict, sharded, reference) -> None:
@@ -138,7 +207,7 @@ def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
     mesh = tensor_parallel_mesh(sharded)
     _compare(results, "checkpoint", sharded, reference, sharded.config.vocab_size)
     results["comm_tags"] = dict(mesh.comm.bytes_by_tag)
-    results["error_save"] = _expect_error(lambda: sharded.save_pretrained(tempfile.mkdtemp()))
+    results["error_save"] = _expect_error(lambda m=sharded: m.save_pretrained(tempfile.mkdtemp()))
     # The context-parallel code path with cp = 1 over the loaded model's tp group: the indexer's queries split over tp.
     ids = _prompts(sharded.config.vocab_size)
     with torch.no_grad():
@@ -156,9 +225,11 @@ def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
     # The tiny fixture (tests/conftest.py), saved by rank 0 (transformers saves on rank 0 only), loaded with
     # DistributedConfig.
     tiny_folder, odd_folder = os.path.join(out_dir, "tiny"), os.path.join(out_dir, "odd_heads")
+    odd_experts_folder = os.path.join(out_dir, "odd_experts")
     if rank == 0:
         _tiny_with_biases().save_pretrained(tiny_folder)
         tiny_config(linear_num_heads=3).save_pretrained(odd_folder)  # the config alone: the check reads nothing else
+        tiny_config(n_routed_experts=3, num_experts_per_tok=1).save_pretrained(odd_experts_folder)
     dist.barrier()
     config = DistributedConfig(tp_size=2)
     tiny_sharded = KDSAForCausalLM.from_pretrained(tiny_folder, distributed_config=config, dtype=torch.float32)
@@ -166,21 +237,35 @@ def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
     results["tiny_o_proj_bias_norm"] = tiny_sharded.model.layers[1].self_attn.o_proj.bias.norm().item()
     _compare(results, "tiny", tiny_sharded, _tiny_with_biases(), 128)
 
-    # Converted families: the folder converts at load (conversion.py) and each rank reads its shards.
+    # Converted families: the folder converts at load (conversion.py) and each rank reads its shards; what it holds
+    # is apply_tensor_parallel's cut of the whole converted model, tensor for tensor.
     from modeling_kdsa.eval import family_fixtures
 
-    for family in ("kimi_linear", "deepseek_v32", "glm5_next"):
-        if rank == 0:
-            getattr(family_fixtures, f"{family}_model")().save_pretrained(os.path.join(out_dir, family))
+    if rank == 0:
+        for family in ("kimi_linear", "deepseek_v32", "glm5_next"):
+            torch.manual_seed(0)
+            reference = getattr(family_fixtures, f"{family}_model")()
+            family_fixtures.perturb_constants(reference)
+            reference.save_pretrained(os.path.join(out_dir, family), max_shard_size="40KB")
+            if family == "glm5_next":  # transformers' runtime layout: one fused conv1d [3C, 1, W], stacked experts
+                reference.save_pretrained(os.path.join(out_dir, "glm5_next_runtime"), save_original_format=False)
+        _write_kimi_k3_folder(Path(out_dir) / "kimi_k3")
+        family_fixtures.fp8_copy(Path(out_dir) / "glm5_next", Path(out_dir) / "glm5_next_fp8", block=16)
     dist.barrier()
-    for family in ("kimi_linear", "deepseek_v32"):
+    tp_mesh = init_parallel_mesh(cp_size=1, tp_size=2)
+    for family, vocab in FAMILIES.items():
         folder = os.path.join(out_dir, family)
         family_sharded = KDSAForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32)
         family_whole = KDSAForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        family_expected = apply_tensor_parallel(KDSAForCausalLM.from_pretrained(folder, dtype=torch.float32), tp_mesh)
         results[f"{family}_bytes"] = (_parameter_bytes(family_sharded), _parameter_bytes(family_whole))
-        _compare(results, family, family_sharded, family_whole, 100)
-    results["error_glm5_next"] = _expect_error(
-        lambda: KDSAForCausalLM.from_pretrained(os.path.join(out_dir, "glm5_next"), tp_plan="auto")
+        loaded, expected = family_sharded.state_dict(), family_expected.state_dict()
+        results[f"{family}_state_equal"] = loaded.keys() == expected.keys() and all(
+            torch.equal(loaded[name], tensor) for name, tensor in expected.items()
+        )
+        _compare(results, family, family_sharded, family_whole, vocab)
+    results["error_fp8"] = _expect_error(
+        lambda: KDSAForCausalLM.from_pretrained(os.path.join(out_dir, "glm5_next_fp8"), tp_plan="auto")
     )
 
     # Bad layouts: the same ValueError on every rank, before the load starts.
@@ -194,9 +279,14 @@ def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
     results["error_own_plan"] = _expect_error(
         lambda: KDSAForCausalLM.from_pretrained(CHECKPOINT, distributed_config=own_plan)
     )
-    results["error_ep"] = _expect_error(
+    results["error_ep_world"] = _expect_error(
         lambda: KDSAForCausalLM.from_pretrained(CHECKPOINT, distributed_config=DistributedConfig(tp_size=2, ep_size=2))
     )
+    results["error_fsdp"] = _expect_error(
+        lambda: KDSAForCausalLM.from_pretrained(CHECKPOINT, distributed_config={"tp_size": 1, "fsdp_size": 2})
+    )
+    # Expert parallelism, ep = 2 (DistributedConfig itself refuses tp_size=1, ep_size=2 without FSDP: a dict).
+    _expert_parallel_checks(results, {"tp_size": 1, "ep_size": 2}, os.path.join(out_dir, "tiny"), odd_experts_folder)
     # Ranks launched with different sizes: rank 1 alone asks for 4, both raise rank 1's message.
     results["error_mixed"] = _expect_error(
         lambda: KDSAForCausalLM.from_pretrained(CHECKPOINT, tp_size=2 if rank == 0 else 4, tp_plan="auto")
@@ -227,7 +317,7 @@ def test_each_rank_loads_exactly_the_apply_tensor_parallel_shard(two_ranks):
     assert not torch.equal(two_ranks[0]["sharded_state"][name], two_ranks[1]["sharded_state"][name])
 
 
-@pytest.mark.parametrize("name", ["checkpoint", "tiny", "kimi_linear", "deepseek_v32"])
+@pytest.mark.parametrize("name", ["checkpoint", "tiny", *FAMILIES])
 def test_forward_and_generate_match_the_single_process(two_ranks, name):
     for result in two_ranks:
         assert result[f"{name}_logits_error"] < LOGIT_TOLERANCE
@@ -246,11 +336,14 @@ def test_tiny_fixture_is_sharded_through_distributed_config(two_ranks):
     assert two_ranks[0]["tiny_o_proj_bias_norm"] > 0 and two_ranks[1]["tiny_o_proj_bias_norm"] == 0
 
 
-@pytest.mark.parametrize("family", ["kimi_linear", "deepseek_v32"])
-def test_converted_families_load_sharded(two_ranks, family):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_converted_families_load_exactly_the_apply_tensor_parallel_shard(two_ranks, family):
+    """GLM-5.3-Flash's flat `A_log` `[H]` and Kimi K3's zero-padded one are converted whole and cut after the load;
+    everything else is read as this rank's slice (docs/parallel.md §10)."""
     for result in two_ranks:
         sharded, whole = result[f"{family}_bytes"]
         assert sharded < whole
+        assert result[f"{family}_state_equal"]
 
 
 def test_context_parallel_path_and_base_model_over_the_loaded_shards(two_ranks):
@@ -289,10 +382,14 @@ def test_all_reduces_run_after_each_sharded_module(two_ranks):
         ("error_heads", "linear_num_heads=3"),
         ("error_world_size", "tp_size=4 but the world size is 2"),
         ("error_own_plan", "KDSA shards by its own plan"),
-        ("error_ep", "only tensor parallelism"),
+        ("error_ep_world", "tp_size=2 × ep_size=2 = 4 but the world size is 2"),
+        ("error_fsdp", "tensor and expert parallelism only"),
         ("error_mixed", "rank 1: tp_size=4 but the world size is 2"),
         ("error_save", "each rank holds only its shard"),
-        ("error_glm5_next", "tensor-parallel loading of a 'glm5_next' folder is not supported"),
+        ("error_fp8", "sharded loading of an FP8 'glm5_next' folder is not supported"),
+        ("tp1_ep2_error_experts", "ep_size=2 must divide n_routed_experts=3"),
+        ("tp1_ep2_error_save", "each rank holds only its experts"),
+        ("tp1_ep2_error_mtp", "not supported under expert parallelism"),
     ],
 )
 def test_bad_layouts_raise_the_same_error_on_every_rank(two_ranks, key, words):
@@ -300,6 +397,26 @@ def test_bad_layouts_raise_the_same_error_on_every_rank(two_ranks, key, words):
         assert result[key] is not None, f"rank {rank} did not raise for {key}"
         assert words in result[key], result[key]
     assert two_ranks[0][key] == two_ranks[1][key]
+
+
+@pytest.mark.parametrize("name", ["checkpoint", "tiny"])
+def test_expert_parallel_load_ep2_matches_the_single_process(two_ranks, name):
+    """`distributed_config={"tp_size": 1, "ep_size": 2}`: each rank holds half of every layer's routed experts and
+    everything else whole, runs its share of the batch, and gives the single-process logits and 32 greedy tokens."""
+    _check_expert_parallel(two_ranks, f"tp1_ep2_{name}", ep=2, tp=1, rows=[(0, 2), (2, 3)])
+
+
+def _check_expert_parallel(ranks: list[dict], key: str, ep: int, tp: int, rows: list) -> None:
+    for rank, result in enumerate(ranks):
+        assert result[f"{key}_logits_error"] < LOGIT_TOLERANCE, rank
+        assert result[f"{key}_greedy_equal"], rank
+        assert result[f"{key}_greedy_tokens"].shape[1] == 19 + GREEDY_STEPS
+        assert result[f"{key}_traffic_calls"] > 0
+        sharded, whole, experts = result[f"{key}_bytes"]
+        # Everything but the routed experts (cut by tp as docs/parallel.md §5 says), plus 1/(tp·ep) of the experts.
+        assert sharded <= whole - experts + experts // (tp * ep) and sharded < whole
+        assert set(result[f"{key}_local_experts"]) == {result[f"{key}_local_experts"][0]}
+    assert [ranks[rank][f"{key}_rows"] for rank in range(0, len(ranks), tp)] == rows
 
 
 # ------------------------------------------------------------------------------------------------ one process
