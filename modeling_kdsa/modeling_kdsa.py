@@ -398,6 +398,15 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         return loaded
 
     @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """transformers' hook between building the meta model and reading the weights; an expert-parallel load
+        (`distributed_config` is modeling_kdsa.parallel's `ExpertParallelLoad`) cuts the meta model here, so that each
+        rank reads only its experts (docs/parallel.md §10)."""
+        model = super().maybe_distribute_model(model, distributed_config, mesh_manager)
+        distribute = getattr(distributed_config, "distribute_meta_model", None)
+        return model if distribute is None else distribute(model)
+
+    @classmethod
     def _load_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         config_file = os.path.join(str(pretrained_model_name_or_path), "config.json")
         if kwargs.get("config") is None and os.path.isfile(config_file):

@@ -71,6 +71,7 @@ class ExpertParallelMesh:
     ep_group: object
     tp: ParallelMesh
     traffic: AllToAllTraffic = field(default_factory=AllToAllTraffic)
+    device_mesh: object = None  # the torch `DeviceMesh` with dims ("ep", "tp"), when built by `expert_parallel_mesh`
 
     @property
     def tp_size(self) -> int:
@@ -104,7 +105,8 @@ def expert_parallel_mesh(device_type: str, tp_size: int, ep_size: int, device: t
         tp_group=device_mesh.get_group("tp"),
         device=device,
     )
-    return ExpertParallelMesh(ep_size, device_mesh.get_local_rank("ep"), device_mesh.get_group("ep"), tp)
+    ep_rank, ep_group = device_mesh.get_local_rank("ep"), device_mesh.get_group("ep")
+    return ExpertParallelMesh(ep_size, ep_rank, ep_group, tp, device_mesh=device_mesh)
 
 
 def expert_parallel_errors(model, tp_size: int, ep_size: int) -> str | None:
@@ -208,7 +210,18 @@ class ExpertParallelExperts(nn.Module):
         return f"experts {self.first_expert}..{last} of {self.num_experts} (ep rank {self.ep_rank} of {self.ep_size})"
 
 
-def _keep_experts(experts: KDSAExperts, start: int, end: int) -> None:
+def wrap_local_experts(model, mesh: ExpertParallelMesh) -> None:
+    """Put each MoE layer's experts, already holding only this ep rank's block (and tp slice), behind the all-to-all
+    dispatch (`ExpertParallelExperts`), and mark the model as one whose ep ranks run different sequences."""
+    num_experts = model.config.n_routed_experts
+    for layer in getattr(model, "model", model).layers:
+        if isinstance(layer.mlp, KDSAMoE):
+            layer.mlp.experts = ExpertParallelExperts(layer.mlp.experts, num_experts, mesh)
+    if mesh.ep_size > 1:  # the ep ranks run different sequences: speculative decoding refuses such a model
+        model.expert_parallel_group = mesh.ep_group
+
+
+def keep_experts(experts: KDSAExperts, start: int, end: int) -> None:
     """Keep experts `[start, end)` of every stacked weight (whole experts: packed MXFP4 rows and their scales move
     as stored), in place."""
     for name, tensor in [*experts.named_parameters(recurse=False), *experts.named_buffers(recurse=False)]:
@@ -252,12 +265,9 @@ def apply_expert_parallel(model, group_or_mesh):
     num_experts = model.config.n_routed_experts
     per_rank = num_experts // mesh.ep_size
     for moe in moes:
-        _keep_experts(moe.experts, mesh.ep_rank * per_rank, (mesh.ep_rank + 1) * per_rank)
+        keep_experts(moe.experts, mesh.ep_rank * per_rank, (mesh.ep_rank + 1) * per_rank)
     apply_tensor_parallel(model, mesh.tp)
-    for moe in moes:
-        moe.experts = ExpertParallelExperts(moe.experts, num_experts, mesh)
-    if mesh.ep_size > 1:  # the ep ranks run different sequences: speculative decoding refuses such a model
-        model.expert_parallel_group = mesh.ep_group
+    wrap_local_experts(model, mesh)
     return model
 
 
@@ -269,4 +279,6 @@ __all__ = [
     "expert_parallel_errors",
     "expert_parallel_mesh",
     "init_expert_parallel_mesh",
+    "keep_experts",
+    "wrap_local_experts",
 ]

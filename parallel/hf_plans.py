@@ -25,17 +25,16 @@ as transformers remote code and do not import this package at import time).
 """
 
 import os
-import threading
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from transformers.distributed import DistributedConfig
 from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
 
-from .expert_parallel import apply_expert_parallel, init_expert_parallel_mesh
+from .expert_parallel import init_expert_parallel_mesh, keep_experts, wrap_local_experts
 from .mesh import ParallelMesh, default_device_and_backend, raise_on_all_ranks
 from .tensor_parallel import (
     ShardPlan,
@@ -244,8 +243,77 @@ def _agree(error: str | None) -> None:
         raise ValueError(error)
 
 
-# The expert-parallel layout of the load in progress on this thread, for `finish_tensor_parallel_load`.
-_PENDING = threading.local()
+@dataclass
+class ExpertParallelLoad(DistributedConfig):
+    """An expert-parallel load over a `(ep, tp)` mesh (world = tp·ep), as `check_tensor_parallel_load` hands it to
+    transformers in place of the caller's `distributed_config`. Its own sizes are 1, so transformers builds no mesh
+    and applies no plan; `KDSAForCausalLM.maybe_distribute_model` calls `distribute_meta_model` instead."""
+
+    kdsa_tp_size: int = 1
+    kdsa_ep_size: int = 1
+
+    def distribute_meta_model(self, model: nn.Module) -> nn.Module:
+        return _distribute_for_experts(model, self.kdsa_tp_size, self.kdsa_ep_size)
+
+
+def _shard_for_experts(module: nn.Module, plan: ShardPlan, mesh, is_moe: bool) -> None:
+    """`KDSAHeadShardStyle.install_forward` over the `(ep, tp)` mesh: the routed experts' cut parameters become
+    DTensors on both dims (`Shard(0)`: this ep rank's block of whole experts; the tp cut, or `Replicate` at tp = 1),
+    everything else the plan cuts on the tp dim only (left whole at tp = 1). Packed MXFP4 experts are buffers and stay
+    whole (`_finish_expert_parallel` keeps this rank's block)."""
+    tp_size = mesh.tp_size
+    experts = module.experts if is_moe else None
+    for cut in plan.cuts:
+        if cut.read_whole or (cut.owner is not experts and tp_size == 1):
+            continue
+        if cut.owner is experts:
+            tp_placement = cut.placement() if tp_size > 1 else Replicate()
+            device_mesh, placements = mesh.device_mesh, [Shard(0), tp_placement]
+        else:
+            device_mesh, placements = mesh.device_mesh["tp"], [cut.placement()]
+        placeholder = cut.owner._parameters.get(cut.name)
+        if placeholder is None:  # packed MXFP4 experts: buffers, not parameters
+            continue
+        sharded = distribute_tensor(placeholder, device_mesh, placements, src_data_rank=None)
+        cut.owner._parameters[cut.name] = nn.Parameter(sharded, requires_grad=placeholder.requires_grad)
+    if tp_size > 1:
+        plan.localize(tp_size)
+        plan.reduced.register_forward_hook(all_reduce_output_hook(mesh.tp, plan.tag))
+    if experts is not None and not experts.mxfp4:
+        experts.num_experts //= mesh.ep_size
+    module._kdsa_shard_plan = plan
+    module._kdsa_parallel_mesh = mesh.tp
+
+
+def _distribute_for_experts(model: nn.Module, tp_size: int, ep_size: int) -> nn.Module:
+    """Cut the meta model for this rank of the `(ep, tp)` mesh before the weights load, so that transformers reads
+    only this rank's experts (and tp slices); `finish_tensor_parallel_load` puts the experts behind the all-to-all."""
+    mesh = init_expert_parallel_mesh(tp_size=tp_size, ep_size=ep_size)
+    for layer in getattr(model, "model", model).layers:
+        kda = hasattr(layer, "linear_attn")
+        mixer = layer.linear_attn if kda else layer.self_attn
+        is_moe = getattr(layer.mlp, "experts", None) is not None
+        if tp_size > 1:
+            _shard_for_experts(mixer, (kda_shard_plan if kda else mla_shard_plan)(mixer), mesh, is_moe=False)
+        if tp_size > 1 or is_moe:
+            _shard_for_experts(layer.mlp, feed_forward_shard_plan(layer.mlp), mesh, is_moe)
+    model.__dict__["_kdsa_expert_parallel_mesh"] = mesh
+    return model
+
+
+def _finish_expert_parallel(model: nn.Module, mesh) -> None:
+    """After the load: local tensors, this rank's block of packed experts, the experts behind the all-to-all."""
+    for module in model.modules():
+        if "_kdsa_shard_plan" in module.__dict__:
+            _localize(module)
+    per_rank = model.config.n_routed_experts // mesh.ep_size
+    for layer in getattr(model, "model", model).layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and experts.mxfp4:
+            keep_experts(experts, mesh.ep_rank * per_rank, (mesh.ep_rank + 1) * per_rank)
+    wrap_local_experts(model, mesh)
+    if mesh.tp_size > 1:  # speculative decoding's tp agreement reads it (refused under ep > 1 anyway, §12)
+        model.tensor_parallel_group = mesh.tp.tp_group
 
 
 def check_tensor_parallel_load(config, kwargs: dict, foreign_plan=None) -> bool:
@@ -254,32 +322,29 @@ def check_tensor_parallel_load(config, kwargs: dict, foreign_plan=None) -> bool:
     call's overrides; `foreign_plan`: the conversion of a published family's folder). A bad layout raises the same
     ValueError on every rank, before any collective of the load.
 
-    With ep > 1 the distributed arguments are taken out of `kwargs`: transformers loads the whole checkpoint on every
-    rank, and `finish_tensor_parallel_load` then keeps this rank's experts (`apply_expert_parallel`, which also cuts
-    the tp part). transformers' own expert parallelism cannot serve this layout (docs/parallel.md §10)."""
-    _PENDING.layout = None
+    With ep > 1 the distributed arguments become an `ExpertParallelLoad`, which transformers passes through to
+    `KDSAForCausalLM.maybe_distribute_model` (its hook between building the meta model and reading the weights):
+    KDSA's own (ep, tp) layout, which transformers' expert parallelism cannot express (docs/parallel.md §10)."""
     request = _requested_layout(kwargs)
     if request is None:
         return False
     error = request.error or _config_error(request, config, kwargs.get("fp8_weights"), foreign_plan)
     _agree(error)
     if request.ep > 1:
-        for name in ("distributed_config", "tp_plan", "tp_size"):
+        for name in ("tp_plan", "tp_size"):
             kwargs.pop(name, None)
-        _PENDING.layout = (request.tp, request.ep)
+        kwargs["distributed_config"] = ExpertParallelLoad(kdsa_tp_size=request.tp, kdsa_ep_size=request.ep)
         return True
     return request.tp > 1
 
 
 def finish_tensor_parallel_load(model: nn.Module) -> nn.Module:
     """After transformers loaded the model. A tp load: every planned module's parameters become plain local tensors
-    (`_localize`; each planned module does it before its first forward otherwise, e.g. under `AutoModel`). An ep load:
-    the whole model is cut for this rank over the `(ep, tp)` mesh (`apply_expert_parallel`)."""
-    layout, _PENDING.layout = getattr(_PENDING, "layout", None), None
-    if layout is not None:
-        mesh = init_expert_parallel_mesh(tp_size=layout[0], ep_size=layout[1])
-        apply_expert_parallel(model, mesh)
-        model.__dict__["_kdsa_expert_parallel_mesh"] = mesh
+    (`_localize`; each planned module does it before its first forward otherwise, e.g. under `AutoModel`). An ep load
+    (`ExpertParallelLoad`): the same, and the experts go behind the all-to-all dispatch (`ExpertParallelExperts`)."""
+    mesh = expert_parallel_mesh_of(model)
+    if mesh is not None:
+        _finish_expert_parallel(model, mesh)
         return model
     for module in model.modules():
         if "_kdsa_shard_plan" in module.__dict__:
@@ -294,6 +359,7 @@ def expert_parallel_mesh_of(model: nn.Module):
 
 
 __all__ = [
+    "ExpertParallelLoad",
     "KDSAHeadShardStyle",
     "STYLE_PLANS",
     "check_tensor_parallel_load",

@@ -1,17 +1,18 @@
-"""Greedy generation under expert parallelism (docs/parallel.md §9): every ep rank generates its share of a batch of
-random prompts with the routed experts split over the ep ranks (and the model cut by tp inside each tp group).
+"""Greedy generation under expert parallelism (docs/parallel.md §9, §10): the model is loaded with
+`from_pretrained(path, distributed_config={"tp_size": tp, "ep_size": ep})`, each rank reading only its experts (and
+tp slices), and every ep rank generates its share of a batch of random prompts.
 
     torchrun --nproc_per_node 2 scripts/ep_generate.py checkpoints/kdsa-tiny --ep 2
     torchrun --nproc_per_node 4 scripts/ep_generate.py checkpoints/kdsa-tiny --tp 2 --ep 2 --check
 
 Each rank prints its rows, the all-to-all elements it sent, and its parameter bytes against the unsharded model's;
-`--check` also generates the whole batch with an unsharded copy and compares this rank's tokens with it.
+`--check` also generates the whole batch with a copy loaded whole and compares this rank's tokens with it.
 """
 
 import argparse
 
 import torch
-from modeling_kdsa.parallel import apply_expert_parallel, init_expert_parallel_mesh
+from modeling_kdsa.parallel import expert_parallel_mesh_of
 
 from modeling_kdsa import KDSAForCausalLM
 
@@ -31,24 +32,24 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="compare with the unsharded model on the whole batch")
     args = parser.parse_args()
 
-    mesh = init_expert_parallel_mesh(tp_size=args.tp, ep_size=args.ep)
-    model = KDSAForCausalLM.from_pretrained(args.checkpoint).eval()
-    full_bytes = parameter_bytes(model)
+    layout = {"tp_size": args.tp, "ep_size": args.ep}  # a dict: DistributedConfig refuses tp_size=1, ep_size=2
+    model = KDSAForCausalLM.from_pretrained(args.checkpoint, distributed_config=layout).eval()
+    mesh = expert_parallel_mesh_of(model)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len), generator=generator)
     rows = mesh.batch_rows(args.batch)
-    model = apply_expert_parallel(model, mesh)
     options = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
     mesh.traffic.reset()
     tokens = model.generate(ids[rows], synced_gpus=True, **options)
     line = (
         f"rank {torch.distributed.get_rank()} (ep {mesh.ep_rank}, tp {mesh.tp.tp_rank}): rows {rows.start}-"
         f"{rows.stop - 1}, sent {mesh.traffic.dispatched_elements} elements in {mesh.traffic.dispatched_rows} routed "
-        f"rows ({mesh.traffic.remote_rows} to other ranks), bytes {parameter_bytes(model)} of {full_bytes}"
+        f"rows ({mesh.traffic.remote_rows} to other ranks), bytes {parameter_bytes(model)}"
     )
     if args.check:
-        reference = KDSAForCausalLM.from_pretrained(args.checkpoint).eval().generate(ids, **options)[rows]
-        line += f", tokens equal to one process: {torch.equal(tokens, reference)}"
+        whole = KDSAForCausalLM.from_pretrained(args.checkpoint).eval()
+        reference = whole.generate(ids, **options)[rows]
+        line += f" of {parameter_bytes(whole)}, tokens equal to one process: {torch.equal(tokens, reference)}"
     print(line, flush=True)
     torch.distributed.destroy_process_group()
 

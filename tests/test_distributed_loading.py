@@ -8,6 +8,7 @@ tests/test_parallel_distributed.py (fp32; only the partial sums over the tp rank
 generated tokens must be equal, on both ranks.
 """
 
+import contextlib
 import functools
 import os
 import resource
@@ -25,6 +26,12 @@ GREEDY_STEPS = 32
 # The published families' tiny folders loaded with tp_plan="auto", and the vocabulary their prompts draw from.
 FAMILIES = {"kimi_linear": 100, "deepseek_v32": 100, "glm5_next": 100, "glm5_next_runtime": 100, "kimi_k3": 200}
 EP_BATCH = 3  # not a multiple of ep: the ep ranks' shares differ (2 + 1 rows)
+
+
+def EP_FAMILIES(out_dir: str) -> dict:  # noqa: N802
+    """Published layouts loaded with ep = 2: per-expert tensors (GLM's hub layout) and packed MXFP4 experts (K3)."""
+    return {"glm5_next": (os.path.join(out_dir, "glm5_next"), 100),
+            "kimi_k3_mxfp4": (os.path.join(out_dir, "kimi_k3_mxfp4"), 200)}  # fmt: skip
 
 
 def _prompts(vocab: int) -> torch.Tensor:
@@ -79,26 +86,64 @@ def _compare(results: dict, name: str, sharded, reference, vocab: int) -> None:
         results[f"{name}_{run}_equal"] = bool(torch.equal(tokens[0], tokens[1]))
 
 
-def _write_kimi_k3_folder(folder: Path) -> None:
+def _write_kimi_k3_folder(folder: Path, published: bool = False) -> None:
     """A Kimi K3 folder in K3's published layout (tests/test_kimi_k3.py: zero-padded `A_log`, per-expert `w1/w3/w2`,
-    AttnRes pseudo-queries as `[1, D]` weights) with unquantized experts and without LatentMoE, which tensor
-    parallelism refuses (docs/parallel.md §5)."""
+    AttnRes pseudo-queries as `[1, D]` weights); with `published`, K3's LatentMoE and packed MXFP4 experts, else
+    unquantized experts without LatentMoE (tensor parallelism refuses both, docs/parallel.md §5)."""
     from modeling_kdsa.eval.kimi_k3_fixtures import k3_raw_config, perturbed_model
     from test_kimi_k3 import write_k3_folder
 
     from modeling_kdsa.conversion import plan_foreign_load
 
-    raw = k3_raw_config(quantized=False)
-    for name in ("routed_expert_hidden_size", "latent_moe_use_norm"):
-        del raw["text_config"][name]
+    raw = k3_raw_config(quantized=published)
+    if not published:
+        for name in ("routed_expert_hidden_size", "latent_moe_use_norm"):
+            del raw["text_config"][name]
     write_k3_folder(folder, perturbed_model(plan_foreign_load(raw, []).config), raw)
+
+
+def _state_bytes(module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
 def _expert_bytes(model) -> int:
     from modeling_kdsa.moe import KDSAMoE
 
     layers = [layer for layer in model.model.layers if isinstance(layer.mlp, KDSAMoE)]
-    return sum(_parameter_bytes(layer.mlp.experts) for layer in layers)
+    return sum(_state_bytes(layer.mlp.experts) for layer in layers)
+
+
+@contextlib.contextmanager
+def _counting_reads():
+    """The elements transformers' loader reads from the checkpoint files inside the block: whole tensors
+    (`_materialize_copy`) and this rank's slices (`DtensorShardOperation.shard_tensor`; None for an expert this rank
+    does not own)."""
+    from transformers import core_model_loading
+    from transformers.distributed.sharding_utils import DtensorShardOperation
+
+    read, whole_copy, shard = [], core_model_loading._materialize_copy, DtensorShardOperation.shard_tensor
+
+    def counted(function):
+        def wrapper(*args, **kwargs):
+            tensor = function(*args, **kwargs)
+            read.append(0 if tensor is None else tensor.numel())
+            return tensor
+
+        return wrapper
+
+    core_model_loading._materialize_copy, DtensorShardOperation.shard_tensor = counted(whole_copy), counted(shard)
+    try:
+        yield read
+    finally:
+        core_model_loading._materialize_copy, DtensorShardOperation.shard_tensor = whole_copy, shard
+
+
+def _cut_after_read(model, tp: int) -> int:
+    """Elements a tp load reads beyond what it keeps: the KDA short convs and `A_log`, read whole and cut after."""
+    layers = [layer.linear_attn for layer in model.model.layers if hasattr(layer, "linear_attn")]
+    kept = sum(a.q_conv1d.weight.numel() + a.k_conv1d.weight.numel() + a.v_conv1d.weight.numel() + a.A_log.numel()
+               for a in layers)  # fmt: skip
+    return kept * (tp - 1)
 
 
 def _compare_expert_parallel(results: dict, name: str, sharded, reference, vocab: int) -> None:
@@ -116,22 +161,26 @@ def _compare_expert_parallel(results: dict, name: str, sharded, reference, vocab
     tokens = sharded.generate(ids[rows], synced_gpus=True, **greedy)
     results[f"{name}_greedy_tokens"] = tokens
     results[f"{name}_greedy_equal"] = bool(torch.equal(tokens, reference.generate(ids, **greedy)[rows]))
-    whole_bytes, whole_expert_bytes = _parameter_bytes(reference), _expert_bytes(reference)
-    results[f"{name}_bytes"] = (_parameter_bytes(sharded), whole_bytes, whole_expert_bytes)
+    results[f"{name}_bytes"] = (_state_bytes(sharded), _state_bytes(reference), _expert_bytes(reference))
     results[f"{name}_local_experts"] = [
         layer.mlp.experts.local_experts.num_experts for layer in sharded.model.layers if hasattr(layer.mlp, "experts")
     ]
     results[f"{name}_traffic_calls"] = mesh.traffic.calls
 
 
-def _expert_parallel_checks(results: dict, layout: dict, tiny_folder: str, odd_experts_folder: str) -> None:
-    """`from_pretrained(distributed_config=layout)` with ep > 1 on the shipped checkpoint and the tiny fixture, and the
-    layouts it refuses (the same ValueError on every rank)."""
+def _expert_parallel_checks(results: dict, layout, folders: dict, odd_experts_folder: str) -> None:
+    """`from_pretrained(distributed_config=layout)` with ep > 1 on each of `folders` (name -> (folder, vocab)), against
+    the single-process model; the elements each load reads; the layouts it refuses (the same ValueError on every
+    rank)."""
     from modeling_kdsa import KDSAForCausalLM
 
-    prefix = f"tp{layout['tp_size']}_ep{layout['ep_size']}"
-    for name, folder, vocab in (("checkpoint", CHECKPOINT, 200), ("tiny", tiny_folder, 128)):
-        sharded = KDSAForCausalLM.from_pretrained(folder, distributed_config=layout, dtype=torch.float32)
+    tp, ep = (layout["tp_size"], layout["ep_size"]) if isinstance(layout, dict) else (layout.tp_size, layout.ep_size)
+    prefix = f"tp{tp}_ep{ep}"
+    for name, (folder, vocab) in folders.items():
+        with _counting_reads() as read:
+            sharded = KDSAForCausalLM.from_pretrained(folder, distributed_config=layout, dtype=torch.float32)
+        kept = sum(tensor.numel() for tensor in sharded.state_dict().values())
+        results[f"{prefix}_{name}_read"] = (sum(read), kept + _cut_after_read(sharded, tp))
         reference = KDSAForCausalLM.from_pretrained(folder, dtype=torch.float32)
         _compare_expert_parallel(results, f"{prefix}_{name}", sharded, reference, vocab)
         if name == "checkpoint":
@@ -286,11 +335,46 @@ def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
         lambda: KDSAForCausalLM.from_pretrained(CHECKPOINT, distributed_config={"tp_size": 1, "fsdp_size": 2})
     )
     # Expert parallelism, ep = 2 (DistributedConfig itself refuses tp_size=1, ep_size=2 without FSDP: a dict).
-    _expert_parallel_checks(results, {"tp_size": 1, "ep_size": 2}, os.path.join(out_dir, "tiny"), odd_experts_folder)
+    if rank == 0:  # Kimi K3's own layout: LatentMoE with packed MXFP4 experts (ep alone: tp refuses both, §5)
+        _write_kimi_k3_folder(Path(out_dir) / "kimi_k3_mxfp4", published=True)
+    dist.barrier()
+    folders = {"checkpoint": (CHECKPOINT, 200), "tiny": (tiny_folder, 128), **EP_FAMILIES(out_dir)}
+    _expert_parallel_checks(results, {"tp_size": 1, "ep_size": 2}, folders, odd_experts_folder)
     # Ranks launched with different sizes: rank 1 alone asks for 4, both raise rank 1's message.
     results["error_mixed"] = _expect_error(
         lambda: KDSAForCausalLM.from_pretrained(CHECKPOINT, tp_size=2 if rank == 0 else 4, tp_plan="auto")
     )
+
+
+def _scenario_four(rank: int, results: dict, out_dir: str) -> None:
+    """4 processes: tp 2 × ep 2 through `DistributedConfig(tp_size=2, ep_size=2)`, and its refusals."""
+    import torch.distributed as dist
+    from conftest import tiny_config
+    from transformers.distributed import DistributedConfig
+
+    from modeling_kdsa import KDSAForCausalLM
+
+    tiny_folder, odd_heads, odd_experts = (os.path.join(out_dir, name) for name in ("tiny", "odd_heads", "odd_experts"))
+    if rank == 0:
+        _tiny_with_biases().save_pretrained(tiny_folder)
+        tiny_config(linear_num_heads=3).save_pretrained(odd_heads)  # the config alone: the check reads nothing else
+        tiny_config(n_routed_experts=3, num_experts_per_tok=1).save_pretrained(odd_experts)
+    dist.barrier()
+    layout = DistributedConfig(tp_size=2, ep_size=2)
+    folders = {"checkpoint": (CHECKPOINT, 200), "tiny": (tiny_folder, 128)}
+    _expert_parallel_checks(results, layout, folders, odd_experts)
+    results["error_heads"] = _expect_error(
+        lambda: KDSAForCausalLM.from_pretrained(odd_heads, distributed_config=layout)
+    )
+    results["error_world_size"] = _expect_error(
+        lambda: KDSAForCausalLM.from_pretrained(CHECKPOINT, distributed_config=DistributedConfig(tp_size=2))
+    )
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    with tempfile.TemporaryDirectory() as folder:
+        return run_on_ranks(functools.partial(_scenario_four, out_dir=folder), 4)
 
 
 @pytest.fixture(scope="module")
@@ -399,11 +483,48 @@ def test_bad_layouts_raise_the_same_error_on_every_rank(two_ranks, key, words):
     assert two_ranks[0][key] == two_ranks[1][key]
 
 
-@pytest.mark.parametrize("name", ["checkpoint", "tiny"])
+@pytest.mark.parametrize("name", ["checkpoint", "tiny", "glm5_next", "kimi_k3_mxfp4"])
 def test_expert_parallel_load_ep2_matches_the_single_process(two_ranks, name):
     """`distributed_config={"tp_size": 1, "ep_size": 2}`: each rank holds half of every layer's routed experts and
     everything else whole, runs its share of the batch, and gives the single-process logits and 32 greedy tokens."""
     _check_expert_parallel(two_ranks, f"tp1_ep2_{name}", ep=2, tp=1, rows=[(0, 2), (2, 3)])
+
+
+@pytest.mark.parametrize("name", ["checkpoint", "tiny", "glm5_next"])
+def test_expert_parallel_load_reads_only_this_ranks_experts(two_ranks, name):
+    """Every element read from the files is kept: the other rank's experts are never read (per-expert tensors of the
+    hub layout are skipped, stacked ones sliced). Packed MXFP4 experts are read whole and cut (not checked here)."""
+    for result in two_ranks:
+        read, kept = result[f"tp1_ep2_{name}_read"]
+        assert read == kept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["checkpoint", "tiny"])
+def test_expert_parallel_load_tp2_ep2_matches_the_single_process(four_ranks, name):
+    """`DistributedConfig(tp_size=2, ep_size=2)` on 4 processes: each rank holds a quarter of the routed expert
+    bytes (its ep block, cut by tp) and its tp share of the rest; the tp pair of an ep rank decodes the same rows."""
+    _check_expert_parallel(four_ranks, f"tp2_ep2_{name}", ep=2, tp=2, rows=[(0, 2), (2, 3)])
+    for result in four_ranks:
+        read, kept = result[f"tp2_ep2_{name}_read"]
+        assert read == kept
+    for pair in (four_ranks[:2], four_ranks[2:]):
+        assert torch.equal(pair[0][f"tp2_ep2_{name}_greedy_tokens"], pair[1][f"tp2_ep2_{name}_greedy_tokens"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "key, words",
+    [
+        ("tp2_ep2_error_experts", "ep_size=2 must divide n_routed_experts=3"),
+        ("error_heads", "linear_num_heads=3"),
+        ("error_world_size", "tp_size=2 but the world size is 4"),
+        ("tp2_ep2_error_save", "each rank holds only its experts"),
+    ],
+)
+def test_expert_parallel_load_tp2_ep2_refusals_on_every_rank(four_ranks, key, words):
+    assert all(result[key] is not None and words in result[key] for result in four_ranks), four_ranks[0][key]
+    assert len({result[key] for result in four_ranks}) == 1
 
 
 def _check_expert_parallel(ranks: list[dict], key: str, ep: int, tp: int, rows: list) -> None:
