@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KDSAPagedMLALayer, attention_store_class
+from .cache import KDSAPagedMLALayer, PageView, attention_store_class
 from .dsa_ops import QUERY_BLOCK_SIZE
+from .dsa_paged_common import PagedKeys
 from .kernels import KernelSet, kernel_set
 from .linear import KDSALinear
 from .norms import KDSARMSNorm
@@ -34,6 +35,18 @@ FEW_QUERY_ROWS = 16
 # The layer picks the kernel (from its backend's KernelSet, kernels.py) and runs it over a store's planes and page
 # view; the store allocates, encodes and counts, and says only whether the read must take the fixed-shape `static_*`
 # kernels (a static store inside a compiled region, static_cache.py). Contracts: dsa_paged_reference.py.
+def paged_keys(view: PageView, pages, pool_pages=None) -> PagedKeys:
+    """The kernels' paged-key argument (`PagedKeys`, dsa_paged_common.py): the plane `pages` read through `view`."""
+    return PagedKeys(
+        pages, view.block_table, view.num_tokens, view.query_start, view.key_padding_mask, pool_pages, view.pool_origin
+    )
+
+
+def paged_kernel(kernels: KernelSet, name: str, view: PageView):
+    """The kernel `name` of `kernels`, or its fixed-shape `static_*` form when the view asks for it."""
+    return kernels.require(f"static_{name}" if view.fixed_shape else name)
+
+
 def paged_dense_attention(
     kernels: KernelSet,
     store: KDSAPagedMLALayer,
@@ -45,11 +58,7 @@ def paged_dense_attention(
 ) -> torch.Tensor:
     """Dense causal absorbed-form attention over every cached token of `store` (queries at `query_start + i`)."""
     view = store.key_view(query_start, key_padding_mask)
-    kernel = kernels.require("static_dense_mla" if view.fixed_shape else "dense_mla")
-    return kernel(
-        q_latent, q_pe, store.kv_pages, view.block_table, view.num_tokens, view.query_start, softmax_scale,
-        view.key_padding_mask,
-    )  # fmt: skip
+    return paged_kernel(kernels, "dense_mla", view)(q_latent, q_pe, paged_keys(view, store.kv_pages), softmax_scale)
 
 
 def paged_sparse_attention(
@@ -62,8 +71,8 @@ def paged_sparse_attention(
 ) -> torch.Tensor:
     """Absorbed-form attention over exactly the cached entries of `store` at `indices` `[B, T, K]` (-1 = none)."""
     view = store.selection_view()
-    kernel = kernels.require("static_sparse_mla" if view.fixed_shape else "sparse_mla")
-    return kernel(q_latent, q_pe, store.kv_pages, view.block_table, indices, softmax_scale)
+    keys = paged_keys(view, store.kv_pages)
+    return paged_kernel(kernels, "sparse_mla", view)(q_latent, q_pe, keys, indices, softmax_scale)
 
 
 def paged_indexer_topk(
@@ -79,11 +88,8 @@ def paged_indexer_topk(
     queries are first encoded as the keys are stored (`encode_index_queries`: MXFP8-rounded with MXFP8 keys)."""
     q_index = store.encode_index_queries(q_index)
     view = store.key_view(query_start, key_padding_mask)
-    kernel = kernels.require("static_indexer_topk" if view.fixed_shape else "indexer_topk")
-    return kernel(
-        q_index, weights, store.index_pages, view.block_table, view.num_tokens, index_topk, view.query_start,
-        view.key_padding_mask,
-    )  # fmt: skip
+    keys = paged_keys(view, store.index_pages)
+    return paged_kernel(kernels, "indexer_topk", view)(q_index, weights, keys, index_topk)
 
 
 def paged_kpool_indexer_topk(
@@ -99,17 +105,10 @@ def paged_kpool_indexer_topk(
 ) -> torch.Tensor:
     """k-pool indexer top-k over the pools of a `KDSAPagedKPoolLayer` store (docs/dsa.md §9): token positions
     `[B, T, K]`, -1 = none. The paged kernel takes the origin the store keeps (`view.pool_origin`, checked when
-    written), not the mask's; the fixed-shape one finds it from the capacity-padded mask."""
+    written); the fixed-shape one finds it from the capacity-padded mask."""
     view = store.key_view(query_start, key_padding_mask)
-    if view.fixed_shape:
-        return kernels.require("static_kpool_indexer_topk")(
-            q_index, weights, store.index_pages, store.pool_pages, view.block_table, view.num_tokens, index_topk,
-            view.query_start, view.key_padding_mask, ape, select_tail,
-        )  # fmt: skip
-    return kernels.require("kpool_indexer_topk")(
-        q_index, weights, store.index_pages, store.pool_pages, view.block_table, view.num_tokens, index_topk,
-        view.query_start, view.key_padding_mask, ape, select_tail, view.pool_origin,
-    )  # fmt: skip
+    keys = paged_keys(view, store.index_pages, store.pool_pages)
+    return paged_kernel(kernels, "kpool_indexer_topk", view)(q_index, weights, keys, index_topk, ape, select_tail)
 
 
 def mla_softmax_scale(config) -> float:

@@ -8,7 +8,13 @@ import os
 import torch
 import torch.fx.experimental._config
 
-from .dsa_paged_common import check_dense_inputs, check_indexer_inputs, check_kpool_inputs, check_sparse_inputs
+from .dsa_paged_common import (
+    PagedKeys,
+    check_dense_inputs,
+    check_indexer_inputs,
+    check_kpool_inputs,
+    check_sparse_inputs,
+)
 from .dsa_paged_fused import (
     attend_selected,
     blocked_dense_mla,
@@ -64,85 +70,32 @@ def _without_duck_sizing(compiled_function):
     return run
 
 
-def paged_indexer_topk_compiled(
-    q_index: torch.Tensor,
-    weights: torch.Tensor,
-    index_pages: torch.Tensor,
-    block_table: torch.Tensor,
-    num_keys: int,
-    index_topk: int,
-    query_start: int,
-    key_padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+def paged_indexer_topk_compiled(q_index, weights, keys: PagedKeys, index_topk: int) -> torch.Tensor:
     """`paged_indexer_topk_fused` with the per-block scoring compiled (the loop over blocks stays in Python, so the
     number of blocks never triggers a recompile). Same shapes and results."""
-    check_indexer_inputs(
-        q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask
-    )
-    return blocked_indexer_topk(
-        q_index,
-        weights,
-        index_pages,
-        block_table,
-        num_keys,
-        index_topk,
-        query_start,
-        key_padding_mask,
-        _compiled("score_block"),
-    )
+    check_indexer_inputs(q_index, weights, keys, index_topk)
+    return blocked_indexer_topk(q_index, weights, keys, index_topk, _compiled("score_block"))
 
 
-def paged_sparse_mla_compiled(
-    q_latent: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_pages: torch.Tensor,
-    block_table: torch.Tensor,
-    indices: torch.Tensor,
-    softmax_scale: float,
-) -> torch.Tensor:
+def paged_sparse_mla_compiled(q_latent, q_pe, keys: PagedKeys, indices, softmax_scale: float) -> torch.Tensor:
     """`paged_sparse_mla_fused` with each chunk of queries compiled as one graph. Same shapes and results."""
-    check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices)
-    return chunked_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale, _compiled("sparse_mla"))
+    check_sparse_inputs(q_latent, q_pe, keys, indices)
+    return chunked_sparse_mla(q_latent, q_pe, keys, indices, softmax_scale, _compiled("sparse_mla"))
 
 
-def paged_dense_mla_compiled(
-    q_latent: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_pages: torch.Tensor,
-    block_table: torch.Tensor,
-    num_keys: int,
-    query_start: int,
-    softmax_scale: float,
-    key_padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+def paged_dense_mla_compiled(q_latent, q_pe, keys: PagedKeys, softmax_scale: float) -> torch.Tensor:
     """`paged_dense_mla_fused` with each key block's step compiled (the loops stay in Python). Same results."""
-    check_dense_inputs(q_latent, q_pe, kv_pages, block_table, num_keys, query_start, key_padding_mask)
-    return blocked_dense_mla(
-        q_latent,
-        q_pe,
-        kv_pages,
-        block_table,
-        num_keys,
-        query_start,
-        softmax_scale,
-        key_padding_mask,
-        _compiled("dense_mla"),
-    )
+    check_dense_inputs(q_latent, q_pe, keys)
+    return blocked_dense_mla(q_latent, q_pe, keys, softmax_scale, _compiled("dense_mla"))
 
 
 def paged_kpool_indexer_topk_compiled(
-    q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
-    key_padding_mask=None, ape=None, select_tail=True, origin=None,
-) -> torch.Tensor:  # fmt: skip
+    q_index, weights, keys: PagedKeys, index_topk: int, ape: torch.Tensor, select_tail: bool = True
+) -> torch.Tensor:
     """`paged_kpool_indexer_topk_fused` with the per-block scoring compiled. Same shapes and results."""
-    check_kpool_inputs(
-        q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
-        key_padding_mask, ape,
-    )  # fmt: skip
-    return blocked_kpool_indexer_topk(
-        q_index, weights, pool_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, ape,
-        select_tail, origin, _compiled("score_pool_block"),
-    )  # fmt: skip
+    check_kpool_inputs(q_index, weights, keys, index_topk, ape)
+    score_pool_block = _compiled("score_pool_block")
+    return blocked_kpool_indexer_topk(q_index, weights, keys, index_topk, ape, select_tail, score_pool_block)
 
 
 __all__ = [

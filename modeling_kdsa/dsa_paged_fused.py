@@ -12,6 +12,7 @@ import torch
 
 from .dsa_ops import ScoredPairs, kpool_expand, kpool_origin, scaled_index_weights
 from .dsa_paged_common import (
+    PagedKeys,
     ceil_div,
     check_dense_inputs,
     check_indexer_inputs,
@@ -147,11 +148,19 @@ def _consecutive_pages(block_table: torch.Tensor, num_pages: int) -> int | None:
     return first if torch.equal(used, consecutive) else None
 
 
-def blocked_indexer_topk(
-    q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, score_block
-) -> torch.Tensor:
+def merge_top(best: torch.Tensor | None, packed: torch.Tensor, width: int) -> torch.Tensor:
+    """The running top-k of the blocked indexers: the best `width` of `best` (None before the first block) and the
+    new block's packed scores `packed` `[B, T, n]` (`pack_scores`), in descending order."""
+    ScoredPairs.add(packed)
+    if best is not None:
+        packed = torch.cat([best, packed], dim=-1)
+    return packed.topk(min(width, packed.shape[-1]), dim=-1).values
+
+
+def blocked_indexer_topk(q_index, weights, keys: PagedKeys, index_topk: int, score_block) -> torch.Tensor:
     """Score + weight + top-k in one pass over blocks of pages with a running top-k; `score_block` is
     `score_block` or its compiled version. Inputs already checked."""
+    index_pages, block_table, num_keys, query_start, key_padding_mask = keys[:5]
     batch, num_queries, num_heads, head_dim = q_index.shape
     page_size = page_geometry(index_pages)[1]
     # Keys after the block's last query are never visible: they are not read at all.
@@ -181,40 +190,27 @@ def blocked_indexer_topk(
         if copies_keys:
             # One index_select per block copies its pages (never the whole context) into a contiguous [B, n, DI].
             page_ids = block_table[:, first_page:last_page].reshape(-1)
-            keys = read_pages(index_pages, page_ids, q_index.dtype)
+            block_keys = read_pages(index_pages, page_ids, q_index.dtype)
         else:
             # Consecutive pages: the block is a slice of the pool, scored in place (the copy is a second pass over
             # every key, ~0.3 ms of a 64k decode step on one core).
-            keys = index_pages[first_pool_page + first_page : first_pool_page + last_page]
-        keys = keys.view(batch, -1, head_dim)
+            block_keys = index_pages[first_pool_page + first_page : first_pool_page + last_page]
+        block_keys = block_keys.view(batch, -1, head_dim)
         block = slice(first_page * page_size, last_page * page_size)
         key_positions = torch.arange(block.start, block.stop, device=q_index.device)
         # Contiguous, so that every block has the same strides (a compiled block step never recompiles for them).
         key_padding = None if key_padding_mask is None else key_padding_mask[:, block].contiguous()
-        packed = score_block(q_index, scaled_weights, keys, key_positions, last_visible_key, key_padding)
-        ScoredPairs.add(packed)
-        if best is not None:
-            packed = torch.cat([best, packed], dim=-1)
-        best = packed.topk(min(num_selected, packed.shape[-1]), dim=-1).values
+        packed = score_block(q_index, scaled_weights, block_keys, key_positions, last_visible_key, key_padding)
+        best = merge_top(best, packed, num_selected)
     return unpack_indices(best)
 
 
-def paged_indexer_topk_fused(
-    q_index: torch.Tensor,
-    weights: torch.Tensor,
-    index_pages: torch.Tensor,
-    block_table: torch.Tensor,
-    num_keys: int,
-    index_topk: int,
-    query_start: int,
-    key_padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+def paged_indexer_topk_fused(q_index, weights, keys: PagedKeys, index_topk: int) -> torch.Tensor:
     """Fused paged indexer: scores, head weighting and top-k in one pass over blocks of pages (docs/dsa.md
     §4, §7), same signature and result as `paged_indexer_topk_reference`.
 
-    q_index: `[B, T, HI, DI]`; weights: `[B, T, HI]` fp32; index_pages `[num_pages, P, DI]`; block_table int `[B,
-    max_pages]`; key_padding_mask `[B, num_keys]` or None. Returns int64 `[B, T, min(index_topk, S')]`,
-    `S' = min(num_keys, query_start + T)`.
+    q_index: `[B, T, HI, DI]`; weights: `[B, T, HI]` fp32; keys: `index_pages` `[num_pages, P, DI]` and the rest of
+    `PagedKeys`. Returns int64 `[B, T, min(index_topk, S')]`, `S' = min(num_keys, query_start + T)`.
 
     Keys are read in blocks of whole pages (one `index_select` each, or a slice of the pool when a single sequence's
     pages are consecutive, docs/dsa.md §7; at most KEY_BLOCK_ELEMENTS products per sequence) and merged into a
@@ -224,12 +220,8 @@ def paged_indexer_topk_fused(
     backend runs a decode step and a verification through its C++ kernel instead where it applies
     (`dsa_paged_cpu.paged_indexer_topk_cpu`, docs/dsa.md §11).
     """
-    check_indexer_inputs(
-        q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask
-    )
-    return blocked_indexer_topk(
-        q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, score_block
-    )
+    check_indexer_inputs(q_index, weights, keys, index_topk)
+    return blocked_indexer_topk(q_index, weights, keys, index_topk, score_block)
 
 
 def score_pool_block(
@@ -255,10 +247,11 @@ def score_pool_block(
 
 
 def blocked_kpool_indexer_topk(
-    q_index, weights, pool_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, ape, select_tail,
-    origin, score_block,
-) -> torch.Tensor:  # fmt: skip
-    """Score + weight + running top-k over blocks of pages of stored pooled keys. Inputs already checked."""
+    q_index, weights, keys: PagedKeys, index_topk: int, ape, select_tail: bool, score_block
+) -> torch.Tensor:
+    """Score + weight + running top-k over blocks of pages of stored pooled keys (`keys.pool_pages`). Inputs already
+    checked."""
+    _, block_table, num_keys, query_start, key_padding_mask, pool_pages, origin = keys
     batch, num_queries, num_heads, head_dim = q_index.shape
     kpool = ape.shape[0]
     page_size = page_geometry(pool_pages)[1] * kpool
@@ -283,32 +276,22 @@ def blocked_kpool_indexer_topk(
     for first_page in range(0, num_pages_read, pages_per_block):
         last_page = min(first_page + pages_per_block, num_pages_read)
         page_ids = block_table[:, first_page:last_page].reshape(-1)
-        keys = read_pages(pool_pages, page_ids, q_index.dtype).view(batch, -1, head_dim)
+        pooled = read_pages(pool_pages, page_ids, q_index.dtype).view(batch, -1, head_dim)
         group_starts = torch.arange(first_page * page_size, last_page * page_size, kpool, device=q_index.device)
         pool_ends = group_starts[None, :] + phase[:, None]
-        packed = score_block(q_index, scaled_weights, keys, pool_ends, last_visible_key, first_pool_end)
-        ScoredPairs.add(packed)
-        if best is not None:
-            packed = torch.cat([best, packed], dim=-1)
-        best = packed.topk(min(num_selected, packed.shape[-1]), dim=-1).values
+        packed = score_block(q_index, scaled_weights, pooled, pool_ends, last_visible_key, first_pool_end)
+        best = merge_top(best, packed, num_selected)
     return kpool_expand(unpack_indices(best), kpool, query_start, origin, select_tail)
 
 
 def paged_kpool_indexer_topk_fused(
-    q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
-    key_padding_mask=None, ape=None, select_tail=True, origin=None,
-) -> torch.Tensor:  # fmt: skip
-    """Fused k-pool indexer: scores only the stored pooled keys (`pool_pages`, one row per complete pool, written by
-    `KDSACache` when a pool's last token arrives), with a running top-k over blocks of pages, so a decode step reads
-    `S / kp` keys and never the `[T, S]` logits. Same signature and result as the reference."""
-    check_kpool_inputs(
-        q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
-        key_padding_mask, ape,
-    )  # fmt: skip
-    return blocked_kpool_indexer_topk(
-        q_index, weights, pool_pages, block_table, num_keys, index_topk, query_start, key_padding_mask, ape,
-        select_tail, origin, score_pool_block,
-    )  # fmt: skip
+    q_index, weights, keys: PagedKeys, index_topk: int, ape: torch.Tensor, select_tail: bool = True
+) -> torch.Tensor:
+    """Fused k-pool indexer: scores only the stored pooled keys (`keys.pool_pages`, one row per complete pool,
+    written by `KDSACache` when a pool's last token arrives), with a running top-k over blocks of pages, so a decode
+    step reads `S / kp` keys and never the `[T, S]` logits. Same signature and result as the reference."""
+    check_kpool_inputs(q_index, weights, keys, index_topk, ape)
+    return blocked_kpool_indexer_topk(q_index, weights, keys, index_topk, ape, select_tail, score_pool_block)
 
 
 def attend_selected(
@@ -357,9 +340,10 @@ def attend_selected(
     return (out[..., : q_latent.shape[-1]].float() / denominator).to(q_latent.dtype)  # [B, T, H, C]
 
 
-def chunked_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale, attend) -> torch.Tensor:
+def chunked_sparse_mla(q_latent, q_pe, keys: PagedKeys, indices, softmax_scale: float, attend) -> torch.Tensor:
     """Runs `attend` (`attend_selected` or its compiled version) on chunks of queries of ATTENTION_ROWS_ELEMENTS
     rows."""
+    kv_pages, block_table = keys.pages, keys.block_table
     num_queries, num_selected = indices.shape[1:]
     chunk = max(1, ATTENTION_ROWS_ELEMENTS // max(1, num_selected * page_geometry(kv_pages)[-1]))
     outputs = []
@@ -379,26 +363,19 @@ def chunked_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_s
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 
-def paged_sparse_mla_fused(
-    q_latent: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_pages: torch.Tensor,
-    block_table: torch.Tensor,
-    indices: torch.Tensor,
-    softmax_scale: float,
-) -> torch.Tensor:
+def paged_sparse_mla_fused(q_latent, q_pe, keys: PagedKeys, indices, softmax_scale: float) -> torch.Tensor:
     """Sparse absorbed MLA reading only the selected rows from the pages (docs/dsa.md §3, §4, §6), same
     signature and result as `paged_sparse_mla_reference`.
 
-    q_latent: `[B, T, H, C]`; q_pe: `[B, T, H, R]`; kv_pages `[num_pages, P, C + R]`; block_table int `[B,
-    max_pages]`; indices `[B, T, K]` logical positions, -1 = none. Returns `[B, T, H, C]` in q_latent's dtype.
+    q_latent: `[B, T, H, C]`; q_pe: `[B, T, H, R]`; keys: `kv_pages` `[num_pages, P, C + R]` and the block table;
+    indices `[B, T, K]` logical positions, -1 = none. Returns `[B, T, H, C]` in q_latent's dtype.
     Queries are processed in chunks whose gathered rows stay within ATTENTION_ROWS_ELEMENTS (28 queries at K = 512,
     C + R = 288): about 10 MB per chunk in bf16, whatever T and the context length. The `cpu` backend runs a decode
     step and a verification through its C++ kernel instead where it applies (`dsa_paged_cpu.paged_sparse_mla_cpu`,
     docs/dsa.md §12).
     """
-    check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices)
-    return chunked_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale, attend_selected)
+    check_sparse_inputs(q_latent, q_pe, keys, indices)
+    return chunked_sparse_mla(q_latent, q_pe, keys, indices, softmax_scale, attend_selected)
 
 
 def dense_block(
@@ -447,11 +424,10 @@ def dense_softmax_output(running_sum: torch.Tensor, accumulator: torch.Tensor) -
     return accumulator / running_sum.clamp(min=torch.finfo(torch.float32).tiny)
 
 
-def blocked_dense_mla(
-    q_latent, q_pe, kv_pages, block_table, num_keys, query_start, softmax_scale, key_padding_mask, block_step
-) -> torch.Tensor:
+def blocked_dense_mla(q_latent, q_pe, keys: PagedKeys, softmax_scale: float, block_step) -> torch.Tensor:
     """Dense MLA in chunks of queries, each an online softmax over blocks of whole pages (`block_step` is
     `dense_block` or its compiled version). Inputs already checked."""
+    kv_pages, block_table, num_keys, query_start, key_padding_mask = keys[:5]
     batch, num_queries, num_heads, latent_width = q_latent.shape
     _, page_size, width = page_geometry(kv_pages)
     device = q_latent.device
@@ -491,16 +467,7 @@ def blocked_dense_mla(
     return out.to(q_latent.dtype)
 
 
-def paged_dense_mla_fused(
-    q_latent: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_pages: torch.Tensor,
-    block_table: torch.Tensor,
-    num_keys: int,
-    query_start: int,
-    softmax_scale: float,
-    key_padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+def paged_dense_mla_fused(q_latent, q_pe, keys: PagedKeys, softmax_scale: float) -> torch.Tensor:
     """Dense causal absorbed MLA straight from the pages with an online (flash-style) softmax, same signature and
     result as `paged_dense_mla_reference`.
 
@@ -508,10 +475,8 @@ def paged_dense_mla_fused(
     accumulator each stay within DENSE_BLOCK_ELEMENTS per sequence whatever the context length: a `[T, S]` score
     matrix is never built. Pages after a chunk's last query are not read.
     """
-    check_dense_inputs(q_latent, q_pe, kv_pages, block_table, num_keys, query_start, key_padding_mask)
-    return blocked_dense_mla(
-        q_latent, q_pe, kv_pages, block_table, num_keys, query_start, softmax_scale, key_padding_mask, dense_block
-    )
+    check_dense_inputs(q_latent, q_pe, keys)
+    return blocked_dense_mla(q_latent, q_pe, keys, softmax_scale, dense_block)
 
 
 __all__ = [
@@ -526,6 +491,7 @@ __all__ = [
     "dense_block",
     "dense_softmax_output",
     "dense_softmax_start",
+    "merge_top",
     "pack_scores",
     "paged_dense_mla_fused",
     "paged_indexer_topk_fused",

@@ -7,7 +7,7 @@ kernels of every backend's set (kernels.py); the `cpu` backend's run a decode st
 import torch
 
 from .dsa_ops import kpool_expand, scaled_index_weights
-from .dsa_paged_common import sequence_rows
+from .dsa_paged_common import PagedKeys, sequence_rows
 from .dsa_paged_fused import (
     attend_selected,
     dense_block,
@@ -26,29 +26,20 @@ def visible_limit(query_start: torch.Tensor, num_queries: int, num_keys: torch.T
     return torch.minimum(positions, num_keys - 1)
 
 
-def static_indexer_topk(
-    q_index: torch.Tensor,
-    weights: torch.Tensor,
-    index_pages,
-    block_table: torch.Tensor | None,
-    num_keys: torch.Tensor,
-    index_topk: int,
-    query_start: torch.Tensor,
-    key_padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Indexer top-k over every slot of the block table: q_index `[B, T, HI, DI]`, weights `[B, T, HI]` fp32,
+def static_indexer_topk(q_index, weights, keys: PagedKeys, index_topk: int) -> torch.Tensor:
+    """Indexer top-k over every slot of the block table: q_index `[B, T, HI, DI]`, weights `[B, T, HI]` fp32; keys:
     index_pages `[N, P, DI]` (or quantized), block_table `[B, n]` fully mapped, num_keys / query_start 0-d int64
     tensors, key_padding_mask bool `[B, L]` or None. Returns int64 `[B, T, min(index_topk, L)]`, best first, -1 = no
     key. The selection equals `paged_indexer_topk_*`'s (same scores, same tie rule: `pack_scores`); only the width
     differs, the extra slots being -1. block_table None: the pages are in sequence order (`sequence_rows`)."""
     batch, num_queries, num_heads, head_dim = q_index.shape
-    keys = sequence_rows(index_pages, block_table, batch, q_index.dtype)
-    capacity = keys.shape[1]
+    rows = sequence_rows(keys.pages, keys.block_table, batch, q_index.dtype)
+    capacity = rows.shape[1]
     scaled_weights = scaled_index_weights(weights, head_dim)
     key_positions = torch.arange(capacity, device=q_index.device)
-    limit = visible_limit(query_start, num_queries, num_keys)
-    padding = None if key_padding_mask is None else key_padding_mask.bool()
-    packed = score_block(q_index.contiguous(), scaled_weights, keys, key_positions, limit, padding)
+    limit = visible_limit(keys.query_start, num_queries, keys.num_keys)
+    padding = None if keys.key_padding_mask is None else keys.key_padding_mask.bool()
+    packed = score_block(q_index.contiguous(), scaled_weights, rows, key_positions, limit, padding)
     return unpack_indices(packed.topk(min(index_topk, capacity), dim=-1).values)
 
 
@@ -68,23 +59,14 @@ def static_kpool_origin(key_padding_mask: torch.Tensor | None, batch: int, devic
 
 
 def static_kpool_indexer_topk(
-    q_index: torch.Tensor,
-    weights: torch.Tensor,
-    index_pages: torch.Tensor,
-    pool_pages: torch.Tensor,
-    block_table: torch.Tensor | None,
-    num_keys: torch.Tensor,
-    index_topk: int,
-    query_start: torch.Tensor,
-    key_padding_mask: torch.Tensor | None = None,
-    ape: torch.Tensor | None = None,
-    select_tail: bool = True,
+    q_index, weights, keys: PagedKeys, index_topk: int, ape: torch.Tensor, select_tail: bool = True
 ) -> torch.Tensor:
     """k-pool indexer top-k over every pooled-key slot of the block table (docs/dsa.md §9, docs/graph-mode.md §3).
 
-    Arguments as `paged_kpool_indexer_topk_*` (`index_pages` is not read: the store pools keys when they complete),
-    except num_keys / query_start: 0-d int64 tensors, key_padding_mask: bool `[B, L]` padded to the capacity, and
-    block_table None: the pages are in sequence order (`sequence_rows`).
+    Arguments as `paged_kpool_indexer_topk_*` (`keys.pages` is not read: the store pools keys when they complete; nor
+    `keys.pool_origin`: the origin comes from the mask), except num_keys / query_start: 0-d int64 tensors,
+    key_padding_mask: bool `[B, L]` padded to the capacity, and block_table None: the pages are in sequence order
+    (`sequence_rows`).
     Slot `r` of a sequence holds the pool ending in its `r`-th group of `kp` tokens, at `r·kp + (origin + kp - 1) mod
     kp`; a query sees it when that end is at or after the first pool's end and at or before the query and the last
     cached token (a pool is written when its last token arrives, so nothing later is read). Returns int64 `[B, T,
@@ -92,45 +74,37 @@ def static_kpool_indexer_topk(
     scores and tie rule) with extra -1 slots."""
     batch, num_queries, num_heads, head_dim = q_index.shape
     kpool = ape.shape[0]
-    keys = sequence_rows(pool_pages, block_table, batch, q_index.dtype)
-    num_slots = keys.shape[1]
-    origin = static_kpool_origin(key_padding_mask, batch, q_index.device)
+    pooled = sequence_rows(keys.pool_pages, keys.block_table, batch, q_index.dtype)
+    num_slots = pooled.shape[1]
+    origin = static_kpool_origin(keys.key_padding_mask, batch, q_index.device)
     first_pool_end = origin + kpool - 1
     pool_ends = kpool * torch.arange(num_slots, device=q_index.device)[None, :] + (first_pool_end % kpool)[:, None]
     scaled_weights = scaled_index_weights(weights, head_dim)
-    limit = visible_limit(query_start, num_queries, num_keys)
-    packed = score_pool_block(q_index.contiguous(), scaled_weights, keys, pool_ends, limit, first_pool_end)
+    limit = visible_limit(keys.query_start, num_queries, keys.num_keys)
+    packed = score_pool_block(q_index.contiguous(), scaled_weights, pooled, pool_ends, limit, first_pool_end)
     best = packed.topk(min(index_topk // kpool, num_slots), dim=-1).values
-    return kpool_expand(unpack_indices(best), kpool, query_start, origin, select_tail)
+    return kpool_expand(unpack_indices(best), kpool, keys.query_start, origin, select_tail)
 
 
-def static_sparse_mla(q_latent, q_pe, kv_pages, block_table, indices, softmax_scale: float) -> torch.Tensor:
+def static_sparse_mla(q_latent, q_pe, keys: PagedKeys, indices, softmax_scale: float) -> torch.Tensor:
     """Sparse absorbed MLA over the selected slots: `attend_selected` (already fixed-shape for a fixed K)."""
-    return attend_selected(q_latent.contiguous(), q_pe.contiguous(), kv_pages, block_table, indices, softmax_scale)
+    q_latent, q_pe = q_latent.contiguous(), q_pe.contiguous()
+    return attend_selected(q_latent, q_pe, keys.pages, keys.block_table, indices, softmax_scale)
 
 
-def static_dense_mla(
-    q_latent: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_pages,
-    block_table: torch.Tensor | None,
-    num_keys: torch.Tensor,
-    query_start: torch.Tensor,
-    softmax_scale: float,
-    key_padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+def static_dense_mla(q_latent, q_pe, keys: PagedKeys, softmax_scale: float) -> torch.Tensor:
     """Dense causal absorbed MLA over every slot of the block table under the visibility mask: one `dense_block`
     step (the online-softmax block the paged kernels use) over all `L` rows.
     Shapes as `paged_dense_mla_fused` (block_table None: pages in sequence order, `sequence_rows`); returns
     `[B, T, H, C]`."""
     batch, num_queries, num_heads, latent_width = q_latent.shape
     query = torch.cat([q_latent, q_pe], dim=-1).contiguous()
-    rows = sequence_rows(kv_pages, block_table, batch, query.dtype)
+    rows = sequence_rows(keys.pages, keys.block_table, batch, query.dtype)
     key_positions = torch.arange(rows.shape[1], device=query.device)
-    limit = visible_limit(query_start, num_queries, num_keys)
+    limit = visible_limit(keys.query_start, num_queries, keys.num_keys)
     visible = (key_positions[None, :] <= limit[:, None])[None]
-    if key_padding_mask is not None:
-        visible = visible & key_padding_mask.bool()[:, None, :]
+    if keys.key_padding_mask is not None:
+        visible = visible & keys.key_padding_mask.bool()[:, None, :]
     start = dense_softmax_start(batch, num_queries, num_heads, latent_width, query.device)
     _, running_sum, accumulator = dense_block(query, rows, visible, softmax_scale, *start)
     return dense_softmax_output(running_sum, accumulator).to(q_latent.dtype)

@@ -7,17 +7,23 @@ ValueError naming the backend and the kernel. The `npu` and `triton` sets are bu
 them imports torch_npu / triton (and fla), which the other backends never need.
 
 Kernels and their contracts:
-- `indexer_topk`, `sparse_mla`, `kpool_indexer_topk`, `dense_mla`: read the paged DSA / MLA store (signatures of
-  `dsa_paged_reference.paged_*_reference`, docs/dsa.md §4, §8, §9; one file per backend: dsa_paged_reference.py,
-  dsa_paged_cpu.py over dsa_paged_fused.py, dsa_paged_compiled.py).
+- `indexer_topk`, `sparse_mla`, `kpool_indexer_topk`, `dense_mla`: read the paged DSA / MLA store, which they take
+  as one `dsa_paged_common.PagedKeys` (the plane read, block table, key count, first query position, padding mask,
+  the k-pool store's pools and origin), after the queries:
+  `indexer_topk(q_index, weights, keys, index_topk)`, `sparse_mla(q_latent, q_pe, keys, indices, softmax_scale)`,
+  `kpool_indexer_topk(q_index, weights, keys, index_topk, ape, select_tail)`,
+  `dense_mla(q_latent, q_pe, keys, softmax_scale)` (shapes in `dsa_paged_reference.paged_*_reference`, docs/dsa.md
+  §4, §8, §9; one file per backend: dsa_paged_reference.py, dsa_paged_cpu.py over dsa_paged_fused.py,
+  dsa_paged_compiled.py).
 - `kda_chunk` (prefill) and `kda_recurrent` (decode, and the replay of a rollback): the KDA delta rule (signatures of
   `kda_ops.chunk_kda` / `kda_ops.recurrent_kda`, docs/kda.md §3, §5); `kda_recurrent_stepwise` (`(q, v) -> bool`):
   whether `kda_recurrent` computes a call of these T tokens bit for bit as T one-token calls, so that a verification
   of a few drafted tokens and a rollback's replay make one call (the cpu kernel, docs/kda.md §9).
 - `static_indexer_topk`, `static_kpool_indexer_topk`, `static_sparse_mla`, `static_dense_mla`: the fixed-shape reads
-  of a compiled static-cache step (`dsa_paged_static.static_*`, docs/graph-mode.md §3); the torch ones for every
-  backend, except that the cpu backend's `static_indexer_topk`, `static_kpool_indexer_topk` and `static_sparse_mla`
-  run a decode step through the C++ kernels (docs/dsa.md §11, §12), as does its `kda_recurrent` (docs/kda.md §9).
+  of a compiled static-cache step, with the signatures above (`dsa_paged_static.static_*`, docs/graph-mode.md §3);
+  the torch ones for every backend, except that the cpu backend's `static_indexer_topk`, `static_kpool_indexer_topk`
+  and `static_sparse_mla` run a decode step through the C++ kernels (docs/dsa.md §11, §12), as does its
+  `kda_recurrent` (docs/kda.md §9).
 - `kv_store`: the layout the paged store keeps kv rows in, the one its attention kernels read
   (`(formats, kv_rows, latent_width) -> stored rows`).
 - `dsa_decode_prolog`: the projections of a DSA decode step (`(layer, hidden_states, position_embeddings)`, the

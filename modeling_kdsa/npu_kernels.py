@@ -55,6 +55,7 @@ import torch
 
 from .dsa_ops import kpool_expand, kpool_origin, scaled_index_weights
 from .dsa_paged_common import (
+    PagedKeys,
     check_dense_inputs,
     check_indexer_inputs,
     check_kpool_inputs,
@@ -137,22 +138,12 @@ def _check_indexer_op(q_index: torch.Tensor, pages, num_keys: int, query_start: 
     )
 
 
-def paged_indexer_topk_npu(
-    q_index: torch.Tensor,
-    weights: torch.Tensor,
-    index_pages: torch.Tensor,
-    block_table: torch.Tensor,
-    num_keys: int,
-    index_topk: int,
-    query_start: int,
-    key_padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+def paged_indexer_topk_npu(q_index, weights, keys: PagedKeys, index_topk: int) -> torch.Tensor:
     """Lightning Indexer top-k through `torch_npu.npu_lightning_indexer` (module doc), same signature and result
     as `dsa_paged_fused.paged_indexer_topk_fused` (indices as a set per row: the op leaves the order of equal scores
     unspecified). Returns int64 `[B, T, min(index_topk, S')]`, -1 = no key."""
-    check_indexer_inputs(
-        q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask
-    )
+    check_indexer_inputs(q_index, weights, keys, index_topk)
+    index_pages, block_table, num_keys, query_start, key_padding_mask = keys[:5]
     _check_indexer_op(q_index, index_pages, num_keys, query_start)
     batch, num_queries, num_heads, head_dim = q_index.shape
     num_selected = min(index_topk, query_start + num_queries)
@@ -283,17 +274,11 @@ def _plain_sparse_flash_attention(q_latent, q_pe, kv_pages, block_table, sparse_
     return out
 
 
-def paged_sparse_mla_npu(
-    q_latent: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_pages: torch.Tensor,
-    block_table: torch.Tensor,
-    indices: torch.Tensor,
-    softmax_scale: float,
-) -> torch.Tensor:
+def paged_sparse_mla_npu(q_latent, q_pe, keys: PagedKeys, indices, softmax_scale: float) -> torch.Tensor:
     """Sparse absorbed MLA through `torch_npu.npu_sparse_flash_attention` (MLA-absorb mode, module doc), same
     signature and result as `dsa_paged_fused.paged_sparse_mla_fused`. Returns `[B, T, H, C]` in q_latent's dtype."""
-    check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices)
+    check_sparse_inputs(q_latent, q_pe, keys, indices)
+    kv_pages, block_table = keys.pages, keys.block_table
     page_size = _check_attention_shapes(q_latent, q_pe, kv_pages)
     batch, num_queries, num_selected = indices.shape
     if num_selected == 0:
@@ -315,16 +300,7 @@ def paged_sparse_mla_npu(
     )
 
 
-def paged_dense_mla_npu(
-    q_latent: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_pages: torch.Tensor,
-    block_table: torch.Tensor,
-    num_keys: int,
-    query_start: int,
-    softmax_scale: float,
-    key_padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+def paged_dense_mla_npu(q_latent, q_pe, keys: PagedKeys, softmax_scale: float) -> torch.Tensor:
     """Dense causal absorbed MLA through `torch_npu.npu_sparse_flash_attention` selecting every key, same signature
     and result as `dsa_paged_fused.paged_dense_mla_fused`.
 
@@ -332,7 +308,8 @@ def paged_dense_mla_npu(
     `<= query_start + i`. Without padding the selection is every page as one block (`sparse_block_size` = page size,
     the op clips the last block at the causal limit): `ceil(Lkv / P)` indices per query. With a padding mask it is
     every real key, one token per index, in ascending order (the op has no mask of its own)."""
-    check_dense_inputs(q_latent, q_pe, kv_pages, block_table, num_keys, query_start, key_padding_mask)
+    check_dense_inputs(q_latent, q_pe, keys)
+    kv_pages, block_table, num_keys, query_start, key_padding_mask = keys[:5]
     page_size = _check_attention_shapes(q_latent, q_pe, kv_pages)
     batch, num_queries = q_latent.shape[:2]
     num_visible = query_start + num_queries
@@ -368,9 +345,8 @@ def paged_dense_mla_npu(
 
 
 def paged_kpool_indexer_topk_npu(
-    q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
-    key_padding_mask=None, ape=None, select_tail=True, origin=None,
-) -> torch.Tensor:  # fmt: skip
+    q_index, weights, keys: PagedKeys, index_topk: int, ape: torch.Tensor, select_tail: bool = True
+) -> torch.Tensor:
     """k-pool indexer (docs/dsa.md §9) through `torch_npu.npu_lightning_indexer` over the stored pooled keys, same
     signature and result as `dsa_paged_fused.paged_kpool_indexer_topk_fused` (pools as a set per row).
 
@@ -381,10 +357,8 @@ def paged_kpool_indexer_topk_npu(
     query is its own batch entry (`Lq = 1`, `Lk` = its visible slots, the block table repeated). Slots before the
     first pool hold no pool: the op is asked for that many more and they are dropped, as the padded keys of
     `paged_indexer_topk_npu`. Selected slots become pool ends, then tokens and the tail (`dsa_ops.kpool_expand`)."""
-    check_kpool_inputs(
-        q_index, weights, index_pages, pool_pages, block_table, num_keys, index_topk, query_start,
-        key_padding_mask, ape,
-    )  # fmt: skip
+    check_kpool_inputs(q_index, weights, keys, index_topk, ape)
+    _, block_table, num_keys, query_start, key_padding_mask, pool_pages, origin = keys
     _check_indexer_op(q_index, pool_pages, num_keys, query_start)  # pool_pages: block size P / kp
     batch, num_queries, num_heads, head_dim = q_index.shape
     kpool = ape.shape[0]

@@ -19,7 +19,7 @@ sparse absorbed MLA that read `KDSACache` pages directly through the block table
 import torch
 
 from .dsa_ops import scaled_index_weights
-from .dsa_paged_common import check_indexer_inputs, check_sparse_inputs, page_geometry
+from .dsa_paged_common import PagedKeys, check_indexer_inputs, check_sparse_inputs, page_geometry
 from .numeric_formats import QuantizedRows
 
 try:  # optional: only the "triton" backend needs it (remote code must import without it)
@@ -177,21 +177,11 @@ if triton is not None:
         )
 
 
-def paged_indexer_topk_triton(
-    q_index: torch.Tensor,
-    weights: torch.Tensor,
-    index_pages: torch.Tensor,
-    block_table: torch.Tensor,
-    num_keys: int,
-    index_topk: int,
-    query_start: int,
-    key_padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+def paged_indexer_topk_triton(q_index, weights, keys: PagedKeys, index_topk: int) -> torch.Tensor:
     """Paged indexer logits in Triton, then `torch.topk`; same signature and result as
     `dsa_paged_fused.paged_indexer_topk_fused` (indices as a set per row: equal scores in any order)."""
-    check_indexer_inputs(
-        q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, key_padding_mask
-    )
+    check_indexer_inputs(q_index, weights, keys, index_topk)
+    index_pages, block_table, num_keys, query_start, key_padding_mask = keys[:5]
     _require_plain(index_pages, "index_cache")
     require_triton()
     batch, num_queries, num_heads, head_dim = q_index.shape
@@ -214,17 +204,11 @@ def paged_indexer_topk_triton(
     return indices.masked_fill(values == float("-inf"), -1)
 
 
-def paged_sparse_mla_triton(
-    q_latent: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_pages: torch.Tensor,
-    block_table: torch.Tensor,
-    indices: torch.Tensor,
-    softmax_scale: float,
-) -> torch.Tensor:
+def paged_sparse_mla_triton(q_latent, q_pe, keys: PagedKeys, indices, softmax_scale: float) -> torch.Tensor:
     """Sparse absorbed MLA in one Triton kernel reading the selected rows from the pages; same signature and result
     as `dsa_paged_fused.paged_sparse_mla_fused`. Returns `[B, T, H, C]` in q_latent's dtype."""
-    check_sparse_inputs(q_latent, q_pe, kv_pages, block_table, indices)  # kv_pages contiguous: read by flat slot
+    check_sparse_inputs(q_latent, q_pe, keys, indices)  # kv_pages contiguous: read by flat slot
+    kv_pages, block_table = keys.pages, keys.block_table
     _require_plain(kv_pages, "kv_cache")
     require_triton()
     batch, num_queries, num_heads, latent_width = q_latent.shape

@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from modeling_kdsa import KDSAConfig  # noqa: E402
 from modeling_kdsa.dsa import mla_softmax_scale  # noqa: E402
+from modeling_kdsa.dsa_paged_common import PagedKeys  # noqa: E402
 from modeling_kdsa.kernels import COMPILED_KERNELS, CPU_KERNELS, TORCH_KERNELS  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -76,8 +77,8 @@ def case_inputs(config: KDSAConfig, num_keys: int, num_queries: int, seed: int =
 
 def indexer_args(config: KDSAConfig, inputs: dict, num_keys: int, num_queries: int) -> tuple:
     """The paged indexer's arguments for `case_inputs`: its queries are the last `num_queries` of `num_keys`."""
-    return (inputs["q_index"], inputs["weights"], inputs["index_pages"], inputs["block_table"], num_keys,
-            config.index_topk, num_keys - num_queries)  # fmt: skip
+    keys = PagedKeys(inputs["index_pages"], inputs["block_table"], num_keys, num_keys - num_queries)
+    return inputs["q_index"], inputs["weights"], keys, config.index_topk
 
 
 def median_ms(function, repeats: int) -> float:
@@ -104,20 +105,20 @@ def bench_case(config, kind: str, num_keys: int, num_queries: int, repeats: int)
     scale = mla_softmax_scale(config)
     index_args = indexer_args(config, inputs, num_keys, num_queries)
     reference_indices = TORCH_KERNELS.indexer_topk(*index_args)
-    dense_args = (inputs["q_latent"], inputs["q_pe"], inputs["kv_pages"], inputs["block_table"], num_keys, query_start,
-                  scale)  # fmt: skip
+    kv_keys = PagedKeys(inputs["kv_pages"], inputs["block_table"], num_keys, query_start)
+    dense_args = (inputs["q_latent"], inputs["q_pe"], kv_keys, scale)
     reference_dense = TORCH_KERNELS.dense_mla(*dense_args).float()
     rows = []
     for kernels in (TORCH_KERNELS, CPU_KERNELS, COMPILED_KERNELS):
         backend, indexer, sparse_mla = kernels.name, kernels.indexer_topk, kernels.sparse_mla
         indices = indexer(*index_args)
-        attention_args = (inputs["q_latent"], inputs["q_pe"], inputs["kv_pages"], inputs["block_table"], indices, scale)
+        attention_args = (inputs["q_latent"], inputs["q_pe"], kv_keys, indices, scale)
         indexer_ms = median_ms(lambda indexer=indexer: indexer(*index_args), repeats)
         attention_ms = median_ms(lambda sparse_mla=sparse_mla, args=attention_args: sparse_mla(*args), repeats)
 
         def both(indexer=indexer, sparse_mla=sparse_mla):
             selected = indexer(*index_args)
-            sparse_mla(inputs["q_latent"], inputs["q_pe"], inputs["kv_pages"], inputs["block_table"], selected, scale)
+            sparse_mla(inputs["q_latent"], inputs["q_pe"], kv_keys, selected, scale)
 
         rows.append(
             {

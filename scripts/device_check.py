@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from modeling_kdsa import KDSAConfig, KDSAForCausalLM, kernels  # noqa: E402
 from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer  # noqa: E402
+from modeling_kdsa.dsa_paged_common import PagedKeys  # noqa: E402
 from modeling_kdsa.kda_ops import chunk_kda, l2norm, recurrent_kda  # noqa: E402
 from modeling_kdsa.kernels import CPU_KERNELS, TORCH_KERNELS, kernel_set  # noqa: E402
 from modeling_kdsa.numeric_formats import SplitRows  # noqa: E402
@@ -114,12 +115,14 @@ def store_layout(inputs: dict, backend: str) -> dict:
 def run_kernels(backend: str, inputs: dict, index_topk: int):
     """A backend's indexer top-k on `inputs`, and its sparse attention and dense MLA kernels."""
     kernels = kernel_set(backend)
-    i = inputs
-    indices = kernels.require("indexer_topk")(
-        i["q_index"], i["weights"], i["index_pages"], i["block_table"], i["num_keys"], index_topk,
-        i["query_start"], i["padding"],
-    )  # fmt: skip
+    indices = kernels.require("indexer_topk")(inputs["q_index"], inputs["weights"], paged_keys(inputs), index_topk)
     return indices, kernels.require("sparse_mla"), kernels.require("dense_mla")
+
+
+def paged_keys(inputs: dict, pages: str = "index_pages") -> PagedKeys:
+    """The paged keys of `inputs` that the kernels take (`dsa_paged_common.PagedKeys`), over the plane `pages`."""
+    i = inputs
+    return PagedKeys(i[pages], i["block_table"], i["num_keys"], i["query_start"], i["padding"])
 
 
 def check_kpool(backend: str, device: str, index_topk: int = 64, kpool: int = 4) -> list[dict]:
@@ -142,10 +145,10 @@ def check_kpool(backend: str, device: str, index_topk: int = 64, kpool: int = 4)
     for kind, num_queries in (("prefill", 128), ("decode", 1)):
         q_index = torch.randn(2, num_queries, 16, INDEX_DIM, generator=generator).to(DTYPE)
         weights = torch.randn(2, num_queries, 16, generator=generator)
-        args = [q_index, weights, store.index_pages, store.pool_pages, store.block_table, num_keys, index_topk]
-        args += [num_keys - num_queries, mask, ape, True]
-        expected = CPU_KERNELS.kpool_indexer_topk(*args)
-        got = kernel(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+        keys = PagedKeys(store.index_pages, store.block_table, num_keys, num_keys - num_queries, mask, store.pool_pages)
+        expected = CPU_KERNELS.kpool_indexer_topk(q_index, weights, keys, index_topk, ape, True)
+        dev_keys = PagedKeys(*(part.to(device) if isinstance(part, torch.Tensor) else part for part in keys))
+        got = kernel(q_index.to(device), weights.to(device), dev_keys, index_topk, ape.to(device), True)
         row = {"backend": backend, "case": f"k-pool {kind} S={num_keys} T={num_queries}"}
         row["indexer_recall"] = recall(got.cpu(), expected)
         row["ok"] = row["indexer_recall"] >= MIN_RECALL
@@ -175,13 +178,11 @@ def check_kernels(backend: str, device: str, cases, index_topk: int) -> list[dic
         expected_indices, cpu_sparse, cpu_dense = run_kernels("cpu", cpu_inputs, index_topk)
         indices, sparse_mla, dense = run_kernels(backend, dev_inputs, index_topk)
         c, d = cpu_inputs, dev_inputs
-        sparse_expected = cpu_sparse(c["q_latent"], c["q_pe"], c["kv_pages"], c["block_table"], expected_indices, scale)
-        sparse_got = sparse_mla(
-            d["q_latent"], d["q_pe"], d["kv_pages"], d["block_table"], expected_indices.to(device), scale
-        )
-        dense_args = (c["num_keys"], c["query_start"], scale)
-        dense_expected = cpu_dense(c["q_latent"], c["q_pe"], c["kv_pages"], c["block_table"], *dense_args, c["padding"])
-        dense_got = dense(d["q_latent"], d["q_pe"], d["kv_pages"], d["block_table"], *dense_args, d["padding"])
+        cpu_keys, dev_keys = paged_keys(c, "kv_pages"), paged_keys(d, "kv_pages")
+        sparse_expected = cpu_sparse(c["q_latent"], c["q_pe"], cpu_keys, expected_indices, scale)
+        sparse_got = sparse_mla(d["q_latent"], d["q_pe"], dev_keys, expected_indices.to(device), scale)
+        dense_expected = cpu_dense(c["q_latent"], c["q_pe"], cpu_keys, scale)
+        dense_got = dense(d["q_latent"], d["q_pe"], dev_keys, scale)
         row = {
             "backend": backend,
             "case": f"{kind} S={num_keys} T={num_queries}",
@@ -308,10 +309,9 @@ def time_decode(backend: str, device: str, contexts, repeats: int, heads: int, i
         i = store_layout(to_device(paged_inputs(num_keys, 1, heads, index_heads, seed=7, batch=1), device), backend)
 
         def step(i=i, num_keys=num_keys):
-            indices = indexer(
-                i["q_index"], i["weights"], i["index_pages"], i["block_table"], num_keys, topk, num_keys - 1
-            )
-            return sparse_mla(i["q_latent"], i["q_pe"], i["kv_pages"], i["block_table"], indices, scale)
+            keys = PagedKeys(i["index_pages"], i["block_table"], num_keys, num_keys - 1)
+            indices = indexer(i["q_index"], i["weights"], keys, topk)
+            return sparse_mla(i["q_latent"], i["q_pe"], keys._replace(pages=i["kv_pages"]), indices, scale)
 
         step()  # warm-up (kernel selection, allocator)
         times = []

@@ -7,6 +7,7 @@ import torch
 from conftest import assert_avx2_builds_pass, count_calls, needs_kernel_build, runs_avx512_builds
 
 from modeling_kdsa import cpu_extension, cpu_indexer, dsa_paged_cpu, dsa_paged_static
+from modeling_kdsa.dsa_paged_common import PagedKeys
 from modeling_kdsa.dsa_paged_cpu import paged_indexer_topk_cpu, static_indexer_topk_cpu
 from modeling_kdsa.dsa_paged_reference import paged_indexer_topk_reference
 from modeling_kdsa.dsa_paged_static import static_indexer_topk
@@ -49,10 +50,12 @@ def padding_mask(batch, num_keys, pads=(0, 37)):
 def test_kernel_selects_exactly_the_references_keys(batch, heads, dim, num_keys, top_k, padded):
     q_index, weights, pages, table = exact_case(batch, heads, dim, num_keys=num_keys)
     mask = padding_mask(batch, num_keys) if padded else None
-    expected = paged_indexer_topk_reference(q_index, weights, pages, table, num_keys, top_k, num_keys - 1, mask)
+    expected = paged_indexer_topk_reference(
+        q_index, weights, PagedKeys(pages, table, num_keys, num_keys - 1, mask), top_k
+    )
     q16, pages16 = q_index.bfloat16(), pages.bfloat16()
     assert cpu_indexer.decode_kernel_applies(q16, pages16)
-    got = paged_indexer_topk_cpu(q16, weights, pages16, table, num_keys, top_k, num_keys - 1, mask)
+    got = paged_indexer_topk_cpu(q16, weights, PagedKeys(pages16, table, num_keys, num_keys - 1, mask), top_k)
     assert torch.equal(got, expected)
 
 
@@ -77,8 +80,10 @@ def test_several_queries_select_exactly_the_references_keys(monkeypatch, batch, 
     weights = weights.expand(batch, queries, 16) * (1 + torch.arange(queries)[None, :, None] % 3)
     mask = padding_mask(batch, num_keys, pads=(0, 5)) if padded else None
     start = num_keys - queries
-    expected = paged_indexer_topk_reference(q_index, weights, pages, table, num_keys, top_k, start, mask)
-    got = paged_indexer_topk_cpu(q_index.bfloat16(), weights, pages.bfloat16(), table, num_keys, top_k, start, mask)
+    expected = paged_indexer_topk_reference(q_index, weights, PagedKeys(pages, table, num_keys, start, mask), top_k)
+    got = paged_indexer_topk_cpu(
+        q_index.bfloat16(), weights, PagedKeys(pages.bfloat16(), table, num_keys, start, mask), top_k
+    )
     assert len(calls) == 1 and calls[0][0].shape[0] == batch * queries
     assert got.shape == expected.shape == (batch, queries, min(top_k, num_keys))
     assert torch.equal(got, expected)
@@ -90,9 +95,9 @@ def test_more_queries_than_the_kernel_takes_keep_the_blocked_path(monkeypatch):
     calls = count_calls(monkeypatch, dsa_paged_cpu, "indexer_topk_decode")
     q_index, weights, pages, table = exact_case(batch=1, num_keys=200)
     q_index, weights = q_index.expand(1, 17, 16, 64), weights.expand(1, 17, 16)
-    expected = paged_indexer_topk_reference(q_index, weights, pages, table, 200, 32, 183)
-    assert torch.equal(paged_indexer_topk_cpu(q_index.bfloat16(), weights, pages.bfloat16(), table, 200, 32, 183),
-                       expected)  # fmt: skip
+    expected = paged_indexer_topk_reference(q_index, weights, PagedKeys(pages, table, 200, 183), 32)
+    got = paged_indexer_topk_cpu(q_index.bfloat16(), weights, PagedKeys(pages.bfloat16(), table, 200, 183), 32)
+    assert torch.equal(got, expected)
     assert not calls
 
 
@@ -120,8 +125,8 @@ def test_bf16_scores_are_the_fp32_products_of_the_bf16_inputs():
     table = torch.arange(20).view(1, 20)
     q_index = torch.randn(1, 1, 8, 64, generator=generator).bfloat16()
     weights = torch.randn(1, 1, 8, generator=generator)
-    expected = paged_indexer_topk_reference(q_index.float(), weights, pages.float(), table, 1270, 128, 1269)
-    got = paged_indexer_topk_cpu(q_index, weights, pages, table, 1270, 128, 1269)
+    expected = paged_indexer_topk_reference(q_index.float(), weights, PagedKeys(pages.float(), table, 1270, 1269), 128)
+    got = paged_indexer_topk_cpu(q_index, weights, PagedKeys(pages, table, 1270, 1269), 128)
     assert torch.equal(got, expected)
 
 
@@ -133,10 +138,10 @@ def test_static_cpu_indexer_uses_the_kernel_and_equals_the_torch_static_indexer(
     q_index, weights, pages, _ = exact_case(batch=2, num_keys=256)  # 2 x 4 pages in sequence order + a spare
     pages = pages[:8]
     mask = padding_mask(2, 256, pads=(0, 9))
-    args = (torch.tensor(200), 64, torch.tensor(150), mask)  # the query at 150 sees keys 0 … 150 of 200
-    expected = static_indexer_topk(q_index, weights, pages, None, *args)
+    keys = PagedKeys(pages, None, torch.tensor(200), torch.tensor(150), mask)  # the query at 150 sees keys 0 … 150
+    expected = static_indexer_topk(q_index, weights, keys, 64)
     calls = count_calls(monkeypatch, dsa_paged_cpu, "indexer_topk_decode")
-    got = static_indexer_topk_cpu(q_index.bfloat16(), weights, pages.bfloat16(), None, *args)
+    got = static_indexer_topk_cpu(q_index.bfloat16(), weights, bf16_pages(keys), 64)
     assert len(calls) == 1 and torch.equal(got, expected)
 
 
@@ -147,11 +152,11 @@ def test_compiled_static_cpu_indexer_is_one_graph():
     the real op."""
     q_index, weights, pages, _ = exact_case(batch=1, num_keys=128)
     q16, pages16 = q_index.bfloat16(), pages[:2].bfloat16()
-    args = (torch.tensor(120), 16, torch.tensor(119), None)
-    expected = static_indexer_topk_cpu(q16, weights, pages16, None, *args)
+    keys = PagedKeys(pages16, None, torch.tensor(120), torch.tensor(119))
+    expected = static_indexer_topk_cpu(q16, weights, keys, 16)
     torch._dynamo.reset()
     compiled = torch.compile(static_indexer_topk_cpu, fullgraph=True, dynamic=False)
-    assert torch.equal(compiled(q16, weights, pages16, None, *args), expected)
+    assert torch.equal(compiled(q16, weights, keys, 16), expected)
     # The op's registration as torch.library checks it: schema, fake implementation (the shape a graph plans
     # with) against the real output, dispatch under AOT tracing.
     op_args = (q16[:, 0].contiguous(), weights[:, 0], pages16, torch.arange(2)[None], torch.tensor(120), None, 16, 16)
@@ -172,8 +177,8 @@ def test_callers_keep_the_torch_path_where_the_kernel_does_not_apply(monkeypatch
     monkeypatch.setattr(cpu_indexer, "kernel_available", lambda: False)
     assert not cpu_indexer.decode_kernel_applies(q16, pages16)
     monkeypatch.setattr(dsa_paged_cpu, "indexer_topk_decode", None)  # would raise if called
-    expected = paged_indexer_topk_reference(q_index, weights, pages, table, 200, 32, 199)
-    assert torch.equal(paged_indexer_topk_cpu(q16, weights, pages16, table, 200, 32, 199), expected)
+    expected = paged_indexer_topk_reference(q_index, weights, PagedKeys(pages, table, 200, 199), 32)
+    assert torch.equal(paged_indexer_topk_cpu(q16, weights, PagedKeys(pages16, table, 200, 199), 32), expected)
 
 
 @needs_kernel_build
@@ -196,6 +201,12 @@ def test_kernel_refuses_inputs_it_cannot_read():
     ]:
         with pytest.raises(ValueError, match="indexer_topk_decode takes"):
             cpu_indexer.indexer_topk_decode(*good[:position], bad, *good[position + 1 :])
+
+
+def bf16_pages(keys: PagedKeys) -> PagedKeys:
+    """`keys` with its pages (and pooled keys) in bf16."""
+    pool_pages = None if keys.pool_pages is None else keys.pool_pages.bfloat16()
+    return keys._replace(pages=keys.pages.bfloat16(), pool_pages=pool_pages)
 
 
 def kpool_case(batch=3, heads=16, dim=64, kpool=4, page_tokens=64, num_keys=300, pads=(0, 3, 6), seed=0):
@@ -228,12 +239,10 @@ def test_kpool_decode_step_selects_the_pools_the_torch_path_selects(monkeypatch,
     visibility as its key mask, its slots turned back into pool ends) and selects exactly what the torch path selects
     on the upcast inputs, the query's own incomplete pool (the tail) included."""
     q_index, weights, index_pages, pool_pages, table, mask, ape = kpool_case()
-    args = (table, 300, 32, 299 - query_back, mask, ape)
-    expected = dsa_paged_cpu.paged_kpool_indexer_topk_cpu(q_index, weights, index_pages, pool_pages, *args)
+    keys = PagedKeys(index_pages, table, 300, 299 - query_back, mask, pool_pages)
+    expected = dsa_paged_cpu.paged_kpool_indexer_topk_cpu(q_index, weights, keys, 32, ape)
     calls = count_calls(monkeypatch, dsa_paged_cpu, "indexer_topk_decode")
-    got = dsa_paged_cpu.paged_kpool_indexer_topk_cpu(
-        q_index.bfloat16(), weights, index_pages.bfloat16(), pool_pages.bfloat16(), *args
-    )
+    got = dsa_paged_cpu.paged_kpool_indexer_topk_cpu(q_index.bfloat16(), weights, bf16_pages(keys), 32, ape)
     assert len(calls) == 1 and torch.equal(got, expected)
 
 
@@ -244,12 +253,10 @@ def test_static_kpool_decode_step_uses_the_kernel_and_equals_the_torch_static_on
     or before the query and after each sequence's first pool; the mask padded to the capacity."""
     q_index, weights, index_pages, pool_pages, _, mask, ape = kpool_case(num_keys=256)
     pool_pages, index_pages = pool_pages[:12], index_pages[:12]  # 3 sequences x 4 pages in sequence order
-    args = (None, torch.tensor(200), 32, torch.tensor(150), mask, ape)
-    expected = dsa_paged_static.static_kpool_indexer_topk(q_index, weights, index_pages, pool_pages, *args)
+    keys = PagedKeys(index_pages, None, torch.tensor(200), torch.tensor(150), mask, pool_pages)
+    expected = dsa_paged_static.static_kpool_indexer_topk(q_index, weights, keys, 32, ape)
     calls = count_calls(monkeypatch, dsa_paged_cpu, "indexer_topk_decode")
-    got = dsa_paged_cpu.static_kpool_indexer_topk_cpu(
-        q_index.bfloat16(), weights, index_pages.bfloat16(), pool_pages.bfloat16(), *args
-    )
+    got = dsa_paged_cpu.static_kpool_indexer_topk_cpu(q_index.bfloat16(), weights, bf16_pages(keys), 32, ape)
     assert len(calls) == 1 and torch.equal(got, expected)
 
 
@@ -266,11 +273,9 @@ def test_kpool_decode_step_never_reads_a_pool_that_ends_after_the_query():
             pool_pages[page] = (slots / 64)[:, None]  # exact in bf16
     q_index, weights = torch.ones_like(q_index), torch.ones_like(weights)
     for query in range(290, 294):
-        args = (table, 300, 32, query, mask, ape)
-        expected = dsa_paged_cpu.paged_kpool_indexer_topk_cpu(q_index, weights, index_pages, pool_pages, *args)
-        got = dsa_paged_cpu.paged_kpool_indexer_topk_cpu(
-            q_index.bfloat16(), weights, index_pages.bfloat16(), pool_pages.bfloat16(), *args
-        )
+        keys = PagedKeys(index_pages, table, 300, query, mask, pool_pages)
+        expected = dsa_paged_cpu.paged_kpool_indexer_topk_cpu(q_index, weights, keys, 32, ape)
+        got = dsa_paged_cpu.paged_kpool_indexer_topk_cpu(q_index.bfloat16(), weights, bf16_pages(keys), 32, ape)
         assert torch.equal(got, expected) and int(got.max()) == query
 
 

@@ -7,6 +7,7 @@ import torch
 from conftest import assert_avx2_builds_pass, count_calls, needs_kernel_build, runs_avx512_builds
 
 from modeling_kdsa import cpu_extension, cpu_sparse_mla, dsa_paged_cpu
+from modeling_kdsa.dsa_paged_common import PagedKeys
 from modeling_kdsa.dsa_paged_cpu import paged_sparse_mla_cpu, static_sparse_mla_cpu
 from modeling_kdsa.dsa_paged_fused import attend_selected
 from modeling_kdsa.dsa_paged_reference import paged_sparse_mla_reference
@@ -35,7 +36,7 @@ def sparse_case(batch=2, heads=16, latent=256, rope=32, page_size=64, num_keys=1
 
 
 def fp32_reference(q_latent, q_pe, pages, table, indices, scale):
-    return paged_sparse_mla_reference(q_latent.float(), q_pe.float(), pages.float(), table, indices, scale)
+    return paged_sparse_mla_reference(q_latent.float(), q_pe.float(), PagedKeys(pages.float(), table), indices, scale)
 
 
 @needs_kernel_build
@@ -55,7 +56,7 @@ def test_kernel_is_as_close_to_the_fp32_reference_as_the_torch_path(batch, heads
     q_latent, q_pe, pages, table, indices, scale = sparse_case(batch, heads, latent, rope, selected=selected)
     assert cpu_sparse_mla.decode_kernel_applies(q_latent, q_pe, pages)
     expected = fp32_reference(q_latent, q_pe, pages, table, indices, scale)
-    got = paged_sparse_mla_cpu(q_latent, q_pe, pages, table, indices, scale)
+    got = paged_sparse_mla_cpu(q_latent, q_pe, PagedKeys(pages, table), indices, scale)
     torch_path = attend_selected(q_latent, q_pe, pages, table, indices, scale)
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
     error, torch_error = (got.float() - expected).abs().max(), (torch_path.float() - expected).abs().max()
@@ -77,12 +78,14 @@ def test_several_queries_are_rows_of_one_kernel_call(monkeypatch, batch, queries
     indices = torch.stack([torch.stack([torch.randperm(1000, generator=generator)[:61] for _ in range(queries)])
                            for _ in range(batch)])  # fmt: skip
     indices[:, :, 5] = -1
-    got = paged_sparse_mla_cpu(q_latent, q_pe, pages, table, indices, scale)
+    got = paged_sparse_mla_cpu(q_latent, q_pe, PagedKeys(pages, table), indices, scale)
     assert len(calls) == 1 and got.shape == q_latent.shape
     monkeypatch.undo()
     for t in range(queries):
-        alone = paged_sparse_mla_cpu(q_latent[:, t : t + 1], q_pe[:, t : t + 1], pages, table, indices[:, t : t + 1],
-                                       scale)  # fmt: skip
+        query = slice(t, t + 1)
+        alone = paged_sparse_mla_cpu(
+            q_latent[:, query], q_pe[:, query], PagedKeys(pages, table), indices[:, query], scale
+        )
         assert torch.equal(got[:, t : t + 1], alone)
     expected = fp32_reference(q_latent, q_pe, pages, table, indices, scale)
     torch_path = attend_selected(q_latent, q_pe, pages, table, indices, scale)
@@ -96,7 +99,7 @@ def test_a_sequence_without_keys_gets_zeros():
     unaffected."""
     q_latent, q_pe, pages, table, indices, scale = sparse_case(batch=2)
     indices[1] = -1
-    got = paged_sparse_mla_cpu(q_latent, q_pe, pages, table, indices, scale)
+    got = paged_sparse_mla_cpu(q_latent, q_pe, PagedKeys(pages, table), indices, scale)
     expected = fp32_reference(q_latent, q_pe, pages, table, indices, scale)
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     assert (got[0].float() - expected[0]).abs().max() <= 2**-8 * expected[0].abs().max()
@@ -108,10 +111,11 @@ def test_static_cpu_sparse_mla_uses_the_kernel(monkeypatch):
     the fp32 reference as the torch one."""
     q_latent, q_pe, pages, table, indices, scale = sparse_case()
     calls = count_calls(monkeypatch, dsa_paged_cpu, "sparse_mla_decode_cpu")
-    got = static_sparse_mla_cpu(q_latent, q_pe, pages, table, indices, scale)
+    got = static_sparse_mla_cpu(q_latent, q_pe, PagedKeys(pages, table), indices, scale)
     assert len(calls) == 1
     expected = fp32_reference(q_latent, q_pe, pages, table, indices, scale)
-    torch_error = (static_sparse_mla(q_latent, q_pe, pages, table, indices, scale).float() - expected).abs().max()
+    torch_out = static_sparse_mla(q_latent, q_pe, PagedKeys(pages, table), indices, scale)
+    torch_error = (torch_out.float() - expected).abs().max()
     assert (got.float() - expected).abs().max() <= min(torch_error * 1.01, 2**-8 * expected.abs().max())
 
 
@@ -120,10 +124,10 @@ def test_compiled_static_cpu_sparse_mla_is_one_graph():
     """Inside torch.compile(fullgraph=True) the kernel is one opaque op: inductor compiles around it and the result
     is the eager one; `opcheck` checks the fake against the real op."""
     q_latent, q_pe, pages, table, indices, scale = sparse_case(batch=1)
-    expected = static_sparse_mla_cpu(q_latent, q_pe, pages, table, indices, scale)
+    expected = static_sparse_mla_cpu(q_latent, q_pe, PagedKeys(pages, table), indices, scale)
     torch._dynamo.reset()
     compiled = torch.compile(static_sparse_mla_cpu, fullgraph=True, dynamic=False)
-    assert torch.equal(compiled(q_latent, q_pe, pages, table, indices, scale), expected)
+    assert torch.equal(compiled(q_latent, q_pe, PagedKeys(pages, table), indices, scale), expected)
     op_args = (q_latent[:, 0].contiguous(), q_pe[:, 0].contiguous(), pages, table, indices[:, 0].contiguous(), scale)
     torch.library.opcheck(torch.ops.kdsa.sparse_mla_decode.default, op_args)
 
@@ -154,8 +158,8 @@ def test_callers_keep_the_torch_path_where_the_kernel_does_not_apply(monkeypatch
     assert not cpu_sparse_mla.decode_kernel_applies(q_latent, q_pe, pages)
     monkeypatch.setattr(dsa_paged_cpu, "sparse_mla_decode_cpu", None)  # would raise if called
     expected = attend_selected(q_latent, q_pe, pages, table, indices, scale)
-    assert torch.equal(paged_sparse_mla_cpu(q_latent, q_pe, pages, table, indices, scale), expected)
-    assert torch.equal(static_sparse_mla_cpu(q_latent, q_pe, pages, table, indices, scale), expected)
+    assert torch.equal(paged_sparse_mla_cpu(q_latent, q_pe, PagedKeys(pages, table), indices, scale), expected)
+    assert torch.equal(static_sparse_mla_cpu(q_latent, q_pe, PagedKeys(pages, table), indices, scale), expected)
 
 
 @needs_kernel_build

@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from modeling_kdsa import dsa_ops, dsa_paged_compiled, dsa_paged_fused
+from modeling_kdsa.dsa_paged_common import PagedKeys
 from modeling_kdsa.dsa_paged_compiled import paged_indexer_topk_compiled, paged_sparse_mla_compiled
 from modeling_kdsa.dsa_paged_fused import paged_indexer_topk_fused, paged_sparse_mla_fused
 from modeling_kdsa.dsa_paged_reference import gather_pages, paged_indexer_topk_reference, paged_sparse_mla_reference
@@ -122,7 +123,7 @@ def test_fused_indexer_equals_reference(num_keys, num_queries, query_start, inde
         request.getfixturevalue("one_page_blocks")
     q_index, weights, k_index, index_pages, block_table = indexer_inputs(num_keys, num_queries, kind, num_keys)
     padding = left_padding(2, num_keys, pad=5) if padded else None
-    args = (q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, padding)
+    args = (q_index, weights, PagedKeys(index_pages, block_table, num_keys, query_start, padding), index_topk)
     expected = paged_indexer_topk_reference(*args)
     # The paged reference is dsa_ops' contiguous kernel on the logical keys.
     contiguous = dsa_ops.indexer_topk(q_index, weights, k_index, index_topk, query_start, padding)
@@ -157,13 +158,14 @@ def test_fused_indexer_reads_consecutive_pages_in_place(num_keys, num_queries, q
     q_index, weights, k_index, _, _ = indexer_inputs(num_keys, num_queries, kind, num_keys)
     q_index, weights, k_index = q_index[:1], weights[:1], k_index[:1]
     index_pages, block_table = consecutive_pages(k_index, 16)
-    args = (q_index, weights, index_pages, block_table, num_keys, 16, query_start)
+    keys = PagedKeys(index_pages, block_table, num_keys, query_start)
     expected = dsa_ops.indexer_topk(q_index, weights, k_index, 16, query_start)
-    assert torch.equal(paged_indexer_topk_fused(*args), expected)
+    assert torch.equal(paged_indexer_topk_fused(q_index, weights, keys, 16), expected)
     if block_table[0, 1] >= 0:  # two pages or more: swap the first two pages' contents and their table entries
         swapped_pages, swapped_table = index_pages.clone(), block_table.clone()
         swapped_pages[[2, 3]], swapped_table[0, :2] = index_pages[[3, 2]], torch.tensor([3, 2])
-        swapped = paged_indexer_topk_fused(q_index, weights, swapped_pages, swapped_table, *args[4:])
+        swapped_keys = keys._replace(pages=swapped_pages, block_table=swapped_table)
+        swapped = paged_indexer_topk_fused(q_index, weights, swapped_keys, 16)
         assert torch.equal(swapped, expected)
 
 
@@ -173,10 +175,10 @@ def test_fused_indexer_does_not_copy_consecutive_pages():
     num_keys, heads, head_dim = 1000, 4, 16
     q_index, weights, k_index, _, _ = indexer_inputs(num_keys, 1, "gaussian", seed=14, heads=heads, head_dim=head_dim)
     index_pages, block_table = consecutive_pages(k_index[:1], 16)
-    args = (q_index[:1], weights[:1], index_pages, block_table, num_keys, 16, num_keys - 1)
-    assert largest_tensor(paged_indexer_topk_fused, *args) < num_keys * head_dim
-    shuffled = (q_index[:1], weights[:1], index_pages, block_table[:, [1, 0, *range(2, block_table.shape[1])]])
-    assert largest_tensor(paged_indexer_topk_fused, *shuffled, *args[4:]) >= num_keys * head_dim
+    keys = PagedKeys(index_pages, block_table, num_keys, num_keys - 1)
+    assert largest_tensor(paged_indexer_topk_fused, q_index[:1], weights[:1], keys, 16) < num_keys * head_dim
+    shuffled = keys._replace(block_table=block_table[:, [1, 0, *range(2, block_table.shape[1])]])
+    assert largest_tensor(paged_indexer_topk_fused, q_index[:1], weights[:1], shuffled, 16) >= num_keys * head_dim
 
 
 def test_packed_top_k_orders_like_the_reference_stable_sort():
@@ -204,15 +206,16 @@ def test_integer_scores_really_tie():
 
 def test_fused_indexer_without_padding_and_with_no_visible_key():
     q_index, weights, _, index_pages, block_table = indexer_inputs(100, 3, "gaussian", seed=1)
-    args = (q_index, weights, index_pages, block_table)
-    assert torch.equal(paged_indexer_topk_fused(*args, 100, 8, 97), paged_indexer_topk_reference(*args, 100, 8, 97))
+    args = (q_index, weights, PagedKeys(index_pages, block_table, 100, 97), 8)
+    assert torch.equal(paged_indexer_topk_fused(*args), paged_indexer_topk_reference(*args))
     # Query 0 of a sequence whose first key is padding sees nothing: all -1.
     padding = left_padding(2, 100, pad=2)
-    fused = paged_indexer_topk_fused(*args, 100, 8, 0, padding)
-    assert torch.equal(fused, paged_indexer_topk_reference(*args, 100, 8, 0, padding))
+    args = (q_index, weights, PagedKeys(index_pages, block_table, 100, 0, padding), 8)
+    fused = paged_indexer_topk_fused(*args)
+    assert torch.equal(fused, paged_indexer_topk_reference(*args))
     assert (fused[1, 0] == -1).all() and (fused[1, 1] == -1).all() and (fused[0, 0, 1:] == -1).all()
     # No cached key at all.
-    empty = paged_indexer_topk_fused(q_index, weights, index_pages, block_table, 0, 8, 0)
+    empty = paged_indexer_topk_fused(q_index, weights, PagedKeys(index_pages, block_table, 0, 0), 8)
     assert empty.shape == (2, 3, 0)
 
 
@@ -221,10 +224,12 @@ def test_fused_indexer_bf16_recall():
     q_index, weights, _, index_pages, block_table = indexer_inputs(
         num_keys, num_queries, "gaussian", seed=2, heads=8, head_dim=64, dtype=torch.bfloat16
     )
-    args = (weights, index_pages, block_table, num_keys, index_topk, num_keys - num_queries)
-    fused = paged_indexer_topk_fused(q_index, *args)
+    keys = PagedKeys(index_pages, block_table, num_keys, num_keys - num_queries)
+    fused = paged_indexer_topk_fused(q_index, weights, keys, index_topk)
     # fp32 reference on the very same (bf16-rounded) values: only the kernel's bf16 arithmetic differs.
-    expected = paged_indexer_topk_reference(q_index.float(), weights, index_pages.float(), *args[2:])
+    expected = paged_indexer_topk_reference(
+        q_index.float(), weights, keys._replace(pages=index_pages.float()), index_topk
+    )
     hits = sum(
         len(set(got.tolist()) & set(want.tolist()))
         for got, want in zip(fused.flatten(0, 1), expected.flatten(0, 1), strict=True)
@@ -268,8 +273,8 @@ def test_fused_indexer_memory_does_not_grow_with_the_context(monkeypatch):
 
     def peak(function, num_keys):
         q_index, weights, _, index_pages, block_table = indexer_inputs(num_keys, num_queries, "gaussian", seed=3)
-        args = (q_index, weights, index_pages, block_table, num_keys, index_topk, num_keys - num_queries)
-        return largest_tensor(function, *args)
+        keys = PagedKeys(index_pages, block_table, num_keys, num_keys - num_queries)
+        return largest_tensor(function, q_index, weights, keys, index_topk)
 
     short, long = 2048, 8192
     queries_times_keys = 2 * num_queries * long  # the [B, T, S] logits of the long context
@@ -282,7 +287,7 @@ def test_fused_indexer_memory_does_not_grow_with_the_context(monkeypatch):
 def test_fused_sparse_attention_reads_only_selected_rows():
     num_keys, heads, latent_dim, rope_dim = 4096, 4, 32, 8
     q_latent, q_pe, _, kv_pages, block_table, indices = sparse_inputs(num_keys, 1, 16, seed=4, heads=heads)
-    args = (q_latent, q_pe, kv_pages, block_table, indices, 0.2)
+    args = (q_latent, q_pe, PagedKeys(kv_pages, block_table), indices, 0.2)
     # The reference gathers the context up to the last selected key.
     context_elements = 2 * (int(indices.max()) + 1) * (latent_dim + rope_dim)
     assert largest_tensor(paged_sparse_mla_reference, *args) >= context_elements
@@ -304,7 +309,7 @@ def sparse_inputs(num_keys, num_queries, index_topk, seed, heads=4, latent_dim=3
     q_index, weights, _, index_pages, index_table = indexer_inputs(num_keys, num_queries, "gaussian", seed)
     padding = left_padding(2, num_keys, pad=3)
     indices = paged_indexer_topk_reference(
-        q_index, weights, index_pages, index_table, num_keys, index_topk, num_keys - num_queries, padding
+        q_index, weights, PagedKeys(index_pages, index_table, num_keys, num_keys - num_queries, padding), index_topk
     )
     # Holes anywhere in the list (FlashMLA allows -1 at any slot, docs/dsa.md §6).
     holes = torch.rand(indices.shape, generator=generator) < 0.2
@@ -318,12 +323,12 @@ def test_fused_sparse_attention_equals_reference_fp32(num_keys, num_queries, ind
         monkeypatch.setattr(dsa_paged_fused, "ATTENTION_ROWS_ELEMENTS", 1)
     q_latent, q_pe, rows, kv_pages, block_table, indices = sparse_inputs(num_keys, num_queries, index_topk, seed=5)
     scale = 40**-0.5
-    expected = paged_sparse_mla_reference(q_latent, q_pe, kv_pages, block_table, indices, scale)
+    expected = paged_sparse_mla_reference(q_latent, q_pe, PagedKeys(kv_pages, block_table), indices, scale)
     latent, k_pe = rows.split([32, 8], dim=-1)
     torch.testing.assert_close(
         expected, dsa_ops.sparse_mla_attention(q_latent, q_pe, latent, k_pe, indices, scale), rtol=0, atol=0
     )
-    fused = paged_sparse_mla_fused(q_latent, q_pe, kv_pages, block_table, indices, scale)
+    fused = paged_sparse_mla_fused(q_latent, q_pe, PagedKeys(kv_pages, block_table), indices, scale)
     torch.testing.assert_close(fused, expected, rtol=FP32_RTOL, atol=FP32_ATOL)
 
 
@@ -332,8 +337,8 @@ def test_fused_sparse_attention_nope():
     q_latent, q_pe, _, kv_pages, block_table, indices = sparse_inputs(200, 7, 64, seed=13, rope_dim=0)
     assert q_pe.shape[-1] == 0 and kv_pages.shape[-1] == 32
     torch.testing.assert_close(
-        paged_sparse_mla_fused(q_latent, q_pe, kv_pages, block_table, indices, 0.2),
-        paged_sparse_mla_reference(q_latent, q_pe, kv_pages, block_table, indices, 0.2),
+        paged_sparse_mla_fused(q_latent, q_pe, PagedKeys(kv_pages, block_table), indices, 0.2),
+        paged_sparse_mla_reference(q_latent, q_pe, PagedKeys(kv_pages, block_table), indices, 0.2),
         rtol=FP32_RTOL,
         atol=FP32_ATOL,
     )
@@ -343,11 +348,14 @@ def test_fused_sparse_attention_rows_without_keys_give_zero():
     q_latent, q_pe, _, kv_pages, block_table, indices = sparse_inputs(200, 7, 64, seed=6)
     indices[0, 2] = -1
     indices[1] = -1
-    fused = paged_sparse_mla_fused(q_latent, q_pe, kv_pages, block_table, indices, 0.2)
+    fused = paged_sparse_mla_fused(q_latent, q_pe, PagedKeys(kv_pages, block_table), indices, 0.2)
     assert torch.isfinite(fused).all()
     assert (fused[0, 2] == 0).all() and (fused[1] == 0).all()
     torch.testing.assert_close(
-        fused, paged_sparse_mla_reference(q_latent, q_pe, kv_pages, block_table, indices, 0.2), rtol=1e-5, atol=1e-5
+        fused,
+        paged_sparse_mla_reference(q_latent, q_pe, PagedKeys(kv_pages, block_table), indices, 0.2),
+        rtol=1e-5,
+        atol=1e-5,
     )
 
 
@@ -356,9 +364,11 @@ def test_fused_sparse_attention_bf16():
         1000, 128, 64, seed=7, heads=8, latent_dim=64, rope_dim=16, dtype=torch.bfloat16
     )
     scale = 80**-0.5
-    fused = paged_sparse_mla_fused(q_latent, q_pe, kv_pages, block_table, indices, scale)
+    fused = paged_sparse_mla_fused(q_latent, q_pe, PagedKeys(kv_pages, block_table), indices, scale)
     assert fused.dtype == torch.bfloat16
-    expected = paged_sparse_mla_reference(q_latent.float(), q_pe.float(), kv_pages.float(), block_table, indices, scale)
+    expected = paged_sparse_mla_reference(
+        q_latent.float(), q_pe.float(), PagedKeys(kv_pages.float(), block_table), indices, scale
+    )
     error = fused.float() - expected
     assert error.norm() / expected.norm() <= BF16_REL_FRO
     assert error.abs().max() <= BF16_ATOL
@@ -371,31 +381,33 @@ def test_fused_sparse_attention_bf16():
 def test_bad_input_raises_clear_errors():
     q_index, weights, _, index_pages, block_table = indexer_inputs(100, 3, "gaussian", seed=8)
     with pytest.raises(ValueError, match="index_pages width"):
-        paged_indexer_topk_fused(q_index, weights, index_pages[..., :8], block_table, 100, 8, 97)
+        paged_indexer_topk_fused(q_index, weights, PagedKeys(index_pages[..., :8], block_table, 100, 97), 8)
     with pytest.raises(ValueError, match="does not fit the block table"):
-        paged_indexer_topk_fused(q_index, weights, index_pages, block_table[:, :3], 100, 8, 97)
+        paged_indexer_topk_fused(q_index, weights, PagedKeys(index_pages, block_table[:, :3], 100, 97), 8)
     with pytest.raises(ValueError, match="no page"):
         holed = block_table.clone()
         holed[1, 2] = -1
-        paged_indexer_topk_reference(q_index, weights, index_pages, holed, 100, 8, 97)
+        paged_indexer_topk_reference(q_index, weights, PagedKeys(index_pages, holed, 100, 97), 8)
     with pytest.raises(ValueError, match="key_padding_mask"):
-        paged_indexer_topk_fused(q_index, weights, index_pages, block_table, 100, 8, 97, torch.ones(2, 99).bool())
+        paged_indexer_topk_fused(
+            q_index, weights, PagedKeys(index_pages, block_table, 100, 97, torch.ones(2, 99).bool()), 8
+        )
     with pytest.raises(ValueError, match="index_topk"):
-        paged_indexer_topk_fused(q_index, weights, index_pages, block_table, 100, 0, 97)
+        paged_indexer_topk_fused(q_index, weights, PagedKeys(index_pages, block_table, 100, 97), 0)
     with pytest.raises(ValueError, match="block_table has 1 rows"):
-        paged_indexer_topk_fused(q_index, weights, index_pages, block_table[:1], 100, 8, 97)
+        paged_indexer_topk_fused(q_index, weights, PagedKeys(index_pages, block_table[:1], 100, 97), 8)
 
     q_latent, q_pe, _, kv_pages, block_table, indices = sparse_inputs(100, 3, 16, seed=9)
     with pytest.raises(ValueError, match="C \\+ R"):
-        paged_sparse_mla_fused(q_latent, q_pe, kv_pages[..., :-1], block_table, indices, 0.2)
+        paged_sparse_mla_fused(q_latent, q_pe, PagedKeys(kv_pages[..., :-1], block_table), indices, 0.2)
     with pytest.raises(ValueError, match="does not map"):
         beyond = indices.clone()
         beyond[0, 0, 0] = block_table.shape[1] * 16
-        paged_sparse_mla_fused(q_latent, q_pe, kv_pages, block_table, beyond, 0.2)
+        paged_sparse_mla_fused(q_latent, q_pe, PagedKeys(kv_pages, block_table), beyond, 0.2)
     with pytest.raises(ValueError, match="does not map"):
         unmapped = block_table.clone()
         unmapped[0, 0] = -1
-        paged_sparse_mla_reference(q_latent, q_pe, kv_pages, unmapped, indices.clamp(max=15).abs(), 0.2)
+        paged_sparse_mla_reference(q_latent, q_pe, PagedKeys(kv_pages, unmapped), indices.clamp(max=15).abs(), 0.2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -411,22 +423,23 @@ def test_compiled_equals_reference_and_does_not_recompile_as_the_context_grows()
         for kind in ("integer", "gaussian"):
             q_index, weights, _, index_pages, block_table = indexer_inputs(num_keys, num_queries, kind, seed=10)
             padding = left_padding(2, num_keys, pad=5)
-            args = (q_index, weights, index_pages, block_table, num_keys, 16, query_start, padding)
+            args = (q_index, weights, PagedKeys(index_pages, block_table, num_keys, query_start, padding), 16)
             assert torch.equal(paged_indexer_topk_compiled(*args), paged_indexer_topk_reference(*args))
         q_latent, q_pe, _, kv_pages, block_table, indices = sparse_inputs(num_keys, num_queries, 16, seed=11)
-        expected = paged_sparse_mla_reference(q_latent, q_pe, kv_pages, block_table, indices, 0.2)
-        compiled = paged_sparse_mla_compiled(q_latent, q_pe, kv_pages, block_table, indices, 0.2)
+        expected = paged_sparse_mla_reference(q_latent, q_pe, PagedKeys(kv_pages, block_table), indices, 0.2)
+        compiled = paged_sparse_mla_compiled(q_latent, q_pe, PagedKeys(kv_pages, block_table), indices, 0.2)
         torch.testing.assert_close(compiled, expected, rtol=FP32_RTOL, atol=FP32_ATOL)
 
     graphs = counters["stats"]["unique_graphs"]
     for num_keys in (65, 66, 129, 300):  # decode steps: the context grows, the top-k fills up
         q_index, weights, _, index_pages, block_table = indexer_inputs(num_keys, 1, "gaussian", seed=num_keys)
-        args = (q_index, weights, index_pages, block_table, num_keys, 100, num_keys - 1, left_padding(2, num_keys, 5))
+        keys = PagedKeys(index_pages, block_table, num_keys, num_keys - 1, left_padding(2, num_keys, 5))
+        args = (q_index, weights, keys, 100)
         assert torch.equal(paged_indexer_topk_compiled(*args), paged_indexer_topk_reference(*args))
         q_latent, q_pe, _, kv_pages, block_table, indices = sparse_inputs(num_keys, 1, 100, seed=num_keys)
         torch.testing.assert_close(
-            paged_sparse_mla_compiled(q_latent, q_pe, kv_pages, block_table, indices, 0.2),
-            paged_sparse_mla_reference(q_latent, q_pe, kv_pages, block_table, indices, 0.2),
+            paged_sparse_mla_compiled(q_latent, q_pe, PagedKeys(kv_pages, block_table), indices, 0.2),
+            paged_sparse_mla_reference(q_latent, q_pe, PagedKeys(kv_pages, block_table), indices, 0.2),
             rtol=FP32_RTOL,
             atol=FP32_ATOL,
         )
@@ -446,11 +459,11 @@ def test_second_process_hits_the_on_disk_compile_cache(tmp_path):
         """
         import torch
         from torch._dynamo.utils import counters
+        from modeling_kdsa.dsa_paged_common import PagedKeys
         from modeling_kdsa.dsa_paged_compiled import paged_sparse_mla_compiled
-        pages = torch.randn(4, 16, 40)
-        table = torch.tensor([[2, 0]])
+        keys = PagedKeys(torch.randn(4, 16, 40), torch.tensor([[2, 0]]))
         indices = torch.tensor([[[0, 5, 17, -1]]])
-        paged_sparse_mla_compiled(torch.randn(1, 1, 4, 32), torch.randn(1, 1, 4, 8), pages, table, indices, 0.2)
+        paged_sparse_mla_compiled(torch.randn(1, 1, 4, 32), torch.randn(1, 1, 4, 8), keys, indices, 0.2)
         print("hits", counters["inductor"]["fxgraph_cache_hit"], "misses", counters["inductor"]["fxgraph_cache_miss"])
         """
     )

@@ -22,7 +22,7 @@ from modeling_kdsa import dsa, dsa_ops, kda_ops
 from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer, KDSAPagedLayer, KDSAPagedMLALayer
 from modeling_kdsa.configuration_kdsa import KERNEL_BACKENDS
 from modeling_kdsa.cpu_extension import kernel_isa
-from modeling_kdsa.dsa_paged_common import read_pages
+from modeling_kdsa.dsa_paged_common import PagedKeys, read_pages
 from modeling_kdsa.fp8_linear import KDSAFP8Linear
 from modeling_kdsa.kernels import (
     BACKEND_NAMES,
@@ -82,11 +82,12 @@ def require_or_refused(kernels, name: str):
         pytest.skip(f"{kernels.name} does not implement {name} (refused by name)")
 
 
-def store_layout(kernels, kv_pages):
-    """kv pages `[N, P, C + R]` as the backend's store keeps them (its `kv_store`: on `npu` latent and RoPE planes,
-    the layout its attention op reads in place, docs/backends.md §2), each plane contiguous as in the store."""
-    stored = kernels.require("kv_store")(CacheFormats(), kv_pages, LATENT)
-    return stored.contiguous() if isinstance(stored, torch.Tensor) else stored.map(torch.Tensor.contiguous)
+def store_layout(kernels, keys: PagedKeys) -> PagedKeys:
+    """`keys` with kv pages `[N, P, C + R]` as the backend's store keeps them (its `kv_store`: on `npu` latent and RoPE
+    planes, the layout its attention op reads in place, docs/backends.md §2), each plane contiguous as in the store."""
+    stored = kernels.require("kv_store")(CacheFormats(), keys.pages, LATENT)
+    stored = stored.contiguous() if isinstance(stored, torch.Tensor) else stored.map(torch.Tensor.contiguous)
+    return keys._replace(pages=stored)
 
 
 def rel_fro(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -165,7 +166,7 @@ def test_indexer_topk(kernels, num_keys, num_queries, query_start, padded):
     visible = dsa_ops.visible_keys_mask(query_start, num_queries, num_keys, padding, q_index.device)
     scores = dsa_ops.indexer_scores(q_index, weights, k_index, visible)
     for index_topk in (8, 200):
-        args = (q_index, weights, index_pages, block_table, num_keys, index_topk, query_start, padding)
+        args = (q_index, weights, PagedKeys(index_pages, block_table, num_keys, query_start, padding), index_topk)
         same_selection(run(kernels, "indexer_topk", *args), TORCH_KERNELS.indexer_topk(*args), scores)
 
 
@@ -188,16 +189,16 @@ def test_sparse_mla(kernels, num_keys, num_queries, rope):
     indices[0, 0, 3:] = -1  # a row with few keys
     indices[1, -1] = -1  # a row with none: zero output
     indices[0, -1, 2] = -1  # a hole before valid entries
-    args = (q_latent, q_pe, kv_pages, block_table, indices, 0.07)
-    got = run(kernels, "sparse_mla", q_latent, q_pe, store_layout(kernels, kv_pages), *args[3:])
-    expected = TORCH_KERNELS.sparse_mla(*args)
+    keys = PagedKeys(kv_pages, block_table)
+    got = run(kernels, "sparse_mla", q_latent, q_pe, store_layout(kernels, keys), indices, 0.07)
+    expected = TORCH_KERNELS.sparse_mla(q_latent, q_pe, keys, indices, 0.07)
     assert got.dtype == expected.dtype and got.shape == expected.shape
     assert (got[1, -1] == 0).all()
     assert rel_fro(got, expected) < BF16_REL_FRO
     # Pages as a strided view: refused by every backend's input check (the kernels read rows by flat slot id).
     strided = torch.cat([kv_pages, kv_pages], dim=-1)[..., : kv_pages.shape[-1]]
     with pytest.raises(ValueError, match="kv_pages must be contiguous"):
-        kernels.require("sparse_mla")(q_latent, q_pe, strided, block_table, indices, 0.07)
+        kernels.require("sparse_mla")(q_latent, q_pe, PagedKeys(strided, block_table), indices, 0.07)
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -206,9 +207,9 @@ def test_dense_mla(kernels, num_keys, num_queries, query_start, padded):
     q_latent, q_pe, kv_pages, block_table = sparse_case(num_keys, num_queries, seed=num_keys + num_queries)
     kv_pages = kv_pages.nan_to_num()  # the cpu kernels read whole pages and mask the scores: finite values there
     padding = left_padding(2, num_keys, pad=5) if padded else None
-    args = (q_latent, q_pe, kv_pages, block_table, num_keys, query_start, 0.07, padding)
-    got = run(kernels, "dense_mla", q_latent, q_pe, store_layout(kernels, kv_pages), *args[3:])
-    expected = TORCH_KERNELS.dense_mla(*args)
+    keys = PagedKeys(kv_pages, block_table, num_keys, query_start, padding)
+    got = run(kernels, "dense_mla", q_latent, q_pe, store_layout(kernels, keys), 0.07)
+    expected = TORCH_KERNELS.dense_mla(q_latent, q_pe, keys, 0.07)
     assert got.dtype == expected.dtype and not got.isnan().any()
     assert rel_fro(got, expected) < BF16_REL_FRO
     if padded and query_start == 0:
@@ -234,8 +235,8 @@ def test_kpool_indexer_topk(kernels, select_tail):
     q_index = torch.randn(3, 40, 8, INDEX_DIM, generator=generator).to(torch.bfloat16)
     weights = torch.randn(3, 40, 8, generator=generator)
     for query_start, num_queries in ((num_keys - 40, 40), (30, 40), (num_keys - 1, 1)):
-        args = (q_index[:, :num_queries], weights[:, :num_queries], store.index_pages, store.pool_pages)
-        args = (*args, store.block_table, num_keys, index_topk, query_start, mask, ape, select_tail)
+        keys = PagedKeys(store.index_pages, store.block_table, num_keys, query_start, mask, store.pool_pages)
+        args = (q_index[:, :num_queries], weights[:, :num_queries], keys, index_topk, ape, select_tail)
         got = run(kernels, "kpool_indexer_topk", *args)
         expected = TORCH_KERNELS.kpool_indexer_topk(*args)
         assert got.shape == expected.shape
@@ -271,12 +272,13 @@ def test_static_kpool_indexer_topk(kernels, select_tail):
             mask[b, pad:num_keys] = True
         store.append(torch.zeros(3, num_keys - start, 8), rows[:, start:num_keys], mask, ape)
         for query_start, num_queries in ((num_keys - 40, 40), (30, 40), (num_keys - 1, 1)):
-            queries = (q_index[:, :num_queries], weights[:, :num_queries], store.index_pages, store.pool_pages)
-            expected = TORCH_KERNELS.kpool_indexer_topk(
-                *queries, store.block_table, num_keys, index_topk, query_start, mask[:, :num_keys], ape, select_tail
-            )
-            got = run(kernels, "static_kpool_indexer_topk", *queries, store.block_table, torch.tensor(num_keys),
-                      index_topk, torch.tensor(query_start), mask, ape, select_tail)  # fmt: skip
+            queries = (q_index[:, :num_queries], weights[:, :num_queries])
+            keys = PagedKeys(store.index_pages, store.block_table, num_keys, query_start, mask[:, :num_keys])
+            keys = keys._replace(pool_pages=store.pool_pages)
+            expected = TORCH_KERNELS.kpool_indexer_topk(*queries, keys, index_topk, ape, select_tail)
+            static_keys = keys._replace(num_keys=torch.tensor(num_keys), query_start=torch.tensor(query_start))
+            static_keys = static_keys._replace(key_padding_mask=mask)
+            got = run(kernels, "static_kpool_indexer_topk", *queries, static_keys, index_topk, ape, select_tail)
             assert got.shape[-1] == index_topk + (kpool - 1 if select_tail else 0)
             as_sets = [{i for i in row if i >= 0} for row in got.flatten(0, 1).tolist()]
             assert as_sets == [{i for i in row if i >= 0} for row in expected.flatten(0, 1).tolist()]
@@ -315,7 +317,6 @@ def test_kda_kernels(kernels, name, seq_len):
         assert rel_fro(got, expected) < KDA_REL_FRO
         assert rel_fro(got_state, expected_state) < KDA_REL_FRO
         assert run(kernels, name, q, k, v, g, beta)[1] is None  # no final state unless asked
-
 
 
 @torch.no_grad()
@@ -358,23 +359,23 @@ def test_static_kernels(kernels):
         lengths = (torch.tensor(num_keys), torch.tensor(query_start))
         q_index = torch.randn(batch, num_queries, 2, 16, generator=generator)
         weights = torch.randn(batch, num_queries, 2, generator=generator)
-        paged_args = (q_index, weights, index_pages, table, num_keys, topk, query_start, padding[:, :num_keys])
-        expected = TORCH_KERNELS.indexer_topk(*paged_args)
-        got = run(kernels, "static_indexer_topk", q_index, weights, index_pages, table, lengths[0], topk, lengths[1],
-                  padding)  # fmt: skip
+        keys = PagedKeys(index_pages, table, num_keys, query_start, padding[:, :num_keys])
+        expected = TORCH_KERNELS.indexer_topk(q_index, weights, keys, topk)
+        static_keys = PagedKeys(index_pages, table, *lengths, padding)
+        got = run(kernels, "static_indexer_topk", q_index, weights, static_keys, topk)
         assert got.shape[-1] == topk
         assert torch.equal(got[..., : expected.shape[-1]], expected)
         assert bool((got[..., expected.shape[-1] :] == -1).all())
 
         q_latent = torch.randn(batch, num_queries, 3, 16, generator=generator)
         q_pe = torch.randn(batch, num_queries, 3, 8, generator=generator)
-        got = run(kernels, "static_sparse_mla", q_latent, q_pe, kv_pages, table, expected, 0.3)
-        torch.testing.assert_close(got, TORCH_KERNELS.sparse_mla(q_latent, q_pe, kv_pages, table, expected, 0.3))
-
-        reference = TORCH_KERNELS.dense_mla(
-            q_latent, q_pe, kv_pages, table, num_keys, query_start, 0.3, padding[:, :num_keys]
+        got = run(kernels, "static_sparse_mla", q_latent, q_pe, PagedKeys(kv_pages, table), expected, 0.3)
+        torch.testing.assert_close(
+            got, TORCH_KERNELS.sparse_mla(q_latent, q_pe, PagedKeys(kv_pages, table), expected, 0.3)
         )
-        got = run(kernels, "static_dense_mla", q_latent, q_pe, kv_pages, table, *lengths, 0.3, padding)
+
+        reference = TORCH_KERNELS.dense_mla(q_latent, q_pe, keys._replace(pages=kv_pages), 0.3)
+        got = run(kernels, "static_dense_mla", q_latent, q_pe, static_keys._replace(pages=kv_pages), 0.3)
         torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
 
 
@@ -397,10 +398,11 @@ def test_static_indexer_topk_bf16(kernels):
         weights = torch.randn(batch, num_queries, 4, generator=generator)
         visible = dsa_ops.visible_keys_mask(query_start, num_queries, num_keys, padding[:, :num_keys], q_index.device)
         scores = dsa_ops.indexer_scores(q_index, weights, k_index[:, :num_keys], visible)
-        paged_args = (q_index, weights, index_pages, table, num_keys, topk, query_start, padding[:, :num_keys])
-        expected = TORCH_KERNELS.indexer_topk(*paged_args)
-        got = run(kernels, "static_indexer_topk", q_index, weights, index_pages, table, torch.tensor(num_keys), topk,
-                  torch.tensor(query_start), padding)  # fmt: skip
+        expected = TORCH_KERNELS.indexer_topk(
+            q_index, weights, PagedKeys(index_pages, table, num_keys, query_start, padding[:, :num_keys]), topk
+        )
+        static_keys = PagedKeys(index_pages, table, torch.tensor(num_keys), torch.tensor(query_start), padding)
+        got = run(kernels, "static_indexer_topk", q_index, weights, static_keys, topk)
         same_selection(got[..., : expected.shape[-1]], expected, scores)
         assert bool((got[..., expected.shape[-1] :] == -1).all())
 

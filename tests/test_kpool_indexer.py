@@ -16,6 +16,7 @@ from modeling_kdsa import KDSAConfig
 from modeling_kdsa.cache import KDSACache, KDSAPagedKPoolLayer, KDSAPagedMLALayer
 from modeling_kdsa.dsa import KDSAIndexer, KDSASparseAttention, paged_kpool_indexer_topk
 from modeling_kdsa.dsa_ops import ScoredPairs, kpool_indexer_topk, kpool_keys
+from modeling_kdsa.dsa_paged_common import PagedKeys
 from modeling_kdsa.kernels import kernel_set
 from modeling_kdsa.numeric_formats import CacheFormats
 
@@ -335,8 +336,8 @@ def test_fused_kernels_equal_reference_at_a_few_hundred_tokens(backend, select_t
     q_index = torch.randn(3, 40, INDEX_HEADS, INDEX_DIM, generator=generator)
     weights = torch.randn(3, 40, INDEX_HEADS, generator=generator)
     for query_start in (num_keys - 40, 100):
-        args = (q_index, weights, store.index_pages, store.pool_pages, store.block_table, num_keys, index_topk)
-        args = (*args, query_start, mask, ape, select_tail)
+        keys = PagedKeys(store.index_pages, store.block_table, num_keys, query_start, mask, store.pool_pages)
+        args = (q_index, weights, keys, index_topk, ape, select_tail)
         expected = kernel_set("torch").kpool_indexer_topk(*args)
         actual = kernel_set(backend).kpool_indexer_topk(*args)
         assert actual.shape == expected.shape

@@ -19,6 +19,7 @@ from test_dsa_paged_ops import left_padding, paged
 from modeling_kdsa import dsa_ops, kda_device_ops, kda_ops, kernels, npu_kernels, triton_kernels
 from modeling_kdsa.cache import KDSACache, KDSAPagedLayer
 from modeling_kdsa.dsa import paged_dense_attention, paged_indexer_topk, paged_sparse_attention
+from modeling_kdsa.dsa_paged_common import PagedKeys
 from modeling_kdsa.dsa_paged_fused import paged_indexer_topk_fused
 from modeling_kdsa.dsa_paged_reference import gather_pages
 from modeling_kdsa.kernels import kernel_set
@@ -100,7 +101,7 @@ def test_npu_indexer_drops_padded_keys_even_when_they_score_highest(npu):
         page = block_table[1, position // PAGE]
         index_pages[page, position % PAGE] = strong
         k_index[1, position] = strong
-    args = (q_index, weights, index_pages, block_table, num_keys, index_topk, num_keys - 1, padding)
+    args = (q_index, weights, PagedKeys(index_pages, block_table, num_keys, num_keys - 1, padding), index_topk)
     got = paged_indexer_topk_npu(*args)
     assert (got[1] >= 20).all()
     visible = dsa_ops.visible_keys_mask(num_keys - 1, 1, num_keys, padding, q_index.device)
@@ -276,22 +277,24 @@ def test_triton_backend_refuses_the_kpool_indexer(monkeypatch):
 
 def test_npu_backend_refuses_shapes_the_ops_do_not_take(npu):
     q_index, weights, _, index_pages, block_table = indexer_case(40, 1, seed=0)
-    args = (weights, index_pages, block_table, 40, 8, 39)
+    keys = PagedKeys(index_pages, block_table, 40, 39)
     with pytest.raises(ValueError, match="bf16 or fp16"):
-        paged_indexer_topk_npu(q_index.float(), weights, index_pages.float(), *args[2:])
+        paged_indexer_topk_npu(q_index.float(), weights, keys._replace(pages=index_pages.float()), 8)
     small_pages = index_pages[..., :64].contiguous()
     with pytest.raises(ValueError, match="index_head_dim must be 128"):
-        paged_indexer_topk_npu(q_index[..., :64].contiguous(), weights, small_pages, *args[2:])
+        paged_indexer_topk_npu(q_index[..., :64].contiguous(), weights, keys._replace(pages=small_pages), 8)
     q_latent, q_pe, kv_pages, block_table, indices = sparse_case(40, 2, seed=0)
     with pytest.raises(ValueError, match="must be SplitRows"):
-        paged_sparse_mla_npu(q_latent, q_pe, kv_pages, block_table, indices, 0.1)  # one [N, P, C + R] tensor
+        paged_sparse_mla_npu(q_latent, q_pe, PagedKeys(kv_pages, block_table), indices, 0.1)  # one [N, P, C + R] tensor
     with pytest.raises(ValueError, match="kv_lora_rank must be 512"):
         small = SplitRows.split(kv_pages[..., 256:], 256)
-        paged_sparse_mla_npu(q_latent[..., :256], q_pe, small, block_table, indices, 0.1)
+        paged_sparse_mla_npu(q_latent[..., :256], q_pe, PagedKeys(small, block_table), indices, 0.1)
     three_heads = q_latent[:, :, :1].expand(-1, -1, 3, -1)
     with pytest.raises(ValueError, match="num_attention_heads"):
         split = SplitRows.split(kv_pages, LATENT)
-        paged_sparse_mla_npu(three_heads, q_pe[:, :, :1].expand(-1, -1, 3, -1), split, block_table, indices, 0.1)
+        paged_sparse_mla_npu(
+            three_heads, q_pe[:, :, :1].expand(-1, -1, 3, -1), PagedKeys(split, block_table), indices, 0.1
+        )
     assert fake_torch_npu.calls == []
 
 
@@ -692,15 +695,15 @@ def test_npu_ops_refuse_queries_past_the_cached_keys(npu):
     `num_keys` keys; queries reaching past them (a caller's off-by-one) are a ValueError naming the range, before
     the op runs. The last query at the last key is accepted."""
     q_index, weights, _, index_pages, block_table = indexer_case(40, 2, seed=0)
-    paged_indexer_topk_npu(q_index, weights, index_pages, block_table, 40, 8, 38)
+    paged_indexer_topk_npu(q_index, weights, PagedKeys(index_pages, block_table, 40, 38), 8)
     fake_torch_npu.calls.clear()
     with pytest.raises(ValueError, match=r"queries at 39\.\.40 must lie inside the 40 cached keys"):
-        paged_indexer_topk_npu(q_index, weights, index_pages, block_table, 40, 8, 39)
+        paged_indexer_topk_npu(q_index, weights, PagedKeys(index_pages, block_table, 40, 39), 8)
     assert fake_torch_npu.calls == []
     q_latent, q_pe, kv_pages, block_table, _ = sparse_case(40, 2, seed=0)
     kv_pages = SplitRows.split(kv_pages, LATENT)
-    paged_dense_mla_npu(q_latent, q_pe, kv_pages, block_table, 40, 38, 0.07)
+    paged_dense_mla_npu(q_latent, q_pe, PagedKeys(kv_pages, block_table, 40, 38), 0.07)
     fake_torch_npu.calls.clear()
     with pytest.raises(ValueError, match=r"queries at 39\.\.40 must lie inside the 40 cached keys"):
-        paged_dense_mla_npu(q_latent, q_pe, kv_pages, block_table, 40, 39, 0.07)
+        paged_dense_mla_npu(q_latent, q_pe, PagedKeys(kv_pages, block_table, 40, 39), 0.07)
     assert fake_torch_npu.calls == []

@@ -25,6 +25,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAtten
 from modeling_kdsa import KDSAConfig, KDSAForCausalLM, KDSAQuantizationConfig, dsa_paged_fused
 from modeling_kdsa.cache import ROLLBACK_TOKENS, KDSACache, KDSAPagedMLALayer
 from modeling_kdsa.dsa import KDSAMultiLatentAttention
+from modeling_kdsa.dsa_paged_common import PagedKeys
 from modeling_kdsa.dsa_paged_fused import paged_dense_mla_fused
 from modeling_kdsa.kernels import kernel_set
 from modeling_kdsa.moe import KDSAMoE, KDSATopkRouter
@@ -185,7 +186,7 @@ def test_fused_dense_kernel_equals_reference_over_many_blocks(backend, monkeypat
     q_pe = torch.randn(2, queries, 3, 4, generator=generator)
     padding = torch.ones(2, num_keys, dtype=torch.bool)
     padding[1, :15] = False  # sequence 1: its first query (position 13) sees no key at all
-    args = (kv_pages, block_table, num_keys, num_keys - queries, 0.3, padding)
+    args = (PagedKeys(kv_pages, block_table, num_keys, num_keys - queries, padding), 0.3)
     expected = kernel_set("torch").dense_mla(q_latent, q_pe, *args)
     got = kernel_set(backend).dense_mla(q_latent, q_pe, *args)
     assert max_rel_err(got, expected) < REL_TOL
@@ -204,7 +205,7 @@ def test_fused_dense_kernel_never_builds_the_score_matrix(monkeypatch):
     q_latent = torch.randn(1, queries, heads, 32, generator=generator)
     q_pe = torch.randn(1, queries, heads, 8, generator=generator)
     with LargestTensor() as probe:
-        paged_dense_mla_fused(q_latent, q_pe, kv_pages, block_table, num_keys, num_keys - queries, 0.2)
+        paged_dense_mla_fused(q_latent, q_pe, PagedKeys(kv_pages, block_table, num_keys, num_keys - queries), 0.2)
     assert probe.max_numel <= 1 << 16 < queries * num_keys
 
 
@@ -217,7 +218,7 @@ def test_fused_dense_decode_reads_bounded_row_blocks(monkeypatch):
     block_table = torch.arange(num_keys // page_size)[None]
     q_latent = torch.randn(1, 1, heads, 32, generator=generator)
     q_pe = torch.randn(1, 1, heads, 8, generator=generator)
-    args = (q_latent, q_pe, kv_pages, block_table, num_keys, num_keys - 1, 0.2)
+    args = (q_latent, q_pe, PagedKeys(kv_pages, block_table, num_keys, num_keys - 1), 0.2)
     whole = paged_dense_mla_fused(*args)  # one block: 2048 rows are within the default bound
     monkeypatch.setattr(dsa_paged_fused, "DENSE_BLOCK_ELEMENTS", 4 * page_size * width)
     with LargestTensor() as probe:
@@ -243,7 +244,7 @@ def test_dense_store_bytes_and_quantized_latent():
         store = quantized_cache.layers[0]
         q_latent = torch.randn(1, 70, 4, 32, generator=torch.Generator().manual_seed(10))
         q_pe = torch.randn(1, 70, 4, 8, generator=torch.Generator().manual_seed(11))
-        args = (store.kv_pages, store.block_table, 70, 0, 0.2)
+        args = (PagedKeys(store.kv_pages, store.block_table, 70, 0), 0.2)
         fused = kernel_set("cpu").dense_mla(q_latent, q_pe, *args)
         assert max_rel_err(fused, kernel_set("torch").dense_mla(q_latent, q_pe, *args)) < REL_TOL
     width = config.kv_lora_rank + config.qk_rope_head_dim

@@ -16,6 +16,7 @@ if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRE
     pytest.skip("needs triton and TRITON_INTERPRET=1 (scripts/test_triton_interpret.sh)", allow_module_level=True)
 
 from modeling_kdsa import kernels  # noqa: E402
+from modeling_kdsa.dsa_paged_common import PagedKeys
 from modeling_kdsa.dsa_paged_fused import paged_sparse_mla_fused  # noqa: E402
 from modeling_kdsa.dsa_paged_reference import paged_sparse_mla_reference  # noqa: E402
 from modeling_kdsa.triton_kernels import paged_sparse_mla_triton  # noqa: E402
@@ -35,7 +36,7 @@ def test_triton_sparse_attention_equals_cpu(heads, latent, rope):
     indices[0, 0, 5:] = -1
     indices[1, 1] = -1  # no key: zero output
     indices[0, 2, 3] = -1  # a hole
-    args = (q_latent, q_pe, kv_pages, block_table, indices, 0.2)
+    args = (q_latent, q_pe, PagedKeys(kv_pages, block_table), indices, 0.2)
     got = paged_sparse_mla_triton(*args)
     assert (got[1, 1] == 0).all()
     torch.testing.assert_close(got, paged_sparse_mla_fused(*args), rtol=1e-5, atol=1e-5)
