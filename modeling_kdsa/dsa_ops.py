@@ -278,36 +278,6 @@ def dense_mla_attention(
     return torch.einsum("bths,bsc->bthc", probs, latent.float()).to(q_latent.dtype)
 
 
-def dense_mla_reference(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    latent: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_b_weight: torch.Tensor,
-    softmax_scale: float,
-    query_start: int = 0,
-    key_padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Dense causal MLA in MHA form, for tests only: every visible key, heads up-projected with `kv_b_proj`.
-
-    q_nope: `[B, T, H, Dn]`; q_pe: `[B, T, H, R]`; latent: `[B, S, C]`; k_pe: `[B, S, R]`; kv_b_weight:
-    `[H * (Dn + Dv), C]`; queries sit at positions `query_start + i`; key_padding_mask `[B, S]` or None.
-    Returns `[B, T, H, Dv]` in `q_nope`'s dtype (fp32 math); rows with no visible key give 0.
-    """
-    batch, num_queries, num_heads, nope_dim = q_nope.shape
-    num_keys = latent.shape[1]
-    kv = torch.matmul(latent.float(), kv_b_weight.float().t()).view(batch, num_keys, num_heads, -1)
-    k_nope, value = kv[..., :nope_dim], kv[..., nope_dim:]
-    scores = torch.einsum("bthd,bshd->bhts", q_nope.float(), k_nope)
-    scores = scores + torch.einsum("bthr,bsr->bhts", q_pe.float(), k_pe.float())
-    # Built independently of `visible_keys_mask`, so that a bug there cannot hide in the comparison.
-    causal = torch.ones(num_queries, num_keys, dtype=torch.bool, device=latent.device).tril(diagonal=query_start)
-    visible = causal[None] if key_padding_mask is None else causal[None] & key_padding_mask.bool()[:, None, :]
-    scores = (scores * softmax_scale).masked_fill(~visible[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows: NaN -> 0
-    return torch.einsum("bhts,bshv->bthv", probs, value).to(q_nope.dtype)
-
-
 __all__ = [
     "QUERY_BLOCK_SIZE",
     "ScoredPairs",
@@ -321,5 +291,4 @@ __all__ = [
     "kpool_indexer_topk",
     "sparse_mla_attention",
     "dense_mla_attention",
-    "dense_mla_reference",
 ]

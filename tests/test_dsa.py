@@ -74,11 +74,41 @@ def positions(batch: int, start: int, length: int) -> torch.Tensor:
     return torch.arange(start, start + length).expand(batch, -1)
 
 
+def dense_mla_reference(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    softmax_scale: float,
+    query_start: int = 0,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense causal MLA in MHA form, the oracle of these tests: every visible key, heads up-projected with `kv_b_proj`.
+
+    q_nope: `[B, T, H, Dn]`; q_pe: `[B, T, H, R]`; latent: `[B, S, C]`; k_pe: `[B, S, R]`; kv_b_weight:
+    `[H * (Dn + Dv), C]`; queries sit at positions `query_start + i`; key_padding_mask `[B, S]` or None.
+    Returns `[B, T, H, Dv]` in `q_nope`'s dtype (fp32 math); rows with no visible key give 0.
+    """
+    batch, num_queries, num_heads, nope_dim = q_nope.shape
+    num_keys = latent.shape[1]
+    kv = torch.matmul(latent.float(), kv_b_weight.float().t()).view(batch, num_keys, num_heads, -1)
+    k_nope, value = kv[..., :nope_dim], kv[..., nope_dim:]
+    scores = torch.einsum("bthd,bshd->bhts", q_nope.float(), k_nope)
+    scores = scores + torch.einsum("bthr,bsr->bhts", q_pe.float(), k_pe.float())
+    # Built independently of `visible_keys_mask`, so that a bug there cannot hide in the comparison.
+    causal = torch.ones(num_queries, num_keys, dtype=torch.bool, device=latent.device).tril(diagonal=query_start)
+    visible = causal[None] if key_padding_mask is None else causal[None] & key_padding_mask.bool()[:, None, :]
+    scores = (scores * softmax_scale).masked_fill(~visible[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows: NaN -> 0
+    return torch.einsum("bhts,bshv->bthv", probs, value).to(q_nope.dtype)
+
+
 def dense_forward(layer: KDSASparseAttention, hidden, position_embeddings, attention_mask=None) -> torch.Tensor:
     """Dense causal MLA (MHA form via kv_b_proj) with the layer's own projections and o_proj."""
     q_nope, q_pe, _ = layer.project_queries(hidden, position_embeddings)
     latent, k_pe = layer.project_latent(hidden, position_embeddings)
-    out = dsa_ops.dense_mla_reference(
+    out = dense_mla_reference(
         q_nope, q_pe, latent, k_pe, layer.kv_b_proj.weight, layer.softmax_scale, 0, attention_mask
     )
     return layer.o_proj(out.flatten(2))
