@@ -355,6 +355,7 @@ def _scenario_four(rank: int, results: dict, out_dir: str) -> None:
     from modeling_kdsa import KDSAForCausalLM
 
     tiny_folder, odd_heads, odd_experts = (os.path.join(out_dir, name) for name in ("tiny", "odd_heads", "odd_experts"))
+    dist.init_process_group("gloo")  # from_pretrained joins it too; the barrier below needs it first
     if rank == 0:
         _tiny_with_biases().save_pretrained(tiny_folder)
         tiny_config(linear_num_heads=3).save_pretrained(odd_heads)  # the config alone: the check reads nothing else
