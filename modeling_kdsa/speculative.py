@@ -27,6 +27,13 @@ One round, for a batch of B left-padded rows (docs/speculative.md):
 
 Whether a round drafts at all is `DraftSchedule`'s choice: "adaptive" (the default) drafts only while drafting
 rounds commit more tokens per second than plain steps, measured as decoding goes; "always" drafts every round.
+
+With `prompt_lookup_num_tokens` the loop is a hybrid (`PromptLookup`): a round first looks for the text's own
+continuation (the first earlier occurrence of its last n-gram, as prompt lookup does) and verifies that when every
+row has one; otherwise the model drafter drafts. Each source has its own schedule, so lookup is dropped where it does
+not pay (e.g. recall of unseen values) and the model drafter where it does not. SuffixDecoding's hybrid with a
+trained speculator chooses per round between the two in the same way (Oliaro et al., arXiv 2411.04975; Snowflake
+ArcticInference, docs/suffix-decoding.rst, "Combining with Arctic Speculator").
 On a model cut by tensor parallelism the ranks of its group run every forward together, so they must make the same
 choice: each round's seconds are the slowest rank's (one all-reduce per round), docs/parallel.md §12.
 """
@@ -46,11 +53,13 @@ class SpeculationStats:
     """What the last speculative `generate()` did: `rounds` target verify forwards (the prefill not counted),
     `drafted` draft tokens verified, `accepted` draft tokens committed, `emitted` tokens appended per row,
     `plain_rounds` of the rounds decoded one token without drafting (the adaptive schedule's choice, or no room
-    left before `max_length`)."""
+    left before `max_length`), `lookup_rounds` of the rounds that verified prompt lookup's draft instead of the
+    model drafter's (the hybrid of `prompt_lookup_num_tokens`)."""
 
     method: str
     rounds: int = 0
     plain_rounds: int = 0
+    lookup_rounds: int = 0
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
@@ -217,6 +226,59 @@ class DSparkDrafter:
         return tokens[:, :num_tokens], logits[:, :num_tokens]
 
 
+class PromptLookup:
+    """Drafts each row's own continuation: the tokens after the first earlier occurrence of the row's last n-gram
+    (n = `max_ngram` down to 1, the longest match wins), as Saxena's prompt lookup decoding and transformers'
+    `PromptLookupCandidateGenerator` do. The first occurrence, not the latest: a copy's source is the prompt, and a
+    loop the output fell into also repeats from its start. The draft is a function of the committed tokens, so its q
+    is one-hot: the accept rule keeps d with probability p(d) and otherwise draws from p without d, and greedy stays
+    exact."""
+
+    method = "prompt_lookup"
+
+    def __init__(self, num_tokens: int, max_ngram: int, vocab_size: int):
+        if num_tokens < 1:
+            raise ValueError(f"prompt_lookup_num_tokens must be >= 1, got {num_tokens}")
+        if max_ngram < 1:
+            raise ValueError(f"max_matching_ngram_size must be >= 1, got {max_ngram}")
+        self.num_draft_tokens = num_tokens
+        self.max_ngram = max_ngram
+        self.vocab_size = vocab_size
+
+    def continuation(self, ids: torch.Tensor, room: int) -> torch.Tensor:
+        """Up to `room` tokens that followed the first earlier occurrence of the longest matching suffix of `ids`
+        (1-D, committed tokens only); empty when no suffix recurs."""
+        length = ids.shape[0]
+        for size in range(min(self.max_ngram, length - 1), 0, -1):
+            windows = ids[: length - 1].unfold(0, size, 1)  # every earlier n-gram; each has a token after it
+            starts = (windows == ids[length - size :]).all(-1).nonzero()
+            if starts.numel():
+                follow = int(starts[0]) + size
+                return ids[follow : follow + room]
+        return ids[:0]
+
+    def propose(self, input_ids: torch.Tensor, attention_mask, unfinished: torch.Tensor, room: int):
+        """`(tokens [B, n], q logits [B, n, V])` with each unfinished row's continuation (rows padded with token 0,
+        one-hot too), or None when some unfinished row has none."""
+        room = min(room, self.num_draft_tokens)
+        rows = []
+        for b in range(input_ids.shape[0]):
+            if not bool(unfinished[b]):
+                rows.append(input_ids[b, :0])
+                continue
+            ids = input_ids[b] if attention_mask is None else input_ids[b][attention_mask[b].bool()]
+            found = self.continuation(ids, room)
+            if not found.numel():
+                return None
+            rows.append(found)
+        n = max(row.shape[0] for row in rows)
+        tokens = input_ids.new_zeros(input_ids.shape[0], n)
+        for b, row in enumerate(rows):
+            tokens[b, : row.shape[0]] = row
+        logits = torch.full((*tokens.shape, self.vocab_size), float("-inf"), device=tokens.device)
+        return tokens, logits.scatter_(-1, tokens[..., None], 0.0)
+
+
 class DraftSchedule:
     """Decides, before each round, whether it drafts. "always": every round. "adaptive": the round drafts while
     drafting pays, i.e. while drafting rounds commit at least as many tokens per second as plain one-token rounds:
@@ -306,6 +368,16 @@ def _stack(tokens: list, logits: list, anchor: torch.Tensor):
 # "adaptive").
 SPECULATION_OPTIONS = ("mtp_draft_tokens", "dspark_confidence_threshold", "draft_schedule")
 DEFAULT_DRAFT_SCHEDULE = "adaptive"
+DEFAULT_MAX_NGRAM = 2  # transformers' default `max_matching_ngram_size` for prompt lookup
+
+
+def _prompt_lookup(model, generation_config) -> PromptLookup | None:
+    """The hybrid's lookup source when `prompt_lookup_num_tokens` is set next to `use_mtp` / dspark, else None."""
+    num_tokens = generation_config.prompt_lookup_num_tokens
+    if num_tokens is None:
+        return None
+    max_ngram = generation_config.max_matching_ngram_size or DEFAULT_MAX_NGRAM
+    return PromptLookup(int(num_tokens), int(max_ngram), model.get_output_embeddings().weight.shape[0])
 
 
 def _drafter(model, generation_config, batch_size: int, assistant_model):
@@ -390,7 +462,10 @@ def speculative_generate(
         )
     batch_size = input_ids.shape[0]
     drafter = _drafter(model, generation_config, batch_size, assistant_model)
-    schedule = DraftSchedule(getattr(generation_config, "draft_schedule", None) or DEFAULT_DRAFT_SCHEDULE)
+    lookup = _prompt_lookup(model, generation_config)
+    schedule_name = getattr(generation_config, "draft_schedule", None) or DEFAULT_DRAFT_SCHEDULE
+    schedule = DraftSchedule(schedule_name)
+    lookup_schedule = DraftSchedule(schedule_name) if lookup is not None else None
     # The ranks of a sharded model must draft in the same rounds: they agree on the measured seconds. A model whole in
     # this process syncs nothing (independent processes run their own numbers of rounds).
     sync_group = sharded_group(model) if schedule.adaptive else None
@@ -428,15 +503,19 @@ def speculative_generate(
         start = time.perf_counter()
         anchor = input_ids[:, -1]
         past = cache.get_seq_length()  # == input_ids.shape[1] - 1: every committed token but the anchor
-        room = min(drafter.num_draft_tokens, max_length - input_ids.shape[1] - 1)
-        drafting = room > 0 and schedule.should_draft()
-        if drafting:
+        room = max_length - input_ids.shape[1] - 1
+        proposal = None
+        if room > 0 and lookup is not None and lookup_schedule.should_draft():
+            proposal = lookup.propose(input_ids, attention_mask, output.unfinished, room)
+        source = lookup_schedule if proposal is not None else None
+        if source is None and room > 0 and schedule.should_draft():
             pending.flush_into(drafter)
-            draft_tokens, draft_logits = drafter.propose(
-                room, anchor, anchor_position, attention_mask, sampler.drafting(input_ids)
-            )
-        else:
-            draft_tokens, draft_logits = anchor.new_zeros(batch_size, 0), None
+            proposal = drafter.propose(
+                min(room, drafter.num_draft_tokens), anchor, anchor_position, attention_mask,
+                sampler.drafting(input_ids),
+            )  # fmt: skip
+            source = schedule
+        draft_tokens, draft_logits = proposal if proposal is not None else (anchor.new_zeros(batch_size, 0), None)
         n = draft_tokens.shape[1]
         verify_mask = None
         if attention_mask is not None:
@@ -455,7 +534,8 @@ def speculative_generate(
         accepted = int(torch.where(output.unfinished, accepted_rows, n).min())
         emit = next_tokens[:, : accepted + 1]
         stats.rounds += 1
-        stats.plain_rounds += int(not drafting)
+        stats.plain_rounds += int(source is None)
+        stats.lookup_rounds += int(source is not None and source is lookup_schedule)
         stats.drafted += n
         stats.accepted += accepted
         stats.accepted_per_round.append(accepted)
@@ -468,11 +548,16 @@ def speculative_generate(
             kept = tuple(h[:, : accepted + 1] for h in out.hidden_states)
             pairs_mask = None if attention_mask is None else attention_mask[:, : past + accepted + 1]
             pending.add(kept, emit, pairs_mask, positions[:, : accepted + 1])
-        if room:  # a round with no room left before max_length measures neither side
+        if room > 0:  # a round with no room left before max_length measures neither side
             seconds = time.perf_counter() - start
             if sync_group is not None:
                 seconds = slowest_seconds(seconds, sync_group, input_ids.device)
-            schedule.record(drafting, accepted + 1, seconds)
+            if source is not None:
+                source.record(True, accepted + 1, seconds)
+            else:  # a plain round measures the side both sources compare against
+                for plain in (schedule, lookup_schedule):
+                    if plain is not None:
+                        plain.record(False, 1, seconds)
     return output.result(input_ids, cache, generation_config)
 
 

@@ -12,7 +12,9 @@ methods taking turns prompt by prompt over `--repeats` passes (a slow spell of t
   - peak memory of the KDA rollback records (checkpoints + per-token replay inputs) during generation, and the bytes
     one pending token adds;
   - for MTP and DSpark, the rounds that did not draft: `mtp` / `dspark` run generate()'s default adaptive schedule
-    (a round drafts while drafting pays), `mtp_always` / `dspark_always` draft every round (docs/speculative.md §2a).
+    (a round drafts while drafting pays), `mtp_always` / `dspark_always` draft every round (docs/speculative.md §2a);
+    `mtp_lookup` / `dspark_lookup` are the lookup-first hybrids (`prompt_lookup_num_tokens` next to the drafter,
+    docs/speculative.md §2b), with the lookup rounds counted.
 
 Models: the shipped tiny checkpoint (`checkpoints/kdsa-tiny`, with its MTP layer: `use_mtp=True`), its small draft
 model (`checkpoints/kdsa-tiny-draft`, trained by `scripts/train_tiny.py --model draft`) and its DSpark draft
@@ -28,7 +30,8 @@ it after the table with its own defaults.
 
 Usage:  .venv/bin/python scripts/bench_speculative.py [--quick] [--tasks copy recall_mid repetitive] [--threads 1]
         [--prompts 4] [--repeats 2]
-        [--methods plain prompt_lookup assisted mtp dspark mtp_always dspark_always] [--verify-cost] [--out PATH]
+        [--methods plain prompt_lookup assisted mtp dspark mtp_always dspark_always mtp_lookup dspark_lookup]
+        [--verify-cost] [--out PATH]
 Writes JSON (default runs/bench_speculative.json) and prints a table.
 """
 
@@ -57,7 +60,8 @@ from bench_verify_cost import cpu_name  # noqa: E402  (the CPU's model name, one
 CHECKPOINT = REPO_ROOT / "checkpoints" / "kdsa-tiny"
 DRAFT = REPO_ROOT / "checkpoints" / "kdsa-tiny-draft"
 DSPARK = REPO_ROOT / "checkpoints" / "kdsa-tiny-dspark"
-METHODS = ("plain", "prompt_lookup", "assisted", "mtp", "dspark", "mtp_always", "dspark_always")
+METHODS = ("plain", "prompt_lookup", "assisted", "mtp", "dspark", "mtp_always", "dspark_always", "mtp_lookup",
+           "dspark_lookup")  # fmt: skip
 # The copy target is the whole source; recall answers are one word, so generate on past them.
 NEW_TOKENS = {"copy": synthetic.EVAL_COPY_LENGTH, "repetitive": synthetic.EVAL_COPY_LENGTH}
 FREE_PROMPT_WORDS = 12
@@ -135,6 +139,8 @@ def method_kwargs(method: str, drafts: dict, lookup_tokens: int) -> dict:
     # "mtp" / "dspark": generate()'s default draft schedule (adaptive: a round drafts while drafting pays, measured as
     # decoding goes); "*_always": every round drafts (docs/speculative.md §2a).
     schedule = {"draft_schedule": "always"} if method.endswith("_always") else {}
+    if method.endswith("_lookup"):  # the lookup-first hybrid (docs/speculative.md §2b)
+        schedule = {"prompt_lookup_num_tokens": lookup_tokens}
     if method.startswith("mtp"):
         return {"use_mtp": True, **schedule}
     if method.startswith("dspark"):
@@ -153,8 +159,8 @@ def bench_task(target, drafts, tokenizer, task, prompts, new_tokens, lookup_toke
     for method in methods:
         target.generate(encoded[0], **greedy, **extras[method])  # warm-up
     plain_outputs = [target.generate(ids, **greedy) for ids in encoded]
-    totals = {method: dict(seconds=0.0, identical=True, rounds=0, drafted=0, peak=0, per_token=0, undrafted=0)
-              for method in methods}  # fmt: skip
+    totals = {method: dict(seconds=0.0, identical=True, rounds=0, drafted=0, peak=0, per_token=0, undrafted=0,
+                           lookup=0) for method in methods}  # fmt: skip
     turn = 0
     for _ in range(repeats):
         for i, ids in enumerate(encoded):
@@ -171,6 +177,7 @@ def bench_task(target, drafts, tokenizer, task, prompts, new_tokens, lookup_toke
                 total["drafted"] += counter.drafted
                 if method.startswith(("mtp", "dspark")):  # KDSA's loop: rounds that chose not to draft
                     total["undrafted"] += target.speculation_stats.plain_rounds
+                    total["lookup"] += target.speculation_stats.lookup_rounds
                 total["peak"] = max(total["peak"], counter.peak_rollback)
                 total["per_token"] = max(total["per_token"], counter.per_token)
                 progress.update(1)
@@ -183,7 +190,7 @@ def bench_task(target, drafts, tokenizer, task, prompts, new_tokens, lookup_toke
             "task": task, "method": method, "prompts": len(encoded), "repeats": repeats, "new_tokens": new_tokens,
             "tokens_per_s": generated / total["seconds"], "identical_to_plain": total["identical"],
             "verify_rounds": total["rounds"], "tokens_per_round": generated / total["rounds"],
-            "drafted": total["drafted"], "undrafted_rounds": total["undrafted"],
+            "drafted": total["drafted"], "undrafted_rounds": total["undrafted"], "lookup_rounds": total["lookup"],
             "acceptance_rate": accepted / total["drafted"] if total["drafted"] else None,
             "peak_rollback_bytes": total["peak"], "rollback_bytes_per_pending_token": total["per_token"],
         })  # fmt: skip
@@ -196,15 +203,16 @@ def bench_task(target, drafts, tokenizer, task, prompts, new_tokens, lookup_toke
 def format_table(rows: list[dict], source: str) -> str:
     lines = [
         f"models: {source}",
-        "| task | method | tok/s | speed-up | = plain | target forwards | undrafted | τ (tok/forward) | accepted "
-        "| rollback KiB | B/pending tok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| task | method | tok/s | speed-up | = plain | target forwards | undrafted | lookup | τ (tok/forward) "
+        "| accepted | rollback KiB | B/pending tok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         acceptance = "—" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         lines.append(
             f"| {r['task']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
             f"{'yes' if r['identical_to_plain'] else 'NO'} | {r['verify_rounds']} | {r['undrafted_rounds']} | "
+            f"{r['lookup_rounds']} | "
             f"{r['tokens_per_round']:.2f} | "
             f"{acceptance} | {r['peak_rollback_bytes'] / 1024:.1f} | {r['rollback_bytes_per_pending_token']} |"
         )

@@ -135,7 +135,7 @@ def main():
             drafted = "—"
             if extra.get("use_mtp") or extra.get("speculation_type"):  # KDSA's drafting loop keeps its statistics
                 stats = model.speculation_stats
-                drafted = f"{stats.rounds - stats.plain_rounds}/{stats.rounds}"
+                drafted = f"{stats.rounds - stats.plain_rounds}/{stats.rounds}"  # lookup rounds included
             print(f"  {method:34s} {steps / seconds:9.1f} {plain_seconds / seconds:7.2f}x {steps / forwards:5.2f} "
                   f"{drafted:>8s}  {'same tokens as plain greedy' if same else 'DIFFERENT TOKENS'}")  # fmt: skip
         if differing:  # the rollback is exact, so this is a bug
@@ -143,8 +143,9 @@ def main():
 
 
 def speculative_methods(args, model) -> dict[str, dict]:
-    """generate() keywords per method: plain, prompt lookup, the checkpoint's MTP layer, a DSpark draft, and an
-    assistant model (each only where the checkpoint or folder is there)."""
+    """generate() keywords per method: plain, prompt lookup, the checkpoint's MTP layer, a DSpark draft alone and
+    with prompt lookup first (docs/speculative.md §2b), and an assistant model (each only where the checkpoint or
+    folder is there)."""
     dtype = getattr(torch, args.dtype)
     methods = {"plain greedy": {}, "prompt lookup (10 tokens)": {"prompt_lookup_num_tokens": 10}}
     if getattr(model.config, "num_mtp_layers", 0):
@@ -152,6 +153,9 @@ def speculative_methods(args, model) -> dict[str, dict]:
     if args.dspark:
         draft = DSparkDraftModel.from_pretrained(args.dspark, dtype=dtype)
         methods[f"DSpark ({Path(args.dspark).name})"] = {"assistant_model": draft, "speculation_type": "dspark"}
+        # The lookup-first hybrid: the text's own continuation where it has one, DSpark otherwise (§2b).
+        methods["DSpark + prompt lookup"] = {"assistant_model": draft, "speculation_type": "dspark",
+                                             "prompt_lookup_num_tokens": 10}  # fmt: skip
     if args.draft:
         draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).eval()
         methods[f"assisted ({Path(args.draft).name})"] = {"assistant_model": draft}

@@ -19,7 +19,7 @@ def test_demo_runs_quietly_and_every_method_matches_plain_greedy():
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     methods = ("plain greedy", "prompt lookup", "MTP layer (use_mtp=True)", "DSpark (kdsa-tiny-dspark)",
-               "assisted (kdsa-tiny-draft)")  # fmt: skip
+               "DSpark + prompt lookup", "assisted (kdsa-tiny-draft)")  # fmt: skip
     for method in methods:
         lines = [line for line in out.splitlines() if line.strip().startswith(method)]
         assert len(lines) == 2 and all("same tokens as plain greedy" in line for line in lines), (method, out)
