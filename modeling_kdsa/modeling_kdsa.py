@@ -364,6 +364,9 @@ def _tensor_parallel_loading(cls, path, kwargs: dict):
 
 class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # The head stays whole under tensor parallelism, as the embedding does (`base_model_tp_plan`): a tied head is the
+    # embedding's parameter, so the plan names both with the same style.
+    _tp_plan = {"lm_head": "replicate"}
     # module name -> FP8 block: layers built as KDSAFP8Linear (docs/checkpoint-conversion.md §9); set by load_foreign.
     _fp8_held_layers: dict = {}
 
