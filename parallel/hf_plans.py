@@ -215,9 +215,10 @@ def _config_error(request: _Request, config, fp8_weights, foreign_plan) -> str |
     tp, ep = request.tp, request.ep
     if foreign_plan is not None and foreign_plan.fp8_block is not None:
         return (
-            f"sharded loading of an FP8 {foreign_plan.model_type!r} folder is not supported: the dequantizing "
-            "conversion needs each weight's whole block-scale grid next to the slice it reads; load it in one "
-            "process, save_pretrained it (the native KDSA layout), then load that folder sharded (docs/parallel.md §10)"
+            f"sharded loading of an FP8 {foreign_plan.model_type!r} folder is not supported: each weight's "
+            "block-scale grid would be cut by the weight's own placement, which lines up with its slice only on "
+            "scale-block boundaries; load it in one process, save_pretrained it (the native KDSA layout), then load "
+            "that folder sharded (docs/parallel.md §10)"
         )
     if ep > 1:
         if "sparse" not in list(config.mlp_layer_types):
