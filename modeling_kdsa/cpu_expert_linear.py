@@ -19,8 +19,8 @@ backend's `expert_linear`, and `expert_linear_applies` its `experts_in_place` (k
 
 import torch
 
-from .cpu_extension import PRELUDE, kernel_availability, plain_tensor
-from .cpu_row_linear import GEMV_AVX2_SOURCE, GEMV_SOURCE, bf16_kernel_input
+from .cpu_extension import plain_tensor
+from .cpu_row_linear import bf16_kernel_input, gemv_kernel_availability
 from .linear_ops import expert_linear as expert_linear_reference
 
 # The op over either build's `gemv` (cpu_row_linear: GEMV_SOURCE or GEMV_AVX2_SOURCE).
@@ -96,13 +96,8 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& weight, const at
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("expert_linear", TORCH_FN(expert_linear)); }
 """
-_SOURCE = PRELUDE + GEMV_SOURCE + _OP_SOURCE
-_AVX2_SOURCE = PRELUDE + GEMV_AVX2_SOURCE + _OP_SOURCE
-
-
-kernel_available = kernel_availability("expert_linear", "kdsa::expert_linear", _SOURCE, _AVX2_SOURCE)
+kernel_available = gemv_kernel_availability("expert_linear", ("expert_linear",), _OP_SOURCE)
 
 
 def expert_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -21,8 +21,7 @@ runs.
 
 import torch
 
-from .cpu_extension import PRELUDE, kernel_availability
-from .cpu_row_linear import GEMV_AVX2_SOURCE, GEMV_SOURCE, cpu_row_linear, few_bf16_rows
+from .cpu_row_linear import cpu_row_linear, few_bf16_rows, gemv_kernel_availability
 from .linear_ops import dequantize_tiles_torch
 
 # The AVX512-BF16 build's conversion, dequantization and fused-product reader (after PRELUDE and GEMV_SOURCE).
@@ -300,16 +299,10 @@ at::Tensor dequantize_fp8_tiles(const at::Tensor& values, const at::Tensor& scal
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kdsa, CPU, m) {
-  m.impl("dequantize_fp8_tiles", TORCH_FN(dequantize_fp8_tiles));
-  m.impl("fp8_row_linear", TORCH_FN(fp8_row_linear));
-}
 """
-_SOURCE = PRELUDE + GEMV_SOURCE + _AVX512_CONVERSION + _OP_SOURCE
-_AVX2_SOURCE = PRELUDE + GEMV_AVX2_SOURCE + _AVX2_CONVERSION + _OP_SOURCE
-
-
-kernel_available = kernel_availability("dequantize_fp8_tiles", "kdsa::dequantize_fp8_tiles", _SOURCE, _AVX2_SOURCE)
+kernel_available = gemv_kernel_availability(
+    "dequantize_fp8_tiles", ("dequantize_fp8_tiles", "fp8_row_linear"), _OP_SOURCE, _AVX512_CONVERSION, _AVX2_CONVERSION
+)
 
 
 def kernel_applies(values: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> bool:

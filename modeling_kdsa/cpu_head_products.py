@@ -25,8 +25,8 @@ more than `MAX_ROWS` rows, autograd, export, more than `cpu_extension.MAX_THREAD
 
 import torch
 
-from .cpu_extension import PRELUDE, kernel_availability, plain_tensor
-from .cpu_row_linear import GEMV_AVX2_SOURCE, GEMV_SOURCE, few_bf16_rows
+from .cpu_extension import plain_tensor
+from .cpu_row_linear import few_bf16_rows, gemv_kernel_availability
 from .linear_ops import per_head_linear, per_head_matmul
 
 # `row_times_matrix` of the AVX512-BF16 build (after GEMV_SOURCE).
@@ -183,16 +183,10 @@ at::Tensor head_linear(const at::Tensor& x, const at::Tensor& weight) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kdsa, CPU, m) {
-  m.impl("head_matmul", TORCH_FN(head_matmul));
-  m.impl("head_linear", TORCH_FN(head_linear));
-}
 """
-_SOURCE = PRELUDE + GEMV_SOURCE + _MATRIX_SOURCE + _OP_SOURCE
-_AVX2_SOURCE = PRELUDE + GEMV_AVX2_SOURCE + _MATRIX_AVX2_SOURCE + _OP_SOURCE
-
-
-kernel_available = kernel_availability("head_products", "kdsa::head_matmul", _SOURCE, _AVX2_SOURCE)
+kernel_available = gemv_kernel_availability(
+    "head_products", ("head_matmul", "head_linear"), _OP_SOURCE, _MATRIX_SOURCE, _MATRIX_AVX2_SOURCE
+)
 
 
 def kernels_apply(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -241,13 +241,23 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& weight, const std::
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kdsa, CPU, m) { m.impl("row_linear", TORCH_FN(row_linear)); }
 """
-_SOURCE = PRELUDE + GEMV_SOURCE + _OP_SOURCE
-_AVX2_SOURCE = PRELUDE + GEMV_AVX2_SOURCE + _OP_SOURCE
 
 
-kernel_available = kernel_availability("row_linear", "kdsa::row_linear", _SOURCE, _AVX2_SOURCE)
+def gemv_kernel_availability(name: str, ops: tuple[str, ...], op_source: str, avx512_helpers="", avx2_helpers=""):
+    """`cpu_extension.kernel_availability` of a kernel built over `gemv` (this module's, `cpu_head_products`,
+    `cpu_expert_linear`, `cpu_fp8_dequantize`): PRELUDE, the build's `gemv` (GEMV_SOURCE, or GEMV_AVX2_SOURCE in the
+    AVX2 build) and the module's helpers for that build, then `op_source` (the C++ functions, in an anonymous
+    namespace), registered as the CPU kernels of the `kdsa::` ops `ops` (each op's function has its name); `name`
+    names the build, the first op is the one checked."""
+    registration = "".join(f'  m.impl("{op}", TORCH_FN({op}));\n' for op in ops)
+    op_source += f"\nTORCH_LIBRARY_IMPL(kdsa, CPU, m) {{\n{registration}}}\n"
+    source = PRELUDE + GEMV_SOURCE + avx512_helpers + op_source
+    avx2_source = PRELUDE + GEMV_AVX2_SOURCE + avx2_helpers + op_source
+    return kernel_availability(name, f"kdsa::{ops[0]}", source, avx2_source)
+
+
+kernel_available = gemv_kernel_availability("row_linear", ("row_linear",), _OP_SOURCE)
 
 
 def bf16_kernel_input(x: torch.Tensor) -> bool:
@@ -323,6 +333,7 @@ __all__ = [
     "bf16_kernel_input",
     "cpu_row_linear",
     "few_bf16_rows",
+    "gemv_kernel_availability",
     "kernel_available",
     "row_linear",
     "row_linear_applies",
