@@ -1,5 +1,6 @@
-"""Tensor parallelism through transformers' own loading: `KDSAForCausalLM.from_pretrained(path, tp_plan="auto")` or
-`distributed_config=DistributedConfig(tp_size=N)`, one process per rank (torchrun), each rank reading only its shard.
+"""Tensor and expert parallelism through transformers' own loading: `KDSAForCausalLM.from_pretrained(path,
+tp_plan="auto")`, `distributed_config=DistributedConfig(tp_size=N)` or `DistributedConfig(tp_size=N, ep_size=M)`, one
+process per rank (torchrun), each rank reading only its shard.
 
 How transformers does it (5.24: `distributed/mixin.py`, `distributed/tensor_parallel.py`,
 `distributed/sharding_utils.py`): the model is built on the meta device; for every module the tp plan names
@@ -17,7 +18,15 @@ intermediate dim) — each taking its cuts from `parallel/tensor_parallel.py`'s 
 (`ParameterCut.placement()`: `Shard(dim)`, or `_StridedShard` for the stacked gate / up rows), sets the module's local
 sizes, and hooks the all-reduce after `o_proj` / the MLP. After loading, `finish_tensor_parallel_load` swaps each
 DTensor for its local piece (a plain tensor, no copy) and zeroes row-parallel biases off rank 0, so the model's own
-forward, kernels and `generate` run as after `apply_tensor_parallel`.
+forward, kernels and `generate` run as after `apply_tensor_parallel`. `A_log` and the short-conv weights are the
+exception (`ParameterCut.read_whole`): some families store them in another layout (flat, zero-padded, fused), which
+the slicing of the stored tensor cannot follow, so they are read whole, converted and cut after the load.
+
+Expert parallelism (`ep_size` > 1): KDSA's `(ep, tp)` layout (docs/parallel.md §9), which transformers' own expert
+plans cannot express (docs/parallel.md §10). `check_tensor_parallel_load` swaps the caller's config for an
+`ExpertParallelLoad`, on which transformers builds nothing, and `KDSAForCausalLM.maybe_distribute_model` (transformers'
+hook before the weights load) cuts the meta model over the `(ep, tp)` mesh here, the experts as DTensors on both dims,
+so the same shard-on-read gives each rank only its experts; the experts then go behind the all-to-all dispatch.
 
 Registration happens when this module is imported: by `import modeling_kdsa.parallel`, or by
 `KDSAForCausalLM.from_pretrained` when it is asked for tensor parallelism (a lazy import there: the model files ship
