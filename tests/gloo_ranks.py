@@ -42,17 +42,18 @@ def _worker(rank: int, world_size: int, port: int, scenario, out_dir: str, tests
         dist.destroy_process_group()
 
 
-def run_on_ranks(scenario, world_size: int) -> list[dict]:
-    """`scenario` on `world_size` processes: each rank's results, after asserting that no rank raised."""
+def run_on_ranks(scenario, world_size: int, timeout_s: float = SPAWN_TIMEOUT_S) -> list[dict]:
+    """`scenario` on `world_size` processes: each rank's results, after asserting that no rank raised. A scenario
+    that does many loads in one spawn may pass a longer `timeout_s`."""
     with tempfile.TemporaryDirectory() as out_dir:
         args = (world_size, free_port(), scenario, out_dir, os.path.dirname(__file__))
         context = mp.start_processes(_worker, args=args, nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + SPAWN_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while not context.join(timeout=1):
             if time.monotonic() > deadline:
                 for process in context.processes:
                     process.kill()
-                pytest.fail(f"{scenario!r} on {world_size} processes did not finish in {SPAWN_TIMEOUT_S} s")
+                pytest.fail(f"{scenario!r} on {world_size} processes did not finish in {timeout_s} s")
         results = [
             torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False) for rank in range(world_size)
         ]
