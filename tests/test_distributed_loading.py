@@ -381,7 +381,7 @@ def four_ranks() -> list[dict]:
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:  # where rank 0 saves the checkpoints both ranks load
-        # Many loads in one spawn (the checkpoint, the tiny fixture and five family folders, tp and ep): 300 s.
+        # Many loads in one spawn (the checkpoint, the tiny fixture and five family folders, tp and ep): a longer limit.
         return run_on_ranks(functools.partial(_scenario_two, out_dir=folder), 2, timeout_s=300)
 
 
