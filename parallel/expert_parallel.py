@@ -221,7 +221,7 @@ def wrap_local_experts(model, mesh: ExpertParallelMesh) -> None:
         model.expert_parallel_group = mesh.ep_group
 
 
-def keep_experts(experts: KDSAExperts, start: int, end: int) -> None:
+def _keep_experts(experts: KDSAExperts, start: int, end: int) -> None:
     """Keep experts `[start, end)` of every stacked weight (whole experts: packed MXFP4 rows and their scales move
     as stored), in place."""
     for name, tensor in [*experts.named_parameters(recurse=False), *experts.named_buffers(recurse=False)]:
@@ -265,7 +265,7 @@ def apply_expert_parallel(model, group_or_mesh):
     num_experts = model.config.n_routed_experts
     per_rank = num_experts // mesh.ep_size
     for moe in moes:
-        keep_experts(moe.experts, mesh.ep_rank * per_rank, (mesh.ep_rank + 1) * per_rank)
+        _keep_experts(moe.experts, mesh.ep_rank * per_rank, (mesh.ep_rank + 1) * per_rank)
     apply_tensor_parallel(model, mesh.tp)
     wrap_local_experts(model, mesh)
     return model
@@ -279,6 +279,5 @@ __all__ = [
     "expert_parallel_errors",
     "expert_parallel_mesh",
     "init_expert_parallel_mesh",
-    "keep_experts",
     "wrap_local_experts",
 ]

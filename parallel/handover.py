@@ -34,10 +34,10 @@ from modeling_kdsa.moe import KDSAMoE
 from .expert_parallel import (
     ExpertParallelExperts,
     ExpertParallelMesh,
+    _keep_experts,
     apply_expert_parallel,
     expert_parallel_errors,
     expert_parallel_mesh,
-    keep_experts,
 )
 from .mesh import ParallelMesh, default_device_and_backend, raise_on_all_ranks
 from .tensor_parallel import apply_tensor_parallel, tensor_parallel_errors
@@ -140,7 +140,7 @@ def _split_experts(model, mesh: ExpertParallelMesh) -> None:
     per_rank = num_experts // mesh.ep_size
     for layer in getattr(model, "model", model).layers:
         if isinstance(layer.mlp, KDSAMoE):
-            keep_experts(layer.mlp.experts, mesh.ep_rank * per_rank, (mesh.ep_rank + 1) * per_rank)
+            _keep_experts(layer.mlp.experts, mesh.ep_rank * per_rank, (mesh.ep_rank + 1) * per_rank)
             layer.mlp.experts = ExpertParallelExperts(layer.mlp.experts, num_experts, mesh)
     model.expert_parallel_group = mesh.ep_group
 

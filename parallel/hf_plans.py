@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from transformers.distributed import DistributedConfig
 from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
 
-from .expert_parallel import init_expert_parallel_mesh, keep_experts, wrap_local_experts
+from .expert_parallel import init_expert_parallel_mesh, wrap_local_experts
 from .mesh import ParallelMesh, default_device_and_backend, raise_on_all_ranks
 from .tensor_parallel import (
     ShardPlan,
@@ -266,13 +266,23 @@ class ExpertParallelLoad(DistributedConfig):
         return _distribute_for_experts(model, self.kdsa_tp_size, self.kdsa_ep_size)
 
 
+# The packed MXFP4 expert weights and their E8M0 scales (modeling_kdsa/moe.py `KDSAExperts`).
+_PACKED_EXPERT_BUFFERS = ("gate_up_proj_packed", "gate_up_proj_scale", "down_proj_packed", "down_proj_scale")
+
+
 def _shard_for_experts(module: nn.Module, plan: ShardPlan, mesh, is_moe: bool) -> None:
     """`KDSAHeadShardStyle.install_forward` over the `(ep, tp)` mesh: the routed experts' cut parameters become
     DTensors on both dims (`Shard(0)`: this ep rank's block of whole experts; the tp cut, or `Replicate` at tp = 1),
-    everything else the plan cuts on the tp dim only (left whole at tp = 1). Packed MXFP4 experts are buffers and stay
-    whole (`_finish_expert_parallel` keeps this rank's block)."""
+    everything else the plan cuts on the tp dim only (left whole at tp = 1). Packed MXFP4 experts (uint8 buffers, tp =
+    1 only, §5) become `Shard(0)` DTensors too: transformers loads them as parameters, `_finish_expert_parallel` turns
+    them back into buffers."""
     tp_size = mesh.tp_size
     experts = module.experts if is_moe else None
+    if experts is not None and experts.mxfp4:
+        for name in _PACKED_EXPERT_BUFFERS:
+            placeholder = experts._buffers[name]
+            experts._buffers[name] = distribute_tensor(placeholder, mesh.device_mesh, [Shard(0), Replicate()],
+                                                       src_data_rank=None)  # fmt: skip
     for cut in plan.cuts:
         if cut.read_whole or (cut.owner is not experts and tp_size == 1):
             continue
@@ -289,7 +299,7 @@ def _shard_for_experts(module: nn.Module, plan: ShardPlan, mesh, is_moe: bool) -
     if tp_size > 1:
         plan.localize(tp_size)
         plan.reduced.register_forward_hook(all_reduce_output_hook(mesh.tp, plan.tag))
-    if experts is not None and not experts.mxfp4:
+    if experts is not None:
         experts.num_experts //= mesh.ep_size
     module._kdsa_shard_plan = plan
     module._kdsa_parallel_mesh = mesh.tp
@@ -316,11 +326,13 @@ def _finish_expert_parallel(model: nn.Module, mesh) -> None:
     for module in model.modules():
         if "_kdsa_shard_plan" in module.__dict__:
             _localize(module)
-    per_rank = model.config.n_routed_experts // mesh.ep_size
     for layer in getattr(model, "model", model).layers:
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None and experts.mxfp4:
-            keep_experts(experts, mesh.ep_rank * per_rank, (mesh.ep_rank + 1) * per_rank)
+            for name in _PACKED_EXPERT_BUFFERS:
+                loaded = getattr(experts, name)
+                experts._parameters.pop(name, None)
+                experts._buffers[name] = loaded.to_local().detach() if isinstance(loaded, DTensor) else loaded
     wrap_local_experts(model, mesh)
     if mesh.tp_size > 1:  # speculative decoding's tp agreement reads it (refused under ep > 1 anyway, §12)
         model.tensor_parallel_group = mesh.tp.tp_group
