@@ -86,6 +86,7 @@ class KDSAPagedMLALayer(CacheLayerMixin):
 
     is_croppable = True  # `crop` truncates the block table: exact
     store_names = ("kv_pages",)
+    construction_fields = ("kv_width", "kernel_backend", "page_size", "formats", "latent_width")  # what `reset` keeps
 
     def __init__(
         self,
@@ -354,7 +355,8 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         self.num_tokens = new_length
 
     def reset(self) -> None:
-        self.__init__(self.kv_width, self.kernel_backend, self.page_size, self.formats, self.latent_width)
+        """Forget every page: the store as constructed (from its `construction_fields`)."""
+        self.__init__(**{name: getattr(self, name) for name in self.construction_fields})
 
     def bytes_per_page(self) -> int:
         """Bytes one page takes in every plane (values, scales, RoPE part, pooled keys)."""
@@ -380,6 +382,7 @@ class KDSAPagedLayer(KDSAPagedMLALayer):
     same pages."""
 
     store_names = ("kv_pages", "index_pages")
+    construction_fields = (*KDSAPagedMLALayer.construction_fields, "index_width")
 
     def __init__(
         self,
@@ -416,11 +419,6 @@ class KDSAPagedLayer(KDSAPagedMLALayer):
         MXFP8-rounded (dynamic, per block of 32), else returned as they are."""
         return self.formats.quantize_index_queries(q_index)
 
-    def reset(self) -> None:
-        self.__init__(
-            self.kv_width, self.index_width, self.kernel_backend, self.page_size, self.formats, self.latent_width
-        )
-
 
 class KDSAPagedKPoolLayer(KDSAPagedLayer):
     """Paged store of a DSA layer with the k-pool indexer (`index_kpool = kp > 1`, docs/dsa.md §9).
@@ -432,20 +430,14 @@ class KDSAPagedKPoolLayer(KDSAPagedLayer):
     token (`pool_origin`, from the left-padding mask). A pool is read only once its last token is cached.
     """
 
-    def __init__(
-        self,
-        kv_width: int,
-        index_width: int,
-        kernel_backend: str,
-        page_size: int = PAGE_SIZE,
-        formats: CacheFormats | None = None,
-        latent_width: int | None = None,
-        index_kpool: int = 2,
-    ):
-        super().__init__(kv_width, index_width, kernel_backend, page_size, formats, latent_width)
-        if index_kpool < 2 or page_size % index_kpool:
+    construction_fields = (*KDSAPagedLayer.construction_fields, "index_kpool")
+
+    def __init__(self, *args, index_kpool: int = 2, **kwargs):
+        """`KDSAPagedLayer`'s arguments, and the tokens per pool."""
+        super().__init__(*args, **kwargs)
+        if index_kpool < 2 or self.page_size % index_kpool:
             raise ValueError(
-                f"index_kpool={index_kpool} must be >= 2 and divide the page size {page_size}: a page holds whole "
+                f"index_kpool={index_kpool} must be >= 2 and divide the page size {self.page_size}: a page holds whole "
                 "pooled-key slots"
             )
         if self.formats.indexer != "bf16":
@@ -567,17 +559,6 @@ class KDSAPagedKPoolLayer(KDSAPagedLayer):
         super().reorder_cache(beam_idx)
         if self.pool_origin is not None:
             self.pool_origin = self.pool_origin.index_select(0, beam_idx.to(self.device))
-
-    def reset(self) -> None:
-        self.__init__(
-            self.kv_width,
-            self.index_width,
-            self.kernel_backend,
-            self.page_size,
-            self.formats,
-            self.latent_width,
-            self.index_kpool,
-        )
 
 
 def attention_store_class(config, layer_idx: int) -> type[KDSAPagedMLALayer]:

@@ -133,6 +133,15 @@ class _StaticPagedMixin:
 
     is_compileable = True
     is_croppable = False
+    layout_class: type  # the paged store whose planes it holds (what the attention layer checks)
+
+    def __init__(self, max_cache_len: int, **kwargs):
+        self.layout_class.__init__(self, **kwargs)
+        self._init_static(max_cache_len)
+
+    @classmethod
+    def from_config(cls, config, max_cache_len: int, page_size: int = PAGE_SIZE):
+        return cls(max_cache_len, **cls.layout_class.config_kwargs(config, page_size))
 
     def _init_static(self, max_cache_len: int) -> None:
         if max_cache_len <= 0:
@@ -233,29 +242,13 @@ class _StaticPagedMixin:
 class StaticPagedMLALayer(_StaticPagedMixin, KDSAPagedMLALayer):
     """Fixed-capacity latent store of a dense MLA layer (`"full_attention"`) or a shared-indexer DSA layer."""
 
-    layout_class = KDSAPagedMLALayer  # the planes it holds (what the attention layer checks)
-
-    def __init__(self, max_cache_len: int, **kwargs):
-        KDSAPagedMLALayer.__init__(self, **kwargs)
-        self._init_static(max_cache_len)
-
-    @classmethod
-    def from_config(cls, config, max_cache_len: int, page_size: int = PAGE_SIZE) -> "StaticPagedMLALayer":
-        return cls(max_cache_len, **KDSAPagedMLALayer.config_kwargs(config, page_size))
+    layout_class = KDSAPagedMLALayer
 
 
 class StaticPagedLayer(_StaticPagedMixin, KDSAPagedLayer):
     """Fixed-capacity latent + indexer-key store of a DSA layer."""
 
     layout_class = KDSAPagedLayer
-
-    def __init__(self, max_cache_len: int, **kwargs):
-        KDSAPagedLayer.__init__(self, **kwargs)
-        self._init_static(max_cache_len)
-
-    @classmethod
-    def from_config(cls, config, max_cache_len: int, page_size: int = PAGE_SIZE) -> "StaticPagedLayer":
-        return cls(max_cache_len, **KDSAPagedLayer.config_kwargs(config, page_size))
 
 
 class StaticKPoolLayer(_StaticPagedMixin, KDSAPagedKPoolLayer):
@@ -265,14 +258,6 @@ class StaticKPoolLayer(_StaticPagedMixin, KDSAPagedKPoolLayer):
     pool origin comes from the capacity-padded mask (`static_kpool_origin`) and is kept in `pool_origin`."""
 
     layout_class = KDSAPagedKPoolLayer
-
-    def __init__(self, max_cache_len: int, **kwargs):
-        KDSAPagedKPoolLayer.__init__(self, **kwargs)
-        self._init_static(max_cache_len)
-
-    @classmethod
-    def from_config(cls, config, max_cache_len: int, page_size: int = PAGE_SIZE) -> "StaticKPoolLayer":
-        return cls(max_cache_len, **KDSAPagedKPoolLayer.config_kwargs(config, page_size))
 
     def lazy_initialization(self, *rows: torch.Tensor) -> None:
         batch_size = rows[0].shape[0]
