@@ -151,17 +151,9 @@ def kernel_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
 MAX_STEPPED_TOKENS = 16
 
 
-def cpu_recurrent_kda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`kda_ops.recurrent_kda` (same arguments and results) through the kernel where it applies."""
+def cpu_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
+    """`kda_ops.recurrent_kda` (same arguments and results, the registry's `kda_recurrent` contract) through the
+    kernel where it applies."""
     if not kernel_applies(q, v):
         return recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state)
     _check_kda_inputs(q, k, v, g, beta, initial_state)

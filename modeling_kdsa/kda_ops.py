@@ -214,17 +214,7 @@ def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, cum_g: torch.Tensor) -
     return scores[:, 0].tril(), scores[:, 1]
 
 
-def chunk_kda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    chunk_size: int = 32,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size: int = 32):
     """Chunk-parallel KDA in the WY/UT form (docs/kda.md §5), the prefill path. Same contract as
     `recurrent_kda`; any T (the last chunk is padded with identity steps: k = v = 0, beta = 0, g = 0).
     The default is 32 tokens per chunk (docs/kda.md §5: the triangular solve and the cross-sub-chunk factors grow
