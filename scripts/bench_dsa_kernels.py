@@ -152,7 +152,8 @@ def compile_probe(quick: bool) -> None:
         for _, num_keys, num_queries in QUICK_CASES if quick else FULL_CASES[:1] + FULL_CASES[-1:]:
             inputs = case_inputs(config, num_keys, num_queries)
             indices = indexer(*indexer_args(config, inputs, num_keys, num_queries))
-            sparse_mla(inputs["q_latent"], inputs["q_pe"], inputs["kv_pages"], inputs["block_table"], indices, scale)
+            kv_keys = PagedKeys(inputs["kv_pages"], inputs["block_table"])
+            sparse_mla(inputs["q_latent"], inputs["q_pe"], kv_keys, indices, scale)
     result = {
         "seconds": time.perf_counter() - start,
         "fx_graph_cache_hits": counters["inductor"]["fxgraph_cache_hit"],

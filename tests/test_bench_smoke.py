@@ -301,7 +301,8 @@ def test_speculative_bench_quick_run(tmp_path):
     assert report["date"] and report["cpu_model"] and report["command"].endswith("--quick --out " + str(out))
     rows = report["rows"]
     tasks = ("copy", "recall_mid", "free", "repetitive")
-    methods = ("plain", "prompt_lookup", "assisted", "mtp", "dspark", "mtp_always", "dspark_always")
+    methods = ("plain", "prompt_lookup", "assisted", "mtp", "dspark", "mtp_always", "dspark_always", "mtp_lookup",
+               "dspark_lookup")
     assert {(r["task"], r["method"]) for r in rows} == {(task, method) for task in tasks for method in methods}
     for row in rows:
         assert row["identical_to_plain"], row

@@ -11,6 +11,7 @@
 import pytest
 import torch
 
+from modeling_kdsa.dsa_paged_common import PagedKeys
 from modeling_kdsa.kernels import kernel_set
 
 # The compiled backend runs the same `score_block` / `attend_selected` code (test_dsa_paged_ops).
@@ -38,7 +39,7 @@ def test_bf16_indexer_weights_and_sums_heads_in_fp32(backend):
     weights = torch.randn(batch, queries, heads, generator=generator)  # fp32, as weights_proj gives them
     index_pages, block_table = paged(keys)
     query_start = num_keys - queries
-    indices = indexer(q_index, weights, index_pages, block_table, num_keys, topk, query_start)
+    indices = indexer(q_index, weights, PagedKeys(index_pages, block_table, num_keys, query_start), topk)
     assert indices.shape == (batch, queries, topk) and (indices >= 0).all()
 
     # Exact scores in fp64 from the fp32 scaled weights the kernels use: products are exact integers (|p| <= 64).
@@ -84,7 +85,7 @@ def test_sparse_attention_is_exact_for_logits_beyond_exp_range(backend, offset):
     attention = kernel_set(backend).sparse_mla
     rows, q_latent, q_pe, indices, latent = extreme_logit_inputs(offset)
     kv_pages, block_table = paged(rows)
-    out = attention(q_latent, q_pe, kv_pages, block_table, indices, 1.0)
+    out = attention(q_latent, q_pe, PagedKeys(kv_pages, block_table), indices, 1.0)
 
     selected = rows[0][indices[0]].double()  # [T, K, C + R]
     logits = torch.einsum("thd,tkd->thk", torch.cat([q_latent, q_pe], -1)[0].double(), selected)

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from modeling_kdsa import KDSAQuantizationConfig
 from modeling_kdsa.cache import KDSACache, KDSAPagedLayer
+from modeling_kdsa.dsa_paged_common import PagedKeys
 from modeling_kdsa.kernels import kernel_set
 from modeling_kdsa.numeric_formats import CacheFormats, QuantizedRows, fp8_tile_quantize, mxfp8_quantize
 
@@ -42,14 +43,14 @@ def test_kernels_over_quantized_pages_equal_kernels_over_their_values(backend):
     num_keys, queries = 8, 3
     q_index = torch.randn(2, queries, 2, 64, generator=generator)
     weights = torch.randn(2, queries, 2, generator=generator)
-    args = (block_table, num_keys, 5, num_keys - queries)
-    indices = indexer(q_index, weights, keys_q, *args)
-    assert torch.equal(indices, indexer(q_index, weights, keys_plain, *args))
+    start = num_keys - queries
+    indices = indexer(q_index, weights, PagedKeys(keys_q, block_table, num_keys, start), 5)
+    assert torch.equal(indices, indexer(q_index, weights, PagedKeys(keys_plain, block_table, num_keys, start), 5))
     assert (indices >= 0).any()
     q_latent = torch.randn(2, queries, 3, 128, generator=generator)
     q_pe = torch.randn(2, queries, 3, 16, generator=generator)
-    out = attention(q_latent, q_pe, kv_q, block_table, indices, 0.1)
-    assert torch.equal(out, attention(q_latent, q_pe, kv_plain, block_table, indices, 0.1))
+    out = attention(q_latent, q_pe, PagedKeys(kv_q, block_table), indices, 0.1)
+    assert torch.equal(out, attention(q_latent, q_pe, PagedKeys(kv_plain, block_table), indices, 0.1))
 
 
 def test_bytes_per_token_by_formula():
