@@ -53,8 +53,10 @@ from transformers import CompileConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))  # train_tiny: the tiny model's shape
 
 from modeling_kdsa.aot import compile_decode_step, load_decode_step  # noqa: E402
+from train_tiny import tiny_config  # noqa: E402
 
 from modeling_kdsa import KDSAConfig, KDSAForCausalLM  # noqa: E402
 from modeling_kdsa.cache import KDSACache, KDSAPagedMLALayer  # noqa: E402
@@ -66,32 +68,21 @@ DTYPE = torch.bfloat16
 
 def bench_config(quick: bool) -> KDSAConfig:
     """The benchmark shape (KDSAConfig defaults, positions raised for 64k); `--quick` a small model of every layer
-    kind, so that the smoke test compiles in seconds."""
+    kind, so that the smoke test compiles in seconds: the shipped tiny model's shape (scripts/train_tiny.py) with a
+    dense MLA layer, no special tokens."""
     if not quick:
         return KDSAConfig(max_position_embeddings=1 << 17)
-    return KDSAConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
+    return tiny_config(
+        256,
+        64,
         layer_types=["linear_attention", "indexed_attention", "linear_attention", "full_attention"],
-        linear_num_heads=2,
-        linear_head_dim=32,
-        q_lora_rank=64,
-        kv_lora_rank=64,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
         index_n_heads=2,
-        index_head_dim=32,
-        index_topk=64,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
         moe_intermediate_size=64,
-        first_k_dense_replace=1,
         attn_res_block_size=2,
         max_position_embeddings=4096,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
     )
 
 

@@ -52,10 +52,11 @@ CHECKPOINTS = ROOT / "checkpoints"
 CHECKPOINT_NAMES = {"tiny": "kdsa-tiny", "draft": "kdsa-tiny-draft"}  # --model → folder under checkpoints/
 
 
-def tiny_config(vocab_size: int, index_topk: int) -> KDSAConfig:
+def tiny_config(vocab_size: int, index_topk: int, **changes) -> KDSAConfig:
     """The target: KDA, DSA, KDA, DSA; AttnRes blocks of 4 sublayers; MoE (4 experts, top 2) after the first layer.
-    KDA keys are 32-wide per head (2 heads), half the 64 pairs of a recall context."""
-    return KDSAConfig(
+    KDA keys are 32-wide per head (2 heads), half the 64 pairs of a recall context. `changes`: fields that differ
+    from it (the quick model of scripts/bench_graph_mode.py)."""
+    fields = dict(
         vocab_size=vocab_size,
         hidden_size=128,
         intermediate_size=256,
@@ -82,6 +83,7 @@ def tiny_config(vocab_size: int, index_topk: int) -> KDSAConfig:
         bos_token_id=1,
         eos_token_id=2,
     )
+    return KDSAConfig(**{**fields, **changes})
 
 
 def draft_config(vocab_size: int, index_topk: int) -> KDSAConfig:
