@@ -48,7 +48,7 @@ from .norms import KDSARMSNorm
 from .numeric_formats import mxfp4_quantize
 from .rotary import KDSARotaryEmbedding
 from .sequence_parallel import SequenceParallelContext
-from .speculative import SPECULATION_OPTIONS, speculative_generate
+from .speculative import SPECULATION_OPTIONS, sharded_group, speculative_generate
 from .static_cache import KDSAStaticCache
 from .stop_strings import VocabularyProbeStopStringCriteria, stop_string_probe
 
@@ -438,18 +438,15 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Refused for a model holding FP8 weights (`fp8_weights="hold"`): KDSA's native format has no FP8 weight
-        layout (docs/checkpoint-conversion.md §9); and for a tensor-parallel load, whose ranks hold plain local pieces
-        (docs/parallel.md §10)."""
-        if (self._tp_size or 1) > 1:
-            raise ValueError(
-                f"save_pretrained of a model loaded with tp_size={self._tp_size} is not supported: each rank holds "
-                "only its shard. Load the checkpoint in one process to save it"
-            )
+        """A tensor-parallel model (`tp_plan="auto"` / `DistributedConfig(tp_size=N)`, or `apply_tensor_parallel`)
+        saves the whole model: every rank calls it, the cut tensors are gathered over the tp group and global rank 0
+        writes the folder, which loads in one process or sharded again (docs/parallel.md §10). Refused for an
+        expert-parallel model (each rank holds only its experts) and for FP8-held weights (`fp8_weights="hold"`:
+        KDSA's native format has no FP8 weight layout, docs/checkpoint-conversion.md §9)."""
         if getattr(self, "expert_parallel_group", None) is not None:
             raise ValueError(
                 "save_pretrained of an expert-parallel model is not supported: each rank holds only its experts. "
-                "Load the checkpoint in one process to save it"
+                "Load the checkpoint in one process, or with tensor parallelism alone, to save it"
             )
         if any(isinstance(module, KDSAFP8Linear) for module in self.modules()):
             raise ValueError(
@@ -457,6 +454,24 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
                 "has no FP8 weights. Load the folder with fp8_weights='dequantize' (the default) to save it"
             )
         return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def gather_sharded_state_dict_for_save(self, model_to_save, state_dict, distributed_config, **kwargs):
+        """transformers' hook in save_pretrained: a tp-sharded KDSA model holds plain local pieces cut by its own
+        plans (modeling_kdsa.parallel), which transformers' DTensor gather cannot put back together."""
+        group = sharded_group(model_to_save)
+        if group is None:
+            return super().gather_sharded_state_dict_for_save(model_to_save, state_dict, distributed_config, **kwargs)
+        from modeling_kdsa.parallel.tensor_parallel import gather_whole_state_dict
+
+        whole = gather_whole_state_dict(model_to_save, state_dict, group)
+        return whole if kwargs.get("save_on_this_rank", True) else {}
+
+    def barrier_after_gathered_checkpoint_save(self, distributed_config) -> None:
+        """The ranks that did not write wait for the one that did, for every sharded model."""
+        if sharded_group(self) is not None:
+            torch.distributed.barrier()
+        else:
+            super().barrier_after_gathered_checkpoint_save(distributed_config)
 
     def _get_stopping_criteria(self, generation_config, stopping_criteria, tokenizer=None):
         """transformers' criteria, with `stop_strings` matched through `VocabularyProbeStopStringCriteria` when the

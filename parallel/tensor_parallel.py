@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from modeling_kdsa.fp8_linear import KDSAFP8Linear
@@ -80,6 +81,12 @@ class ParameterCut:
         """Rank `rank`'s piece of the whole tensor `full`."""
         pieces = full.chunk(self.blocks, dim=self.dim)
         return torch.cat([piece.chunk(size, dim=self.dim)[rank] for piece in pieces], dim=self.dim)
+
+    def whole(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The whole tensor from every rank's piece, in rank order: the inverse of `local`."""
+        blocks = [piece.chunk(self.blocks, dim=self.dim) for piece in pieces]
+        return torch.cat([torch.cat([of_rank[b] for of_rank in blocks], dim=self.dim) for b in range(self.blocks)],
+                         dim=self.dim)  # fmt: skip
 
     def placement(self):
         """The torch DTensor placement of this cut over a 1-D tp mesh: `Shard(dim)`, or `_StridedShard` for blocks."""
@@ -199,6 +206,29 @@ def shard_in_place(plan: ShardPlan, rank: int, size: int) -> None:
     plan.localize(size)
 
 
+def gather_whole_state_dict(model, state_dict: dict, group) -> dict:
+    """`state_dict` of a tp-sharded `model` (`apply_tensor_parallel`, or a `tp_plan` load after it finished) with
+    every cut tensor gathered whole over the tp `group` and every row-parallel bias taken back from tp rank 0 (the
+    other ranks hold zeros): the state dict of the whole model, bit for bit. A collective: every rank of `group`
+    calls it, in the same layer order (save_pretrained, docs/parallel.md §10)."""
+    names = {id(param): name for name, param in model.named_parameters(remove_duplicate=False)}
+    size = dist.get_world_size(group)
+    whole = dict(state_dict)
+    for layer in getattr(model, "model", model).layers:
+        for plan in layer_shard_plans(layer):
+            for cut in plan.cuts:
+                local = getattr(cut.owner, cut.name).detach().contiguous()
+                pieces = [torch.empty_like(local) for _ in range(size)]
+                dist.all_gather(pieces, local, group=group)
+                whole[names[id(getattr(cut.owner, cut.name))]] = cut.whole(pieces)
+            for linear in plan.summed_biases:
+                if linear.bias is not None:
+                    bias = linear.bias.detach().clone()
+                    dist.all_reduce(bias, group=group)  # rank 0's bias plus zeros: exact
+                    whole[names[id(linear.bias)]] = bias
+    return whole
+
+
 def all_reduce_output_hook(mesh: ParallelMesh, tag: str):
     """A forward hook that sums the module's output over the mesh's tp group (in place) and counts the bytes."""
 
@@ -241,6 +271,7 @@ __all__ = [
     "all_reduce_output_hook",
     "apply_tensor_parallel",
     "feed_forward_shard_plan",
+    "gather_whole_state_dict",
     "kda_shard_plan",
     "layer_shard_plans",
     "mla_shard_plan",

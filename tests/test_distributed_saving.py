@@ -1,0 +1,108 @@
+"""save_pretrained of a tensor-parallel model (docs/parallel.md §10), on gloo with 2 processes: every rank calls it,
+the cut tensors are gathered over the tp group, global rank 0 writes, and the folder loads whole in one process with
+the whole model's tensors, bit for bit. An expert-parallel model refuses to save, on every rank, before any
+collective."""
+
+import functools
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+from gloo_ranks import run_on_ranks
+
+CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "kdsa-tiny")
+
+
+def _state(model) -> dict:
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def _scenario(rank: int, results: dict, out_dir: str) -> None:
+    import torch.distributed as dist
+    from conftest import tiny_model
+    from modeling_kdsa.parallel import apply_tensor_parallel, init_parallel_mesh
+    from modeling_kdsa.parallel.tensor_parallel import gather_whole_state_dict
+
+    from modeling_kdsa import KDSAForCausalLM
+
+    # A tp_plan load of the shipped checkpoint, saved and loaded back whole.
+    sharded = KDSAForCausalLM.from_pretrained(CHECKPOINT, tp_plan="auto", dtype=torch.float32)
+    loaded_folder = os.path.join(out_dir, "from_tp_plan")
+    sharded.save_pretrained(loaded_folder)
+    results["tp_plan_files"] = sorted(os.listdir(loaded_folder))
+    results["tp_plan_saved"] = _state(KDSAForCausalLM.from_pretrained(loaded_folder, dtype=torch.float32))
+    results["whole"] = _state(KDSAForCausalLM.from_pretrained(CHECKPOINT, dtype=torch.float32))
+    with open(os.path.join(loaded_folder, "config.json")) as file:
+        results["tp_plan_config"] = json.load(file)
+    with open(os.path.join(CHECKPOINT, "config.json")) as file:
+        results["checkpoint_config"] = json.load(file)
+    # The saved folder loads sharded again: this rank's pieces equal those of the first load.
+    again = KDSAForCausalLM.from_pretrained(loaded_folder, tp_plan="auto", dtype=torch.float32)
+    first, second = _state(sharded), _state(again)
+    results["resharded_equal"] = first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+    # apply_tensor_parallel on a model with MLA biases (o_proj's is kept on tp rank 0 only), saved whole.
+    torch.manual_seed(0)  # the same random model on both ranks
+    model = tiny_model(attention_bias=True)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("proj.bias"):
+                param.normal_(0.0, 0.5)
+    results["tiny_whole"] = _state(model)
+    mesh = init_parallel_mesh(cp_size=1, tp_size=2)
+    apply_tensor_parallel(model, mesh)
+    results["tiny_local_o_bias_norm"] = model.model.layers[1].self_attn.o_proj.bias.norm().item()
+    results["tiny_gathered"] = gather_whole_state_dict(model, model.state_dict(), mesh.tp_group)  # on every rank
+    tiny_folder = os.path.join(out_dir, "from_apply_tensor_parallel")
+    model.save_pretrained(tiny_folder)
+    results["tiny_saved"] = _state(KDSAForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32))
+
+    # Expert parallelism: the same refusal on every rank, nothing written.
+    ep_model = KDSAForCausalLM.from_pretrained(CHECKPOINT, distributed_config={"tp_size": 1, "ep_size": 2})
+    ep_folder = os.path.join(out_dir, "from_ep")
+    try:
+        ep_model.save_pretrained(ep_folder)
+    except ValueError as error:
+        results["ep_error"] = str(error)
+    results["ep_folder_exists"] = os.path.exists(ep_folder)
+    dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    with tempfile.TemporaryDirectory() as folder:  # shared by both ranks: rank 0 writes, both read
+        return run_on_ranks(functools.partial(_scenario, out_dir=folder), 2, timeout_s=300)
+
+
+def _assert_same_state(saved: dict, whole: dict) -> None:
+    assert saved.keys() == whole.keys()
+    for name, tensor in whole.items():
+        assert torch.equal(saved[name], tensor), name
+
+
+def test_tp_plan_load_saves_the_whole_model(two_ranks):
+    for result in two_ranks:
+        _assert_same_state(result["tp_plan_saved"], result["whole"])
+        assert "model.safetensors" in result["tp_plan_files"]
+        assert result["resharded_equal"]
+        # No layout of the load leaks into the saved config.
+        saved, original = result["tp_plan_config"], result["checkpoint_config"]
+        assert not {"distributed_config", "tp_size", "tp_plan"} & saved.keys()
+        for key in ("hidden_size", "num_attention_heads", "linear_num_heads", "moe_intermediate_size"):
+            assert saved[key] == original[key]
+
+
+def test_apply_tensor_parallel_model_saves_the_whole_model_with_its_biases(two_ranks):
+    """The row-parallel o_proj bias lives on tp rank 0 only; the saved folder holds it once, unchanged."""
+    assert two_ranks[0]["tiny_local_o_bias_norm"] > 0 and two_ranks[1]["tiny_local_o_bias_norm"] == 0
+    for result in two_ranks:
+        _assert_same_state(result["tiny_saved"], result["tiny_whole"])
+        _assert_same_state(result["tiny_gathered"], result["tiny_whole"])  # rank 1 too: its zero biases summed in
+
+
+def test_expert_parallel_model_refuses_to_save_on_every_rank(two_ranks):
+    for result in two_ranks:
+        assert "expert-parallel" in result["ep_error"] and "each rank holds only its experts" in result["ep_error"]
+        assert not result["ep_folder_exists"]
