@@ -461,8 +461,10 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
         group = sharded_group(model_to_save)
         if group is None:
             return super().gather_sharded_state_dict_for_save(model_to_save, state_dict, distributed_config, **kwargs)
-        from modeling_kdsa.parallel.tensor_parallel import gather_whole_state_dict
-
+        try:  # on demand, in a try: these files also ship as remote code, without the parallel package
+            from modeling_kdsa.parallel.tensor_parallel import gather_whole_state_dict
+        except ImportError as error:
+            raise ValueError("saving a tensor-parallel model needs the kdsa package: modeling_kdsa.parallel") from error
         whole = gather_whole_state_dict(model_to_save, state_dict, group)
         return whole if kwargs.get("save_on_this_rank", True) else {}
 
