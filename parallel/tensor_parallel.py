@@ -217,10 +217,11 @@ def gather_whole_state_dict(model, state_dict: dict, group) -> dict:
     for layer in getattr(model, "model", model).layers:
         for plan in layer_shard_plans(layer):
             for cut in plan.cuts:
-                local = getattr(cut.owner, cut.name).detach().contiguous()
+                param = getattr(cut.owner, cut.name)
+                local = param.detach().contiguous()
                 pieces = [torch.empty_like(local) for _ in range(size)]
                 dist.all_gather(pieces, local, group=group)
-                whole[names[id(getattr(cut.owner, cut.name))]] = cut.whole(pieces)
+                whole[names[id(param)]] = cut.whole(pieces)
             for linear in plan.summed_biases:
                 if linear.bias is not None:
                     bias = linear.bias.detach().clone()
