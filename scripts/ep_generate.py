@@ -9,47 +9,36 @@ Each rank prints its rows, the all-to-all elements it sent, and its parameter by
 `--check` also generates the whole batch with a copy loaded whole and compares this rank's tokens with it.
 """
 
-import argparse
-
 import torch
+from launcher_common import greedy_options, held_bytes, launcher_parser, random_prompts
 from modeling_kdsa.parallel import expert_parallel_mesh_of
 
 from modeling_kdsa import KDSAForCausalLM
 
 
-def parameter_bytes(model) -> int:
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint")
+    parser = launcher_parser(__doc__, batch=4, prompt_len=32)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--check", action="store_true", help="compare with the unsharded model on the whole batch")
     args = parser.parse_args()
 
     layout = {"tp_size": args.tp, "ep_size": args.ep}  # a dict: DistributedConfig refuses tp_size=1, ep_size=2
     model = KDSAForCausalLM.from_pretrained(args.checkpoint, distributed_config=layout).eval()
     mesh = expert_parallel_mesh_of(model)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len), generator=generator)
+    ids = random_prompts(model.config.vocab_size, args.batch, args.prompt_len)
     rows = mesh.batch_rows(args.batch)
-    options = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+    options = greedy_options(args.new_tokens)
     mesh.traffic.reset()
     tokens = model.generate(ids[rows], synced_gpus=True, **options)
     line = (
         f"rank {torch.distributed.get_rank()} (ep {mesh.ep_rank}, tp {mesh.tp.tp_rank}): rows {rows.start}-"
         f"{rows.stop - 1}, sent {mesh.traffic.dispatched_elements} elements in {mesh.traffic.dispatched_rows} routed "
-        f"rows ({mesh.traffic.remote_rows} to other ranks), bytes {parameter_bytes(model)}"
+        f"rows ({mesh.traffic.remote_rows} to other ranks), bytes {held_bytes(model)}"
     )
     if args.check:
         whole = KDSAForCausalLM.from_pretrained(args.checkpoint).eval()
         reference = whole.generate(ids, **options)[rows]
-        line += f" of {parameter_bytes(whole)}, tokens equal to one process: {torch.equal(tokens, reference)}"
+        line += f" of {held_bytes(whole)}, tokens equal to one process: {torch.equal(tokens, reference)}"
     print(line, flush=True)
     torch.distributed.destroy_process_group()
 

@@ -12,10 +12,9 @@ expert dim; the hand-over builds the decode mesh). Each rank prints its decode r
 `--check` also runs the unsharded model's `generate()` on the whole batch and compares this rank's tokens.
 """
 
-import argparse
-
 import torch
 import torch.distributed as dist
+from launcher_common import greedy_options, held_bytes, launcher_parser, random_prompts
 from modeling_kdsa.parallel import (
     apply_tensor_parallel,
     context_parallel_prefill,
@@ -26,10 +25,6 @@ from modeling_kdsa.parallel.mesh import default_device_and_backend, mesh_from_de
 
 from modeling_kdsa import KDSAForCausalLM
 from modeling_kdsa.cache import KDSACache
-
-
-def parameter_bytes(model) -> int:
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
 def prefill_mesh(args):
@@ -43,35 +38,29 @@ def prefill_mesh(args):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint")
+    parser = launcher_parser(__doc__, batch=2, prompt_len=64)
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--decode-tp", type=int, default=2)
     parser.add_argument("--decode-ep", type=int, default=1)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--mesh", choices=("torch", "accelerate"), default="torch")
-    parser.add_argument("--check", action="store_true", help="compare with the unsharded model on the whole batch")
     args = parser.parse_args()
 
     mesh = prefill_mesh(args)
     model = KDSAForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
-    full_bytes = parameter_bytes(model)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len), generator=generator).to(mesh.device)
+    full_bytes = held_bytes(model)
+    ids = random_prompts(model.config.vocab_size, args.batch, args.prompt_len).to(mesh.device)
     model = apply_tensor_parallel(model.to(mesh.device), mesh)
-    prefill_bytes = parameter_bytes(model)
+    prefill_bytes = held_bytes(model)
     cache = KDSACache(model.config)
     context_parallel_prefill(model, ids[:, :-1], mesh, cache=cache)
     decode = hand_over_to_decode(model, cache, mesh, tp_size=args.decode_tp, ep_size=args.decode_ep)
-    options = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+    options = greedy_options(args.new_tokens)
     tokens = decode.model.generate(ids[decode.rows], cache=decode.cache, synced_gpus=args.decode_ep > 1, **options)
     line = (
         f"rank {dist.get_rank()}: prefill (cp {mesh.cp_rank}, tp {mesh.tp_rank}) -> decode (ep {decode.mesh.ep_rank}, "
         f"tp {decode.mesh.tp.tp_rank}), rows {decode.rows.start}-{decode.rows.stop - 1}, parameter bytes "
-        f"{prefill_bytes} (prefill) / {parameter_bytes(decode.model)} (decode) of {full_bytes}"
+        f"{prefill_bytes} (prefill) / {held_bytes(decode.model)} (decode) of {full_bytes}"
     )
     if args.check:
         reference = KDSAForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval().to(mesh.device)
