@@ -87,6 +87,7 @@ class KDSAPagedMLALayer(CacheLayerMixin):
     is_croppable = True  # `crop` truncates the block table: exact
     store_names = ("kv_pages",)
     construction_fields = ("kv_width", "kernel_backend", "page_size", "formats", "latent_width")  # what `reset` keeps
+    config_fields: dict[str, str] = {}  # a subclass's own constructor arguments → the config attributes they take
 
     def __init__(
         self,
@@ -116,13 +117,15 @@ class KDSAPagedMLALayer(CacheLayerMixin):
 
     @classmethod
     def config_kwargs(cls, config, page_size: int = PAGE_SIZE) -> dict:
-        """The constructor arguments of this store for `config` (subclasses add their own fields)."""
+        """The constructor arguments of this store for `config`: the MLA row's, and each subclass's
+        `config_fields` (constructor argument → config attribute)."""
         return dict(
             kv_width=config.kv_lora_rank + config.qk_rope_head_dim,
             kernel_backend=config.kernel_backend,
             page_size=page_size,
             formats=CacheFormats.from_config(config),
             latent_width=config.kv_lora_rank,
+            **{argument: getattr(config, name) for argument, name in cls.config_fields.items()},
         )
 
     @classmethod
@@ -162,13 +165,6 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         """The storage layout the backend's read kernels expect (its `kv_store` encoder). The store keeps this one
         entry of the registry's set and no kernel: the layer picks and runs those (docs/dsa.md §14)."""
         self.kv_store = kernels.require("kv_store")
-
-    def _check_widths(self, rows: tuple[torch.Tensor, ...]) -> None:
-        if tuple(row.shape[-1] for row in rows) != self.row_widths:
-            raise ValueError(
-                f"paged {type(self).__name__} expects rows of widths {self.row_widths} "
-                f"({', '.join(self.store_names)}), got shapes {[tuple(row.shape) for row in rows]}"
-            )
 
     def lazy_initialization(self, *rows: torch.Tensor) -> None:
         batch_size = rows[0].shape[0]
@@ -249,14 +245,23 @@ class KDSAPagedMLALayer(CacheLayerMixin):
         self.block_table = torch.tensor(rows, dtype=torch.long, device=self.device)
 
     # ------------------------------------------------------------------------------------------------- writes
-    def _write(self, *rows: torch.Tensor) -> int:
-        """Store the current tokens' rows `[B, T, width]`, one tensor per store. Returns the tokens cached before."""
-        self._check_widths(rows)
+    def _begin_write(self, rows: tuple[torch.Tensor, ...]) -> tuple[int, int]:
+        """Check a write's rows `[B, T, width]` against the store, allocating it on the first write; returns (B, T)."""
+        if tuple(row.shape[-1] for row in rows) != self.row_widths:
+            raise ValueError(
+                f"paged {type(self).__name__} expects rows of widths {self.row_widths} "
+                f"({', '.join(self.store_names)}), got shapes {[tuple(row.shape) for row in rows]}"
+            )
         if not self.is_initialized:
             self.lazy_initialization(*rows)
         batch_size, new_tokens, _ = rows[0].shape
         if batch_size != self.batch_size:
             raise ValueError(f"cache holds {self.batch_size} sequences, got a batch of {batch_size}")
+        return batch_size, new_tokens
+
+    def _write(self, *rows: torch.Tensor) -> int:
+        """Store the current tokens' rows `[B, T, width]`, one tensor per store. Returns the tokens cached before."""
+        batch_size, new_tokens = self._begin_write(rows)
         past = self.num_tokens
         if new_tokens == 0:
             return past
@@ -383,6 +388,7 @@ class KDSAPagedLayer(KDSAPagedMLALayer):
 
     store_names = ("kv_pages", "index_pages")
     construction_fields = (*KDSAPagedMLALayer.construction_fields, "index_width")
+    config_fields = {"index_width": "index_head_dim"}
 
     def __init__(
         self,
@@ -396,10 +402,6 @@ class KDSAPagedLayer(KDSAPagedMLALayer):
         super().__init__(kv_width, kernel_backend, page_size, formats, latent_width)
         self.index_width = index_width
         self.index_pages: torch.Tensor | None = None
-
-    @classmethod
-    def config_kwargs(cls, config, page_size: int = PAGE_SIZE) -> dict:
-        return {**super().config_kwargs(config, page_size), "index_width": config.index_head_dim}
 
     @property
     def row_widths(self) -> tuple[int, ...]:
@@ -431,6 +433,7 @@ class KDSAPagedKPoolLayer(KDSAPagedLayer):
     """
 
     construction_fields = (*KDSAPagedLayer.construction_fields, "index_kpool")
+    config_fields = {**KDSAPagedLayer.config_fields, "index_kpool": "index_kpool"}
 
     def __init__(self, *args, index_kpool: int = 2, **kwargs):
         """`KDSAPagedLayer`'s arguments, and the tokens per pool."""
@@ -448,10 +451,6 @@ class KDSAPagedKPoolLayer(KDSAPagedLayer):
         self.index_kpool = index_kpool
         self.pool_pages: torch.Tensor | None = None
         self.pool_origin: torch.Tensor | None = None
-
-    @classmethod
-    def config_kwargs(cls, config, page_size: int = PAGE_SIZE) -> dict:
-        return {**super().config_kwargs(config, page_size), "index_kpool": config.index_kpool}
 
     @property
     def row_widths(self) -> tuple[int, ...]:
@@ -688,42 +687,42 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
         return slid_conv_window(conv, columns).contiguous()
 
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
-        """Append the pre-conv columns `[B, C, T]` of the current tokens. The window is replaced, never written in
-        place, so a checkpoint can hold the previous one without copying it."""
+        """Append the pre-conv columns `[B, C, T]` of the current tokens to the conv window."""
         if state_idx != 0:
             raise ValueError(f"a KDA layer has one conv state, got state_idx={state_idx}")
-        if not self.is_conv_states_initialized[0]:
-            self.lazy_initialization(conv_states=conv_states)
-        previous = conv_states.new_zeros(*conv_states.shape[:-1], self.conv_kernel_size[0])
-        if self.has_previous_state[0]:
-            previous = self.conv_states[0]
-        self.conv_states[0] = self._window(previous, conv_states)
+        self.conv_states[0] = self._slide_conv_window(conv_states)
         self.has_previous_state[0] = True
         return self.conv_states[0]
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
-        """Take the kernel's final fp32 state (replaced, not copied in place: see `update_conv_state`)."""
+        """Take the kernel's final fp32 state `[B, H, K, V]`."""
         if state_idx != 0:
             raise ValueError(f"a KDA layer has one recurrent state, got state_idx={state_idx}")
+        self.recurrent_states[0] = self._store_recurrent_state(recurrent_states)
+        return self.recurrent_states[0]
+
+    def _slide_conv_window(self, columns: torch.Tensor) -> torch.Tensor:
+        """The window after `columns`. It is a new tensor, never written in place, so a checkpoint can hold the
+        previous one without copying it (a static layer overrides this to keep one address)."""
+        if not self.is_conv_states_initialized[0]:
+            self.lazy_initialization(conv_states=columns)
+        previous = columns.new_zeros(*columns.shape[:-1], self.conv_kernel_size[0])
+        if self.has_previous_state[0]:
+            previous = self.conv_states[0]
+        return self._window(previous, columns)
+
+    def _store_recurrent_state(self, state: torch.Tensor) -> torch.Tensor:
+        """The live state after `state`: the kernel's tensor itself (replaced, as the conv window is)."""
         if not self.is_recurrent_states_initialized[0]:
-            self.lazy_initialization(recurrent_states=recurrent_states)
-        self.recurrent_states[0] = recurrent_states
-        return recurrent_states
+            self.lazy_initialization(recurrent_states=state)
+        return state
 
     # ----------------------------------------------------------------------------------------------- rollback
-    def record(
-        self,
-        conv_inputs: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        kernels: KernelSet,
-    ) -> None:
+    def record(self, inputs: KDAReplayRecord, kernels: KernelSet) -> None:
         """Called by the KDA layer for every forward, after its kernels ran and before the live state is updated
-        (so the live state is still the one before these tokens). Shapes as in `KDAReplayRecord`; `kernels`: the
-        layer's KernelSet, whose `kda_chunk` folds a long forward here and whose `kda_recurrent` a later `crop`
-        replays with."""
+        (so the live state is still the one before these tokens). `kernels`: the layer's KernelSet, whose
+        `kda_chunk` folds a long forward here and whose `kda_recurrent` a later `crop` replays with."""
+        k, v = inputs.k, inputs.v
         new_tokens = k.shape[1]
         if self.pending_tokens + new_tokens > self.rollback_tokens:
             self._commit()  # the live state, before these tokens, becomes the checkpoint
@@ -734,11 +733,11 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
             return
         folded = new_tokens - kept
         if not self.records:
-            conv, state = self._live_or_zeros(conv_inputs, (k.shape[0], k.shape[2], k.shape[3], v.shape[3]))
+            conv, state = self._live_or_zeros(inputs.conv_inputs, (k.shape[0], k.shape[2], k.shape[3], v.shape[3]))
             if folded:
                 # A forward longer than the window: its first steps can never be rolled back to, so fold them into
                 # the checkpoint in one pass of the chunked (prefill) kernel; q is unused, k stands in for it.
-                fold = KDAReplayRecord(conv_inputs, k, v, g, beta).tokens(0, folded)
+                fold = inputs.tokens(0, folded)
                 kda_chunk = kernels.require("kda_chunk")
                 _, state = kda_chunk(
                     fold.k, fold.k, fold.v, fold.g, fold.beta, initial_state=state, output_final_state=True
@@ -746,7 +745,7 @@ class KDAReplayLayer(LinearAttentionCacheLayerMixin):
                 conv = self._window(conv, fold.conv_inputs)
             self.checkpoint = (conv, state)
             self.checkpoint_tokens = self.num_tokens + folded
-        self.records.append(KDAReplayRecord(conv_inputs, k, v, g, beta).tokens(folded))
+        self.records.append(inputs.tokens(folded))
         self.replay_kernels = kernels
         self.num_tokens += new_tokens
 
@@ -842,19 +841,10 @@ class KDSACacheMixin:
     a cache a KDSA model can run on"; each subclass builds its own layers (`Cache.layers`) from the config and counts
     the tokens (`begin_forward`)."""
 
-    def record_kda_inputs(
-        self,
-        layer_idx: int,
-        conv_inputs: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        kernels: KernelSet,
-    ) -> None:
-        """The KDA layer hands over its per-token replay inputs (`KDAReplayRecord`) and the KernelSet it ran them
-        with (what `crop` replays with) before its state update."""
-        self.layers[layer_idx].record(conv_inputs, k, v, g, beta, kernels)
+    def record_kda_inputs(self, layer_idx: int, inputs: KDAReplayRecord, kernels: KernelSet) -> None:
+        """The KDA layer hands over its per-token replay inputs and the KernelSet it ran them with (what `crop`
+        replays with) before its state update."""
+        self.layers[layer_idx].record(inputs, kernels)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.reorder_cache(indices)
@@ -937,17 +927,21 @@ class KDSACache(KDSACacheMixin, DynamicCache):
         input embeddings `[B, T, D]`), the paged layers also prepare their pages now (`KDSAPagedMLALayer.reserve`).
         Returns the number of tokens cached before them."""
         past = self.num_tokens
-        if self.max_cache_tokens is not None and past + new_tokens > self.max_cache_tokens:
-            raise ValueError(
-                f"KDSACache capacity exceeded: {past} cached + {new_tokens} new tokens > max_cache_tokens="
-                f"{self.max_cache_tokens}; nothing was written, the cache still holds {past} tokens"
-            )
+        self._check_capacity(past, new_tokens)
         if like is not None:
             for layer in self.layers:
                 if isinstance(layer, KDSAPagedMLALayer):
                     layer.reserve(new_tokens, like)
         self.num_tokens = past + new_tokens
         return past
+
+    def _check_capacity(self, past: int, new_tokens: int, holder: str = "the cache") -> None:
+        """Refuse `new_tokens` more after `past` beyond `max_cache_tokens`, before anything is written."""
+        if self.max_cache_tokens is not None and past + new_tokens > self.max_cache_tokens:
+            raise ValueError(
+                f"{type(self).__name__} capacity exceeded: {past} cached + {new_tokens} new tokens > max_cache_tokens="
+                f"{self.max_cache_tokens}; nothing was written, {holder} still holds {past} tokens"
+            )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.num_tokens

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from .cache import KDSACache
+from .cache import KDAReplayRecord, KDSACache
 from .configuration_kdsa import KDA_LAYER
 from .cpu_kda_recurrent import MAX_STEPPED_TOKENS
 from .kda_ops import causal_short_conv, causal_short_conv_step, kda_gate, l2norm
@@ -233,7 +233,7 @@ class KDSAKimiDeltaAttention(nn.Module):
                 # Speculative decoding: the cache keeps these tokens' conv columns and recurrence inputs so that
                 # `crop` can replay them exactly. It must see the state from before this forward, so this comes
                 # before the two updates below.
-                cache.record_kda_inputs(self.layer_idx, qkv, k, v, g, beta, kernels)
+                cache.record_kda_inputs(self.layer_idx, KDAReplayRecord(qkv, k, v, g, beta), kernels)
             cache.update_conv_state(conv_window, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
             cache.update_recurrent_state(final_state, self.layer_idx)
             if isinstance(cache, KDSACache) and sequence_parallel is not None:

@@ -62,11 +62,7 @@ class KDSAMTPCache(KDSACache):
         that layer's store. Returns the pairs it held before."""
         store = self.layers[layer_idx]
         past = store.num_tokens
-        if self.max_cache_tokens is not None and past + new_tokens > self.max_cache_tokens:
-            raise ValueError(
-                f"KDSAMTPCache capacity exceeded: MTP layer {layer_idx} holds {past} + {new_tokens} new tokens > "
-                f"max_cache_tokens={self.max_cache_tokens}; nothing was written"
-            )
+        self._check_capacity(past, new_tokens, holder=f"MTP layer {layer_idx}")
         if like is not None:
             store.reserve(new_tokens, like)
         return past

@@ -79,29 +79,22 @@ class StaticKDALayer(KDAReplayLayer):
     def record(self, *args) -> None:
         """Nothing to record: a static cache never rolls back (and a Python counter would recompile every step)."""
 
-    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
-        """Append the pre-conv columns `[B, C, T]`; the window `[B, C, W]` is overwritten in place."""
-        if state_idx != 0:
-            raise ValueError(f"a KDA layer has one conv state, got state_idx={state_idx}")
-        width = self.conv_kernel_size[0]
+    def _slide_conv_window(self, columns: torch.Tensor) -> torch.Tensor:
+        """The window `[B, C, W]`, overwritten in place."""
         if not self.is_conv_states_initialized[0]:
-            self.conv_states[0] = conv_states.new_zeros(*conv_states.shape[:-1], width)
+            self.conv_states[0] = columns.new_zeros(*columns.shape[:-1], self.conv_kernel_size[0])
             _mark_static(self.conv_states[0])
             self.is_conv_states_initialized[0] = True
-        append_conv_window(self.conv_states[0], conv_states)
-        self.has_previous_state[0] = True
+        append_conv_window(self.conv_states[0], columns)
         return self.conv_states[0]
 
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
-        """Overwrite the fp32 state `[B, H, K, V]` in place."""
-        if state_idx != 0:
-            raise ValueError(f"a KDA layer has one recurrent state, got state_idx={state_idx}")
+    def _store_recurrent_state(self, state: torch.Tensor) -> torch.Tensor:
+        """The fp32 state `[B, H, K, V]`, overwritten in place."""
         if not self.is_recurrent_states_initialized[0]:
-            self.recurrent_states[0] = torch.zeros_like(recurrent_states)
+            self.recurrent_states[0] = torch.zeros_like(state)
             _mark_static(self.recurrent_states[0])
             self.is_recurrent_states_initialized[0] = True
-        self.recurrent_states[0].copy_(recurrent_states)
-        return self.recurrent_states[0]
+        return self.recurrent_states[0].copy_(state)
 
     def crop(self, max_length: int) -> None:
         raise ValueError(_NO_CROP)
@@ -176,12 +169,7 @@ class _StaticPagedMixin:
 
     def _write(self, *rows: torch.Tensor) -> torch.Tensor:
         """Store rows `[B, T, width]` at positions `num_tokens …` in place; returns the 0-d count before them."""
-        self._check_widths(rows)
-        if not self.is_initialized:
-            self.lazy_initialization(*rows)
-        batch_size, new_tokens, _ = rows[0].shape
-        if batch_size != self.batch_size:
-            raise ValueError(f"cache holds {self.batch_size} sequences, got a batch of {batch_size}")
+        batch_size, new_tokens = self._begin_write(rows)
         # No capacity check here (it would read the count on the host in every layer): `KDSAStaticCache.begin_forward`
         # checks once per forward, before any layer writes.
         past = self.num_tokens.clone()
