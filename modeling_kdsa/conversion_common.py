@@ -202,7 +202,11 @@ class Reshape(ConversionOps):
 
 
 def build_plan(model_type: str, mapped: dict, overrides: dict, **plan) -> ForeignCheckpointPlan:
-    """The KDSAConfig and the plan (`plan_foreign_load` extends an FP8 checkpoint's converters to dequantize)."""
+    """The KDSAConfig and the plan, with the KDA mixers' rename (`kda_key_mapping`) of every family that has them
+    (`plan_foreign_load` extends an FP8 checkpoint's converters to dequantize)."""
     fp8_block = mapped.pop("_fp8_block", None)
+    key_mapping = kda_key_mapping(mapped["layer_types"])
     config = KDSAConfig(**mapped, **overrides)
-    return ForeignCheckpointPlan(model_type=model_type, config=config, fp8_block=fp8_block, **plan)
+    return ForeignCheckpointPlan(
+        model_type=model_type, config=config, fp8_block=fp8_block, key_mapping=key_mapping, **plan
+    )

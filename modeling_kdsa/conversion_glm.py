@@ -12,7 +12,6 @@ from .conversion_common import (
     build_plan,
     common_fields,
     kda_fields,
-    kda_key_mapping,
     metadata_fields,
     routing_fields,
     stacked_experts,
@@ -133,7 +132,6 @@ def glm5_next_plan(fields: ConfigFields, checkpoint_keys: list[str], overrides: 
         "glm5_next",
         mapped,
         overrides,
-        key_mapping=kda_key_mapping(mapped["layer_types"]),
         conversions=[
             WeightRenaming(r"^model\.language_model\.", "model."),
             *mtp.renamings,

@@ -10,7 +10,6 @@ from .conversion_common import (
     build_plan,
     common_fields,
     kda_fields,
-    kda_key_mapping,
     routing_fields,
     stacked_experts,
 )
@@ -30,7 +29,6 @@ def kimi_linear_plan(fields: ConfigFields, checkpoint_keys: list[str], overrides
         "kimi_linear",
         mapped,
         overrides,
-        key_mapping=kda_key_mapping(mapped["layer_types"]),
         conversions=[
             # MoE and dense MLPs are both `block_sparse_moe` in the hub layout.
             WeightRenaming(r"\.block_sparse_moe\.", ".mlp."),

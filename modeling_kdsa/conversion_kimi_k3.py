@@ -12,7 +12,6 @@ from .conversion_common import (
     ForeignCheckpointPlan,
     Reshape,
     build_plan,
-    kda_key_mapping,
     only_tensor,
     stacked_experts,
 )
@@ -182,7 +181,6 @@ def kimi_k3_plan(raw: dict, checkpoint_keys: list[str], overrides: dict) -> Fore
         "kimi_k3",
         mapped,
         overrides,
-        key_mapping=kda_key_mapping(mapped["layer_types"]),
         conversions=[
             WeightRenaming(r"^language_model\.model\.", "model."),
             WeightRenaming(r"^language_model\.lm_head\.", "lm_head."),

@@ -166,25 +166,16 @@ def glm5_next_config(config: KDSAConfig) -> Glm5NextConfig:
 
 def deepseek_v32_layer_config(config: KDSAConfig) -> DeepseekV32Config:
     """A one-layer DeepseekV32 config whose attention has exactly our DSA dims."""
+    shared = (
+        "vocab_size", "hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+        "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk", "rms_norm_eps",
+        "max_position_embeddings", "n_routed_experts", "num_experts_per_tok",
+    )  # fmt: skip
     return DeepseekV32Config(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
+        **{name: getattr(config, name) for name in shared},  # named alike in both configs
         num_hidden_layers=1,
-        num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_attention_heads,
-        q_lora_rank=config.q_lora_rank,
-        kv_lora_rank=config.kv_lora_rank,
-        qk_nope_head_dim=config.qk_nope_head_dim,
-        qk_rope_head_dim=config.qk_rope_head_dim,
-        v_head_dim=config.v_head_dim,
-        index_n_heads=config.index_n_heads,
-        index_head_dim=config.index_head_dim,
-        index_topk=config.index_topk,
         rope_parameters=dict(config.rope_parameters),
-        rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings,
-        n_routed_experts=config.n_routed_experts,
-        num_experts_per_tok=config.num_experts_per_tok,
         n_group=1,
         topk_group=1,
     )
