@@ -75,7 +75,7 @@ def plan_foreign_load(raw_config: dict, keys: list[str], overrides: dict | None 
         raise ValueError(f"loading {model_type!r} checkpoints into KDSA is not implemented yet")
     if plan.fp8_block is not None:
         # FP8 checkpoints: the converters also dequantize (conversion_fp8.py).
-        plan.conversions = dequantizing(plan.conversions, plan.fp8_block)
+        plan.conversions = dequantizing(plan.conversions, plan.fp8_block, plan.config.kernel_backend)
     return plan
 
 
@@ -129,7 +129,7 @@ def load_foreign(cls, path: str, raw_config: dict, model_args: tuple, kwargs: di
         if plan.fp8_block is None:
             raise ValueError(f"fp8_weights='hold': {path!r} has no FP8 quantization_config (nothing to hold in FP8)")
         held = dict.fromkeys(fp8_held_layers(plan, keys), plan.fp8_block)
-        plan.conversions = holding(plan.conversions, plan.fp8_block)
+        plan.conversions = holding(plan.conversions, plan.fp8_block, plan.config.kernel_backend)
     want_info = kwargs.pop("output_loading_info", False)
     # Size mismatches come back in the loading info, so that the strict check below names them (transformers'
     # own error does not say which tensor); they are never ignored.

@@ -57,23 +57,25 @@ def fp8_quantization_fields(fields: ConfigFields, mapped: dict) -> None:
 class BlockFP8Dequantize(Fp8Dequantize):
     """transformers' FP8 dequantize op with the block size taken from the config instead of inferred from the scale
     grid: DeepSeek's grids round up (`kv_a_proj_with_mqa` has 576 rows = 4.5 blocks of 128, scale grid 5 rows),
-    which the inferring op rejects. Output: the destination parameter's dtype (fp32 when unknown)."""
+    which the inferring op rejects. Output: the destination parameter's dtype (fp32 when unknown). The tiles go
+    through `kernel_backend`'s `fp8_dequantize`, the model's own backend (kernels.py)."""
 
-    def __init__(self, block_size: tuple[int, int]):
+    def __init__(self, block_size: tuple[int, int], kernel_backend: str):
         super().__init__(hf_quantizer=None)
         self.block_size = block_size
+        self.kernel_backend = kernel_backend
 
     def _dequantize_one(self, quantized, scales, output_dtype=None):
         # Without a quantizer the loader has already cast the E4M3 values to the load dtype; E4M3 -> fp32 / bf16 is
         # exact, the scales are rounded to bf16 in a bf16 load (2^-9 relative, far below E4M3's 2^-4).
         check_tile_grid(quantized, scales, self.block_size)
-        return dequantize_tiles(quantized, scales, self.block_size, output_dtype or torch.float32)
+        return dequantize_tiles(quantized, scales, self.block_size, output_dtype or torch.float32, self.kernel_backend)
 
 
-def dequantizing(conversions: list, block: tuple[int, int]) -> list:
+def dequantizing(conversions: list, block: tuple[int, int], kernel_backend: str) -> list:
     """The plan's converters also collect each weight's `weight_scale_inv` and dequantize first (before an expert
     merge), as transformers' quantizers extend a model's converters; one last converter dequantizes every other
-    weight."""
+    weight. `kernel_backend`: the loaded model's (`BlockFP8Dequantize`)."""
     extended = []
     for converter in conversions:
         sources = getattr(converter, "_original_source_patterns", None)
@@ -84,10 +86,11 @@ def dequantizing(conversions: list, block: tuple[int, int]) -> list:
             converter = converter.copy(
                 with_scales,
                 converter._original_target_patterns,
-                operations=[BlockFP8Dequantize(block), *converter.operations],
+                operations=[BlockFP8Dequantize(block, kernel_backend), *converter.operations],
             )
         extended.append(converter)
-    return [*extended, WeightConverter(["weight", "weight_scale_inv"], "weight", [BlockFP8Dequantize(block)])]
+    catch_all = WeightConverter(["weight", "weight_scale_inv"], "weight", [BlockFP8Dequantize(block, kernel_backend)])
+    return [*extended, catch_all]
 
 
 def fp8_unreadable(folder: str, keys: list[str]) -> list[str]:
@@ -137,11 +140,15 @@ def fp8_held_layers(plan: ForeignCheckpointPlan, keys: list[str]) -> list[str]:
     return held
 
 
-def holding(conversions: list, block: tuple[int, int]) -> list:
+def holding(conversions: list, block: tuple[int, int], kernel_backend: str) -> list:
     """`dequantizing`'s converters with the catch-all narrowed to `_FP8_WEIGHT_READ_DIRECTLY`: every other plainly
     renamed FP8 weight and its scale load as they are into a `KDSAFP8Linear`."""
     narrowed = [
-        WeightConverter([f"{name}.weight", f"{name}.weight_scale_inv"], f"{name}.weight", [BlockFP8Dequantize(block)])
+        WeightConverter(
+            [f"{name}.weight", f"{name}.weight_scale_inv"],
+            f"{name}.weight",
+            [BlockFP8Dequantize(block, kernel_backend)],
+        )
         for name in _FP8_WEIGHT_READ_DIRECTLY
     ]
     return [*conversions[:-1], *narrowed]

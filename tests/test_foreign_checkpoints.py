@@ -46,7 +46,7 @@ from transformers import (
     AutoModelForImageTextToText,
 )
 
-from modeling_kdsa import KDSAConfig, KDSAForCausalLM, KDSAQuantizationConfig, cpu_fp8_dequantize
+from modeling_kdsa import KDSAConfig, KDSAForCausalLM, KDSAQuantizationConfig, cpu_fp8_dequantize, fp8_linear
 from modeling_kdsa.conversion import plan_foreign_load
 from modeling_kdsa.cpu_row_linear import MAX_ROWS
 from modeling_kdsa.fp8_linear import KDSAFP8Linear
@@ -801,6 +801,19 @@ def test_fp8_held_bf16_decode_runs_the_fused_kernel_eagerly_and_compiled(deepsee
         torch._dynamo.reset()
     assert torch.equal(got, expected)
     assert len(graphs) == 1 and any("fp8_row_linear" in target for target in graph_targets(graphs))
+
+
+@pytest.mark.parametrize("fp8_weights", ["hold", "dequantize"])
+@pytest.mark.parametrize("kernel_backend", ["torch", "cpu"])
+def test_fp8_load_dequantizes_with_the_models_backend(deepseek, tmp_path, monkeypatch, kernel_backend, fp8_weights):
+    """The load's dequantization takes its `fp8_dequantize` from the model's `kernel_backend` (kernels.py), as the
+    model's layers do: `torch` is the pure reference at load too, never the device policy's `auto`."""
+    fp8_copy(deepseek.folder, tmp_path / "fp8", block=16)
+    asked = []
+    choose = fp8_linear.kernel_set
+    monkeypatch.setattr(fp8_linear, "kernel_set", lambda backend, device=None: asked.append(backend) or choose(backend))
+    KDSAForCausalLM.from_pretrained(tmp_path / "fp8", kernel_backend=kernel_backend, fp8_weights=fp8_weights)
+    assert asked and set(asked) == {kernel_backend}
 
 
 @pytest.mark.parametrize("fp8_weights", ["hold", "dequantize"])
