@@ -310,6 +310,22 @@ def test_chained_layers_keep_their_own_token_counts_and_bad_calls_are_refused():
             model.mtp(0, hidden, ids + 64)
 
 
+def test_mtp_cache_capacity_is_per_layer_and_a_refused_write_keeps_the_pages():
+    """`max_cache_tokens` bounds each MTP layer's own count: layer 1 may still take pairs once layer 0 is full."""
+    torch.manual_seed(0)
+    model = KDSAForCausalLM(tiny_config()).eval()
+    ids = torch.randint(0, 64, (1, 9))
+    with torch.no_grad():
+        hidden = model.model(ids).last_hidden_state
+        cache = KDSAMTPCache(model.config.mtp_config(), max_cache_tokens=7)
+        first = model.mtp(0, hidden[:, :7], ids[:, 1:8], cache=cache)
+        with pytest.raises(ValueError, match="capacity exceeded: 7 cached.*MTP layer 0 still holds 7 tokens"):
+            model.mtp(0, hidden[:, 7:8], ids[:, 8:9], cache=cache)
+        assert cache.get_seq_length(0) == 7
+        model.mtp(1, first[:, :6], ids[:, 2:8], cache=cache)
+        assert cache.get_seq_length(1) == 6
+
+
 def test_train_mtp_writes_only_the_mtp_tensors_and_keeps_the_others_bit_identical(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
     from train_mtp import build_mtp, write_checkpoint
