@@ -100,10 +100,11 @@ class KDSAConfig(PreTrainedConfig):
     model_type = "kdsa"
     keys_to_ignore_at_inference = ["past_key_values"]
     # transformers' tensor parallelism (`from_pretrained(..., tp_plan="auto")`): one KDSA style per module kind, which
-    # modeling_kdsa.parallel registers (parallel/hf_plans.py; docs/parallel.md §10). Embeddings stay whole. No
-    # `base_model_pp_plan`: a decoder layer passes a residual-stream object, not named tensors (docs/parallel.md §6).
+    # modeling_kdsa.parallel registers (parallel/hf_plans.py; docs/parallel.md §10); the embedding by vocabulary rows
+    # (`lm_head` too: `KDSAForCausalLM._tp_plan`). No `base_model_pp_plan`: a decoder layer passes a residual-stream
+    # object, not named tensors (docs/parallel.md §6).
     base_model_tp_plan = {
-        "embed_tokens": "replicate",
+        "embed_tokens": "kdsa_vocab_embedding",
         "layers.*.linear_attn": "kdsa_kda_heads",
         "layers.*.self_attn": "kdsa_mla_heads",
         "layers.*.mlp": "kdsa_feed_forward",

@@ -477,17 +477,20 @@ class DSparkDraftModel(PreTrainedModel):
                 f"{text_config.vocab_size}"
             )
         if not config.owns_embeddings:
+            # The module's sizes, not its weight's: under tensor parallelism the target holds some vocabulary rows only
+            # (docs/parallel.md §5), and its embedding and head still take and return the whole vocabulary.
             embed = target.get_input_embeddings()
-            if tuple(embed.weight.shape) != (config.vocab_size, config.hidden_size):
+            if (embed.num_embeddings, embed.embedding_dim) != (config.vocab_size, config.hidden_size):
+                shape = (embed.num_embeddings, embed.embedding_dim)
                 raise ValueError(
-                    f"DSpark draft shares the target's embed_tokens, which is {tuple(embed.weight.shape)}; the draft "
+                    f"DSpark draft shares the target's embed_tokens, which is {shape}; the draft "
                     f"needs ({config.vocab_size}, {config.hidden_size})"
                 )
             object.__setattr__(self, "_shared_embed", embed)
             if not config.reduced_vocabulary:
                 head = target.get_output_embeddings()
-                if head is None or tuple(head.weight.shape) != (config.vocab_size, config.hidden_size):
-                    shape = None if head is None else tuple(head.weight.shape)
+                if head is None or (head.out_features, head.in_features) != (config.vocab_size, config.hidden_size):
+                    shape = None if head is None else (head.out_features, head.in_features)
                     raise ValueError(f"DSpark draft shares the target's lm_head, which is {shape}; the draft needs "
                                      f"({config.vocab_size}, {config.hidden_size})")  # fmt: skip
                 object.__setattr__(self, "_shared_lm_head", head)

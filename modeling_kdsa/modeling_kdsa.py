@@ -37,6 +37,7 @@ from .conversion import (
 )
 from .decoder_layer import KDSADecoderLayer, PlainResidualStream
 from .dsa import KDSAIndexer
+from .embedding import KDSAEmbedding
 from .fp8_linear import KDSAFP8Linear
 from .hyper_connections import HyperConnectionStream, KDSAHyperConnection
 from .kda import KDSAKimiDeltaAttention
@@ -166,7 +167,7 @@ class KDSAModel(KDSAPreTrainedModel):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.embed_tokens = KDSAEmbedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([KDSADecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = KDSARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # RoPE tables only when some layer rotates: the indexer of a DSA layer always does, MLA unless mla_use_nope.
@@ -364,9 +365,10 @@ def _tensor_parallel_loading(cls, path, kwargs: dict):
 
 class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    # The head stays whole under tensor parallelism, as the embedding does (`base_model_tp_plan`): a tied head is the
-    # embedding's parameter, so the plan names both with the same style.
-    _tp_plan = {"lm_head": "replicate"}
+    # Under tensor parallelism the head is cut by vocabulary rows, as the embedding is (`base_model_tp_plan`), and its
+    # logits are all-gathered (parallel/hf_plans.py). A tied head is cut by its own plan too and tied back to the cut
+    # embedding after the load (docs/parallel.md §5).
+    _tp_plan = {"lm_head": "kdsa_vocab_head"}
     # module name -> FP8 block: layers built as KDSAFP8Linear (docs/checkpoint-conversion.md §9); set by load_foreign.
     _fp8_held_layers: dict = {}
 

@@ -377,7 +377,8 @@ def _prompt_lookup(model, generation_config) -> PromptLookup | None:
     if num_tokens is None:
         return None
     max_ngram = generation_config.max_matching_ngram_size or DEFAULT_MAX_NGRAM
-    return PromptLookup(int(num_tokens), int(max_ngram), model.get_output_embeddings().weight.shape[0])
+    # `out_features`: the whole vocabulary also when tensor parallelism holds only some of the head's rows here.
+    return PromptLookup(int(num_tokens), int(max_ngram), model.get_output_embeddings().out_features)
 
 
 def _drafter(model, generation_config, batch_size: int, assistant_model):

@@ -1,7 +1,7 @@
 """CP × TP parallelism for KDSA prefill (docs/parallel.md): a (cp, tp) mesh, the Zigzag layout, KDA state passing,
-DSA with all-gathered keys, and a head / intermediate-dim tensor-parallel plan; expert parallelism over a (tp, ep)
-mesh with all-to-all dispatch and combine (docs/parallel.md §9); the hand-over from a (cp, tp) prefill to a (tp, ep)
-decode on the same ranks (docs/parallel.md §11); KDSA's styles for transformers' own tensor-parallel
+DSA with all-gathered keys, and a head / intermediate-dim / vocabulary tensor-parallel plan; expert parallelism over
+a (tp, ep) mesh with all-to-all dispatch and combine (docs/parallel.md §9); the hand-over from a (cp, tp) prefill to a
+(tp, ep) decode on the same ranks (docs/parallel.md §11); KDSA's styles for transformers' own tensor-parallel
 loading, `from_pretrained(..., tp_plan="auto")` (docs/parallel.md §10). See README "Parallelism"."""
 
 from .context_parallel import MeshSequenceContext, PrefillOutput, PrefillStats, context_parallel_prefill

@@ -13,11 +13,14 @@ Its built-in styles cut one linear at a time, while a KDA head spans its q/k/v p
 `dt_bias`, `A_log` `[1, 1, H, 1]`, `b_proj` and the output gate, and the layer's head counts must shrink with them
 (docs/parallel.md §5, §6). So KDSA registers one style per module kind — `kdsa_kda_heads` (a KDA layer),
 `kdsa_mla_heads` (an MLA / DSA layer; the indexer stays whole), `kdsa_feed_forward` (a dense MLP or an MoE: the
-intermediate dim) — each taking its cuts from `parallel/tensor_parallel.py`'s `ShardPlan`s, the same description
-`apply_tensor_parallel` slices a loaded model by. The style turns each cut parameter into a DTensor placeholder
-(`ParameterCut.placement()`: `Shard(dim)`, or `_StridedShard` for the stacked gate / up rows), sets the module's local
-sizes, and hooks the all-reduce after `o_proj` / the MLP. After loading, `finish_tensor_parallel_load` swaps each
-DTensor for its local piece (a plain tensor, no copy) and zeroes row-parallel biases off rank 0, so the model's own
+intermediate dim), `kdsa_vocab_embedding` and `kdsa_vocab_head` (the input embedding and `lm_head` by vocabulary rows,
+unevenly where tp does not divide the vocabulary; each rank reads only its rows) — each taking its cuts from
+`parallel/tensor_parallel.py`'s `ShardPlan`s, the same description `apply_tensor_parallel` slices a loaded model by.
+The style turns each cut parameter into a DTensor placeholder (`ParameterCut.placement()`: `Shard(dim)`, or
+`_StridedShard` for the stacked gate / up rows), sets the module's local sizes, and hooks the all-reduce after
+`o_proj` / the MLP / the embedding (the all-gather of the logits after the head). After loading,
+`finish_tensor_parallel_load` swaps each DTensor for its local piece (a plain tensor, no copy), ties a tied head back
+to the cut embedding and zeroes row-parallel biases off rank 0, so the model's own
 forward, kernels and `generate` run as after `apply_tensor_parallel`. `A_log` and the short-conv weights are the
 exception (`ParameterCut.read_whole`): some families store them in another layout (flat, zero-padded, fused), which
 the slicing of the stored tensor cannot follow, so they are read whole, converted and cut after the load.
@@ -47,17 +50,23 @@ from .expert_parallel import init_expert_parallel_mesh, wrap_local_experts
 from .mesh import ParallelMesh, default_device_and_backend, raise_on_all_ranks
 from .tensor_parallel import (
     ShardPlan,
-    all_reduce_output_hook,
+    embedding_shard_plan,
     feed_forward_shard_plan,
     kda_shard_plan,
+    lm_head_shard_plan,
     mla_shard_plan,
+    output_hook,
     tensor_parallel_errors,
+    tied_head,
+    vocab_shard_plans,
 )
 
 STYLE_PLANS = {
     "kdsa_kda_heads": kda_shard_plan,
     "kdsa_mla_heads": mla_shard_plan,
     "kdsa_feed_forward": feed_forward_shard_plan,
+    "kdsa_vocab_embedding": embedding_shard_plan,
+    "kdsa_vocab_head": lm_head_shard_plan,
 }
 
 _PARALLEL_MESHES: dict[int, tuple[object, ParallelMesh]] = {}
@@ -98,9 +107,9 @@ class KDSAHeadShardStyle(TensorParallelLayer):
             placeholder = cut.owner._parameters[cut.name]
             sharded = distribute_tensor(placeholder, mesh, [cut.placement()], src_data_rank=None)
             cut.owner._parameters[cut.name] = nn.Parameter(sharded, requires_grad=placeholder.requires_grad)
-        plan.localize(mesh.size())
+        plan.localize(mesh.get_local_rank(), mesh.size())
         parallel_mesh = _parallel_mesh(mesh)
-        plan.reduced.register_forward_hook(all_reduce_output_hook(parallel_mesh, plan.tag))
+        plan.reduced.register_forward_hook(output_hook(plan, parallel_mesh))
         module._kdsa_shard_plan = plan
         module._kdsa_parallel_mesh = parallel_mesh
         # A load that does not go through KDSAForCausalLM.from_pretrained (AutoModel: `KDSAModel`) finishes here.
@@ -297,8 +306,8 @@ def _shard_for_experts(module: nn.Module, plan: ShardPlan, mesh, is_moe: bool) -
         sharded = distribute_tensor(placeholder, device_mesh, placements, src_data_rank=None)
         cut.owner._parameters[cut.name] = nn.Parameter(sharded, requires_grad=placeholder.requires_grad)
     if tp_size > 1:
-        plan.localize(tp_size)
-        plan.reduced.register_forward_hook(all_reduce_output_hook(mesh.tp, plan.tag))
+        plan.localize(mesh.tp.tp_rank, tp_size)
+        plan.reduced.register_forward_hook(output_hook(plan, mesh.tp))
     if experts is not None:
         experts.num_experts //= mesh.ep_size
     module._kdsa_shard_plan = plan
@@ -317,15 +326,28 @@ def _distribute_for_experts(model: nn.Module, tp_size: int, ep_size: int) -> nn.
             _shard_for_experts(mixer, (kda_shard_plan if kda else mla_shard_plan)(mixer), mesh, is_moe=False)
         if tp_size > 1 or is_moe:
             _shard_for_experts(layer.mlp, feed_forward_shard_plan(layer.mlp), mesh, is_moe)
+    if tp_size > 1:  # the embedding and head by vocabulary rows over each tp group; whole under ep alone
+        for plan in vocab_shard_plans(model):
+            _shard_for_experts(plan.reduced, plan, mesh, is_moe=False)
     model.__dict__["_kdsa_expert_parallel_mesh"] = mesh
     return model
 
 
-def _finish_expert_parallel(model: nn.Module, mesh) -> None:
-    """After the load: local tensors, this rank's block of packed experts, the experts behind the all-to-all."""
+def _localize_all(model: nn.Module) -> None:
+    """`_localize` every planned module of a loaded model. transformers ties a tied head to the embedding's DTensor
+    after the load, and each module's `_localize` gives it a local parameter of its own (the same storage): the head
+    is tied back to the embedding's."""
+    tied = tied_head(model)
     for module in model.modules():
         if "_kdsa_shard_plan" in module.__dict__:
             _localize(module)
+    if tied:
+        model.lm_head.weight = getattr(model, "model", model).embed_tokens.weight
+
+
+def _finish_expert_parallel(model: nn.Module, mesh) -> None:
+    """After the load: local tensors, this rank's block of packed experts, the experts behind the all-to-all."""
+    _localize_all(model)
     for layer in getattr(model, "model", model).layers:
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None and experts.mxfp4:
@@ -368,9 +390,7 @@ def finish_tensor_parallel_load(model: nn.Module) -> nn.Module:
     if mesh is not None:
         _finish_expert_parallel(model, mesh)
         return model
-    for module in model.modules():
-        if "_kdsa_shard_plan" in module.__dict__:
-            _localize(module)
+    _localize_all(model)
     return model
 
 

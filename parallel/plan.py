@@ -10,10 +10,10 @@ by ep, by both, or replicated; docs/memory-plan.md §2). Cache bytes come from t
 MLA stores' `bytes_per_token` and the KDA layer's `memory_bytes` (modeling_kdsa/cache.py). Activations are an
 estimate whose formula is `ACTIVATION_FORMULA` (docs/memory-plan.md §4).
 
-The layouts are those the package plans for sharded loading (tp for heads and dense widths, ep for whole routed
-experts). The package runs these layouts for dense routed experts (`apply_expert_parallel`, docs/parallel.md §9) and
-ep alone for LatentMoE and packed MXFP4 experts; with tp > 1 their layout (whole experts over all tp × ep ranks) is
-planned here but not runnable yet.
+The layouts are those the package plans for sharded loading (tp for heads, dense widths and the vocabulary rows of
+the embedding and head, ep for whole routed experts). The package runs these layouts for dense routed experts
+(`apply_expert_parallel`, docs/parallel.md §9) and ep alone for LatentMoE and packed MXFP4 experts; with tp > 1 their
+layout (whole experts over all tp × ep ranks) is planned here but not runnable yet.
 """
 
 import argparse
@@ -31,6 +31,8 @@ from modeling_kdsa.configuration_kdsa import DSA_LAYER, KDA_LAYER, MLA_LAYER, KD
 from modeling_kdsa.conversion import FOREIGN_MODEL_TYPES, checkpoint_keys, fp8_held_layers, plan_foreign_load
 from modeling_kdsa.modeling_kdsa import KDSAForCausalLM
 from modeling_kdsa.numeric_formats import INDEXER_FORMATS, KV_CACHE_FORMATS, CacheFormats
+
+from .tensor_parallel import vocab_split_error
 
 GiB = 2**30
 
@@ -178,6 +180,8 @@ _SHARD_RULES = [
     (r"\.mlp\.experts\.", "ep_tp"),
     (r"\.mlp\.(gate|routed_expert_down_proj|routed_expert_up_proj|routed_expert_norm)\.", "replicated"),
     (r"\.mlp\.(gate_proj|up_proj|down_proj)\.", "tp"),
+    # The input embedding and the head by vocabulary rows (a tied head is the embedding's tensor, counted once).
+    (r"^(model\.embed_tokens|lm_head)\.", "tp"),
 ]
 
 
@@ -433,6 +437,9 @@ def layout_errors(config, tp: int, ep: int) -> list[str]:
         if experts_split_by_tp(config):
             sizes["moe_intermediate_size"] = config.moe_intermediate_size
     errors += [f"tp={tp} does not divide {name}={value}" for name, value in sizes.items() if value % tp]
+    vocab_error = vocab_split_error(config.vocab_size, tp)  # an uneven vocabulary split is fine, an empty rank not
+    if vocab_error is not None:
+        errors.append(vocab_error)
     if "sparse" in config.mlp_layer_types:
         experts = config.n_routed_experts
         if experts_split_by_tp(config) and experts % ep:

@@ -558,10 +558,11 @@ def test_plan_is_declared_and_its_styles_registered():
     from modeling_kdsa.parallel import hf_plans
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
-    from modeling_kdsa import KDSAConfig
+    from modeling_kdsa import KDSAConfig, KDSAForCausalLM
 
-    plan = KDSAConfig.base_model_tp_plan
-    assert set(plan.values()) - {"replicate"} == set(hf_plans.STYLE_PLANS)
+    plan = {**KDSAConfig.base_model_tp_plan, **KDSAForCausalLM._tp_plan}
+    assert set(plan.values()) == set(hf_plans.STYLE_PLANS)
+    assert (plan["embed_tokens"], plan["lm_head"]) == ("kdsa_vocab_embedding", "kdsa_vocab_head")
     assert all(style in ALL_PARALLEL_STYLES for style in plan.values())
     assert KDSAConfig.base_model_pp_plan is None
 
