@@ -221,6 +221,26 @@ def wrap_local_experts(model, mesh: ExpertParallelMesh) -> None:
         model.expert_parallel_group = mesh.ep_group
 
 
+def gather_expert_parallel_state_dict(model, state_dict: dict) -> dict:
+    """`state_dict` of an expert-parallel `model` with each MoE layer's routed experts gathered whole over its ep
+    group, under the unsharded model's names (`….mlp.experts.gate_up_proj`, not `….experts.local_experts.…`): every
+    stacked weight and packed MXFP4 buffer, concatenated by expert in ep-rank order (rank r holds experts
+    `[r·E/ep, (r+1)·E/ep)`). Expert tensors cut by tp must be gathered whole over tp first
+    (`tensor_parallel.gather_whole_state_dict`). A collective over the ep group: every rank calls it (save_pretrained,
+    docs/parallel.md §10)."""
+    whole = dict(state_dict)
+    for prefix, module in model.named_modules():
+        if not isinstance(module, ExpertParallelExperts):
+            continue
+        local_prefix = f"{prefix}.local_experts."
+        for key in [key for key in state_dict if key.startswith(local_prefix)]:
+            local = whole.pop(key).contiguous()
+            pieces = [torch.empty_like(local) for _ in range(module.ep_size)]
+            dist.all_gather(pieces, local, group=module.ep_group)
+            whole[prefix + "." + key.removeprefix(local_prefix)] = torch.cat(pieces)
+    return whole
+
+
 def _keep_experts(experts: KDSAExperts, start: int, end: int) -> None:
     """Keep experts `[start, end)` of every stacked weight (whole experts: packed MXFP4 rows and their scales move
     as stored), in place."""
@@ -278,6 +298,7 @@ __all__ = [
     "apply_expert_parallel",
     "expert_parallel_errors",
     "expert_parallel_mesh",
+    "gather_expert_parallel_state_dict",
     "init_expert_parallel_mesh",
     "wrap_local_experts",
 ]

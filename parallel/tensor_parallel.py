@@ -225,7 +225,7 @@ def feed_forward_shard_plan(mlp: KDSAMLP | KDSAMoE) -> ShardPlan:
     if getattr(mlp, "experts", None) is None:  # by attribute: remote-code copies of the classes shard too
         cuts, localize = _mlp_cuts(mlp)
         return ShardPlan(cuts, [mlp.down_proj], mlp, "tp.mlp", localize)
-    experts = mlp.experts
+    experts = getattr(mlp.experts, "local_experts", mlp.experts)  # behind expert parallelism's dispatch, or bare
     cuts = [ParameterCut(experts, "gate_up_proj", 1, blocks=2), ParameterCut(experts, "down_proj", 2)]
     summed, localize_shared = [], lambda rank, size: None
     if mlp.shared_experts is not None:

@@ -195,7 +195,6 @@ def _expert_parallel_checks(results: dict, layout, folders: dict, odd_experts_fo
         reference = KDSAForCausalLM.from_pretrained(folder, dtype=torch.float32)
         _compare_expert_parallel(results, f"{prefix}_{name}", sharded, reference, vocab)
         if name == "checkpoint":
-            results[f"{prefix}_error_save"] = _expect_error(lambda m=sharded: m.save_pretrained(tempfile.mkdtemp()))
             results[f"{prefix}_error_mtp"] = _expect_error(
                 lambda m=sharded: m.generate(torch.tensor([[5, 6, 7]]), use_mtp=True, max_new_tokens=4)
             )
@@ -483,7 +482,6 @@ def test_all_reduces_run_after_each_sharded_module(two_ranks):
         ("error_mixed", "rank 1: tp_size=4 but the world size is 2"),
         ("error_fp8", "sharded loading of an FP8 'glm5_next' folder is not supported"),
         ("tp1_ep2_error_experts", "ep_size=2 must divide n_routed_experts=3"),
-        ("tp1_ep2_error_save", "each rank holds only its experts"),
         ("tp1_ep2_error_mtp", "not supported under expert parallelism"),
     ],
 )
@@ -530,7 +528,6 @@ def test_expert_parallel_load_tp2_ep2_matches_the_single_process(four_ranks, nam
         ("tp2_ep2_error_experts", "ep_size=2 must divide n_routed_experts=3"),
         ("error_heads", "linear_num_heads=3"),
         ("error_world_size", "tp_size=2 but the world size is 4"),
-        ("tp2_ep2_error_save", "each rank holds only its experts"),
     ],
 )
 def test_expert_parallel_load_tp2_ep2_refusals_on_every_rank(four_ranks, key, words):

@@ -1,12 +1,12 @@
-"""save_pretrained of a tensor-parallel model (docs/parallel.md §10), on gloo with 2 processes: every rank calls it,
-the cut tensors are gathered over the tp group, global rank 0 writes, and the folder loads whole in one process with
-the whole model's tensors, bit for bit. An expert-parallel model refuses to save, on every rank, before any
-collective."""
+"""save_pretrained of a sharded model (docs/parallel.md §10), on gloo: every rank calls it, the cut tensors are
+gathered over the tp group and the routed experts over the ep group, global rank 0 writes, and the folder loads whole
+in one process with the whole model's tensors, bit for bit: tp = 2 and ep = 2 (2 processes), tp 2 × ep 2 (4)."""
 
 import functools
 import json
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,21 +59,45 @@ def _scenario(rank: int, results: dict, out_dir: str) -> None:
     model.save_pretrained(tiny_folder)
     results["tiny_saved"] = _state(KDSAForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32))
 
-    # Expert parallelism: the same refusal on every rank, nothing written.
-    ep_model = KDSAForCausalLM.from_pretrained(CHECKPOINT, distributed_config={"tp_size": 1, "ep_size": 2})
-    ep_folder = os.path.join(out_dir, "from_ep")
-    try:
-        ep_model.save_pretrained(ep_folder)
-    except ValueError as error:
-        results["ep_error"] = str(error)
-    results["ep_folder_exists"] = os.path.exists(ep_folder)
+    # Expert parallelism, ep = 2: the shipped checkpoint, and Kimi K3's packed MXFP4 LatentMoE experts.
+    k3_folder = os.path.join(out_dir, "kimi_k3_mxfp4")
+    if rank == 0:
+        from test_distributed_loading import _write_kimi_k3_folder
+
+        _write_kimi_k3_folder(Path(k3_folder), published=True)
     dist.barrier()
+    for name, folder in (("ep_checkpoint", CHECKPOINT), ("ep_k3", k3_folder)):
+        ep_model = KDSAForCausalLM.from_pretrained(folder, distributed_config={"tp_size": 1, "ep_size": 2})
+        experts = next(layer.mlp.experts for layer in ep_model.model.layers if hasattr(layer.mlp, "experts"))
+        results[f"{name}_experts"] = (experts.local_experts.num_experts, ep_model.config.n_routed_experts)
+        ep_model.save_pretrained(os.path.join(out_dir, name))
+        results[f"{name}_saved"] = _state(KDSAForCausalLM.from_pretrained(os.path.join(out_dir, name)))
+        results[f"{name}_whole"] = _state(KDSAForCausalLM.from_pretrained(folder))
+    dist.barrier()
+
+
+def _scenario_four(rank: int, results: dict, out_dir: str) -> None:
+    """tp 2 × ep 2 on 4 processes: the experts are cut by tp inside each ep rank's block, gathered over both."""
+    from modeling_kdsa import KDSAForCausalLM
+
+    model = KDSAForCausalLM.from_pretrained(CHECKPOINT, distributed_config={"tp_size": 2, "ep_size": 2})
+    experts = model.model.layers[1].mlp.experts.local_experts
+    results["local_expert_shape"] = tuple(experts.down_proj.shape)
+    model.save_pretrained(os.path.join(out_dir, "tp2_ep2"))
+    results["saved"] = _state(KDSAForCausalLM.from_pretrained(os.path.join(out_dir, "tp2_ep2")))
+    results["whole"] = _state(KDSAForCausalLM.from_pretrained(CHECKPOINT))
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:  # shared by both ranks: rank 0 writes, both read
-        return run_on_ranks(functools.partial(_scenario, out_dir=folder), 2, timeout_s=300)
+        return run_on_ranks(functools.partial(_scenario, out_dir=folder), 2, timeout_s=400)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    with tempfile.TemporaryDirectory() as folder:
+        return run_on_ranks(functools.partial(_scenario_four, out_dir=folder), 4, timeout_s=400)
 
 
 def _assert_same_state(saved: dict, whole: dict) -> None:
@@ -102,7 +126,19 @@ def test_apply_tensor_parallel_model_saves_the_whole_model_with_its_biases(two_r
         _assert_same_state(result["tiny_gathered"], result["tiny_whole"])  # rank 1 too: its zero biases summed in
 
 
-def test_expert_parallel_model_refuses_to_save_on_every_rank(two_ranks):
+@pytest.mark.parametrize("name", ["ep_checkpoint", "ep_k3"])
+def test_expert_parallel_model_saves_the_whole_model(two_ranks, name):
+    """Each rank holds half the routed experts (stacked weights, or K3's packed MXFP4 buffers); the saved folder has
+    them all, in order, under the unsharded names."""
     for result in two_ranks:
-        assert "expert-parallel" in result["ep_error"] and "each rank holds only its experts" in result["ep_error"]
-        assert not result["ep_folder_exists"]
+        local, total = result[f"{name}_experts"]
+        assert local * 2 == total
+        _assert_same_state(result[f"{name}_saved"], result[f"{name}_whole"])
+
+
+def test_tensor_and_expert_parallel_model_saves_the_whole_model(four_ranks):
+    whole = four_ranks[0]["whole"]["model.layers.1.mlp.experts.down_proj"]
+    for result in four_ranks:
+        experts, width, intermediate = whole.shape
+        assert result["local_expert_shape"] == (experts // 2, width, intermediate // 2)
+        _assert_same_state(result["saved"], result["whole"])
