@@ -13,9 +13,14 @@ heads (every cp rank folds the same start states, §3). So no token moves, only 
 - `tp = 1` (e.g. cp 2 → tp 2): every rank prefilled with the whole model; it cuts the model for its decode
   `(tp', ep)` rank (`apply_expert_parallel`, or `apply_tensor_parallel` when ep = 1) and keeps the KDA states of its
   tp' heads (the same contiguous head blocks `kda_shard_plan` cuts the projections by).
-Moving head shards between ranks (a prefill tp other than 1 or the decode's) is refused. With ep > 1 each ep rank
-then decodes its own consecutive share of the batch (`ExpertParallelMesh.batch_rows`, §9), so the cache keeps those
-rows only.
+- any other prefill tp (e.g. cp 2 × tp 2 → tp 4, or tp 2 → ep 2): the head shards move (`_recut`). Layer by
+  layer, the rank gathers the layer's cut tensors whole over the prefill's tp group into a fresh whole layer built
+  from the config, gathers the KDA state of that layer's heads whole the same way, keeps its decode tp rank's heads
+  of the state, and cuts the fresh layer for its decode tp rank and its experts for its ep block; the embedding and
+  `lm_head` are gathered and cut again in place. A rank holds at most one whole decoder layer (or the embedding, or
+  the head) beyond its decode shards.
+With ep > 1 each ep rank then decodes its own consecutive share of the batch (`ExpertParallelMesh.batch_rows`, §9),
+so the cache keeps those rows only.
 
 Exactness: the cache a decode rank holds is, value for value, the slice of the single-process prefill cache that
 rank would have built for its heads and rows, up to the fp32 summation order of the CP prefill (§8); the decode then
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from modeling_kdsa.cache import KDAReplayLayer, KDSACache
 from modeling_kdsa.configuration_kdsa import KDA_LAYER
@@ -40,7 +46,15 @@ from .expert_parallel import (
     expert_parallel_mesh,
 )
 from .mesh import ParallelMesh, default_device_and_backend, raise_on_all_ranks
-from .tensor_parallel import apply_tensor_parallel, tensor_parallel_errors
+from .tensor_parallel import (
+    apply_tensor_parallel,
+    gather_plan_tensors,
+    layer_shard_plans,
+    shard_plans,
+    tensor_parallel_errors,
+    tied_head,
+    vocab_shard_plans,
+)
 
 
 @dataclass
@@ -83,12 +97,6 @@ def hand_over_errors(model, cache, prefill_mesh: ParallelMesh, tp_size: int, ep_
             f"the decode mesh tp·ep = {tp_size}·{ep_size} = {tp_size * ep_size} must hold the prefill's "
             f"cp·tp = {prefill_mesh.cp_size}·{prefill_mesh.tp_size} = {world} ranks"
         )
-    if prefill_mesh.tp_size not in (1, tp_size):
-        return (
-            f"the prefill's tp={prefill_mesh.tp_size} must be 1 or the decode's tp={tp_size}: a decode rank keeps the "
-            "heads it prefilled (same tp rank) or cuts them from the whole model (tp=1); moving head shards between "
-            "ranks is not implemented"
-        )
     if _model_tp_size(model) != prefill_mesh.tp_size:
         return (
             f"the model is cut {_model_tp_size(model)} ways but the prefill mesh has tp={prefill_mesh.tp_size}: pass "
@@ -106,7 +114,7 @@ def hand_over_errors(model, cache, prefill_mesh: ParallelMesh, tp_size: int, ep_
         )
     if prefill_mesh.tp_size == 1:
         return expert_parallel_errors(model, tp_size, ep_size)
-    # The model is cut by the prefill's tp already, as the decode wants it: only the experts' split remains.
+    # The model is cut by the prefill's tp already (and re-cut for the decode's, `_recut`): the experts' split remains.
     moes = [layer.mlp for layer in getattr(model, "model", model).layers if isinstance(layer.mlp, KDSAMoE)]
     if any(isinstance(moe.experts, ExpertParallelExperts) for moe in moes):
         return "the model's experts are already sharded by apply_expert_parallel"
@@ -133,16 +141,65 @@ def _kda_head_slice(layer: KDAReplayLayer, attn, rank: int, size: int) -> None:
     layer.recurrent_states[0] = layer.recurrent_states[0][:, rank * heads : (rank + 1) * heads].contiguous()
 
 
-def _split_experts(model, mesh: ExpertParallelMesh) -> None:
-    """Each MoE layer keeps the routed experts of its ep block (already cut by the mesh's tp) and routes through
+def _gather_kda_state(layer: KDAReplayLayer, attn, mesh: ParallelMesh) -> None:
+    """Replace `layer`'s live state, this prefill tp rank's block of the KDA heads of `attn` (whole, `H` heads), by
+    the state of all `H` heads gathered over the mesh's tp group: the conv window's q, k and v channel blocks in head
+    order (`[B, 2·H·K + H·V, W]`) and the fp32 state `[B, H, K, V]`. A collective."""
+    size = mesh.tp_size
+    conv_pieces = [torch.empty_like(layer.conv_states[0]) for _ in range(size)]
+    dist.all_gather(conv_pieces, layer.conv_states[0].contiguous(), group=mesh.tp_group)
+    local_key, local_value = attn.key_dim // size, attn.value_dim // size
+    blocks = [piece.split([local_key, local_key, local_value], dim=1) for piece in conv_pieces]
+    layer.conv_states[0] = torch.cat([block[part] for part in range(3) for block in blocks], dim=1)
+    state_pieces = [torch.empty_like(layer.recurrent_states[0]) for _ in range(size)]
+    dist.all_gather(state_pieces, layer.recurrent_states[0].contiguous(), group=mesh.tp_group)
+    layer.recurrent_states[0] = torch.cat(state_pieces, dim=1)
+
+
+def _recut(model, cache: KDSACache, prefill_mesh: ParallelMesh, mesh: ExpertParallelMesh) -> None:
+    """Move `model` and the KDA states of `cache` from the prefill's tp cut to the decode `mesh`'s (tp cut, then ep
+    split of the experts), one module at a time (module docstring). A collective over the prefill's tp group."""
+    base, config, wholes, decode_tp = getattr(model, "model", model), model.config, {}, mesh.tp
+    for index, layer in enumerate(base.layers):
+        for plan in layer_shard_plans(layer):
+            gather_plan_tensors(plan, prefill_mesh.tp_group, wholes)
+        state = {name: wholes.pop(id(tensor), tensor) for name, tensor in layer.state_dict(keep_vars=True).items()}
+        with torch.device("meta"):
+            fresh = type(layer)(config, index)
+        fresh.load_state_dict(state, assign=True)
+        fresh.train(layer.training).requires_grad_(False)
+        layer_cache = cache.layers[index]
+        if isinstance(layer_cache, KDAReplayLayer):
+            _gather_kda_state(layer_cache, fresh.linear_attn, prefill_mesh)
+            _kda_head_slice(layer_cache, fresh.linear_attn, decode_tp.tp_rank, decode_tp.tp_size)
+        if decode_tp.tp_size > 1:
+            shard_plans(layer_shard_plans(fresh), decode_tp)
+        if mesh.ep_size > 1:
+            _split_experts(fresh, config.n_routed_experts, mesh)
+        base.layers[index] = fresh
+    tied = tied_head(model)
+    for plan in vocab_shard_plans(model):
+        plan.reduced.tensor_parallel_hook.remove()
+        gather_plan_tensors(plan, prefill_mesh.tp_group, wholes)
+        for cut in plan.cuts:
+            whole = wholes[id(getattr(cut.owner, cut.name))]
+            setattr(cut.owner, cut.name, nn.Parameter(whole, requires_grad=False))
+        if decode_tp.tp_size > 1:
+            shard_plans([plan], decode_tp)
+        else:
+            plan.localize(0, 1)
+    if tied:
+        model.lm_head.weight = base.embed_tokens.weight
+    model.tensor_parallel_group = decode_tp.tp_group if decode_tp.tp_size > 1 else None
+
+
+def _split_experts(layer, num_experts: int, mesh: ExpertParallelMesh) -> None:
+    """An MoE layer keeps the routed experts of its ep block (already cut by the mesh's tp) and routes through
     `ExpertParallelExperts`, as `apply_expert_parallel` leaves them."""
-    num_experts = model.config.n_routed_experts
-    per_rank = num_experts // mesh.ep_size
-    for layer in getattr(model, "model", model).layers:
-        if isinstance(layer.mlp, KDSAMoE):
-            _keep_experts(layer.mlp.experts, mesh.ep_rank * per_rank, (mesh.ep_rank + 1) * per_rank)
-            layer.mlp.experts = ExpertParallelExperts(layer.mlp.experts, num_experts, mesh)
-    model.expert_parallel_group = mesh.ep_group
+    if isinstance(layer.mlp, KDSAMoE):
+        per_rank = num_experts // mesh.ep_size
+        _keep_experts(layer.mlp.experts, mesh.ep_rank * per_rank, (mesh.ep_rank + 1) * per_rank)
+        layer.mlp.experts = ExpertParallelExperts(layer.mlp.experts, num_experts, mesh)
 
 
 @torch.no_grad()
@@ -161,6 +218,8 @@ def hand_over_to_decode(model, cache: KDSACache, prefill_mesh: ParallelMesh, tp_
         raise ValueError(error)
     # The (ep, tp) mesh over the prefill's ranks, tp innermost.
     mesh = expert_parallel_mesh(default_device_and_backend()[0], tp_size, ep_size, prefill_mesh.device)
+    if prefill_mesh.tp_size not in (1, tp_size):
+        _recut(model, cache, prefill_mesh, mesh)
     if prefill_mesh.tp_size == 1 and tp_size > 1:
         base = getattr(model, "model", model)
         for layer, layer_cache in zip(base.layers, cache.layers, strict=True):
@@ -170,8 +229,11 @@ def hand_over_to_decode(model, cache: KDSACache, prefill_mesh: ParallelMesh, tp_
         apply_expert_parallel(model, mesh)
     elif prefill_mesh.tp_size == 1:
         apply_tensor_parallel(model, mesh.tp)
-    elif ep_size > 1:
-        _split_experts(model, mesh)
+    elif prefill_mesh.tp_size == tp_size and ep_size > 1:
+        for layer in getattr(model, "model", model).layers:
+            _split_experts(layer, model.config.n_routed_experts, mesh)
+    if ep_size > 1:
+        model.expert_parallel_group = mesh.ep_group
     rows = mesh.batch_rows(_cache_batch_size(cache))
     if ep_size > 1:
         cache.batch_select_indices(torch.arange(rows.start, rows.stop, device=prefill_mesh.device))

@@ -311,34 +311,36 @@ def _gather_pieces(local: torch.Tensor, cut: ParameterCut, group) -> list[torch.
     return [piece.narrow(cut.dim, 0, length) for piece, length in zip(pieces, lengths, strict=True)]
 
 
+def gather_plan_tensors(plan: ShardPlan, group, wholes: dict[int, torch.Tensor]) -> None:
+    """Add to `wholes`, keyed by the id of the local parameter, every cut parameter of `plan` gathered whole over the
+    tp `group` (the inverse of each `ParameterCut`) and every summed bias taken back from tp rank 0 (the other ranks
+    hold zeros). A parameter already in `wholes` (a tied head's weight is the embedding's) is not gathered again. A
+    collective: every rank of `group` calls it for the same plans in the same order."""
+    for cut in plan.cuts:
+        param = getattr(cut.owner, cut.name)
+        if id(param) not in wholes:
+            wholes[id(param)] = cut.whole(_gather_pieces(param.detach().contiguous(), cut, group))
+    for linear in plan.summed_biases:
+        if linear.bias is not None:
+            bias = linear.bias.detach().clone()
+            dist.all_reduce(bias, group=group)  # rank 0's bias plus zeros: exact
+            wholes[id(linear.bias)] = bias
+
+
 def gather_whole_state_dict(model, state_dict: dict, group) -> dict:
     """`state_dict` of a tp-sharded `model` (`apply_tensor_parallel`, or a `tp_plan` load after it finished) with
-    every cut tensor gathered whole over the tp `group` and every row-parallel bias taken back from tp rank 0 (the
-    other ranks hold zeros): the state dict of the whole model, bit for bit. A collective: every rank of `group`
-    calls it, in the same layer order (save_pretrained, docs/parallel.md §10). A parameter under several names (a tied
-    head) is gathered once and written under each of its names in `state_dict`."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    whole, done = dict(state_dict), set()
+    every cut tensor gathered whole over the tp `group` and every row-parallel bias taken back from tp rank 0: the
+    state dict of the whole model, bit for bit (`gather_plan_tensors`). A collective: every rank of `group` calls it,
+    in the same layer order (save_pretrained, docs/parallel.md §10). A parameter under several names (a tied head) is
+    gathered once and written under each of its names in `state_dict`."""
+    wholes: dict[int, torch.Tensor] = {}
     plans = [plan for layer in getattr(model, "model", model).layers for plan in layer_shard_plans(layer)]
     for plan in plans + vocab_shard_plans(model):
-        for cut in plan.cuts:
-            param = getattr(cut.owner, cut.name)
-            if id(param) in done:
-                continue
-            done.add(id(param))
-            gathered = cut.whole(_gather_pieces(param.detach().contiguous(), cut, group))
-            for name in names[id(param)]:
-                if name in whole:
-                    whole[name] = gathered
-        for linear in plan.summed_biases:
-            if linear.bias is not None:
-                bias = linear.bias.detach().clone()
-                dist.all_reduce(bias, group=group)  # rank 0's bias plus zeros: exact
-                for name in names[id(linear.bias)]:
-                    if name in whole:
-                        whole[name] = bias
+        gather_plan_tensors(plan, group, wholes)
+    whole = dict(state_dict)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in wholes and name in whole:
+            whole[name] = wholes[id(param)]
     return whole
 
 
@@ -374,6 +376,15 @@ def output_hook(plan: ShardPlan, mesh: ParallelMesh):
     return all_reduce_output_hook(mesh, plan.tag)
 
 
+def shard_plans(plans: list[ShardPlan], mesh: ParallelMesh) -> None:
+    """Cut each plan's module for the mesh's tp rank (`shard_in_place`) and hook the all-reduce or all-gather of its
+    output over the tp group."""
+    for plan in plans:
+        shard_in_place(plan, mesh.tp_rank, mesh.tp_size)
+        # Kept on the module, so that a later re-cut (parallel/handover.py) can take the hook off again.
+        plan.reduced.tensor_parallel_hook = plan.reduced.register_forward_hook(output_hook(plan, mesh))
+
+
 def apply_tensor_parallel(model, mesh: ParallelMesh):
     """Shard `model` (a `KDSAForCausalLM` or `KDSAModel`, identical weights on every rank) over the mesh's tp group,
     in place, and return it: the decoder layers by head and intermediate dim, the embedding and `lm_head` by
@@ -392,12 +403,8 @@ def apply_tensor_parallel(model, mesh: ParallelMesh):
     if error is not None:  # same config on every rank, so every rank raises here: nothing to agree on
         raise ValueError(error)
     base = getattr(model, "model", model)
-    rank, size = mesh.tp_rank, mesh.tp_size
     tied = tied_head(model)
-    plans = [plan for layer in base.layers for plan in layer_shard_plans(layer)] + vocab_shard_plans(model)
-    for plan in plans:
-        shard_in_place(plan, rank, size)
-        plan.reduced.register_forward_hook(output_hook(plan, mesh))
+    shard_plans([plan for layer in base.layers for plan in layer_shard_plans(layer)] + vocab_shard_plans(model), mesh)
     if tied:  # the head cut its own copy of the same rows: it shares the cut embedding again
         model.lm_head.weight = base.embed_tokens.weight
     # The group whose ranks run every forward together: speculative decoding agrees on its drafting rounds over it.
@@ -413,6 +420,7 @@ __all__ = [
     "apply_tensor_parallel",
     "embedding_shard_plan",
     "feed_forward_shard_plan",
+    "gather_plan_tensors",
     "gather_whole_state_dict",
     "kda_shard_plan",
     "layer_shard_plans",
@@ -420,6 +428,7 @@ __all__ = [
     "mla_shard_plan",
     "output_hook",
     "shard_in_place",
+    "shard_plans",
     "tensor_parallel_errors",
     "tied_head",
     "vocab_ranges",

@@ -10,6 +10,7 @@ the summation order only). A KDA state given to the wrong heads, or a cache row 
 logits by > 1e-2.
 """
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -60,6 +61,7 @@ def _prefill_then_decode(results: dict, name: str, make_model, ids, cp: int, tp:
     first_kda = next(layer for layer in handed.model.model.layers if hasattr(layer, "linear_attn"))
     results[f"{name}_local_kda_heads"] = first_kda.linear_attn.num_heads
     results[f"{name}_rows"] = rows
+    results[f"{name}_head_is_embedding"] = handed.model.lm_head.weight is handed.model.model.embed_tokens.weight
 
 
 def _scenario_two(rank: int, results: dict) -> None:
@@ -82,6 +84,10 @@ def _scenario_two(rank: int, results: dict) -> None:
     )
     # cp 2 → ep 2 (tp 1): each rank decodes one of the two sequences with half the experts.
     _prefill_then_decode(results, "ep2", tiny_model, ids, cp=2, tp=1, decode_tp=1, ep=2)
+    # tp 2 → ep 2: the head shards move back together (each rank gathers whole layers and keeps half the experts).
+    _prefill_then_decode(results, "tp2_ep2", tiny_model, ids, cp=1, tp=2, decode_tp=1, ep=2)
+    tied = functools.partial(tiny_model, tie_word_embeddings=True)
+    _prefill_then_decode(results, "tp2_ep2_tied", tied, ids, cp=1, tp=2, decode_tp=1, ep=2)
 
     # Error paths: each must raise a ValueError on every rank (the verdicts are exchanged), before any change.
     mesh = init_parallel_mesh(cp_size=2, tp_size=1)
@@ -114,11 +120,16 @@ def _scenario_four(rank: int, results: dict) -> None:
 
     ids = _prompt(PROMPT_LEN, batch=3)
     _prefill_then_decode(results, "cp2tp2_tp2ep2", tiny_model, ids, cp=2, tp=2, decode_tp=2, ep=2)
+    # tp 2 → tp 4: the head shards move (a model whose KDA heads split 4 ways).
+    _prefill_then_decode(
+        results, "cp2tp2_tp4", functools.partial(tiny_model, linear_num_heads=4, tie_word_embeddings=True), ids,
+        cp=2, tp=2, decode_tp=4, ep=1,
+    )  # fmt: skip
     mesh = init_parallel_mesh(cp_size=2, tp_size=2)
     model = apply_tensor_parallel(tiny_model(), mesh)
     cache = KDSACache(model.config)
     context_parallel_prefill(model, ids[:, :-1], mesh, cache=cache)
-    results["error_move_heads"] = _expect_error(lambda: hand_over_to_decode(model, cache, mesh, tp_size=4))
+    results["error_heads"] = _expect_error(lambda: hand_over_to_decode(model, cache, mesh, tp_size=4))
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +156,22 @@ def test_cp2_prefill_then_tp2_decode_matches_single_process(two_ranks, name):
         assert result[f"{name}_local_kda_heads"] == 1  # of 2
         prefill_bytes, decode_bytes, full_bytes = result[f"{name}_bytes"]
         assert prefill_bytes == full_bytes > decode_bytes
+
+
+@pytest.mark.parametrize("name", ["tp2_ep2", "tp2_ep2_tied"])
+def test_tp2_prefill_then_ep2_decode_moves_the_head_shards(two_ranks, name):
+    """tp 2 → ep 2 (tp 1): every rank gathers the layers' heads and the KDA states whole, then keeps its sequence's
+    rows and half the experts; fewer bytes than the whole model, more than its tp 2 shard. A tied head is the
+    embedding again."""
+    assert [result[f"{name}_rows"] for result in two_ranks] == [slice(0, 1), slice(1, 2)]
+    for result in two_ranks:
+        assert result[f"{name}_generated"] == GENERATE_STEPS
+        assert result[f"{name}_tokens_equal"]
+        assert result[f"{name}_logits_error"] < LOGIT_TOLERANCE
+        assert result[f"{name}_local_kda_heads"] == 2  # all of them
+        assert result[f"{name}_head_is_embedding"] == name.endswith("tied")
+        prefill_bytes, decode_bytes, full_bytes = result[f"{name}_bytes"]
+        assert prefill_bytes < decode_bytes < full_bytes
 
 
 def test_cp2_prefill_then_ep2_decode_matches_single_process(two_ranks):
@@ -182,7 +209,21 @@ def test_cp2_tp2_prefill_then_tp2_ep2_decode(four_ranks):
         assert result["cp2tp2_tp2ep2_logits_error"] < LOGIT_TOLERANCE
         prefill_bytes, decode_bytes, full_bytes = result["cp2tp2_tp2ep2_bytes"]
         assert decode_bytes < prefill_bytes < full_bytes
-        assert "moving head shards between ranks is not implemented" in result["error_move_heads"]
+        assert "linear_num_heads=2" in result["error_heads"]  # tp 4 cannot cut 2 KDA heads
+
+
+@pytest.mark.slow
+def test_cp2_tp2_prefill_then_tp4_decode_moves_the_head_shards(four_ranks):
+    """cp 2 × tp 2 → tp 4: each rank gathers each layer's heads (and KDA states) over its prefill tp group and keeps a
+    quarter; 32 greedy tokens and every step's logits as in one process."""
+    for result in four_ranks:
+        assert result["cp2tp2_tp4_generated"] == GENERATE_STEPS
+        assert result["cp2tp2_tp4_tokens_equal"]
+        assert result["cp2tp2_tp4_logits_error"] < LOGIT_TOLERANCE
+        assert result["cp2tp2_tp4_local_kda_heads"] == 1  # of 4
+        assert result["cp2tp2_tp4_head_is_embedding"]  # tied
+        prefill_bytes, decode_bytes, full_bytes = result["cp2tp2_tp4_bytes"]
+        assert decode_bytes < prefill_bytes < full_bytes
 
 
 @pytest.mark.slow
