@@ -56,6 +56,12 @@ from .stop_strings import VocabularyProbeStopStringCriteria, stop_string_probe
 logger = logging.get_logger(__name__)
 
 
+def _has_expert_parallel_layers(model) -> bool:
+    """Whether some MoE layer runs its experts by expert parallelism (`modeling_kdsa.parallel`'s
+    `ExpertParallelExperts`, found by attribute: these files also ship as remote code, without that package)."""
+    return any(hasattr(module, "local_experts") for module in model.modules())
+
+
 class KDSAPreTrainedModel(PreTrainedModel):
     config: KDSAConfig
     config_class = KDSAConfig
@@ -101,6 +107,50 @@ class KDSAPreTrainedModel(PreTrainedModel):
             for entry in self._keep_in_fp32_modules_strict
             if any(re.search(rf"(?:^|\.){re.escape(entry)}(?:\.|$)", name) for name in names)
         }
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """A sharded model (`tp_plan="auto"`, `DistributedConfig(tp_size=N)`, `distributed_config={"tp_size": …,
+        "ep_size": …}`, or `apply_tensor_parallel` / `apply_expert_parallel`) saves the whole model: every rank calls
+        it, the cut tensors are gathered over the tp group and the routed experts over the ep group, and global rank 0
+        writes the folder, which loads in one process or sharded again (docs/parallel.md §10). Refused for FP8-held
+        weights (`fp8_weights="hold"`: KDSA's native format has no FP8 weight layout, docs/checkpoint-conversion.md
+        §9)."""
+        if any(isinstance(module, KDSAFP8Linear) for module in self.modules()):
+            raise ValueError(
+                "save_pretrained of a model loaded with fp8_weights='hold' is not supported: the native KDSA format "
+                "has no FP8 weights. Load the folder with fp8_weights='dequantize' (the default) to save it"
+            )
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def gather_sharded_state_dict_for_save(self, model_to_save, state_dict, distributed_config, **kwargs):
+        """transformers' hook in save_pretrained: a KDSA model sharded by its own plans (modeling_kdsa.parallel)
+        holds plain local pieces, tp cuts and each ep rank's experts, which transformers' DTensor gather cannot put
+        back together."""
+        tp_group, expert_parallel = sharded_group(model_to_save), _has_expert_parallel_layers(model_to_save)
+        if tp_group is None and not expert_parallel:
+            return super().gather_sharded_state_dict_for_save(model_to_save, state_dict, distributed_config, **kwargs)
+        try:  # on demand, in a try: these files also ship as remote code, without the parallel package
+            from modeling_kdsa.parallel.expert_parallel import gather_expert_parallel_state_dict
+            from modeling_kdsa.parallel.hf_plans import finish_tensor_parallel_load
+            from modeling_kdsa.parallel.tensor_parallel import gather_whole_state_dict
+        except ImportError as error:
+            raise ValueError("saving a sharded model needs the kdsa package: modeling_kdsa.parallel") from error
+        if tp_group is not None and not expert_parallel:
+            # A tp load not finished by KDSAForCausalLM.from_pretrained (a base model through AutoModel) holds DTensors
+            # until its first forward (parallel/hf_plans.py); finishing is idempotent.
+            finish_tensor_parallel_load(model_to_save)
+            current = model_to_save.state_dict()
+            state_dict = {name: current.get(name, tensor) for name, tensor in state_dict.items()}
+        whole = state_dict if tp_group is None else gather_whole_state_dict(model_to_save, state_dict, tp_group)
+        whole = gather_expert_parallel_state_dict(model_to_save, whole)
+        return whole if kwargs.get("save_on_this_rank", True) else {}
+
+    def barrier_after_gathered_checkpoint_save(self, distributed_config) -> None:
+        """The ranks that did not write wait for the one that did, for every sharded model."""
+        if sharded_group(self) is not None or _has_expert_parallel_layers(self):
+            torch.distributed.barrier()
+        else:
+            super().barrier_after_gathered_checkpoint_save(distributed_config)
 
     def _set_gradient_checkpointing(
         self, enable: bool = True, gradient_checkpointing_func=checkpoint, every_n_layers: int = 1
@@ -363,12 +413,6 @@ def _tensor_parallel_loading(cls, path, kwargs: dict):
     return hf_plans if hf_plans.check_tensor_parallel_load(config, kwargs, foreign_plan) else None
 
 
-def _has_expert_parallel_layers(model) -> bool:
-    """Whether some MoE layer runs its experts by expert parallelism (`modeling_kdsa.parallel`'s
-    `ExpertParallelExperts`, found by attribute: these files also ship as remote code, without that package)."""
-    return any(hasattr(module, "local_experts") for module in model.modules())
-
-
 class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     # Under tensor parallelism the head is cut by vocabulary rows, as the embedding is (`base_model_tp_plan`), and its
@@ -444,43 +488,6 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
                 f"but the checkpoint lacks MTP tensors {missing_mtp}; pass num_mtp_layers=0 to load without MTP layers"
             )
         return (model, info) if want_info else model
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """A sharded model (`tp_plan="auto"`, `DistributedConfig(tp_size=N)`, `distributed_config={"tp_size": …,
-        "ep_size": …}`, or `apply_tensor_parallel` / `apply_expert_parallel`) saves the whole model: every rank calls
-        it, the cut tensors are gathered over the tp group and the routed experts over the ep group, and global rank 0
-        writes the folder, which loads in one process or sharded again (docs/parallel.md §10). Refused for FP8-held
-        weights (`fp8_weights="hold"`: KDSA's native format has no FP8 weight layout, docs/checkpoint-conversion.md
-        §9)."""
-        if any(isinstance(module, KDSAFP8Linear) for module in self.modules()):
-            raise ValueError(
-                "save_pretrained of a model loaded with fp8_weights='hold' is not supported: the native KDSA format "
-                "has no FP8 weights. Load the folder with fp8_weights='dequantize' (the default) to save it"
-            )
-        return super().save_pretrained(save_directory, *args, **kwargs)
-
-    def gather_sharded_state_dict_for_save(self, model_to_save, state_dict, distributed_config, **kwargs):
-        """transformers' hook in save_pretrained: a KDSA model sharded by its own plans (modeling_kdsa.parallel)
-        holds plain local pieces, tp cuts and each ep rank's experts, which transformers' DTensor gather cannot put
-        back together."""
-        tp_group = sharded_group(model_to_save)
-        if tp_group is None and not _has_expert_parallel_layers(model_to_save):
-            return super().gather_sharded_state_dict_for_save(model_to_save, state_dict, distributed_config, **kwargs)
-        try:  # on demand, in a try: these files also ship as remote code, without the parallel package
-            from modeling_kdsa.parallel.expert_parallel import gather_expert_parallel_state_dict
-            from modeling_kdsa.parallel.tensor_parallel import gather_whole_state_dict
-        except ImportError as error:
-            raise ValueError("saving a sharded model needs the kdsa package: modeling_kdsa.parallel") from error
-        whole = state_dict if tp_group is None else gather_whole_state_dict(model_to_save, state_dict, tp_group)
-        whole = gather_expert_parallel_state_dict(model_to_save, whole)
-        return whole if kwargs.get("save_on_this_rank", True) else {}
-
-    def barrier_after_gathered_checkpoint_save(self, distributed_config) -> None:
-        """The ranks that did not write wait for the one that did, for every sharded model."""
-        if sharded_group(self) is not None or _has_expert_parallel_layers(self):
-            torch.distributed.barrier()
-        else:
-            super().barrier_after_gathered_checkpoint_save(distributed_config)
 
     def _get_stopping_criteria(self, generation_config, stopping_criteria, tokenizer=None):
         """transformers' criteria, with `stop_strings` matched through `VocabularyProbeStopStringCriteria` when the

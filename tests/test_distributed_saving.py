@@ -43,6 +43,14 @@ def _scenario(rank: int, results: dict, out_dir: str) -> None:
     first, second = _state(sharded), _state(again)
     results["resharded_equal"] = first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
+    # The base model through AutoModel: the same gather (its embedding is cut too; it has no head).
+    from transformers import AutoModel
+
+    base_folder = os.path.join(out_dir, "base_from_tp_plan")
+    AutoModel.from_pretrained(CHECKPOINT, tp_plan="auto", dtype=torch.float32).save_pretrained(base_folder)
+    results["base_saved"] = _state(AutoModel.from_pretrained(base_folder, dtype=torch.float32))
+    results["base_whole"] = _state(AutoModel.from_pretrained(CHECKPOINT, dtype=torch.float32))
+
     # apply_tensor_parallel on a model with MLA biases (o_proj's is kept on tp rank 0 only), saved whole.
     torch.manual_seed(0)  # the same random model on both ranks
     model = tiny_model(attention_bias=True)
@@ -116,6 +124,11 @@ def test_tp_plan_load_saves_the_whole_model(two_ranks):
         assert not {"distributed_config", "tp_size", "tp_plan"} & saved.keys()
         for key in ("hidden_size", "num_attention_heads", "linear_num_heads", "moe_intermediate_size"):
             assert saved[key] == original[key]
+
+
+def test_base_model_loaded_by_auto_model_saves_the_whole_model(two_ranks):
+    for result in two_ranks:
+        _assert_same_state(result["base_saved"], result["base_whole"])
 
 
 def test_apply_tensor_parallel_model_saves_the_whole_model_with_its_biases(two_ranks):
