@@ -109,7 +109,7 @@ class KDSAHeadShardStyle(TensorParallelLayer):
             cut.owner._parameters[cut.name] = nn.Parameter(sharded, requires_grad=placeholder.requires_grad)
         plan.localize(mesh.get_local_rank(), mesh.size())
         parallel_mesh = _parallel_mesh(mesh)
-        plan.reduced.register_forward_hook(output_hook(plan, parallel_mesh))
+        plan.reduced.tensor_parallel_hook = plan.reduced.register_forward_hook(output_hook(plan, parallel_mesh))
         module._kdsa_shard_plan = plan
         module._kdsa_parallel_mesh = parallel_mesh
         # A load that does not go through KDSAForCausalLM.from_pretrained (AutoModel: `KDSAModel`) finishes here.
@@ -307,7 +307,7 @@ def _shard_for_experts(module: nn.Module, plan: ShardPlan, mesh, is_moe: bool) -
         cut.owner._parameters[cut.name] = nn.Parameter(sharded, requires_grad=placeholder.requires_grad)
     if tp_size > 1:
         plan.localize(mesh.tp.tp_rank, tp_size)
-        plan.reduced.register_forward_hook(output_hook(plan, mesh.tp))
+        plan.reduced.tensor_parallel_hook = plan.reduced.register_forward_hook(output_hook(plan, mesh.tp))
     if experts is not None:
         experts.num_experts //= mesh.ep_size
     module._kdsa_shard_plan = plan

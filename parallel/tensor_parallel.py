@@ -381,7 +381,7 @@ def shard_plans(plans: list[ShardPlan], mesh: ParallelMesh) -> None:
     output over the tp group."""
     for plan in plans:
         shard_in_place(plan, mesh.tp_rank, mesh.tp_size)
-        # Kept on the module, so that a later re-cut (parallel/handover.py) can take the hook off again.
+        # Kept on the module (as parallel/hf_plans.py does), so that a re-cut (parallel/handover.py) can take it off.
         plan.reduced.tensor_parallel_hook = plan.reduced.register_forward_hook(output_hook(plan, mesh))
 
 

@@ -88,6 +88,19 @@ def _scenario_two(rank: int, results: dict) -> None:
     _prefill_then_decode(results, "tp2_ep2", tiny_model, ids, cp=1, tp=2, decode_tp=1, ep=2)
     tied = functools.partial(tiny_model, tie_word_embeddings=True)
     _prefill_then_decode(results, "tp2_ep2_tied", tied, ids, cp=1, tp=2, decode_tp=1, ep=2)
+    # The same from transformers' sharded load (`tp_plan="auto"`): the checkpoint's 201-id vocabulary, cut unevenly.
+    from modeling_kdsa.parallel import tensor_parallel_mesh
+
+    checkpoint_ids = _prompt(PROMPT_LEN, batch=2, seed=3)
+    options = dict(max_new_tokens=GENERATE_STEPS, min_new_tokens=GENERATE_STEPS, do_sample=False)
+    reference = load().generate(checkpoint_ids, **options)
+    sharded = KDSAForCausalLM.from_pretrained(CHECKPOINT, tp_plan="auto", dtype=torch.float32).eval()
+    tp_mesh = tensor_parallel_mesh(sharded)
+    cache = KDSACache(sharded.config)
+    context_parallel_prefill(sharded, checkpoint_ids[:, :-1], tp_mesh, cache=cache, last_token_only=True)
+    handed = hand_over_to_decode(sharded, cache, tp_mesh, tp_size=1, ep_size=2)
+    out = handed.model.generate(checkpoint_ids[handed.rows], cache=handed.cache, synced_gpus=True, **options)
+    results["tp_plan_tp2_ep2_tokens_equal"] = bool(torch.equal(out, reference[handed.rows]))
 
     # Error paths: each must raise a ValueError on every rank (the verdicts are exchanged), before any change.
     mesh = init_parallel_mesh(cp_size=2, tp_size=1)
@@ -156,6 +169,11 @@ def test_cp2_prefill_then_tp2_decode_matches_single_process(two_ranks, name):
         assert result[f"{name}_local_kda_heads"] == 1  # of 2
         prefill_bytes, decode_bytes, full_bytes = result[f"{name}_bytes"]
         assert prefill_bytes == full_bytes > decode_bytes
+
+
+def test_tp_plan_load_prefill_then_ep2_decode_moves_the_head_shards(two_ranks):
+    """A model loaded by transformers' tp_plan (its hooks installed by parallel/hf_plans.py) hands over as well."""
+    assert all(result["tp_plan_tp2_ep2_tokens_equal"] for result in two_ranks)
 
 
 @pytest.mark.parametrize("name", ["tp2_ep2", "tp2_ep2_tied"])
