@@ -408,10 +408,10 @@ def sharded_group(model):
     """The process group whose ranks run every forward of `model` together on the same tokens, or None when the model
     is whole in this process: the tp group of a model cut by `parallel.apply_tensor_parallel` (its
     `tensor_parallel_group`) or loaded with transformers' `tp_plan` (`_tp_size` > 1, the "tp" mesh of its
-    `_mesh_manager`)."""
-    group = getattr(model, "tensor_parallel_group", None)
-    if group is not None:
-        return group
+    `_mesh_manager`). A `tensor_parallel_group` set to None (a hand-over to tp = 1, parallel/handover.py) overrides the
+    load's mesh: the model is no longer cut."""
+    if "tensor_parallel_group" in vars(model):
+        return model.tensor_parallel_group
     manager = getattr(model, "_mesh_manager", None)
     if (getattr(model, "_tp_size", None) or 1) > 1 and manager is not None:
         return manager.get_mesh("tp").get_group()

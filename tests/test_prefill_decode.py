@@ -13,6 +13,7 @@ logits by > 1e-2.
 import functools
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,7 @@ def _prefill_then_decode(results: dict, name: str, make_model, ids, cp: int, tp:
     results[f"{name}_head_is_embedding"] = handed.model.lm_head.weight is handed.model.model.embed_tokens.weight
 
 
-def _scenario_two(rank: int, results: dict) -> None:
+def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
     """2 processes: cp 2 → tp 2 on the tiny fixture and the shipped checkpoint; error paths."""
     from conftest import tiny_model
     from modeling_kdsa.parallel import context_parallel_prefill, init_parallel_mesh
@@ -101,6 +102,13 @@ def _scenario_two(rank: int, results: dict) -> None:
     handed = hand_over_to_decode(sharded, cache, tp_mesh, tp_size=1, ep_size=2)
     out = handed.model.generate(checkpoint_ids[handed.rows], cache=handed.cache, synced_gpus=True, **options)
     results["tp_plan_tp2_ep2_tokens_equal"] = bool(torch.equal(out, reference[handed.rows]))
+    # Saved after the hand-over (tp 1 now, experts over ep): the whole checkpoint again, bit for bit.
+    handed.model.save_pretrained(os.path.join(out_dir, "after_hand_over"))
+    saved = KDSAForCausalLM.from_pretrained(os.path.join(out_dir, "after_hand_over"), dtype=torch.float32).state_dict()
+    whole = load().state_dict()
+    results["tp_plan_tp2_ep2_saved_equal"] = saved.keys() == whole.keys() and all(
+        torch.equal(saved[name], whole[name]) for name in whole
+    )
 
     # Error paths: each must raise a ValueError on every rank (the verdicts are exchanged), before any change.
     mesh = init_parallel_mesh(cp_size=2, tp_size=1)
@@ -147,7 +155,8 @@ def _scenario_four(rank: int, results: dict) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    return run_on_ranks(_scenario_two, 2)
+    with tempfile.TemporaryDirectory() as folder:  # shared by both ranks: rank 0 saves, both load
+        return run_on_ranks(functools.partial(_scenario_two, out_dir=folder), 2)
 
 
 @pytest.fixture(scope="module")
@@ -172,8 +181,10 @@ def test_cp2_prefill_then_tp2_decode_matches_single_process(two_ranks, name):
 
 
 def test_tp_plan_load_prefill_then_ep2_decode_moves_the_head_shards(two_ranks):
-    """A model loaded by transformers' tp_plan (its hooks installed by parallel/hf_plans.py) hands over as well."""
+    """A model loaded by transformers' tp_plan (its hooks installed by parallel/hf_plans.py) hands over as well, and
+    saves the whole model afterwards (no longer cut by tp: its experts gathered over ep)."""
     assert all(result["tp_plan_tp2_ep2_tokens_equal"] for result in two_ranks)
+    assert all(result["tp_plan_tp2_ep2_saved_equal"] for result in two_ranks)
 
 
 @pytest.mark.parametrize("name", ["tp2_ep2", "tp2_ep2_tied"])
