@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from gloo_ranks import free_port, run_on_ranks
+from test_parallel_distributed import _expect_error
 
 CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "kdsa-tiny")
 LOGIT_TOLERANCE = 1e-4
@@ -41,14 +42,6 @@ def _prompts(vocab: int) -> torch.Tensor:
 
 def _parameter_bytes(model) -> int:
     return sum(param.numel() * param.element_size() for param in model.parameters())
-
-
-def _expect_error(action) -> str | None:
-    try:
-        action()
-    except ValueError as error:
-        return str(error)
-    return None
 
 
 def _tiny_with_biases():

@@ -18,6 +18,7 @@ import tempfile
 import pytest
 import torch
 from gloo_ranks import run_on_ranks
+from test_parallel_distributed import _expect_error
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CHECKPOINT = os.path.join(ROOT, "checkpoints", "kdsa-tiny")
@@ -28,14 +29,6 @@ GREEDY = dict(max_new_tokens=GREEDY_STEPS, min_new_tokens=GREEDY_STEPS, do_sampl
 
 def _bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _expect_error(action) -> str | None:
-    try:
-        action()
-    except ValueError as error:
-        return str(error)
-    return None
 
 
 def _vocab_checks(results: dict, name: str, sharded, whole, ids: torch.Tensor, expected_tokens) -> None:
