@@ -297,15 +297,19 @@ def shard_in_place(plan: ShardPlan, rank: int, size: int) -> None:
     plan.localize(rank, size)
 
 
+def _padded(tensor: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """`tensor` zero-padded at the end of `dim` to `length`: uneven vocabulary shares padded to the first rank's for an
+    all-gather, which needs one shape on every rank (the receivers trim them again)."""
+    dim %= tensor.dim()
+    short = length - tensor.shape[dim]
+    return F.pad(tensor, [0, 0] * (tensor.dim() - 1 - dim) + [0, short]) if short > 0 else tensor
+
+
 def _gather_pieces(local: torch.Tensor, cut: ParameterCut, group) -> list[torch.Tensor]:
-    """Every rank's piece of `cut`, in rank order. Uneven pieces (the vocabulary rows) are padded to the first rank's
-    length along `cut.dim` for the all-gather, which needs one shape on every rank, and trimmed after."""
+    """Every rank's piece of `cut`, in rank order (uneven pieces, the vocabulary rows, padded and trimmed)."""
     size = dist.get_world_size(group)
     lengths = cut.piece_lengths(local.shape[cut.dim], size)
-    padded = local
-    if local.shape[cut.dim] < lengths[0]:
-        pad = [0, 0] * (local.dim() - 1 - cut.dim) + [0, lengths[0] - local.shape[cut.dim]]
-        padded = F.pad(local, pad)
+    padded = _padded(local, cut.dim, lengths[0])
     pieces = [torch.empty_like(padded) for _ in range(size)]
     dist.all_gather(pieces, padded.contiguous(), group=group)
     return [piece.narrow(cut.dim, 0, length) for piece, length in zip(pieces, lengths, strict=True)]
@@ -361,8 +365,7 @@ def all_gather_vocab_hook(mesh: ParallelMesh, vocab_size: int, tag: str):
     block = len(ranges[0])
 
     def hook(module, inputs, output):
-        padded = F.pad(output, (0, block - output.shape[-1])) if output.shape[-1] < block else output
-        parts = mesh.all_gather(padded, "tp", tag)
+        parts = mesh.all_gather(_padded(output, -1, block), "tp", tag)
         return torch.cat([part[..., : len(rows)] for part, rows in zip(parts, ranges, strict=True)], dim=-1)
 
     return hook
