@@ -29,7 +29,7 @@ from .cpu_extension import plain_tensor
 from .cpu_row_linear import few_bf16_rows, gemv_kernel_availability
 from .linear_ops import per_head_linear, per_head_matmul
 
-# `row_times_matrix` of the AVX512-BF16 build (after GEMV_SOURCE).
+# The AVX512-BF16 build's two steps of `row_times_matrix` (in _OP_SOURCE), after GEMV_SOURCE.
 _MATRIX_SOURCE = r"""
 namespace {
 
@@ -38,80 +38,73 @@ inline __m512 widen_bf16(__m256i values) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(values), 16));
 }
 
-// out[m * out_stride + j] = sum_n x[m * x_stride + n] * w[n * k + j] for j < k: the weight's n rows read in order
-// (one sequential stream; adding 4 rows per pass over the sums, i.e. reading 4 rows side by side, was 1.4x slower),
-// each scaled and added to the fp32 sums `acc` (Rows x k, in L1), which are rounded to bf16 at the end. Whole vectors
-// unmasked: masked stores are slow on some CPUs (AMD Zen 4: 4.6 GB/s instead of 23 with them).
+// acc[m * k + j] += x[m * x_stride] * row[j] for j < k and m < Rows: one weight row scaled by each row's value and
+// added to the fp32 sums. Whole vectors unmasked: masked stores are slow on some CPUs (AMD Zen 4: 4.6 GB/s instead of
+// 23 with them).
 template <int Rows>
-void row_times_matrix(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t n, int64_t k, uint16_t* out,
-                      int64_t out_stride, float* acc) {
-  std::fill(acc, acc + Rows * k, 0.0f);
-  for (int64_t r = 0; r < n; ++r) {
-    const uint16_t* row = w + r * k;
-    __m512 scale[Rows];
-    for (int m = 0; m < Rows; ++m) scale[m] = _mm512_set1_ps(bf16_to_float(x[m * x_stride + r]));
-    int64_t j = 0;
-    for (; j + 16 <= k; j += 16) {
-      const __m512 wv = widen_bf16(_mm256_loadu_si256((const __m256i*)(row + j)));
-      for (int m = 0; m < Rows; ++m) {
-        float* sums = acc + m * k + j;
-        _mm512_storeu_ps(sums, _mm512_fmadd_ps(wv, scale[m], _mm512_loadu_ps(sums)));
-      }
-    }
-    if (j < k) {
-      const __mmask16 mask = (__mmask16)((1u << (k - j)) - 1);
-      const __m512 wv = widen_bf16(_mm256_maskz_loadu_epi16(mask, row + j));
-      for (int m = 0; m < Rows; ++m) {
-        float* sums = acc + m * k + j;
-        _mm512_mask_storeu_ps(sums, mask, _mm512_fmadd_ps(wv, scale[m], _mm512_maskz_loadu_ps(mask, sums)));
-      }
+inline void add_scaled_row(const uint16_t* x, int64_t x_stride, const uint16_t* row, int64_t k, float* acc) {
+  __m512 scale[Rows];
+  for (int m = 0; m < Rows; ++m) scale[m] = _mm512_set1_ps(bf16_to_float(x[m * x_stride]));
+  int64_t j = 0;
+  for (; j + 16 <= k; j += 16) {
+    const __m512 wv = widen_bf16(_mm256_loadu_si256((const __m256i*)(row + j)));
+    for (int m = 0; m < Rows; ++m) {
+      float* sums = acc + m * k + j;
+      _mm512_storeu_ps(sums, _mm512_fmadd_ps(wv, scale[m], _mm512_loadu_ps(sums)));
     }
   }
-  for (int m = 0; m < Rows; ++m)
-    for (int64_t j = 0; j < k; j += 16) {
-      const __mmask16 mask = k - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - j)) - 1);
-      _mm256_mask_storeu_epi16(out + m * out_stride + j, mask,
-                               float_to_bf16_x16(_mm512_maskz_loadu_ps(mask, acc + m * k + j)));
+  if (j < k) {
+    const __mmask16 mask = (__mmask16)((1u << (k - j)) - 1);
+    const __m512 wv = widen_bf16(_mm256_maskz_loadu_epi16(mask, row + j));
+    for (int m = 0; m < Rows; ++m) {
+      float* sums = acc + m * k + j;
+      _mm512_mask_storeu_ps(sums, mask, _mm512_fmadd_ps(wv, scale[m], _mm512_maskz_loadu_ps(mask, sums)));
     }
+  }
+}
+
+// out[j] = acc[j] rounded to bf16 for j < k.
+inline void round_sums(const float* acc, int64_t k, uint16_t* out) {
+  for (int64_t j = 0; j < k; j += 16) {
+    const __mmask16 mask = k - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - j)) - 1);
+    _mm256_mask_storeu_epi16(out + j, mask, float_to_bf16_x16(_mm512_maskz_loadu_ps(mask, acc + j)));
+  }
 }
 
 }  // namespace
 """
 
-# `row_times_matrix` of the AVX2 build: the same sums in the same order, 8 columns at a time and the last ones one by
+# The same two steps in the AVX2 build: the same sums in the same order, 8 columns at a time and the last ones one by
 # one, so both builds give the same bits.
 _MATRIX_AVX2_SOURCE = r"""
 namespace {
 
 template <int Rows>
-void row_times_matrix(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t n, int64_t k, uint16_t* out,
-                      int64_t out_stride, float* acc) {
-  std::fill(acc, acc + Rows * k, 0.0f);
-  for (int64_t r = 0; r < n; ++r) {
-    const uint16_t* row = w + r * k;
-    float value[Rows];
-    __m256 scale[Rows];
-    for (int m = 0; m < Rows; ++m) scale[m] = _mm256_set1_ps(value[m] = bf16_to_float(x[m * x_stride + r]));
-    int64_t j = 0;
-    for (; j + 8 <= k; j += 8) {
-      const __m256 wv = widen_bf16x8(row + j);
+inline void add_scaled_row(const uint16_t* x, int64_t x_stride, const uint16_t* row, int64_t k, float* acc) {
+  float value[Rows];
+  __m256 scale[Rows];
+  for (int m = 0; m < Rows; ++m) scale[m] = _mm256_set1_ps(value[m] = bf16_to_float(x[m * x_stride]));
+  int64_t j = 0;
+  for (; j + 8 <= k; j += 8) {
+    const __m256 wv = widen_bf16x8(row + j);
 #pragma GCC unroll 4
-      for (int m = 0; m < Rows; ++m) {
-        float* sums = acc + m * k + j;
-        _mm256_storeu_ps(sums, _mm256_fmadd_ps(wv, scale[m], _mm256_loadu_ps(sums)));
-      }
+    for (int m = 0; m < Rows; ++m) {
+      float* sums = acc + m * k + j;
+      _mm256_storeu_ps(sums, _mm256_fmadd_ps(wv, scale[m], _mm256_loadu_ps(sums)));
     }
-    for (; j < k; ++j)
-      for (int m = 0; m < Rows; ++m) acc[m * k + j] += bf16_to_float(row[j]) * value[m];  // exact product
   }
-  for (int m = 0; m < Rows; ++m)
-    for (int64_t j = 0; j < k; ++j) out[m * out_stride + j] = float_to_bf16(acc[m * k + j]);
+  for (; j < k; ++j)
+    for (int m = 0; m < Rows; ++m) acc[m * k + j] += bf16_to_float(row[j]) * value[m];  // exact product
+}
+
+inline void round_sums(const float* acc, int64_t k, uint16_t* out) {
+  for (int64_t j = 0; j < k; ++j) out[j] = float_to_bf16(acc[j]);
 }
 
 }  // namespace
 """
 
-# The ops over either build's `gemv` and `row_times_matrix`.
+# `row_times_matrix` over either build's `add_scaled_row` and `round_sums`, and the ops over it and the build's `gemv`.
 _OP_SOURCE = r"""
 #include <ATen/Parallel.h>
 
@@ -119,9 +112,20 @@ namespace {
 
 constexpr int64_t kMaxRows = 16;  // `MAX_ROWS` in Python
 
+// out[m * out_stride + j] = sum_n x[m * x_stride + n] * w[n * k + j] for j < k: the weight's n rows read in order
+// (one sequential stream; adding 4 rows per pass over the sums, i.e. reading 4 rows side by side, was 1.4x slower),
+// each scaled and added to the fp32 sums `acc` (Rows x k, in L1), which are rounded to bf16 at the end.
+template <int Rows>
+void row_times_matrix(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t n, int64_t k, uint16_t* out,
+                      int64_t out_stride, float* acc) {
+  std::fill(acc, acc + Rows * k, 0.0f);
+  for (int64_t r = 0; r < n; ++r) add_scaled_row<Rows>(x + r, x_stride, w + r * k, k, acc);
+  for (int m = 0; m < Rows; ++m) round_sums(acc + m * k, k, out + m * out_stride);
+}
+
 // The checks both ops share: x [..., H, width] contiguous bf16 holding 1 to 16 rows, weight [H, N, K] bf16 with
-// contiguous rows (stride(2) = 1, stride(1) = K) and any head stride. Bad input is a ValueError.
-void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight, int64_t width_dim) {
+// contiguous rows (stride(2) = 1, stride(1) = K) and any head stride. Bad input is a ValueError. Returns the rows.
+int64_t check_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight, int64_t width_dim) {
   bool ok = x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
             x.dim() >= 2 && weight.dim() == 3 && weight.size(1) > 0 && weight.size(2) > 0 && weight.stride(2) == 1 &&
             weight.stride(1) == weight.size(2) && weight.stride(0) >= weight.size(1) * weight.size(2) &&
@@ -131,6 +135,14 @@ void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight,
       width_dim == 1 ? "N" : "K", "] holding 1 to ", kMaxRows,
       " rows and bf16 weight [H, N, K] whose rows are contiguous; got x ", describe(x), " strides ", x.strides(),
       ", weight ", describe(weight), " strides ", weight.strides());
+  return rows;
+}
+
+// The op's bf16 result: x's shape with the last dim `width`, uninitialised.
+at::Tensor empty_output(const at::Tensor& x, int64_t width) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = width;
+  return at::empty(shape, x.options());
 }
 
 // Heads split over threads: ~512 KiB of weight per thread at least (a fork costs a few microseconds).
@@ -139,12 +151,9 @@ int64_t head_grain(const at::Tensor& weight) {
 }
 
 at::Tensor head_matmul(const at::Tensor& x, const at::Tensor& weight) {
-  check_inputs("head_matmul", x, weight, 1);
+  const int64_t rows = check_inputs("head_matmul", x, weight, 1);
   const int64_t heads = weight.size(0), n = weight.size(1), k = weight.size(2);
-  const int64_t rows = x.numel() / (heads * n);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = k;
-  at::Tensor out = at::empty(shape, x.options());
+  at::Tensor out = empty_output(x, k);
   auto kernel = [](int64_t count) {
     return count == 1 ? row_times_matrix<1> : count == 2 ? row_times_matrix<2> : count == 3 ? row_times_matrix<3>
                                                                                             : row_times_matrix<4>;
@@ -165,12 +174,9 @@ at::Tensor head_matmul(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 at::Tensor head_linear(const at::Tensor& x, const at::Tensor& weight) {
-  check_inputs("head_linear", x, weight, 2);
+  const int64_t rows = check_inputs("head_linear", x, weight, 2);
   const int64_t heads = weight.size(0), n = weight.size(1), k = weight.size(2);
-  const int64_t rows = x.numel() / (heads * k);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  at::Tensor out = at::empty(shape, x.options());
+  at::Tensor out = empty_output(x, n);
   const uint16_t* xp = (const uint16_t*)x.data_ptr();
   const uint16_t* wp = (const uint16_t*)weight.data_ptr();
   uint16_t* op = (uint16_t*)out.data_ptr();
