@@ -28,7 +28,14 @@ from transformers.conversion_mapping import register_checkpoint_conversion_mappi
 
 from .conversion_common import ConfigFields, ForeignCheckpointPlan
 from .conversion_deepseek import deepseek_v32_plan
-from .conversion_fp8 import FP8_WEIGHTS_CHOICES, dequantizing, fp8_held_layers, fp8_unreadable, holding
+from .conversion_fp8 import (
+    FP8_WEIGHTS_CHOICES,
+    dequantizing,
+    fp8_held_layers,
+    fp8_targets,
+    fp8_unreadable,
+    holding,
+)
 from .conversion_glm import glm5_next_plan
 from .conversion_kimi import kimi_linear_plan
 from .conversion_kimi_k3 import kimi_k3_plan
@@ -76,6 +83,7 @@ def plan_foreign_load(raw_config: dict, keys: list[str], overrides: dict | None 
     if plan.fp8_block is not None:
         # FP8 checkpoints: the converters also dequantize (conversion_fp8.py).
         plan.conversions = dequantizing(plan.conversions, plan.fp8_block, plan.config.kernel_backend)
+        plan.fp8_targets = fp8_targets(plan, keys)
     return plan
 
 
@@ -186,6 +194,7 @@ __all__ = [
     "FP8_WEIGHTS_CHOICES",
     "checkpoint_keys",
     "fp8_held_layers",
+    "fp8_targets",
     "load_foreign",
     "plan_foreign_load",
 ]

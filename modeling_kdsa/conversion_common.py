@@ -35,6 +35,8 @@ class ForeignCheckpointPlan:
     skipped: dict[str, str] = field(default_factory=dict)
     # (rows, cols) of the checkpoint's FP8 weight blocks; None for an unquantized checkpoint.
     fp8_block: tuple[int, int] | None = None
+    # model parameter an FP8 checkpoint weight loads into -> whether a converter merges it (`fp8_targets`).
+    fp8_targets: dict[str, bool] = field(default_factory=dict)
     # checkpoint key of an MTP layer's copy of a shared tensor -> the model's parameter it must equal (`mtp_plan`).
     mtp_copies: dict[str, str] = field(default_factory=dict)
 

@@ -119,11 +119,10 @@ def fp8_unreadable(folder: str, keys: list[str]) -> list[str]:
     return sorted(unscaled)
 
 
-def fp8_held_layers(plan: ForeignCheckpointPlan, keys: list[str]) -> list[str]:
-    """The KDSA `nn.Linear`s that `fp8_weights="hold"` keeps FP8: every FP8 checkpoint weight that reaches the model
-    by plain renames (transformers' own `rename_source_key` over the plan's `key_mapping` and renamings), except
-    weights a converter merges (stacked routed experts) and `_FP8_WEIGHT_READ_DIRECTLY` (docs/checkpoint-conversion.md
-    §9)."""
+def fp8_targets(plan: ForeignCheckpointPlan, keys: list[str]) -> dict[str, bool]:
+    """The model parameter each FP8 checkpoint weight loads into (transformers' own `rename_source_key` over the
+    plan's `key_mapping`, renamings and converters) -> whether a converter merges it with others (stacked routed
+    experts, one `[out, in]` weight per expert)."""
     from transformers.core_model_loading import rename_source_key
 
     renamings = [WeightRenaming(src, dst) for src, dst in plan.key_mapping.items()]
@@ -131,11 +130,21 @@ def fp8_held_layers(plan: ForeignCheckpointPlan, keys: list[str]) -> list[str]:
     # The plan's converters minus the last one, the catch-all that dequantizes every other weight (dequantizing).
     converters = [c for c in plan.conversions if isinstance(c, WeightConverter)][:-1]
     scaled = {k.removesuffix("_scale_inv") for k in keys if k.endswith(".weight_scale_inv")}
-    held = []
+    targets = {}
     for key in sorted(scaled):
         name, converter = rename_source_key(key, renamings, converters)
+        targets[name] = converter is not None
+    return targets
+
+
+def fp8_held_layers(plan: ForeignCheckpointPlan, keys: list[str]) -> list[str]:
+    """The KDSA `nn.Linear`s that `fp8_weights="hold"` keeps FP8: every FP8 checkpoint weight that reaches the model
+    by plain renames (`fp8_targets`), except weights a converter merges (stacked routed experts) and
+    `_FP8_WEIGHT_READ_DIRECTLY` (docs/checkpoint-conversion.md §9)."""
+    held = []
+    for name, merged in fp8_targets(plan, keys).items():
         module_name = name.removesuffix(".weight")
-        if converter is None and module_name.rsplit(".", 1)[-1] not in _FP8_WEIGHT_READ_DIRECTLY:
+        if not merged and module_name.rsplit(".", 1)[-1] not in _FP8_WEIGHT_READ_DIRECTLY:
             held.append(module_name)
     return held
 

@@ -454,9 +454,13 @@ class KDSAForCausalLM(KDSAPreTrainedModel, GenerationMixin):
 
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
-        """transformers' hook between building the meta model and reading the weights; an expert-parallel load
-        (`distributed_config` is modeling_kdsa.parallel's `ExpertParallelLoad`) cuts the meta model here, so that each
-        rank reads only its experts (docs/parallel.md §10)."""
+        """transformers' hook between building the meta model and reading the weights. KDSA's own loads
+        (modeling_kdsa.parallel's `ShardedLoad`, `ExpertParallelLoad`) first mark the FP8 weights read whole; an
+        expert-parallel load then cuts the meta model here, so that each rank reads only its experts
+        (docs/parallel.md §10)."""
+        prepare = getattr(distributed_config, "prepare_meta_model", None)
+        if prepare is not None:
+            prepare(model)
         model = super().maybe_distribute_model(model, distributed_config, mesh_manager)
         distribute = getattr(distributed_config, "distribute_meta_model", None)
         return model if distribute is None else distribute(model)

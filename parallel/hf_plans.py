@@ -37,7 +37,7 @@ as transformers remote code and do not import this package at import time).
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -100,7 +100,7 @@ class KDSAHeadShardStyle(TensorParallelLayer):
         self.plan_of = plan_of
 
     def install_forward(self, module: nn.Module, mesh) -> nn.Module:
-        plan: ShardPlan = self.plan_of(module)
+        plan = _marked_whole_reads(self.plan_of(module))
         for cut in plan.cuts:
             if cut.read_whole:  # loaded whole, cut by `_localize`
                 continue
@@ -119,6 +119,15 @@ class KDSAHeadShardStyle(TensorParallelLayer):
 
 for _name, _plan_of in STYLE_PLANS.items():
     ALL_PARALLEL_STYLES.register(_name, KDSAHeadShardStyle(_plan_of))
+
+
+def _marked_whole_reads(plan: ShardPlan) -> ShardPlan:
+    """`plan` with the cuts `ShardedLoad.prepare_meta_model` marked on their owner read whole too."""
+    marked = [
+        replace(cut, read_whole=True) if cut.name in cut.owner.__dict__.get("_kdsa_read_whole", ()) else cut
+        for cut in plan.cuts
+    ]
+    return replace(plan, cuts=marked)
 
 
 def _localize(module: nn.Module) -> None:
@@ -228,16 +237,9 @@ def _requested_layout(kwargs: dict) -> _Request | None:
     return _Request(tp, ep)
 
 
-def _config_error(request: _Request, config, fp8_weights, foreign_plan) -> str | None:
-    """Why `config` (and the folder's conversion, `foreign_plan`) cannot load over `request`'s layout, or None."""
+def _config_error(request: _Request, config, fp8_weights) -> str | None:
+    """Why `config` cannot load over `request`'s layout, or None."""
     tp, ep = request.tp, request.ep
-    if foreign_plan is not None and foreign_plan.fp8_block is not None:
-        return (
-            f"sharded loading of an FP8 {foreign_plan.model_type!r} folder is not supported: each weight's "
-            "block-scale grid would be cut by the weight's own placement, which lines up with its slice only on "
-            "scale-block boundaries; load it in one process, save_pretrained it (the native KDSA layout), then load "
-            "that folder sharded (docs/parallel.md §10)"
-        )
     if ep > 1:
         if "sparse" not in list(config.mlp_layer_types):
             return f"ep_size={ep}: the model has no routed experts (mlp_layer_types has no 'sparse' layer)"
@@ -246,6 +248,48 @@ def _config_error(request: _Request, config, fp8_weights, foreign_plan) -> str |
     if tp > 1 and fp8_weights == "hold":
         return "tensor parallelism does not shard FP8-held weights (fp8_weights='hold'); use fp8_weights='dequantize'"
     return tensor_parallel_errors(config, tp)
+
+
+def _fp8_cut_misaligned(cut, shape: torch.Size, block: tuple[int, int], tp: int) -> bool:
+    """Whether transformers' shard-on-read would cut an FP8 weight and its `weight_scale_inv` grid at different
+    places. It slices the scales by the weight's own placement (torch.chunk's ceil split of the scale rows or columns),
+    which lines up with the weight's piece only when every piece is a whole number of scale blocks; a stacked `[E, out,
+    in]` expert parameter loads from one `[out, in]` weight per expert, each cut alone (its gate and up weights too)."""
+    stacked = len(shape) == 3
+    length = shape[cut.dim] // cut.blocks
+    block_length = block[cut.dim - stacked]
+    if cut.blocks > 1 and not stacked and length % block_length:  # the second block's piece starts off the grid
+        return True
+    return -(-length // tp) % block_length != 0
+
+
+def _fp8_whole_reads(config, foreign_plan, tp: int) -> tuple[tuple[str, ...], str | None]:
+    """For an FP8 folder loaded with tp > 1 (`foreign_plan.fp8_block`): the parameters whose tp cut does not fall on
+    their scale blocks (`_fp8_cut_misaligned`). Each is read whole and cut after the load, as the convs are. Routed
+    experts are never read whole (every rank would read all of them): a misaligned expert cut is the error returned."""
+    if foreign_plan is None or foreign_plan.fp8_block is None or tp == 1:
+        return (), None
+    from ..modeling_kdsa import KDSAForCausalLM
+
+    with torch.device("meta"):
+        model = KDSAForCausalLM(config)
+    names = {module: name for name, module in model.named_modules()}
+    whole, experts = [], []
+    for _, plan in _shard_plans(model):
+        for cut in plan.cuts:
+            name = f"{names[cut.owner]}.{cut.name}"
+            shape = getattr(cut.owner, cut.name).shape
+            if cut.read_whole or name not in foreign_plan.fp8_targets:
+                continue
+            if _fp8_cut_misaligned(cut, shape, foreign_plan.fp8_block, tp):
+                (experts if len(shape) == 3 else whole).append(name)
+    if experts:
+        return (), (
+            f"tp_size={tp} cuts the FP8 routed experts {experts} off their {list(foreign_plan.fp8_block)} scale "
+            "blocks: shard-on-read slices each weight_scale_inv by its weight's cut, so moe_intermediate_size / tp "
+            "must be a multiple of the block (docs/parallel.md §10)"
+        )
+    return tuple(whole), None
 
 
 def _agree(error: str | None) -> None:
@@ -263,7 +307,23 @@ def _agree(error: str | None) -> None:
 
 
 @dataclass
-class ExpertParallelLoad(DistributedConfig):
+class ShardedLoad(DistributedConfig):
+    """A tensor-parallel load of an FP8 folder some of whose cut weights are read whole (`_fp8_whole_reads`), as
+    `check_tensor_parallel_load` hands it to transformers in place of the caller's arguments.
+    `KDSAForCausalLM.maybe_distribute_model` calls `prepare_meta_model` before transformers applies the tp plan."""
+
+    kdsa_read_whole: tuple[str, ...] = ()
+
+    def prepare_meta_model(self, model: nn.Module) -> None:
+        """Mark each parameter to read whole on its module (`_marked_whole_reads` reads the marks)."""
+        for name in self.kdsa_read_whole:
+            module_name, _, param_name = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            module.__dict__.setdefault("_kdsa_read_whole", set()).add(param_name)
+
+
+@dataclass
+class ExpertParallelLoad(ShardedLoad):
     """An expert-parallel load over a `(ep, tp)` mesh (world = tp·ep), as `check_tensor_parallel_load` hands it to
     transformers in place of the caller's `distributed_config`. Its own sizes are 1, so transformers builds no mesh
     and applies no plan; `KDSAForCausalLM.maybe_distribute_model` calls `distribute_meta_model` instead."""
@@ -286,6 +346,7 @@ def _shard_for_experts(module: nn.Module, plan: ShardPlan, mesh, is_moe: bool) -
     1 only, §5) become `Shard(0)` DTensors too: transformers loads them as parameters, `_finish_expert_parallel` turns
     them back into buffers."""
     tp_size = mesh.tp_size
+    plan = _marked_whole_reads(plan)
     experts = module.experts if is_moe else None
     if experts is not None and experts.mxfp4:
         for name in _PACKED_EXPERT_BUFFERS:
@@ -314,21 +375,27 @@ def _shard_for_experts(module: nn.Module, plan: ShardPlan, mesh, is_moe: bool) -
     module._kdsa_parallel_mesh = mesh.tp
 
 
-def _distribute_for_experts(model: nn.Module, tp_size: int, ep_size: int) -> nn.Module:
-    """Cut the meta model for this rank of the `(ep, tp)` mesh before the weights load, so that transformers reads
-    only this rank's experts (and tp slices); `finish_tensor_parallel_load` puts the experts behind the all-to-all."""
-    mesh = init_expert_parallel_mesh(tp_size=tp_size, ep_size=ep_size)
+def _shard_plans(model: nn.Module) -> list[tuple[nn.Module, ShardPlan]]:
+    """Every module the tp styles cut (`base_model_tp_plan`) with its plan: each decoder layer's token mixer and
+    feed-forward, then the embedding and head."""
+    plans = []
     for layer in getattr(model, "model", model).layers:
         kda = hasattr(layer, "linear_attn")
         mixer = layer.linear_attn if kda else layer.self_attn
-        is_moe = getattr(layer.mlp, "experts", None) is not None
-        if tp_size > 1:
-            _shard_for_experts(mixer, (kda_shard_plan if kda else mla_shard_plan)(mixer), mesh, is_moe=False)
+        plans.append((mixer, (kda_shard_plan if kda else mla_shard_plan)(mixer)))
+        plans.append((layer.mlp, feed_forward_shard_plan(layer.mlp)))
+    return plans + [(plan.reduced, plan) for plan in vocab_shard_plans(model)]
+
+
+def _distribute_for_experts(model: nn.Module, tp_size: int, ep_size: int) -> nn.Module:
+    """Cut the meta model for this rank of the `(ep, tp)` mesh before the weights load, so that transformers reads
+    only this rank's experts (and tp slices); `finish_tensor_parallel_load` puts the experts behind the all-to-all.
+    Under ep alone only the MoE feed-forwards are cut (their experts); the embedding and head stay whole."""
+    mesh = init_expert_parallel_mesh(tp_size=tp_size, ep_size=ep_size)
+    for module, plan in _shard_plans(model):
+        is_moe = getattr(module, "experts", None) is not None
         if tp_size > 1 or is_moe:
-            _shard_for_experts(layer.mlp, feed_forward_shard_plan(layer.mlp), mesh, is_moe)
-    if tp_size > 1:  # the embedding and head by vocabulary rows over each tp group; whole under ep alone
-        for plan in vocab_shard_plans(model):
-            _shard_for_experts(plan.reduced, plan, mesh, is_moe=False)
+            _shard_for_experts(module, plan, mesh, is_moe)
     model.__dict__["_kdsa_expert_parallel_mesh"] = mesh
     return model
 
@@ -372,13 +439,20 @@ def check_tensor_parallel_load(config, kwargs: dict, foreign_plan=None) -> bool:
     request = _requested_layout(kwargs)
     if request is None:
         return False
-    error = request.error or _config_error(request, config, kwargs.get("fp8_weights"), foreign_plan)
+    error, whole = request.error or _config_error(request, config, kwargs.get("fp8_weights")), ()
+    if error is None:
+        whole, error = _fp8_whole_reads(config, foreign_plan, request.tp)
     _agree(error)
-    if request.ep > 1:
+    if request.ep > 1 or whole:
         for name in ("tp_plan", "tp_size"):
             kwargs.pop(name, None)
-        kwargs["distributed_config"] = ExpertParallelLoad(kdsa_tp_size=request.tp, kdsa_ep_size=request.ep)
+    if request.ep > 1:
+        kwargs["distributed_config"] = ExpertParallelLoad(
+            kdsa_read_whole=whole, kdsa_tp_size=request.tp, kdsa_ep_size=request.ep
+        )
         return True
+    if whole:
+        kwargs["distributed_config"] = ShardedLoad(tp_size=request.tp, kdsa_read_whole=whole)
     return request.tp > 1
 
 
