@@ -584,3 +584,28 @@ def test_tp_generate_script_under_torchrun():
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("rank ")]
     assert len(lines) == 2 and all("tokens equal to one process: True" in line for line in lines), result.stdout
+
+
+def test_load_memory_script_under_torchrun(tmp_path):
+    """scripts/load_memory.py as docs/parallel.md §10 launches it (a smaller model): each tp rank holds about half of
+    what one process holds, and its anonymous memory never grows by the whole model."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out = tmp_path / "load_memory.json"
+    script = root / "scripts" / "load_memory.py"
+    command = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), str(script)]
+    command += ["--layers", "2", "--hidden", "512", "--out", str(out)]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    *ranks, whole = report["rows"]
+    assert [row["load"] for row in ranks] == ["tp_size=2, rank 0", "tp_size=2, rank 1"]
+    assert whole["held_mib"] > 0.95 * report["checkpoint_mib"]
+    for row in ranks:
+        assert 0.45 * whole["held_mib"] < row["held_mib"] < 0.55 * whole["held_mib"], row
+        assert row["peak_anon_growth_mib"] < 0.5 * whole["held_mib"], row
