@@ -211,10 +211,10 @@ def test_glm_published_config_converts():
         pytest.xfail(f"conversion refuses the published GLM-5.3-Flash config: {error}")
 
 
-def test_fp8_hold_rule_equals_the_converters_on_transformers_own_deepseek_model():
-    """`fp8_held_modules` (structure) against `conversion.fp8_held_layers` (checkpoint names): the names of
-    transformers' own DeepseekV32 model on the meta device, every 2-D decoder-layer weight but the router and the
-    indexer's head weights given a `weight_scale_inv` as the FP8 release has."""
+def deepseek_fp8_release() -> tuple[dict, list[str]]:
+    """The published DeepSeek-V3.2 config and its FP8 release's tensor names: the names of transformers' own
+    DeepseekV32 model on the meta device, every 2-D decoder-layer weight but the router and the indexer's head
+    weights given a `weight_scale_inv`."""
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
     raw = json.loads((CONFIGS / "deepseek-v3.2.json").read_text())
@@ -226,10 +226,43 @@ def test_fp8_hold_rule_equals_the_converters_on_transformers_own_deepseek_model(
         scaled = re.match(r"model\.layers\.\d+\..*\.weight$", name) and tensor.dim() == 2
         if scaled and not (name.endswith("mlp.gate.weight") or "weights_proj" in name):
             keys.append(name + "_scale_inv")
+    return raw, keys
+
+
+def test_fp8_hold_rule_equals_the_converters_on_transformers_own_deepseek_model():
+    """`fp8_held_modules` (structure) against `conversion.fp8_held_layers` (checkpoint names) on the FP8 release's
+    names (`deepseek_fp8_release`)."""
+    raw, keys = deepseek_fp8_release()
     plan = plan_foreign_load(raw, keys, {"num_mtp_layers": 0})
     with torch.device("meta"):
         model = KDSAForCausalLM(plan.config)
     assert sorted(planner.fp8_held_modules(model)) == sorted(fp8_held_layers(plan, keys))
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8, 16])
+def test_deepseek_fp8_release_loads_sharded_on_its_scale_blocks(tp):
+    """A sharded load of the FP8 release (docs/parallel.md §10): every tp cut of an FP8 weight, the stacked experts'
+    per-expert weights included, falls on the 128 × 128 scale blocks, so no weight is read whole. With 256-blocks at
+    tp = 16 the experts' 2048 rows give 128 per rank, off the grid: refused."""
+    from modeling_kdsa.parallel.hf_plans import _fp8_whole_reads
+
+    raw, keys = deepseek_fp8_release()
+    # The release stores the routed experts one FP8 weight each (transformers' model stacks them).
+    keys = [key for key in keys if ".mlp.experts." not in key]
+    for layer in range(raw["first_k_dense_replace"], raw["num_hidden_layers"]):
+        for expert in range(raw["n_routed_experts"]):
+            for projection in ("gate_proj", "up_proj", "down_proj"):
+                name = f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"
+                keys += [name, name + "_scale_inv"]
+    plan = plan_foreign_load(raw, keys, {"num_mtp_layers": 0})
+    assert plan.fp8_block == (128, 128)
+    assert plan.fp8_targets["model.layers.3.mlp.experts.gate_up_proj"]  # merged from the per-expert weights
+    assert not plan.fp8_targets["model.layers.0.mlp.down_proj.weight"]
+    assert _fp8_whole_reads(plan.config, plan, tp) == ((), None)
+    if tp == 16:
+        plan.fp8_block = (256, 256)
+        whole, error = _fp8_whole_reads(plan.config, plan, tp)
+        assert whole == () and "model.layers.3.mlp.experts.gate_up_proj" in error and "[256, 256]" in error
 
 
 def test_a_folder_holds_the_layers_its_tensor_names_make_fp8(tmp_path):
