@@ -265,6 +265,53 @@ def test_deepseek_fp8_release_loads_sharded_on_its_scale_blocks(tp):
         assert whole == () and "model.layers.3.mlp.experts.gate_up_proj" in error and "[256, 256]" in error
 
 
+def glm_fp8_release(tmp_path: Path, kda_in_fp8: bool) -> tuple[dict, list[str]]:
+    """The GLM-5.3-Flash converter subset (`glm_converter_subset`) and its FP8 release's tensor names: transformers'
+    own Glm5Next model on the meta device, every 2-D decoder-layer weight but the router, the indexer and (unless
+    `kda_in_fp8`) the KDA layers given a `weight_scale_inv`, the routed experts one FP8 weight each."""
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    tmp_path.mkdir()
+    raw = json.loads(glm_converter_subset(tmp_path).read_text())
+    text = raw["text_config"]
+    with torch.device("meta"):
+        reference = Glm5NextForConditionalGeneration(Glm5NextConfig.from_dict(dict(raw)))
+    keys = []
+    for name, tensor in reference.state_dict().items():
+        if ".mlp.experts." in name:
+            continue
+        keys.append(name)
+        layer = re.match(r"model\.language_model\.layers\.(\d+)\..*\.weight$", name)
+        if layer is None or tensor.dim() != 2 or re.search(r"\.indexer\.|mlp\.gate\.weight", name):
+            continue
+        if kda_in_fp8 or text["layer_types"][int(layer.group(1))] != "linear_attention":
+            keys.append(name + "_scale_inv")
+    for layer in range(text["first_k_dense_replace"], text["num_hidden_layers"]):
+        for expert in range(text["n_routed_experts"]):
+            for projection in ("gate_proj", "up_proj", "down_proj"):
+                name = f"model.language_model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"
+                keys += [name, name + "_scale_inv"]
+    return raw, keys
+
+
+def test_glm_fp8_release_loads_sharded_on_its_scale_blocks(tmp_path):
+    """The GLM-5.3-Flash release (KDA layers and indexer bf16) at tp 2-16: every FP8 cut on its 128-blocks. Were its
+    KDA layers FP8 too, only their `b_proj` (one row per head, a few rows per rank) would be read whole."""
+    from modeling_kdsa.parallel.hf_plans import _fp8_whole_reads
+
+    raw, keys = glm_fp8_release(tmp_path / "release", kda_in_fp8=False)
+    plan = plan_foreign_load(raw, keys, {"num_mtp_layers": 0})
+    assert plan.fp8_targets["model.layers.3.mlp.experts.gate_up_proj"]
+    assert "model.layers.0.linear_attn.q_proj.weight" not in plan.fp8_targets
+    raw, keys = glm_fp8_release(tmp_path / "kda", kda_in_fp8=True)
+    kda_fp8 = plan_foreign_load(raw, keys, {"num_mtp_layers": 0})
+    kda_layers = [i for i, kind in enumerate(raw["text_config"]["layer_types"]) if kind == "linear_attention"]
+    for tp in (2, 4, 8, 16):
+        assert _fp8_whole_reads(plan.config, plan, tp) == ((), None)
+        whole, error = _fp8_whole_reads(kda_fp8.config, kda_fp8, tp)
+        assert error is None and whole == tuple(f"model.layers.{i}.linear_attn.b_proj.weight" for i in kda_layers)
+
+
 def test_a_folder_holds_the_layers_its_tensor_names_make_fp8(tmp_path):
     """A checkpoint folder: config.json and the shard index are read, and the held layers come from its names
     (`fp8_held_layers`). Here the index names a DeepSeek-V3.2-shaped checkpoint whose only FP8 weights are the
