@@ -5,7 +5,8 @@ cut after the load, and a cut of the routed experts that does not is refused on 
 
 The tiny fixtures' FP8 copies (eval/family_fixtures.py `fp8_copy`) quantize every decoder-layer linear weight, the
 KDA projections too. At tp = 2 with 16 × 16 blocks the KDA `b_proj` (2 heads: one row per rank) is the one weight
-off its grid; with 32 × 32 blocks every MLA and MLP cut of the DeepSeek fixture is, its experts' too.
+off its grid; with 32 × 32 blocks the DeepSeek fixture's `q_b_proj` (48 rows per rank), dense MLP (48) and experts
+(16 rows per rank) are.
 """
 
 import functools
