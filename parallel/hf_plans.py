@@ -31,6 +31,11 @@ plans cannot express (docs/parallel.md §10). `check_tensor_parallel_load` swaps
 hook before the weights load) cuts the meta model over the `(ep, tp)` mesh here, the experts as DTensors on both dims,
 so the same shard-on-read gives each rank only its experts; the experts then go behind the all-to-all dispatch.
 
+FP8 folders (`weight_scale_inv` per weight block): transformers slices each scale grid by its weight's cut, right only
+when every piece is a whole number of scale blocks. `check_tensor_parallel_load` checks each cut before the load
+(`_fp8_whole_reads`): a dense weight off its grid is read whole and cut after the load (a `ShardedLoad` names it),
+routed experts off their grid are refused (docs/parallel.md §10).
+
 Registration happens when this module is imported: by `import modeling_kdsa.parallel`, or by
 `KDSAForCausalLM.from_pretrained` when it is asked for tensor parallelism (a lazy import there: the model files ship
 as transformers remote code and do not import this package at import time).
