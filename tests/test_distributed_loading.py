@@ -196,6 +196,24 @@ def _expert_parallel_checks(results: dict, layout, folders: dict, odd_experts_fo
     )
 
 
+def _beams_and_quantized_cache(results: dict, sharded, reference, ids: torch.Tensor) -> None:
+    """Beam search on the `tp_plan="auto"` load, and greedy decoding with the layered quantized cache (FP8 latent,
+    MXFP8 indexer keys: `quantization_config` with `tp_plan`), against the single process."""
+    from modeling_kdsa import KDSAForCausalLM, KDSAQuantizationConfig
+
+    beams = dict(max_new_tokens=12, min_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0)
+    results["beams_tokens"] = sharded.generate(ids, **beams)
+    results["beams_equal"] = bool(torch.equal(results["beams_tokens"], reference.generate(ids, **beams)))
+    load = dict(dtype=torch.float32, quantization_config=KDSAQuantizationConfig(kv_cache_tile_size=64))
+    quantized = KDSAForCausalLM.from_pretrained(CHECKPOINT, tp_plan="auto", **load)
+    quantized_reference = KDSAForCausalLM.from_pretrained(CHECKPOINT, **load)
+    greedy = dict(max_new_tokens=GREEDY_STEPS, min_new_tokens=GREEDY_STEPS, do_sample=False, pad_token_id=0)
+    tokens = quantized.generate(ids, **greedy)
+    results["quantized_equal"] = bool(torch.equal(tokens, quantized_reference.generate(ids, **greedy)))
+    # The quantized cache took effect: its tokens are not the plain cache's.
+    results["quantized_differs_from_plain"] = not torch.equal(tokens, reference.generate(ids, **greedy))
+
+
 def _speculative_with_rank_clocks(rank: int, results: dict, sharded, reference) -> None:
     """`generate(use_mtp=True)` under the adaptive schedule on the `tp_plan="auto"` load, each rank on its own fake
     clock (tests/test_speculative_parallel.py's `_RankClock`): the round seconds are agreed over the load's tp mesh
@@ -265,6 +283,7 @@ def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
         split = context_parallel_prefill(sharded, ids, mesh).logits
         results["cp_path_error"] = (split - reference(ids).logits).abs().max().item()
     results["indexer_indices_bytes"] = mesh.comm.bytes_by_tag["tp.indexer_indices"]
+    _beams_and_quantized_cache(results, sharded, reference, ids)
     # AutoModel loads the base model; its planned modules finish the load before their first forward.
     base = AutoModel.from_pretrained(CHECKPOINT, tp_plan="auto", dtype=torch.float32)
     with torch.no_grad():
@@ -410,6 +429,16 @@ def test_forward_and_generate_match_the_single_process(two_ranks, name):
     assert two_ranks[0][f"{name}_greedy_tokens"].shape[1] == 19 + GREEDY_STEPS
     for run in ("greedy", "sampled", "left_padded"):
         assert torch.equal(two_ranks[0][f"{name}_{run}_tokens"], two_ranks[1][f"{name}_{run}_tokens"])
+
+
+def test_beam_search_and_quantized_cache_on_the_loaded_shards(two_ranks):
+    """`num_beams=3`, and 32 greedy steps with the FP8 latent / MXFP8 indexer cache, give the single process's tokens
+    on both ranks; the quantized cache's tokens differ from the plain cache's, so it was in use."""
+    for result in two_ranks:
+        assert result["beams_equal"]
+        assert result["quantized_equal"]
+        assert result["quantized_differs_from_plain"]
+    assert torch.equal(two_ranks[0]["beams_tokens"], two_ranks[1]["beams_tokens"])
 
 
 def test_tiny_fixture_is_sharded_through_distributed_config(two_ranks):
