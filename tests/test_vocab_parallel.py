@@ -23,6 +23,7 @@ from test_parallel_distributed import _expect_error
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CHECKPOINT = os.path.join(ROOT, "checkpoints", "kdsa-tiny")
 DSPARK = os.path.join(ROOT, "checkpoints", "kdsa-tiny-dspark")
+DRAFT = os.path.join(ROOT, "checkpoints", "kdsa-tiny-draft")
 GREEDY_STEPS = 32
 GREEDY = dict(max_new_tokens=GREEDY_STEPS, min_new_tokens=GREEDY_STEPS, do_sample=False, pad_token_id=0)
 
@@ -77,6 +78,10 @@ def _scenario(rank: int, results: dict, out_dir: str) -> None:
     draft = DSparkDraftModel.from_pretrained(DSPARK, target=applied)
     tokens = applied.generate(ids, assistant_model=draft, speculation_type="dspark", **GREEDY)
     results["dspark_equal"] = bool(torch.equal(tokens, expected))
+    # A separate draft model, whole on every rank, assisting the sharded target (transformers' assisted loop, one row).
+    assistant = KDSAForCausalLM.from_pretrained(DRAFT, dtype=torch.float32)
+    tokens = loaded.generate(ids[:1], assistant_model=assistant, **GREEDY)
+    results["assisted_equal"] = bool(torch.equal(tokens, whole.generate(ids[:1], **GREEDY)))
 
     # The tiny fixture with a tied head, saved by rank 0, through both paths; then saved sharded and reloaded.
     tied_folder = os.path.join(out_dir, "tied")
@@ -181,6 +186,12 @@ def test_save_pretrained_of_a_tied_sharded_model_reloads_bit_for_bit(two_ranks):
 def test_dspark_draft_on_a_sharded_target(two_ranks):
     for result in two_ranks:
         assert result["dspark_equal"]
+
+
+def test_assistant_model_on_a_sharded_target(two_ranks):
+    """kdsa-tiny-draft assisting the `tp_plan="auto"` load gives the single process's greedy tokens."""
+    for result in two_ranks:
+        assert result["assisted_equal"]
 
 
 @pytest.mark.parametrize("key", ["error_apply", "error_tp_plan"])
