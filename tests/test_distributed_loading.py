@@ -31,8 +31,11 @@ EP_BATCH = 3  # not a multiple of ep: the ep ranks' shares differ (2 + 1 rows)
 
 
 def EP_FAMILIES(out_dir: str) -> dict:  # noqa: N802
-    """Published layouts loaded with ep = 2: per-expert tensors (GLM's hub layout) and packed MXFP4 experts (K3)."""
-    return {"glm5_next": (os.path.join(out_dir, "glm5_next"), 100),
+    """Published layouts loaded with ep = 2: each family's hub layout (per-expert tensors; Kimi-Linear's
+    `block_sparse_moe` names) and Kimi K3's packed MXFP4 experts."""
+    return {"kimi_linear": (os.path.join(out_dir, "kimi_linear"), 100),
+            "deepseek_v32": (os.path.join(out_dir, "deepseek_v32"), 100),
+            "glm5_next": (os.path.join(out_dir, "glm5_next"), 100),
             "kimi_k3_mxfp4": (os.path.join(out_dir, "kimi_k3_mxfp4"), 200)}  # fmt: skip
 
 
@@ -509,14 +512,14 @@ def test_bad_layouts_raise_the_same_error_on_every_rank(two_ranks, key, words):
     assert two_ranks[0][key] == two_ranks[1][key]
 
 
-@pytest.mark.parametrize("name", ["checkpoint", "tiny", "glm5_next", "kimi_k3_mxfp4"])
+@pytest.mark.parametrize("name", ["checkpoint", "tiny", "kimi_linear", "deepseek_v32", "glm5_next", "kimi_k3_mxfp4"])
 def test_expert_parallel_load_ep2_matches_the_single_process(two_ranks, name):
     """`distributed_config={"tp_size": 1, "ep_size": 2}`: each rank holds half of every layer's routed experts and
     everything else whole, runs its share of the batch, and gives the single-process logits and 32 greedy tokens."""
     _check_expert_parallel(two_ranks, f"tp1_ep2_{name}", ep=2, tp=1, rows=[(0, 2), (2, 3)])
 
 
-@pytest.mark.parametrize("name", ["checkpoint", "tiny", "glm5_next", "kimi_k3_mxfp4"])
+@pytest.mark.parametrize("name", ["checkpoint", "tiny", "kimi_linear", "deepseek_v32", "glm5_next", "kimi_k3_mxfp4"])
 def test_expert_parallel_load_reads_only_this_ranks_experts(two_ranks, name):
     """Every element read from the files is kept: the other rank's experts are never read (per-expert tensors of the
     hub layout, dense or packed MXFP4, are skipped; stacked ones sliced)."""
