@@ -28,6 +28,8 @@ GREEDY_STEPS = 32
 # The published families' tiny folders loaded with tp_plan="auto", and the vocabulary their prompts draw from.
 FAMILIES = {"kimi_linear": 100, "deepseek_v32": 100, "glm5_next": 100, "glm5_next_runtime": 100, "kimi_k3": 200}
 EP_BATCH = 3  # not a multiple of ep: the ep ranks' shares differ (2 + 1 rows)
+# The family folders loaded with tp 2 × ep 2 (Kimi K3 in the layout tp can cut: unquantized experts, no LatentMoE).
+TP_EP_FAMILIES = ("kimi_linear", "deepseek_v32", "glm5_next", "kimi_k3")
 
 
 def EP_FAMILIES(out_dir: str) -> dict:  # noqa: N802
@@ -97,6 +99,20 @@ def _write_kimi_k3_folder(folder: Path, published: bool = False) -> None:
         for name in ("routed_expert_hidden_size", "latent_moe_use_norm"):
             del raw["text_config"][name]
     write_k3_folder(folder, perturbed_model(plan_foreign_load(raw, []).config), raw)
+
+
+def _write_family_folders(out_dir: str) -> None:
+    """The published families' tiny folders (the names of `FAMILIES`), converted at load."""
+    from modeling_kdsa.eval import family_fixtures
+
+    for family in ("kimi_linear", "deepseek_v32", "glm5_next"):
+        torch.manual_seed(0)
+        reference = getattr(family_fixtures, f"{family}_model")()
+        family_fixtures.perturb_constants(reference)
+        reference.save_pretrained(os.path.join(out_dir, family), max_shard_size="40KB")
+        if family == "glm5_next":  # transformers' runtime layout: one fused conv1d [3C, 1, W], stacked experts
+            reference.save_pretrained(os.path.join(out_dir, "glm5_next_runtime"), save_original_format=False)
+    _write_kimi_k3_folder(Path(out_dir) / "kimi_k3")
 
 
 def _state_bytes(module) -> int:
@@ -312,17 +328,8 @@ def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
 
     # Converted families: the folder converts at load (conversion.py) and each rank reads its shards; what it holds
     # is apply_tensor_parallel's cut of the whole converted model, tensor for tensor.
-    from modeling_kdsa.eval import family_fixtures
-
     if rank == 0:
-        for family in ("kimi_linear", "deepseek_v32", "glm5_next"):
-            torch.manual_seed(0)
-            reference = getattr(family_fixtures, f"{family}_model")()
-            family_fixtures.perturb_constants(reference)
-            reference.save_pretrained(os.path.join(out_dir, family), max_shard_size="40KB")
-            if family == "glm5_next":  # transformers' runtime layout: one fused conv1d [3C, 1, W], stacked experts
-                reference.save_pretrained(os.path.join(out_dir, "glm5_next_runtime"), save_original_format=False)
-        _write_kimi_k3_folder(Path(out_dir) / "kimi_k3")
+        _write_family_folders(out_dir)
     dist.barrier()
     tp_mesh = init_parallel_mesh(cp_size=1, tp_size=2)
     for family, vocab in FAMILIES.items():
@@ -380,9 +387,11 @@ def _scenario_four(rank: int, results: dict, out_dir: str) -> None:
         _tiny_with_biases().save_pretrained(tiny_folder)
         tiny_config(linear_num_heads=3).save_pretrained(odd_heads)  # the config alone: the check reads nothing else
         tiny_config(n_routed_experts=3, num_experts_per_tok=1).save_pretrained(odd_experts)
+        _write_family_folders(out_dir)
     dist.barrier()
     layout = DistributedConfig(tp_size=2, ep_size=2)
     folders = {"checkpoint": (CHECKPOINT, 200), "tiny": (tiny_folder, 128)}
+    folders |= {family: (os.path.join(out_dir, family), FAMILIES[family]) for family in TP_EP_FAMILIES}
     _expert_parallel_checks(results, layout, folders, odd_experts)
     results["error_heads"] = _expect_error(
         lambda: KDSAForCausalLM.from_pretrained(odd_heads, distributed_config=layout)
@@ -529,7 +538,7 @@ def test_expert_parallel_load_reads_only_this_ranks_experts(two_ranks, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["checkpoint", "tiny"])
+@pytest.mark.parametrize("name", ["checkpoint", "tiny", *TP_EP_FAMILIES])
 def test_expert_parallel_load_tp2_ep2_matches_the_single_process(four_ranks, name):
     """`DistributedConfig(tp_size=2, ep_size=2)` on 4 processes: each rank holds a quarter of the routed expert
     bytes (its ep block, cut by tp) and its tp share of the rest; the tp pair of an ep rank decodes the same rows."""
