@@ -31,6 +31,11 @@ def _parameter_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
+def _first_kda_heads(model) -> int | None:
+    """The head count of the model's first KDA layer (None: it has none)."""
+    return next((layer.linear_attn.num_heads for layer in model.model.layers if hasattr(layer, "linear_attn")), None)
+
+
 def _prefill_then_decode(results: dict, name: str, make_model, ids, cp: int, tp: int, decode_tp: int, ep: int):
     """Prefill `ids[:, :-1]` over (cp, tp), hand over to (decode_tp, ep), generate; record tokens and logits against
     the single-process generate() on this rank's rows."""
@@ -42,7 +47,8 @@ def _prefill_then_decode(results: dict, name: str, make_model, ids, cp: int, tp:
     options = dict(max_new_tokens=GENERATE_STEPS, min_new_tokens=GENERATE_STEPS, do_sample=False,
                    return_dict_in_generate=True, output_logits=True)  # fmt: skip
     reference = make_model().generate(ids, **options)
-    full_bytes = _parameter_bytes(make_model())
+    whole = make_model()
+    full_bytes = _parameter_bytes(whole)
 
     mesh = init_parallel_mesh(cp_size=cp, tp_size=tp)
     model = apply_tensor_parallel(make_model(), mesh)
@@ -59,14 +65,14 @@ def _prefill_then_decode(results: dict, name: str, make_model, ids, cp: int, tp:
     ]
     results[f"{name}_logits_error"] = max(errors)
     results[f"{name}_bytes"] = (prefill_bytes, _parameter_bytes(handed.model), full_bytes)
-    first_kda = next(layer for layer in handed.model.model.layers if hasattr(layer, "linear_attn"))
-    results[f"{name}_local_kda_heads"] = first_kda.linear_attn.num_heads
+    results[f"{name}_local_kda_heads"] = _first_kda_heads(handed.model)
+    results[f"{name}_kda_heads"] = _first_kda_heads(whole)
     results[f"{name}_rows"] = rows
     results[f"{name}_head_is_embedding"] = handed.model.lm_head.weight is handed.model.model.embed_tokens.weight
 
 
 def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
-    """2 processes: cp 2 → tp 2 on the tiny fixture and the shipped checkpoint; error paths."""
+    """2 processes: cp 2 → tp 2 on the tiny fixture, the shipped checkpoint and the family folders; error paths."""
     from conftest import tiny_model
     from modeling_kdsa.parallel import context_parallel_prefill, init_parallel_mesh
     from modeling_kdsa.parallel.handover import hand_over_to_decode
@@ -76,6 +82,18 @@ def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
 
     ids = _prompt(PROMPT_LEN, batch=2)
     _prefill_then_decode(results, "tiny", tiny_model, ids, cp=2, tp=1, decode_tp=2, ep=1)
+    # Each published family's tiny folder, converted at load (written by rank 0 as tests/test_distributed_loading.py
+    # writes them).
+    import torch.distributed as dist
+    from test_distributed_loading import TP_EP_FAMILIES, _write_family_folders
+
+    if rank == 0:
+        _write_family_folders(out_dir)
+    dist.barrier()
+    for family in TP_EP_FAMILIES:
+        folder = os.path.join(out_dir, family)
+        load_family = functools.partial(KDSAForCausalLM.from_pretrained, folder, dtype=torch.float32)
+        _prefill_then_decode(results, family, load_family, ids, cp=2, tp=1, decode_tp=2, ep=1)
 
     def load():
         return KDSAForCausalLM.from_pretrained(CHECKPOINT, dtype=torch.float32).eval()
@@ -167,15 +185,18 @@ def four_ranks() -> list[dict]:
 # ------------------------------------------------------------------------------------------------------ tests
 
 
-@pytest.mark.parametrize("name", ["tiny", "checkpoint"])
+@pytest.mark.parametrize("name", ["tiny", "checkpoint", "kimi_linear", "deepseek_v32", "glm5_next", "kimi_k3"])
 def test_cp2_prefill_then_tp2_decode_matches_single_process(two_ranks, name):
     """32 greedy tokens equal the single-process generate() on both ranks; every step's logits within 1e-4; each
-    rank decodes with half the KDA heads and fewer parameter bytes than the whole model."""
+    rank decodes with half the KDA heads (DeepSeek-V3.2 has none) and fewer parameter bytes than the whole model."""
     for result in two_ranks:
         assert result[f"{name}_generated"] == GENERATE_STEPS
         assert result[f"{name}_tokens_equal"]
         assert result[f"{name}_logits_error"] < LOGIT_TOLERANCE
-        assert result[f"{name}_local_kda_heads"] == 1  # of 2
+        if name == "deepseek_v32":  # no KDA layer
+            assert result[f"{name}_local_kda_heads"] is None
+        else:
+            assert 2 * result[f"{name}_local_kda_heads"] == result[f"{name}_kda_heads"]
         prefill_bytes, decode_bytes, full_bytes = result[f"{name}_bytes"]
         assert prefill_bytes == full_bytes > decode_bytes
 
