@@ -343,6 +343,13 @@ def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
             torch.equal(loaded[name], tensor) for name, tensor in expected.items()
         )
         _compare(results, family, family_sharded, family_whole, vocab)
+        # Prompt lookup (transformers' assisted decoding) on a prompt that repeats itself, so that it drafts.
+        source = _prompts(vocab)[:1]
+        repeated = torch.cat([source, source], dim=1)
+        lookup = dict(max_new_tokens=GREEDY_STEPS, min_new_tokens=GREEDY_STEPS, do_sample=False, pad_token_id=0,
+                      prompt_lookup_num_tokens=3)  # fmt: skip
+        tokens = [model.generate(repeated, **lookup) for model in (family_sharded, family_whole)]
+        results[f"{family}_lookup_equal"] = bool(torch.equal(*tokens))
 
     # Bad layouts: the same ValueError on every rank, before the load starts.
     results["error_heads"] = _expect_error(
@@ -459,6 +466,14 @@ def test_tiny_fixture_is_sharded_through_distributed_config(two_ranks):
         sharded, whole = result["tiny_bytes"]
         assert sharded < whole
     assert two_ranks[0]["tiny_o_proj_bias_norm"] > 0 and two_ranks[1]["tiny_o_proj_bias_norm"] == 0
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_prompt_lookup_on_the_converted_families_loaded_shards(two_ranks, family):
+    """Speculative decoding under tp = 2 on each family: prompt lookup on a `tp_plan="auto"` load gives the single
+    process's 32 greedy tokens."""
+    for result in two_ranks:
+        assert result[f"{family}_lookup_equal"]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
