@@ -61,3 +61,12 @@ def run_on_ranks(scenario, world_size: int, timeout_s: float = SPAWN_TIMEOUT_S) 
                 if "worker_exception" in result]  # fmt: skip
     assert not failures, "\n".join(failures)
     return results
+
+
+def run_on_ranks_in_folder(scenario, world_size: int, timeout_s: float = SPAWN_TIMEOUT_S) -> list[dict]:
+    """`run_on_ranks` for a scenario `scenario(rank, results, out_dir)`: `out_dir` is one temporary folder all ranks
+    share (rank 0 writes checkpoints there, every rank reads them), removed afterwards."""
+    import functools
+
+    with tempfile.TemporaryDirectory() as folder:
+        return run_on_ranks(functools.partial(scenario, out_dir=folder), world_size, timeout_s)

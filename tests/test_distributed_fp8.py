@@ -9,14 +9,12 @@ off its grid; with 32 × 32 blocks the DeepSeek fixture's `q_b_proj` (48 rows pe
 (16 rows per rank) are.
 """
 
-import functools
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from gloo_ranks import run_on_ranks
+from gloo_ranks import run_on_ranks_in_folder
 from test_distributed_loading import _compare, _compare_expert_parallel, _counting_reads
 from test_parallel_distributed import _expect_error
 
@@ -111,14 +109,12 @@ def _scenario_four(rank: int, results: dict, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    with tempfile.TemporaryDirectory() as folder:
-        return run_on_ranks(functools.partial(_scenario_two, out_dir=folder), 2, timeout_s=300)
+    return run_on_ranks_in_folder(_scenario_two, 2, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
-    with tempfile.TemporaryDirectory() as folder:
-        return run_on_ranks(functools.partial(_scenario_four, out_dir=folder), 4, timeout_s=300)
+    return run_on_ranks_in_folder(_scenario_four, 4, timeout_s=300)
 
 
 def _check_generate(results: dict, name: str) -> None:

@@ -9,17 +9,15 @@ generated tokens must be equal, on both ranks.
 """
 
 import contextlib
-import functools
 import math
 import os
 import resource
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from gloo_ranks import free_port, run_on_ranks
+from gloo_ranks import free_port, run_on_ranks_in_folder
 from test_parallel_distributed import _expect_error
 
 CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "kdsa-tiny")
@@ -410,15 +408,13 @@ def _scenario_four(rank: int, results: dict, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
-    with tempfile.TemporaryDirectory() as folder:
-        return run_on_ranks(functools.partial(_scenario_four, out_dir=folder), 4)
+    return run_on_ranks_in_folder(_scenario_four, 4)
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    with tempfile.TemporaryDirectory() as folder:  # where rank 0 saves the checkpoints both ranks load
-        # Many loads in one spawn (the checkpoint, the tiny fixture and five family folders, tp and ep): a longer limit.
-        return run_on_ranks(functools.partial(_scenario_two, out_dir=folder), 2, timeout_s=300)
+    # Many loads in one spawn (the checkpoint, the tiny fixture and five family folders, tp and ep): a longer limit.
+    return run_on_ranks_in_folder(_scenario_two, 2, timeout_s=300)
 
 
 # ------------------------------------------------------------------------------------------------ distributed

@@ -2,15 +2,13 @@
 gathered over the tp group and the routed experts over the ep group, global rank 0 writes, and the folder loads whole
 in one process with the whole model's tensors, bit for bit: tp = 2 and ep = 2 (2 processes), tp 2 × ep 2 (4)."""
 
-import functools
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from gloo_ranks import run_on_ranks
+from gloo_ranks import run_on_ranks_in_folder
 
 CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "kdsa-tiny")
 
@@ -98,14 +96,12 @@ def _scenario_four(rank: int, results: dict, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    with tempfile.TemporaryDirectory() as folder:  # shared by both ranks: rank 0 writes, both read
-        return run_on_ranks(functools.partial(_scenario, out_dir=folder), 2, timeout_s=400)
+    return run_on_ranks_in_folder(_scenario, 2, timeout_s=400)
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
-    with tempfile.TemporaryDirectory() as folder:
-        return run_on_ranks(functools.partial(_scenario_four, out_dir=folder), 4, timeout_s=400)
+    return run_on_ranks_in_folder(_scenario_four, 4, timeout_s=400)
 
 
 def _assert_same_state(saved: dict, whole: dict) -> None:

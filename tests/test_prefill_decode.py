@@ -13,12 +13,11 @@ logits by > 1e-2.
 import functools
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from gloo_ranks import free_port, run_on_ranks
+from gloo_ranks import free_port, run_on_ranks, run_on_ranks_in_folder
 from test_parallel_distributed import _expect_error, _prompt
 
 LOGIT_TOLERANCE = 1e-4
@@ -173,8 +172,7 @@ def _scenario_four(rank: int, results: dict) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    with tempfile.TemporaryDirectory() as folder:  # shared by both ranks: rank 0 saves, both load
-        return run_on_ranks(functools.partial(_scenario_two, out_dir=folder), 2)
+    return run_on_ranks_in_folder(_scenario_two, 2)
 
 
 @pytest.fixture(scope="module")

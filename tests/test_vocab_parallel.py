@@ -11,13 +11,11 @@ to a sharded target (it shares the target's embedding and head) gives the target
 cover the split, the masked lookup and the refusals.
 """
 
-import functools
 import os
-import tempfile
 
 import pytest
 import torch
-from gloo_ranks import run_on_ranks
+from gloo_ranks import run_on_ranks_in_folder
 from test_parallel_distributed import _expect_error
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -121,8 +119,7 @@ def _scenario(rank: int, results: dict, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    with tempfile.TemporaryDirectory() as folder:  # rank 0 writes the folders both ranks load
-        return run_on_ranks(functools.partial(_scenario, out_dir=folder), 2, timeout_s=300)
+    return run_on_ranks_in_folder(_scenario, 2, timeout_s=300)
 
 
 # ------------------------------------------------------------------------------------------------ distributed
