@@ -182,6 +182,7 @@ struct Fp8Row {
   const int32_t* tile_of;
   int64_t block_cols;
   __m256 vec(int64_t i) const {
+    if ((i & 63) == 0) _mm_prefetch((const char*)(values + i) + kPrefetchBytes, _MM_HINT_T0);  // as `Bf16Row`
     const __m256 value = _mm256_mul_ps(e4m3_to_fp32_x8(values + i), _mm256_set1_ps(scales[tile_of[i / 8]]));
     return _mm256_castsi256_ps(round_to_bf16_x8(value));
   }
