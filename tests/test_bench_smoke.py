@@ -334,8 +334,10 @@ def test_verify_cost_bench_quick_run(tmp_path, capsys):
     assert torch.get_num_threads() == threads  # restored
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert report["environment"]["threads"] == 1 and report["contexts"] == [256]
-    (entry,) = report["results"]
+    (entry,) = report["results"].values()
     rows = entry["rows"]
+    assert [(row["context"], row["n"]) for row in report["rows"]] == [(256, n) for n in (1, 2, 4, 8, 16)]
+    assert [row["verify_ms"] for row in report["rows"]] == [round(1e3 * r["verify_median_s"], 2) for r in rows.values()]
     assert list(rows) == ["1", "2", "4", "8", "16"]
     base = rows["1"]["verify_median_s"]
     for n, row in rows.items():
