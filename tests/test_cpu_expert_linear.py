@@ -77,6 +77,7 @@ def test_pairs_of_one_expert_share_its_reads_in_groups_of_up_to_sixteen():
     """Seven pairs of expert 2 (one group), one of expert 0 and two of expert 4, interleaved; then 21 pairs of expert 1
     (groups of 16 and 5, the row kernel's groups of 4 inside): every row is still the row kernel's on its own expert,
     within one bf16 rounding of the fp32 product."""
+    assert cpu_expert_linear.kernel_available()  # loads the op, whichever test of the file runs first
     x, weight, _ = case(experts=5, n=40, k=300, pairs=10)
     index = torch.tensor([2, 0, 2, 2, 4, 2, 2, 4, 2, 2])
     assert torch.equal(expert_linear(x, weight, index), row_kernel_products(x, weight, index))
@@ -94,6 +95,7 @@ def test_pairs_of_one_expert_share_its_reads_in_groups_of_up_to_sixteen():
 @needs_kernel_build
 def test_rows_are_read_through_their_stride():
     """x may have any row stride: a token's row expanded over its slots (stride 0) gives the results of its copies."""
+    assert cpu_expert_linear.kernel_available()
     x, weight, index = case(pairs=4)
     shared = x[:1].expand(4, -1)
     assert shared.stride(0) == 0
@@ -105,6 +107,7 @@ def test_two_threads_split_the_pairs_rows(monkeypatch):
     """Over the grain (~512 KiB of weight per thread) the pairs' rows are split between two threads, a block
     boundary falling inside a pair's rows: the results stay the row kernel's. (That the split happens at all needs the
     OpenMP build: test_cpu_extension.py.)"""
+    assert cpu_expert_linear.kernel_available()
     threads = torch.get_num_threads()
     monkeypatch.setattr(cpu_extension, "MAX_THREADS", 2)
     torch.set_num_threads(2)
