@@ -77,6 +77,7 @@ def test_kernels_equal_the_fp32_products_on_exact_inputs(heads, nope, value, lat
 
 @needs_kernel_build
 def test_random_bf16_rows_are_within_one_rounding_of_the_fp32_products():
+    assert cpu_head_products.kernel_available()  # loads the ops, whichever test of the file runs first
     w_uk, w_uv, q, out_latent = kv_b_case(8, 64, 32, 200, (2, 1), integers=False)
     results = head_matmul(q, w_uk), head_linear(out_latent, w_uv)
     for got, reference in zip(results, expected(w_uk, w_uv, q, out_latent), strict=True):
@@ -87,6 +88,7 @@ def test_random_bf16_rows_are_within_one_rounding_of_the_fp32_products():
 def test_a_nan_reaches_the_outputs_it_enters():
     """A NaN in a head's query or latent row makes that head's outputs NaN (not infinities or zeros), as torch's
     products do; the other heads stay finite."""
+    assert cpu_head_products.kernel_available()
     w_uk, w_uv, q, out_latent = kv_b_case(heads=3)
     q[0, 0, 1, 2] = float("nan")
     out_latent[0, 0, 2, 5] = -float("nan")
@@ -99,6 +101,7 @@ def test_a_nan_reaches_the_outputs_it_enters():
 def test_two_threads_each_take_a_block_of_heads(monkeypatch):
     """Over the kernels' grain (~512 KiB of weight per thread) the heads are split between two threads: the results
     stay the exact products. (That the split happens at all needs the OpenMP build: test_cpu_extension.py.)"""
+    assert cpu_head_products.kernel_available()
     threads = torch.get_num_threads()
     monkeypatch.setattr(cpu_extension, "MAX_THREADS", 2)
     torch.set_num_threads(2)
