@@ -4,6 +4,7 @@ A scenario is a module-level function `scenario(rank, results)` of a test module
 it fills the `results` dict; an exception is caught and reported with the rank's traceback. A run that does not finish
 in `SPAWN_TIMEOUT_S` is killed and fails the test (a hang is a failure)."""
 
+import functools
 import os
 import socket
 import sys
@@ -66,7 +67,5 @@ def run_on_ranks(scenario, world_size: int, timeout_s: float = SPAWN_TIMEOUT_S) 
 def run_on_ranks_in_folder(scenario, world_size: int, timeout_s: float = SPAWN_TIMEOUT_S) -> list[dict]:
     """`run_on_ranks` for a scenario `scenario(rank, results, out_dir)`: `out_dir` is one temporary folder all ranks
     share (rank 0 writes checkpoints there, every rank reads them), removed afterwards."""
-    import functools
-
     with tempfile.TemporaryDirectory() as folder:
         return run_on_ranks(functools.partial(scenario, out_dir=folder), world_size, timeout_s)

@@ -330,6 +330,7 @@ def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
         _write_family_folders(out_dir)
     dist.barrier()
     tp_mesh = init_parallel_mesh(cp_size=1, tp_size=2)
+    greedy = dict(max_new_tokens=GREEDY_STEPS, min_new_tokens=GREEDY_STEPS, do_sample=False, pad_token_id=0)
     for family, vocab in FAMILIES.items():
         folder = os.path.join(out_dir, family)
         family_sharded = KDSAForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32)
@@ -341,13 +342,12 @@ def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
             torch.equal(loaded[name], tensor) for name, tensor in expected.items()
         )
         _compare(results, family, family_sharded, family_whole, vocab)
-        # Prompt lookup (transformers' assisted decoding) on a prompt that repeats itself, so that it drafts.
+        # Prompt lookup (transformers' assisted decoding) on a prompt that repeats itself, so that it drafts, against
+        # the single process's plain greedy decoding (what lookup must return).
         source = _prompts(vocab)[:1]
         repeated = torch.cat([source, source], dim=1)
-        lookup = dict(max_new_tokens=GREEDY_STEPS, min_new_tokens=GREEDY_STEPS, do_sample=False, pad_token_id=0,
-                      prompt_lookup_num_tokens=3)  # fmt: skip
-        tokens = [model.generate(repeated, **lookup) for model in (family_sharded, family_whole)]
-        results[f"{family}_lookup_equal"] = bool(torch.equal(*tokens))
+        tokens = family_sharded.generate(repeated, prompt_lookup_num_tokens=3, **greedy)
+        results[f"{family}_lookup_equal"] = bool(torch.equal(tokens, family_whole.generate(repeated, **greedy)))
 
     # Bad layouts: the same ValueError on every rank, before the load starts.
     results["error_heads"] = _expect_error(

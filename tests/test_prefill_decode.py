@@ -45,8 +45,8 @@ def _prefill_then_decode(results: dict, name: str, make_model, ids, cp: int, tp:
 
     options = dict(max_new_tokens=GENERATE_STEPS, min_new_tokens=GENERATE_STEPS, do_sample=False,
                    return_dict_in_generate=True, output_logits=True)  # fmt: skip
-    reference = make_model().generate(ids, **options)
     whole = make_model()
+    reference = whole.generate(ids, **options)
     full_bytes = _parameter_bytes(whole)
 
     mesh = init_parallel_mesh(cp_size=cp, tp_size=tp)
@@ -72,9 +72,11 @@ def _prefill_then_decode(results: dict, name: str, make_model, ids, cp: int, tp:
 
 def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
     """2 processes: cp 2 → tp 2 on the tiny fixture, the shipped checkpoint and the family folders; error paths."""
+    import torch.distributed as dist
     from conftest import tiny_model
     from modeling_kdsa.parallel import context_parallel_prefill, init_parallel_mesh
     from modeling_kdsa.parallel.handover import hand_over_to_decode
+    from test_distributed_loading import TP_EP_FAMILIES, _write_family_folders
 
     from modeling_kdsa import KDSAForCausalLM
     from modeling_kdsa.cache import KDSACache
@@ -83,9 +85,6 @@ def _scenario_two(rank: int, results: dict, out_dir: str) -> None:
     _prefill_then_decode(results, "tiny", tiny_model, ids, cp=2, tp=1, decode_tp=2, ep=1)
     # Each published family's tiny folder, converted at load (written by rank 0 as tests/test_distributed_loading.py
     # writes them).
-    import torch.distributed as dist
-    from test_distributed_loading import TP_EP_FAMILIES, _write_family_folders
-
     if rank == 0:
         _write_family_folders(out_dir)
     dist.barrier()
