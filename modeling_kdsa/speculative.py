@@ -18,7 +18,10 @@ One round, for a batch of B left-padded rows (docs/speculative.md):
    min(1, p(d_k) / q(d_k)), left to right; at the first rejection the next token is drawn from norm(max(0, p − q));
    if all are kept, a bonus token is drawn from p_n. Greedy is the one-hot case: keep while d_k = argmax p_{k−1},
    then take argmax p. Each emitted token is a sample of the target's own distribution, so greedy output is plain
-   greedy's and sampling keeps the target's distribution.
+   greedy's and sampling keeps the target's distribution. That holds for the distributions the forwards compute: a
+   verify forward over n positions rounds differently from n one-token steps, so where plain greedy's top two
+   scores are within rounding of each other (a near-tie, common in bf16) the verify can pick the other one, and the
+   outputs part from there. `first_difference` finds where two outputs part and whether it is such a near-tie.
 5. Batch: every row commits the same count a + 1, a = the fewest drafts any unfinished row accepted. A row that
    accepted more emits its accepted draft at slot a (itself a valid target sample), so nothing is lost but drafts.
 6. The target cache is cropped to the committed length; the drafter takes the target's hidden states at the
@@ -152,6 +155,56 @@ def accept(
         choice = torch.where(bonus[:, None], choice, residual[rows, accepted.clamp(max=n - 1)])
     next_tokens[rows, accepted] = torch.multinomial(choice, num_samples=1).squeeze(1)
     return accepted, next_tokens
+
+
+# A difference between two greedy outputs counts as a near-tie where plain greedy's score for its own token exceeds
+# its score for the other output's token by at most this many spacings of the model's dtype at that score. A verify
+# forward and one-token steps round differently (different kernels and summation orders): on the shipped model their
+# logits differ by a spacing or two in bf16.
+NEAR_TIE_ULPS = 4
+
+
+@dataclass
+class TokenDifference:
+    """Where a greedy output first differs from plain greedy's: new token `position` of batch row `row`, where plain
+    greedy chose `plain_token` and the other output `token`; `gap` is plain greedy's processed score for its own token
+    minus its score for `token` (>= 0), `ulp` the spacing of the model's dtype at plain greedy's score."""
+
+    row: int
+    position: int
+    plain_token: int
+    token: int
+    gap: float
+    ulp: float
+
+    @property
+    def near_tie(self) -> bool:
+        """Plain greedy's own scores ranked the two tokens within rounding of each other (`NEAR_TIE_ULPS`)."""
+        return self.gap <= NEAR_TIE_ULPS * self.ulp
+
+
+def first_difference(
+    plain_sequences: torch.Tensor, sequences: torch.Tensor, plain_scores: tuple[torch.Tensor, ...], dtype: torch.dtype
+) -> TokenDifference | None:
+    """The earliest new token at which `sequences` differ from plain greedy's `plain_sequences` (both `[B, prompt +
+    new]`, the same shape: pass `min_new_tokens`), with plain greedy's processed `plain_scores` (`generate(...,
+    output_scores=True)`: one `[B, V]` per new token) and the model's `dtype`; None where they are equal."""
+    if plain_sequences.shape != sequences.shape:
+        raise ValueError(
+            f"first_difference compares outputs of one shape (pass min_new_tokens = max_new_tokens); got "
+            f"{tuple(plain_sequences.shape)} and {tuple(sequences.shape)}"
+        )
+    new = len(plain_scores)
+    differs = plain_sequences[:, -new:] != sequences[:, -new:]
+    if not differs.any():
+        return None
+    position = int(differs.any(0).nonzero()[0])
+    row = int(differs[:, position].nonzero()[0])
+    plain_token, token = int(plain_sequences[row, -new + position]), int(sequences[row, -new + position])
+    scores = plain_scores[position][row].float()
+    top = scores[plain_token].abs().clamp_min(torch.finfo(dtype).tiny)
+    ulp = torch.finfo(dtype).eps * 2.0 ** torch.floor(torch.log2(top))
+    return TokenDifference(row, position, plain_token, token, float(scores[plain_token] - scores[token]), float(ulp))
 
 
 class MTPDrafter:

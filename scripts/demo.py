@@ -11,8 +11,10 @@ Loads `checkpoints/kdsa-tiny` (trained here by scripts/train_tiny.py; no downloa
 4. decodes a copy and a recall prompt with plain greedy, prompt lookup (`prompt_lookup_num_tokens`), the
    checkpoint's MTP layer (`use_mtp=True`), the DSpark draft `checkpoints/kdsa-tiny-dspark`
    (`speculation_type="dspark"`) and the small draft model `checkpoints/kdsa-tiny-draft` (`assistant_model`), shows
-   that all give the same tokens, and prints tokens/s, the speed-up, tau (new tokens per target forward) and, for
-   MTP and DSpark, how many rounds drafted.
+   that all give plain greedy's tokens, and prints tokens/s, the speed-up, tau (new tokens per target forward) and,
+   for MTP and DSpark, how many rounds drafted. An output that differs must differ first at a near-tie of plain
+   greedy's scores (`speculative.first_difference`; bf16 rounds a verify forward differently from one-token steps,
+   docs/speculative.md §2), else the demo exits with an error.
 """
 
 import argparse
@@ -32,6 +34,7 @@ from modeling_kdsa.eval.make_data import load_docs  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from modeling_kdsa import DSparkDraftModel  # noqa: E402  (importing the package registers the architecture)
+from modeling_kdsa.speculative import TokenDifference, first_difference  # noqa: E402
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "kdsa-tiny"
 DEFAULT_DRAFT = DEFAULT_CHECKPOINT.with_name("kdsa-tiny-draft")
@@ -124,22 +127,47 @@ def main():
         print(f"\nspeculative decoding, {name} prompt ({prompt.shape[1]} tokens), batch 1, {steps} new tokens:")
         print(f"  {'method':34s} {'tokens/s':>9s} {'speed-up':>8s} {'tau':>5s} {'drafted':>8s}")
         greedy = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=config.pad_token_id)
-        plain, plain_seconds, differing = None, None, []
+        plain, plain_seconds, notes, differing = None, None, [], []
         for method, extra in methods.items():
             seconds, forwards, out = time_generate(model, prompt, greedy, extra)
             if plain is None:
                 plain, plain_seconds = out, seconds
-            same = torch.equal(out, plain)
-            if not same:
-                differing.append(method)
+            verdict = "same tokens as plain greedy"
+            if not torch.equal(out, plain):
+                difference = explain_difference(model, tokenizer, prompt, greedy, plain, out)
+                verdict = "differs at a near-tie" if difference.near_tie else "DIFFERENT TOKENS"
+                notes.append(f"  {method}: {describe_difference(difference, tokenizer, model.dtype)}")
+                if not difference.near_tie:
+                    differing.append(method)
             drafted = "—"
             if extra.get("use_mtp") or extra.get("speculation_type"):  # KDSA's drafting loop keeps its statistics
                 stats = model.speculation_stats
                 drafted = f"{stats.rounds - stats.plain_rounds}/{stats.rounds}"  # lookup rounds included
             print(f"  {method:34s} {steps / seconds:9.1f} {plain_seconds / seconds:7.2f}x {steps / forwards:5.2f} "
-                  f"{drafted:>8s}  {'same tokens as plain greedy' if same else 'DIFFERENT TOKENS'}")  # fmt: skip
-        if differing:  # the rollback is exact, so this is a bug
+                  f"{drafted:>8s}  {verdict}")  # fmt: skip
+        if notes:
+            print("\n".join(notes))
+        if differing:  # the rollback is exact, so a difference away from a near-tie is a bug
             raise SystemExit(f"speculative output differs from plain greedy for: {', '.join(differing)}")
+
+
+def explain_difference(model, tokenizer, prompt, greedy: dict, plain, out) -> TokenDifference:
+    """Where `out` first differs from plain greedy's `plain`, with plain greedy's own scores there."""
+    with torch.inference_mode():
+        scored = model.generate(prompt, **greedy, output_scores=True, return_dict_in_generate=True)
+    assert torch.equal(scored.sequences, plain)  # plain greedy is deterministic
+    return first_difference(plain, out, scored.scores, model.dtype)
+
+
+def describe_difference(difference: TokenDifference, tokenizer, dtype) -> str:
+    plain_word, word = tokenizer.decode(difference.plain_token).strip(), tokenizer.decode(difference.token).strip()
+    what = (
+        f"plain greedy's scores for {plain_word!r} and {word!r} there differ by {difference.gap:.4g}, "
+        f"{difference.gap / difference.ulp:.1f} {str(dtype).removeprefix('torch.')} spacings"
+    )
+    if difference.near_tie:  # docs/speculative.md §2: a verify forward rounds differently from one-token steps
+        return f"new token {difference.position} is a near-tie: {what}; the verify forward rounded the other way"
+    return f"new token {difference.position} differs: {what} (not a near-tie)"
 
 
 def speculative_methods(args, model) -> dict[str, dict]:
