@@ -215,9 +215,10 @@ def test_first_difference_finds_the_earliest_token_and_its_gap():
 def test_shipped_model_in_bf16_parts_from_plain_greedy_only_at_a_near_tie():
     """In bf16 a verify forward rounds differently from one-token steps, so greedy speculative output may part from
     plain greedy's where plain greedy's top two scores tie: the shipped model and drafts, every drafter, held-out
-    prompts (on the x86 machines this project runs on, MTP and DSpark part from plain greedy at a tie on the recall
-    ones); each output equals plain greedy's or first differs at a near-tie (`speculative.first_difference`). With
-    the KDA replay removed it fails: the first difference is then far from a tie."""
+    prompts alone and as a left-padded batch (on the x86 machines this project runs on, MTP and DSpark part from plain
+    greedy at a tie on the recall ones); each output equals plain greedy's or first differs at a near-tie
+    (`speculative.first_difference`). With the KDA replay removed it fails: the first difference is then far from a
+    tie."""
     from pathlib import Path
 
     from modeling_kdsa.eval.make_data import load_docs
@@ -231,10 +232,12 @@ def test_shipped_model_in_bf16_parts_from_plain_greedy_only_at_a_near_tie():
     greedy = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=model.config.pad_token_id)
     drafters = [dict(use_mtp=True), dict(assistant_model=draft, speculation_type="dspark"),
                 dict(assistant_model=draft, speculation_type="dspark", prompt_lookup_num_tokens=10)]  # fmt: skip
-    for doc in docs:
-        ids = tokenizer(doc["context"], return_tensors="pt").input_ids
-        plain = model.generate(ids, **greedy, output_scores=True, return_dict_in_generate=True)
+    tokenizer.padding_side = "left"
+    batches = [[doc["context"]] for doc in docs] + [[doc["context"] for doc in docs]]  # each alone, then batch 4
+    for texts in batches:
+        inputs = tokenizer(texts, return_tensors="pt", padding=True)
+        plain = model.generate(**inputs, **greedy, output_scores=True, return_dict_in_generate=True)
         for extra in drafters:
-            out = model.generate(ids, **greedy, **extra)
+            out = model.generate(**inputs, **greedy, **extra)
             difference = speculative.first_difference(plain.sequences, out, plain.scores, torch.bfloat16)
-            assert difference is None or difference.near_tie, (doc["context"][:40], extra.keys(), difference)
+            assert difference is None or difference.near_tie, (texts[0][:40], len(texts), extra.keys(), difference)
