@@ -126,16 +126,18 @@ inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// As GEMV_SOURCE's `gemv_of`: the weight's rows one after the other (one sequential stream), the `Rows` x rows (already
-// widened to fp32, row m at x + m * k) sharing each weight vector read; each dot product on `Chains` accumulators of 8
-// (FMAs of widened weights: exact products, fp32 sums; 4 chains hide the FMA latency, 2 per row from 3 rows so that
-// the accumulators fit the 16 registers), then steps of 8 and the last columns one by one; rounded to bf16 once.
-// `weights(n)` gives row n's reader: `vec(i)`, the 8 weights from column i as fp32, `at(t)` column t's (loaded and
-// widened, `Bf16Row`, or made in registers, `cpu_fp8_dequantize`'s FP8 rows), so every caller adds in this one order.
+// As GEMV_SOURCE's `gemv_of`: the weight's rows one after the other (one sequential stream), the `Rows` x rows (1 to 3,
+// already widened to fp32, row m at x + m * k) sharing each weight vector read; each dot product on 4 accumulators of
+// 8 (FMAs of widened weights: exact products, fp32 sums; 4 chains hide the FMA latency, and 3 rows of them fit the 16
+// registers with the weight vector), then steps of 8 and the last columns one by one; rounded to bf16 once. The order
+// does not depend on `Rows`, so an output has the same bits whatever rows share the call (a verification of drafted
+// tokens gives each the bits of its one-token step). `weights(n)` gives row n's reader: `vec(i)`, the 8 weights from
+// column i as fp32, `at(t)` column t's (loaded and widened, `Bf16Row`, or made in registers, `cpu_fp8_dequantize`'s
+// FP8 rows), so every caller adds in this one order.
 template <int Rows, typename Weights>
 void gemv_avx2_of(const float* x, const Weights& weights, int64_t k, const uint16_t* bias, uint16_t* out,
                   int64_t out_stride, int64_t begin, int64_t end) {
-  constexpr int Chains = Rows <= 2 ? 4 : 2;
+  constexpr int Chains = 4;
   const int64_t unrolled = k / (8 * Chains) * (8 * Chains), full = k / 8 * 8;
   for (int64_t n = begin; n < end; ++n) {
     const auto row = weights(n);
@@ -167,7 +169,7 @@ void gemv_avx2_of(const float* x, const Weights& weights, int64_t k, const uint1
 }
 
 // GEMV_SOURCE's `gemv_rows` (same arguments, the AVX2 readers above): the x rows widened once per call, then
-// `gemv_avx2_of` for their count; more than 4 rows in groups of up to 4 over blocks of weight rows, as there (the
+// `gemv_avx2_of` for their count; more than 3 rows in groups of up to 3 over blocks of weight rows, as there (the
 // block is read from memory once and from L1 by the other groups).
 template <typename Weights>
 void gemv_rows(int64_t rows, const uint16_t* x, int64_t x_stride, const Weights& weights, int64_t k,
@@ -179,15 +181,14 @@ void gemv_rows(int64_t rows, const uint16_t* x, int64_t x_stride, const Weights&
     switch (count) {
       case 1: gemv_avx2_of<1>(gx, weights, k, bias, gout, out_stride, b, e); break;
       case 2: gemv_avx2_of<2>(gx, weights, k, bias, gout, out_stride, b, e); break;
-      case 3: gemv_avx2_of<3>(gx, weights, k, bias, gout, out_stride, b, e); break;
-      default: gemv_avx2_of<4>(gx, weights, k, bias, gout, out_stride, b, e);
+      default: gemv_avx2_of<3>(gx, weights, k, bias, gout, out_stride, b, e);
     }
   };
-  if (rows <= 4) return group(rows, wide.data(), out, begin, end);
+  if (rows <= 3) return group(rows, wide.data(), out, begin, end);
   const int64_t block = std::max<int64_t>(1, (16 << 10) / (2 * k));  // ~16 KiB of bf16 weights, kept in L1
   for (int64_t b = begin; b < end; b += block)
-    for (int64_t m = 0; m < rows; m += 4)
-      group(std::min<int64_t>(4, rows - m), wide.data() + m * k, out + m * out_stride, b, std::min(end, b + block));
+    for (int64_t m = 0; m < rows; m += 3)
+      group(std::min<int64_t>(3, rows - m), wide.data() + m * k, out + m * out_stride, b, std::min(end, b + block));
 }
 
 // How far ahead of its reads a weight row's reader asks for the cache line it will need. The weight is one sequential

@@ -94,6 +94,21 @@ def test_random_bf16_rows_are_within_bf16_rounding_of_the_fp32_product():
 
 
 @needs_kernel_build
+@pytest.mark.parametrize("width", [128, 1000, 2816])  # 1000: a tail of 8 columns and steps of 8 / 32
+def test_each_row_has_the_same_bits_whatever_rows_share_the_call(width):
+    """A verification of n drafted tokens must give each token the product bits of its one-token step (docs/
+    speculative.md §2): every output row of a call with 2 to 16 rows equals that row alone, on random values where a
+    different summation order shows in the last bf16 bit."""
+    assert cpu_row_linear.kernel_available()
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(16, width, generator=generator).bfloat16()
+    weight = torch.randn(512, width, generator=generator).bfloat16()
+    alone = torch.cat([torch.ops.kdsa.row_linear(x[i : i + 1], weight, None) for i in range(16)])
+    for rows in (2, 3, 4, 5, 8, 16):
+        assert torch.equal(torch.ops.kdsa.row_linear(x[:rows], weight, None), alone[:rows]), rows
+
+
+@needs_kernel_build
 def test_linear_routes_only_up_to_sixteen_bf16_rows_without_autograd_to_the_kernel(monkeypatch):
     """`linear` sends 1 to 16 eager bf16 rows to the kernel; 17 rows, fp32, autograd, autocast, a non-contiguous
     weight, a weight subclass, more threads than MAX_THREADS and an unavailable kernel keep `F.linear`."""
