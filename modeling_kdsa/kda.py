@@ -186,7 +186,10 @@ class KDSAKimiDeltaAttention(nn.Module):
         ).transpose(1, 2)
         conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
         conv_window = qkv  # the cache keeps the last W of these
-        if decoding:
+        # A few tokens after a cached state (a verification of drafted tokens) are convolved as one-token steps
+        # compute them, so that each gets the bits a decode step would give it (docs/speculative.md §2).
+        stepped = conv_state is not None and sequence_parallel is None and seq_len <= MAX_STEPPED_TOKENS
+        if decoding or stepped:
             qkv_conv = causal_short_conv_step(qkv, conv_weight, conv_state)
         elif sequence_parallel is not None:
             qkv_conv, conv_window = sequence_parallel.short_conv(qkv, conv_weight, keep_window=cache is not None)

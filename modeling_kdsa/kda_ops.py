@@ -73,16 +73,24 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, left_context: torch
 
 
 def causal_short_conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
-    """One decode step of `causal_short_conv`: x `[B, C, 1]`, weight `[C, 1, W]`, conv_state `[B, C, L]` with
-    L >= W-1 (the previous inputs, newest last). Returns `[B, C, 1]`."""
+    """Decode steps of `causal_short_conv`: x `[B, C, T]` (T = 1 in decoding), weight `[C, 1, W]`, conv_state
+    `[B, C, L]` with L >= W-1 (the previous inputs, newest last). Returns `[B, C, T]`: each token's output computed
+    by the ops of a one-token step on a `[B, C, W]` window (the W products in the weight's dtype, then their sum), so
+    it has a decode step's bits whatever T is (a sum over a longer tensor may add in another order)."""
     width = weight.shape[-1]
-    if x.shape[-1] != 1 or conv_state.shape[-1] < width - 1:
+    if x.dim() != 3 or x.shape[-1] < 1 or conv_state.shape[-1] < width - 1:
         raise ValueError(
-            f"causal_short_conv_step: x must be [B, C, 1] and conv_state [B, C, >= {width - 1}], got shapes "
+            f"causal_short_conv_step: x must be [B, C, T >= 1] and conv_state [B, C, >= {width - 1}], got shapes "
             f"{tuple(x.shape)} and {tuple(conv_state.shape)}"
         )
-    window = torch.cat([conv_state[..., conv_state.shape[-1] - (width - 1) :].to(x.dtype), x], dim=-1)
-    return F.silu((window.to(weight.dtype) * weight[:, 0]).sum(dim=-1, keepdim=True)).to(x.dtype)
+    inputs = torch.cat([conv_state[..., conv_state.shape[-1] - (width - 1) :].to(x.dtype), x], dim=-1)
+    steps = [_short_conv_window(inputs[..., t : t + width].contiguous(), weight) for t in range(x.shape[-1])]
+    return steps[0] if len(steps) == 1 else torch.cat(steps, dim=-1)
+
+
+def _short_conv_window(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One token's conv + SiLU from its contiguous window `[B, C, W]` (oldest input first): `[B, C, 1]`."""
+    return F.silu((window.to(weight.dtype) * weight[:, 0]).sum(dim=-1, keepdim=True)).to(window.dtype)
 
 
 def _check_kda_inputs(q, k, v, g, beta, initial_state) -> None:

@@ -18,10 +18,12 @@ One round, for a batch of B left-padded rows (docs/speculative.md):
    min(1, p(d_k) / q(d_k)), left to right; at the first rejection the next token is drawn from norm(max(0, p − q));
    if all are kept, a bonus token is drawn from p_n. Greedy is the one-hot case: keep while d_k = argmax p_{k−1},
    then take argmax p. Each emitted token is a sample of the target's own distribution, so greedy output is plain
-   greedy's and sampling keeps the target's distribution. That holds for the distributions the forwards compute: a
-   verify forward over n positions rounds differently from n one-token steps, so where plain greedy's top two
-   scores are within rounding of each other (a near-tie, common in bf16) the verify can pick the other one, and the
-   outputs part from there. `first_difference` finds where two outputs part and whether it is such a near-tie.
+   greedy's and sampling keeps the target's distribution. That holds for the distributions the forwards compute:
+   greedy output is plain greedy's bit for bit where the verify forward gives each position its one-token step's
+   logits (the `cpu` backend in bf16, up to 16 positions; docs/speculative.md §2). Where it rounds differently, plain
+   greedy's top two scores may be within rounding of each other (a near-tie, common in bf16) and the verify pick the
+   other one; the outputs part from there. `first_difference` finds where two outputs part and whether it is such a
+   near-tie.
 5. Batch: every row commits the same count a + 1, a = the fewest drafts any unfinished row accepted. A row that
    accepted more emits its accepted draft at slot a (itself a valid target sample), so nothing is lost but drafts.
 6. The target cache is cropped to the committed length; the drafter takes the target's hidden states at the
@@ -158,9 +160,9 @@ def accept(
 
 
 # A difference between two greedy outputs counts as a near-tie where plain greedy's score for its own token exceeds
-# its score for the other output's token by at most this many spacings of the model's dtype at that score. A verify
-# forward and one-token steps round differently (different kernels and summation orders): on the shipped model their
-# logits differ by a spacing or two in bf16.
+# its score for the other output's token by at most this many spacings of the model's dtype at that score: a verify
+# forward that rounds differently from one-token steps (other kernels or summation orders) changes logits in their
+# last bits, a spacing or two of bf16.
 NEAR_TIE_ULPS = 4
 
 

@@ -13,8 +13,8 @@ Loads `checkpoints/kdsa-tiny` (trained here by scripts/train_tiny.py; no downloa
    (`speculation_type="dspark"`) and the small draft model `checkpoints/kdsa-tiny-draft` (`assistant_model`), shows
    that all give plain greedy's tokens, and prints tokens/s, the speed-up, tau (new tokens per target forward) and,
    for MTP and DSpark, how many rounds drafted. An output that differs must differ first at a near-tie of plain
-   greedy's scores (`speculative.first_difference`; bf16 rounds a verify forward differently from one-token steps,
-   docs/speculative.md §2), else the demo exits with an error.
+   greedy's scores (`speculative.first_difference`: possible where a verify forward rounds differently from
+   one-token steps, docs/speculative.md §2), else the demo exits with an error.
 """
 
 import argparse

@@ -167,6 +167,23 @@ def test_gate_and_short_conv_helpers():
     torch.testing.assert_close(causal_short_conv(x[..., 5:], weight, left_context=x[..., :5]), full[..., 5:])
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("channels", [6, 448])
+def test_short_conv_steps_of_several_tokens_equal_one_token_steps(weight_dtype, channels):
+    """`causal_short_conv_step` over T tokens (a verification of drafted tokens) gives each token the bits of its
+    one-token step, bf16 and fp32 (a single sum over `[B, C, T, W]` adds in another order for some shapes); a conv
+    state shorter than W - 1 is refused."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, channels, 12, generator=gen).to(weight_dtype)
+    weight = torch.randn(channels, 1, CONV, generator=gen).to(weight_dtype)
+    state = torch.randn(3, channels, 5, generator=gen).to(weight_dtype)
+    inputs = torch.cat([state, x], dim=-1)
+    one_by_one = [causal_short_conv_step(x[..., t : t + 1], weight, inputs[..., : 5 + t]) for t in range(12)]
+    assert torch.equal(causal_short_conv_step(x, weight, state), torch.cat(one_by_one, dim=-1))
+    with pytest.raises(ValueError, match="conv_state"):
+        causal_short_conv_step(x, weight, state[..., : CONV - 2])
+
+
 def test_short_conv_is_bit_identical_to_channel_major_conv1d():
     """`causal_short_conv` convolves token-major (a channels-last conv2d) but gives exactly the values of the
     channel-major `F.conv1d` over the zero- or context-padded sequence, for bf16 and fp32 (GLM) weights."""
