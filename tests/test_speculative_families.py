@@ -5,7 +5,7 @@ GLM-5.3-Flash: their folders here carry one); DSpark runs with a random draft bo
 
 import pytest
 import torch
-from conftest import left_padded_batch
+from conftest import left_padded_batch, needs_kernel_build
 from test_foreign_checkpoints import MTP_PREFIX, family, with_mtp  # noqa: F401  (family: a module fixture)
 from test_kimi_k3 import k3_config, k3_raw_config, perturbed_model, write_k3_folder
 
@@ -75,3 +75,19 @@ def test_dspark_greedy_on_kimi_k3_with_mxfp4_experts(tmp_path, batch):
     model = KDSAForCausalLM.from_pretrained(folder).eval()
     assert_speculative_equals_plain(model, batch, assistant_model=random_dspark(model), speculation_type="dspark",
                                     dspark_confidence_threshold=0.0)  # fmt: skip
+
+
+@needs_kernel_build
+@torch.no_grad()
+def test_bf16_verify_forward_has_the_bits_of_one_token_steps(family):  # noqa: F811
+    """In bf16 on the `cpu` backend a forward of 8 tokens from a cache gives each token the logits of its one-token
+    step, bit for bit, on each family's layout (docs/speculative.md §2): so greedy speculative output is plain
+    greedy's in bf16 too."""
+    model = KDSAForCausalLM.from_pretrained(family.folder, dtype=torch.bfloat16).eval()
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(4, model.config.vocab_size, (2, 40), generator=generator)
+    new = torch.randint(4, model.config.vocab_size, (2, 8), generator=generator)
+    cache = model(prompt, use_cache=True).cache
+    steps = [model(new[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1] for t in range(8)]
+    cache = model(prompt, use_cache=True).cache
+    assert torch.equal(model(new, cache=cache, use_cache=True, logits_to_keep=8).logits, torch.stack(steps, dim=1))
