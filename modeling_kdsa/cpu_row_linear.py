@@ -307,13 +307,11 @@ def row_linear_applies(hidden_states: torch.Tensor, weight: torch.Tensor, bias: 
 
 _SCHEMA = "row_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
 
-# Up to 4 rows (a decode step of up to 4 sequences), each weight vector read once for all of them. oneDNN's bf16
-# product of 1 to 4 rows read cold weights at ~13 GB/s on one thread and ~23 GB/s on two; this kernel at 26-34 GB/s
-# on one and 36-41 GB/s on two: 1.8-3.9x `F.linear` per weight shape on one thread and 1.5-2.6x on two, from 384 x
-# 1024 to the 32000 x 1024 lm_head (docs/graph-mode.md §10). More rows: `F.linear` (a GEMM, no longer one read).
-# Up to 16 rows (a verification of up to 15 drafted tokens and the anchor) in groups of 4 over blocks of weight rows
-# that stay in L1: the weight is still read from memory once, where the fp32 GEMM that more rows fall back to on a CPU
-# without native bf16 products first widens the whole weight (`linear_ops.widens_to_fp32`).
+# Up to 16 rows (a decode step of several sequences, a verification of up to 15 drafted tokens and the anchor): a group
+# of rows (up to 4; 3 in the AVX2 build) shares each read of a weight vector, and more rows go in groups over blocks of
+# weight rows that stay in L1, so the weight is still read from memory once (figures against oneDNN's product:
+# docs/benchmarks.md §7), where the fp32 GEMM that more rows fall back to on a CPU without native bf16 products first
+# widens the whole weight (`linear_ops.widens_to_fp32`). More rows: `F.linear` (a GEMM, no longer one read).
 MAX_ROWS = 16
 
 
