@@ -186,10 +186,11 @@ class KDSAKimiDeltaAttention(nn.Module):
         ).transpose(1, 2)
         conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
         conv_window = qkv  # the cache keeps the last W of these
-        # A few tokens after a cached state (a verification of drafted tokens) are convolved as one-token steps
-        # compute them, so that each gets the bits a decode step would give it (docs/speculative.md §2).
+        # A decode step, or a few tokens after a cached state (a verification of drafted tokens): the conv and, where
+        # the kernel can, the recurrence step the tokens as decoding does, so each gets a decode step's bits
+        # (docs/speculative.md §2).
         stepped = conv_state is not None and sequence_parallel is None and seq_len <= MAX_STEPPED_TOKENS
-        if decoding or stepped:
+        if stepped:
             qkv_conv = causal_short_conv_step(qkv, conv_weight, conv_state)
         elif sequence_parallel is not None:
             qkv_conv, conv_window = sequence_parallel.short_conv(qkv, conv_weight, keep_window=cache is not None)
@@ -213,12 +214,11 @@ class KDSAKimiDeltaAttention(nn.Module):
 
         kernels = kernel_set(self.kernel_backend, v.device)
         kernel = kernels.require("kda_recurrent" if decoding else "kda_chunk")
-        if not decoding and recurrent_state is not None and sequence_parallel is None:
-            # A few tokens after a cached state (a verification of drafted tokens): a recurrent kernel that steps
-            # them all in one call (`kda_recurrent_stepwise`: the CPU kernel), reading and writing the state once
-            # (docs/kda.md §9), where the chunked form's many small ops cost more than the recurrence itself.
-            if q.shape[1] <= MAX_STEPPED_TOKENS and kernels.kda_recurrent_stepwise(q, v):
-                kernel = kernels.kda_recurrent
+        if stepped and not decoding and kernels.kda_recurrent_stepwise(q, v):
+            # Several tokens: a recurrent kernel that steps them all in one call (`kda_recurrent_stepwise`: the CPU
+            # kernel), reading and writing the state once (docs/kda.md §9), where the chunked form's many small ops
+            # cost more than the recurrence itself.
+            kernel = kernels.kda_recurrent
         if sequence_parallel is not None:
             o, final_state = sequence_parallel.kda_recurrence(q, k, v, g, beta, kda_chunk=kernel)
         else:

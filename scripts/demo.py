@@ -127,14 +127,16 @@ def main():
         print(f"\nspeculative decoding, {name} prompt ({prompt.shape[1]} tokens), batch 1, {steps} new tokens:")
         print(f"  {'method':34s} {'tokens/s':>9s} {'speed-up':>8s} {'tau':>5s} {'drafted':>8s}")
         greedy = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=config.pad_token_id)
-        plain, plain_seconds, notes, differing = None, None, [], []
+        plain, plain_seconds, plain_scores, notes, differing = None, None, None, [], []
         for method, extra in methods.items():
             seconds, forwards, out = time_generate(model, prompt, greedy, extra)
             if plain is None:
                 plain, plain_seconds = out, seconds
             verdict = "same tokens as plain greedy"
             if not torch.equal(out, plain):
-                difference = explain_difference(model, prompt, greedy, plain, out)
+                if plain_scores is None:  # only where an output differs: plain greedy again, with its scores
+                    plain_scores = plain_greedy_scores(model, prompt, greedy)
+                difference = first_difference(plain, out, plain_scores, model.dtype)
                 verdict = "differs at a near-tie" if difference.near_tie else "DIFFERENT TOKENS"
                 notes.append(f"  {method}: {describe_difference(difference, tokenizer, model.dtype)}")
                 if not difference.near_tie:
@@ -151,12 +153,10 @@ def main():
             raise SystemExit(f"speculative output differs from plain greedy for: {', '.join(differing)}")
 
 
-def explain_difference(model, prompt, greedy: dict, plain, out) -> TokenDifference:
-    """Where `out` first differs from plain greedy's `plain`, with plain greedy's own scores there (plain greedy run
-    again, deterministic: the same tokens)."""
+def plain_greedy_scores(model, prompt, greedy: dict) -> tuple[torch.Tensor, ...]:
+    """Plain greedy's processed scores, one `[B, V]` per new token (a rerun: plain greedy is deterministic)."""
     with torch.inference_mode():
-        scored = model.generate(prompt, **greedy, output_scores=True, return_dict_in_generate=True)
-    return first_difference(plain, out, scored.scores, model.dtype)
+        return model.generate(prompt, **greedy, output_scores=True, return_dict_in_generate=True).scores
 
 
 def describe_difference(difference: TokenDifference, tokenizer, dtype) -> str:

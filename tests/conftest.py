@@ -98,6 +98,16 @@ def left_padded_batch(lengths: list[int], vocab: int = 128, seed: int = 0) -> tu
     return ids, mask
 
 
+@torch.no_grad()
+def verify_and_steps_logits(model, prompt: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits `[B, n, V]` of one forward over `new` `[B, n]` from a cache filled with `prompt` (a verification),
+    and those of n one-token steps from another such cache."""
+    cache = model(prompt, use_cache=True).cache
+    steps = [model(new[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1] for t in range(new.shape[1])]
+    cache = model(prompt, use_cache=True).cache
+    return model(new, cache=cache, use_cache=True, logits_to_keep=new.shape[1]).logits, torch.stack(steps, dim=1)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """The tiny models have nothing to gain from intra-op threads, and on a shared 2-core machine OpenMP threads

@@ -6,7 +6,7 @@ accept/reject pattern); the shipped, trained drafts are tested in test_checkpoin
 
 import pytest
 import torch
-from conftest import left_padded_batch, needs_kernel_build, tiny_model
+from conftest import left_padded_batch, needs_kernel_build, tiny_model, verify_and_steps_logits
 
 from modeling_kdsa import DSparkConfig, DSparkDraftModel, cpu_extension, speculative
 
@@ -225,12 +225,8 @@ def test_shipped_model_in_bf16_verifies_with_the_bits_of_one_token_steps():
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(4, 200, (2, 70), generator=generator)
     new = torch.randint(4, 200, (2, 8), generator=generator)
-    steps, cache = [], model(prompt, use_cache=True).cache
-    for t in range(8):
-        steps.append(model(new[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1])
-    cache = model(prompt, use_cache=True).cache
-    block = model(new, cache=cache, use_cache=True, logits_to_keep=8).logits
-    assert torch.equal(block, torch.stack(steps, dim=1))
+    block, steps = verify_and_steps_logits(model, prompt, new)
+    assert torch.equal(block, steps)
     cache = model(prompt, use_cache=True).cache
     split = [model(new[:, a:b], cache=cache, use_cache=True, logits_to_keep=b - a).logits for a, b in ((0, 2), (2, 8))]
     assert torch.equal(torch.cat(split, dim=1), block)

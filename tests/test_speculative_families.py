@@ -5,7 +5,7 @@ GLM-5.3-Flash: their folders here carry one); DSpark runs with a random draft bo
 
 import pytest
 import torch
-from conftest import left_padded_batch, needs_kernel_build
+from conftest import left_padded_batch, needs_kernel_build, verify_and_steps_logits
 from test_foreign_checkpoints import MTP_PREFIX, family, with_mtp  # noqa: F401  (family: a module fixture)
 from test_kimi_k3 import k3_config, k3_raw_config, perturbed_model, write_k3_folder
 
@@ -78,7 +78,6 @@ def test_dspark_greedy_on_kimi_k3_with_mxfp4_experts(tmp_path, batch):
 
 
 @needs_kernel_build
-@torch.no_grad()
 def test_bf16_verify_forward_has_the_bits_of_one_token_steps(family):  # noqa: F811
     """In bf16 on the `cpu` backend a forward of 8 tokens from a cache gives each token the logits of its one-token
     step, bit for bit, on each family's layout (docs/speculative.md §2): so greedy speculative output is plain
@@ -87,7 +86,5 @@ def test_bf16_verify_forward_has_the_bits_of_one_token_steps(family):  # noqa: F
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(4, model.config.vocab_size, (2, 40), generator=generator)
     new = torch.randint(4, model.config.vocab_size, (2, 8), generator=generator)
-    cache = model(prompt, use_cache=True).cache
-    steps = [model(new[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1] for t in range(8)]
-    cache = model(prompt, use_cache=True).cache
-    assert torch.equal(model(new, cache=cache, use_cache=True, logits_to_keep=8).logits, torch.stack(steps, dim=1))
+    verify, steps = verify_and_steps_logits(model, prompt, new)
+    assert torch.equal(verify, steps)
